@@ -1,0 +1,127 @@
+"""Streaming per-group covariances of token activations, in float64.
+
+Why streamed: the SPEC's token PR needs the covariance of q (or k) over every token of a
+probe set or a corpus, which never fits in memory at once; only ``count``, the mean and the
+centred scatter matrix are kept, O(G·dim²) however many tokens pass.
+
+Numerics: batches are merged with Chan et al.'s pairwise update (the parallel form of
+Welford's algorithm): each batch is centred on its own mean, then
+``M2 = M2_a + M2_b + δδᵀ·n_a·n_b/n`` with ``δ = mean_b − mean_a``. Unlike the textbook
+``Σxxᵀ/n − μμᵀ`` this never subtracts two large numbers, so activations with a large
+common offset (|mean| ≫ std, e.g. a bias of 1e4 on unit noise, where the textbook form
+loses ~8 of float64's ~16 digits) and runs over billions of tokens stay accurate to float64
+round-off of the centred quantities.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from qkgeom.geometry.spectra import pr_from_covariance
+
+__all__ = ["StreamingCovariance"]
+
+# Rows per internal chunk are chosen so one float64 chunk stays under this many elements
+# (2**22 doubles = 32 MiB), whatever batch the caller passes.
+_MAX_CHUNK_ELEMENTS = 2**22
+
+
+class StreamingCovariance:
+    """Running mean and centred scatter of ``n_groups`` independent ``dim``-vectors.
+
+    One group per head (per-head token covariance) or a single group for a whole layer.
+    All groups see the same number of samples per update, so ``count`` is shared.
+
+    Example::
+
+        acc = StreamingCovariance(n_groups=H, dim=hd)
+        for q in batches:                      # q: (H, N, hd)
+            acc.update(q)
+        acc.pr()                               # (H,) float64 token PR per head
+    """
+
+    def __init__(self, n_groups: int, dim: int, max_chunk_elements: int = _MAX_CHUNK_ELEMENTS):
+        if n_groups < 1 or dim < 1:
+            raise ValueError(f"n_groups and dim must be >= 1, got {n_groups}, {dim}")
+        self.n_groups = n_groups
+        self.dim = dim
+        self.max_chunk_elements = max_chunk_elements
+        self.count = 0  # samples seen per group
+        self._mean = torch.zeros(n_groups, dim, dtype=torch.float64)  # (G, dim)
+        self._m2 = torch.zeros(n_groups, dim, dim, dtype=torch.float64)  # (G, dim, dim)
+
+    def update(self, x: Tensor) -> None:
+        """Add N samples per group; ``x`` is (G, N, dim) in any float dtype and device.
+
+        The running state moves to ``x``'s device; results come back on that device.
+
+        A 2-D (N, dim) input is accepted when ``n_groups == 1``.
+        """
+        if x.ndim == 2 and self.n_groups == 1:
+            x = x.unsqueeze(0)  # (1, N, dim)
+        if x.ndim != 3 or x.shape[0] != self.n_groups or x.shape[2] != self.dim:
+            raise ValueError(
+                f"expected (G={self.n_groups}, N, dim={self.dim}), got {tuple(x.shape)}"
+            )
+        x = x.detach()
+        if self._mean.device != x.device:
+            # State lives where the activations are (a GPU does float64 matmuls far faster
+            # than the CPU); it follows the data if the caller switches device.
+            self._mean = self._mean.to(x.device)
+            self._m2 = self._m2.to(x.device)
+        rows = max(1, self.max_chunk_elements // (self.n_groups * self.dim))
+        for start in range(0, x.shape[1], rows):
+            self._merge_batch(x[:, start : start + rows].to(torch.float64))  # (G, n, dim)
+
+    def _merge_batch(self, xb: Tensor) -> None:
+        n_b = xb.shape[1]
+        if n_b == 0:
+            return
+        mean_b = xb.mean(dim=1)  # (G, dim)
+        xc = xb - mean_b[:, None, :]  # (G, n_b, dim)
+        m2_b = xc.mT @ xc  # (G, dim, dim)
+        self._merge(n_b, mean_b, m2_b)
+
+    def _merge(self, n_b: int, mean_b: Tensor, m2_b: Tensor) -> None:
+        n_a = self.count
+        n = n_a + n_b
+        delta = mean_b - self._mean  # (G, dim)
+        self._mean = self._mean + delta * (n_b / n)  # (G, dim)
+        self._m2 = self._m2 + m2_b + (delta[:, :, None] * delta[:, None, :]) * (n_a * n_b / n)
+        self.count = n
+
+    def merge(self, other: StreamingCovariance) -> None:
+        """Fold another accumulator of the same shape into this one (e.g. from a worker)."""
+        if (other.n_groups, other.dim) != (self.n_groups, self.dim):
+            raise ValueError("cannot merge accumulators of different shapes")
+        if other.count:
+            dev = self._mean.device
+            self._merge(other.count, other._mean.to(dev), other._m2.to(dev))
+
+    def mean(self) -> Tensor:
+        """(G, dim) float64 running mean (units of the activations)."""
+        self._require(1)
+        return self._mean.clone()
+
+    def covariance(self, ddof: int = 1) -> Tensor:
+        """(G, dim, dim) float64 centred covariance ``M2 / (count - ddof)``.
+
+        ``ddof=1`` (the unbiased estimator) matches ``torch.cov`` and ``numpy.cov``
+        defaults; PR is scale invariant, so the choice never changes a reported metric.
+        """
+        self._require(ddof + 1)
+        return self._m2 / (self.count - ddof)
+
+    def pr(self) -> Tensor:
+        """(G,) float64 participation ratio of each group's covariance.
+
+        0.0 for a group with zero variance (e.g. a single sample), per the zero-spectrum
+        convention of :mod:`qkgeom.geometry.spectra`.
+        """
+        self._require(1)
+        return pr_from_covariance(self._m2)
+
+    def _require(self, n: int) -> None:
+        if self.count < n:
+            raise ValueError(f"need at least {n} samples, have {self.count}")
