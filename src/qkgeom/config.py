@@ -1,0 +1,254 @@
+"""Frozen, typed run configuration: presets, overrides, validation, stable hash.
+
+A run is fully described by one :class:`TrainConfig` (which nests the :class:`GPTConfig`),
+so a sweep runner can build, hash and compare runs without touching globals. Every value is
+validated before any work starts: an unknown key or an impossible value is a
+:class:`~qkgeom.errors.QKGeomError` (exit code 2), never a crash an hour into training.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from qkgeom.errors import QKGeomError
+
+QK_INITS = ("normal", "orthogonal", "tied")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Shape of the decoder-only GPT (SPEC §3). ``vocab_size`` comes from the prepared data."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    vocab_size: int = 256
+    dropout: float = 0.0
+    bias: bool = False
+    qk_init: str = "normal"
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def validate(self) -> None:
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
+            if getattr(self, name) <= 0:
+                raise QKGeomError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.n_embd % self.n_head:
+            raise QKGeomError(
+                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise QKGeomError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.qk_init not in QK_INITS:
+            raise QKGeomError(f"unknown qk_init {self.qk_init!r}; choose one of {', '.join(QK_INITS)}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything that determines a run. ``seed`` fixes init and data order; the probe set
+    is fixed by ``probe_seed``-independent data (the start of the val split), so every run of
+    one experiment is probed on the same tokens."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: str = ""  # prepared data folder; "" = the embedded Wikipedia sample (cached)
+    seed: int = 0
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    probe_every: int = 100
+    probe_sequences: int = 16
+    probe_batch: int = 8
+    eval_every: int = 100
+    eval_batches: int = 8
+    log_every: int = 10
+    checkpoint_every: int = 250
+    keep_checkpoints: int = 2
+    reference_step: int = -1  # -1 = end of LR warm-up (SPEC §2 reference point)
+    precision: str = "fp32"
+    device: str = "cpu"
+    threads: int = 0  # 0 = leave torch's default
+
+    def validate(self) -> None:
+        self.model.validate()
+        positive = ("steps", "batch_size", "probe_every", "probe_sequences", "probe_batch",
+                    "eval_every", "eval_batches", "log_every", "checkpoint_every",
+                    "keep_checkpoints")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise QKGeomError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise QKGeomError(f"lr must be positive, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise QKGeomError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
+            raise QKGeomError(
+                f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}"
+            )
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise QKGeomError("weight_decay and grad_clip must be non-negative")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise QKGeomError("beta1 and beta2 must be in [0, 1)")
+        if self.probe_every > self.steps:
+            raise QKGeomError(
+                f"probe_every ({self.probe_every}) is larger than steps ({self.steps}): "
+                "the run would only be probed at its ends"
+            )
+        if self.precision not in PRECISIONS:
+            raise QKGeomError(
+                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
+            )
+        if self.threads < 0:
+            raise QKGeomError(f"threads must be >= 0, got {self.threads}")
+        if self.reference_step < -1 or self.reference_step > self.steps:
+            raise QKGeomError(f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
+        if not (self.device == "cpu" or self.device.startswith(("cuda", "mps"))):
+            raise QKGeomError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or mps")
+
+    @property
+    def ref_step(self) -> int:
+        """The post-transient reference step (SPEC §2): explicit, or the end of warm-up."""
+        return self.warmup_steps if self.reference_step < 0 else self.reference_step
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """Stable short hash of everything that changes the result (not device/threads)."""
+        d = self.to_dict()
+        for k in ("device", "threads"):
+            d.pop(k)
+        blob = json.dumps(d, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Seconds on a laptop CPU: for tests and acceptance checks (>= 3 probe steps).
+    "smoke": dict(
+        model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32),
+        steps=40, batch_size=8, lr=3e-3, warmup_steps=5, probe_every=10, probe_sequences=4,
+        probe_batch=4, eval_every=20, eval_batches=2, log_every=5, checkpoint_every=20,
+    ),
+    # The main job: the embedded sample, a small model, a few minutes on 2 CPU cores.
+    "demo": dict(
+        model=dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
+        steps=2000, batch_size=32, lr=3e-3, warmup_steps=100, probe_every=100,
+        probe_sequences=16, eval_every=250, eval_batches=8, checkpoint_every=500,
+    ),
+    # One GPU, WikiText-103 char level (depth comes from the grid; 6 is the middle one).
+    # 64 x 256 tokens x 20k steps = 328 M tokens, about 0.6 epochs of WikiText-103 train.
+    "paper": dict(
+        model=dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.0),
+        steps=20000, batch_size=64, lr=1e-3, warmup_steps=1000, probe_every=500,
+        probe_sequences=16, eval_every=1000, eval_batches=20, checkpoint_every=1000,
+        precision="bf16",
+    ),
+}
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if key not in base:
+            raise QKGeomError(f"unknown config key {prefix + key!r}")
+        if isinstance(base[key], dict):
+            if not isinstance(value, dict):
+                raise QKGeomError(f"config key {prefix + key!r} must be a mapping")
+            out[key] = _merge(base[key], value, prefix + key + ".")
+        else:
+            out[key] = value
+    return out
+
+
+def _coerce(value: Any, default: Any, name: str) -> Any:
+    """Type-check one value against its default's type (ints may become floats)."""
+    kind = type(default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    raise QKGeomError(f"config key {name!r} must be {kind.__name__}, got {value!r}")
+
+
+def from_dict(d: dict[str, Any]) -> TrainConfig:
+    """Build a validated config from a (possibly partial) nested mapping."""
+    if not isinstance(d, dict):
+        raise QKGeomError("a config must be a mapping of keys to values")
+    full = _merge(TrainConfig().to_dict(), d)
+    defaults = TrainConfig().to_dict()
+    model_kw = {
+        k: _coerce(v, defaults["model"][k], f"model.{k}") for k, v in full.pop("model").items()
+    }
+    kw = {k: _coerce(v, defaults[k], k) for k, v in full.items()}
+    cfg = TrainConfig(model=GPTConfig(**model_kw), **kw)
+    cfg.validate()
+    return cfg
+
+
+def _scalar(raw: str) -> Any:
+    """Parse a CLI value: int, then float (YAML 1.1 reads ``1e-3`` as a string), then YAML."""
+    import yaml
+
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def parse_dotted(overrides: list[str]) -> dict[str, Any]:
+    """``["model.n_layer=6", "lr=1e-3"]`` -> nested dict; values parsed as YAML scalars."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise QKGeomError(f"override {item!r} must look like key=value (e.g. model.n_layer=6)")
+        key, raw = item.split("=", 1)
+        value = _scalar(raw)
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return out
+
+
+def make_config(preset: str = "demo", overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """A preset with overrides applied on top (later wins), validated."""
+    if preset not in PRESETS:
+        raise QKGeomError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    merged = _merge(TrainConfig().to_dict(), PRESETS[preset])
+    if overrides:
+        merged = _merge(merged, overrides)
+    return from_dict(merged)
+
+
+def with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:
+    """The config with the model's vocabulary set from the prepared data."""
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab_size))

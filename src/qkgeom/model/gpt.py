@@ -1,0 +1,155 @@
+"""A decoder-only GPT you can read in one sitting, with W_Q and W_K kept apart.
+
+Pre-LayerNorm blocks, learned positions, GELU MLP x4, tied input/output embeddings
+(SPEC §3). Queries, keys and values have their own ``nn.Linear`` per layer (no fused
+``c_attn``) so that probes and the key-spectrum control address W_Q and W_K of every head
+directly. Training attention uses ``scaled_dot_product_attention``; probes tap q and k
+through :func:`qkgeom.model.taps.tap_qk` and compute the explicit softmax themselves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from qkgeom.config import GPTConfig
+
+QKTap = Callable[[Tensor, Tensor], None]  # called with q, k of shape (B, nh, T, hs)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        # nn.Linear layout: weight is (d_out, d_model); head h owns rows h*hs:(h+1)*hs.
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.tap: QKTap | None = None  # set only while probing
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        if self.tap is not None:
+            self.tap(q, k)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, C)
+        return self.resid_drop(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.c_proj(F.gelu(self.c_fc(x))))  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
+        return x + self.mlp(self.ln_2(x))  # (B, T, C)
+
+
+class GPT(nn.Module):
+    """The model. ``GPT(cfg, generator=g)`` draws every initial weight from ``g``."""
+
+    def __init__(self, cfg: GPTConfig, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        cfg.validate()
+        self.config = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied embeddings
+        self.reset_parameters(generator)
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """GPT-2 init (N(0, 0.02); residual projections scaled by 1/sqrt(2L)), then the
+        configured Q/K init on top."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                # LayerNorm weight=1, every bias 0.
+                p.fill_(1.0 if name.endswith("ln_1.weight") or name.endswith("ln_2.weight")
+                        or name.endswith("ln_f.weight") else 0.0)
+            elif name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer), generator=generator)
+            else:
+                nn.init.normal_(p, 0.0, std, generator=generator)
+        for block in self.blocks:
+            init_qk(block.attn.q_proj.weight, block.attn.k_proj.weight, self.config.qk_init,
+                    std=std, generator=generator)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.wte(idx) + self.wpe(pos))  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        x = self.ln_f(x)  # (B, T, C)
+        logits = self.lm_head(x)  # (B, T, V)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
+        return logits, loss
+
+    def qk_weights(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(w_q, w_k) of a layer in nn.Linear layout, (d_out, d_model)."""
+        attn = self.blocks[layer].attn
+        return attn.q_proj.weight, attn.k_proj.weight
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+@torch.no_grad()
+def init_qk(w_q: Tensor, w_k: Tensor, mode: str, *, std: float = 0.02,
+            generator: torch.Generator | None = None) -> None:
+    """Initialise one layer's W_Q and W_K in place (SPEC §3).
+
+    ``normal``: N(0, std) each. ``orthogonal``: orthogonal matrices with every singular
+    value equal to ``std * sqrt(d_model)``, so ||W||_F matches the expected Frobenius norm of
+    the normal init and the initial logit scale is the same. ``tied``: W_K := W_Q (normal),
+    the symmetric start; the two are trained separately afterwards.
+    """
+    if mode == "normal":
+        nn.init.normal_(w_q, 0.0, std, generator=generator)
+        nn.init.normal_(w_k, 0.0, std, generator=generator)
+    elif mode == "orthogonal":
+        gain = std * math.sqrt(w_q.shape[1])
+        nn.init.orthogonal_(w_q, gain=gain, generator=generator)
+        nn.init.orthogonal_(w_k, gain=gain, generator=generator)
+    elif mode == "tied":
+        nn.init.normal_(w_q, 0.0, std, generator=generator)
+        w_k.copy_(w_q)
+    else:
+        raise ValueError(f"unknown qk_init {mode!r}")
