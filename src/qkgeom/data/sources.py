@@ -1,0 +1,244 @@
+"""Corpus sources: each returns the raw text of the splits ``{"train", "val", "test"}``.
+
+Why: every source (the offline Wikipedia sample, WikiText-103 from files or from the
+``datasets`` hub copy, any UTF-8 text, a user's Wikipedia dump) ends up as three strings,
+so vocabulary building, encoding and validation live in one place (:mod:`.prepare`).
+Splits are deterministic: the same input always gives the same three texts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from collections.abc import Iterable
+from pathlib import Path
+
+from qkgeom.data.wikidump import iter_articles
+from qkgeom.errors import QKGeomError
+
+__all__ = [
+    "SPLITS",
+    "SAMPLE_DUMP",
+    "WIKITEXT_FILES",
+    "sample_dump_path",
+    "sample_splits",
+    "wikidump_splits",
+    "split_articles",
+    "wikitext103_splits",
+    "text_splits",
+    "read_utf8",
+    "text_files",
+    "input_files",
+]
+
+SPLITS = ("train", "val", "test")
+#: The real (shortened) 2016 enwiki dump the gensim wheel installs (SPEC §6).
+SAMPLE_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+#: WikiText raw file per split.
+WIKITEXT_FILES = {"train": "wiki.train.raw", "val": "wiki.valid.raw", "test": "wiki.test.raw"}
+#: Share of characters (at least) that goes to each held-out split of an article corpus.
+HELD_OUT_FRACTION = 0.05
+_HF_DATASET, _HF_CONFIG = "Salesforce/wikitext", "wikitext-103-raw-v1"
+_HF_SPLITS = {"train": "train", "val": "validation", "test": "test"}
+
+
+def sample_dump_path() -> Path:
+    """Path of the Wikipedia dump excerpt shipped inside the gensim wheel.
+
+    Located without importing gensim (a ~1 s import that the data layer does not need).
+    """
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        raise QKGeomError("the embedded Wikipedia sample needs gensim: pip install gensim")
+    path = Path(next(iter(spec.submodule_search_locations))) / SAMPLE_DUMP
+    if not path.is_file():
+        raise QKGeomError(
+            f"{path}: the embedded Wikipedia sample is missing from the gensim install; "
+            "reinstall it with `pip install --force-reinstall gensim`"
+        )
+    return path
+
+
+def _article_key(title: str) -> bytes:
+    return hashlib.sha256(title.encode("utf-8")).digest()
+
+
+def split_articles(articles: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Split whole articles into train/val/test, deterministically.
+
+    Articles are visited in the order of the SHA-256 of their title (independent of dump
+    order); val takes articles until it holds at least 5 % of all characters, then test
+    likewise, and train keeps the rest. Within a split, articles keep their dump order.
+    Splitting by article (not by character) keeps held-out text from articles the model
+    never trained on, as in WikiText.
+    """
+    items = list(articles)
+    if not items:
+        raise QKGeomError("empty corpus: the dump holds no articles with prose")
+    total = sum(len(text) for _, text in items)
+    target = HELD_OUT_FRACTION * total
+    order = sorted(range(len(items)), key=lambda i: _article_key(items[i][0]))
+    assign: dict[int, str] = {}
+    filled = {"val": 0, "test": 0}
+    for i in order:
+        split = next((s for s in ("val", "test") if filled[s] < target), "train")
+        assign[i] = split
+        if split != "train":
+            filled[split] += len(items[i][1])
+    if len(items) < 3 or "train" not in assign.values():
+        raise QKGeomError(
+            f"corpus too small to split by article ({len(items)} articles, {total} characters); "
+            "use a larger dump"
+        )
+    return {s: "".join(text for i, (_, text) in enumerate(items) if assign[i] == s) for s in SPLITS}
+
+
+def wikidump_splits(path: str | Path) -> dict[str, str]:
+    """Convert a Wikipedia ``*.xml.bz2`` dump and split it by article (see :func:`split_articles`).
+
+    The converted text is held in memory: fine for dump parts (a few hundred MB of prose),
+    not for a whole enwiki dump.
+    """
+    return split_articles(iter_articles(path))
+
+
+def sample_splits() -> dict[str, str]:
+    """The offline default corpus: the gensim Wikipedia excerpt, converted and split by article."""
+    return wikidump_splits(sample_dump_path())
+
+
+def read_utf8(path: Path) -> str:
+    """Read a UTF-8 file (a leading BOM is dropped); QKGeomError with the byte offset if not UTF-8."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise QKGeomError(f"{path}: file not found") from None
+    except OSError as err:
+        raise QKGeomError(f"{path}: cannot be read ({err.strerror})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise QKGeomError(
+            f"{path}: not valid UTF-8 at byte offset {err.start} ({err.reason}); "
+            "convert it to UTF-8 (e.g. `iconv -t UTF-8`) or remove it"
+        ) from None
+    return text[1:] if text.startswith("\ufeff") else text
+
+
+def wikitext103_splits(path: str | Path | None = None) -> dict[str, str]:
+    """WikiText-103 raw: from a folder with ``wiki.{train,valid,test}.raw``, else from ``datasets``.
+
+    The ``datasets`` copy (``Salesforce/wikitext``, ``wikitext-103-raw-v1``) stores one row
+    per line of the raw files but blank lines (`` \\n`` in the files) as empty strings;
+    they are restored, so both routes give the same text byte for byte.
+    """
+    if path is not None:
+        folder = Path(path)
+        if not folder.is_dir():
+            raise QKGeomError(
+                f"{folder}: WikiText folder not found; pass a folder holding "
+                + ", ".join(WIKITEXT_FILES.values())
+            )
+        missing = [name for name in WIKITEXT_FILES.values() if not (folder / name).is_file()]
+        if missing:
+            raise QKGeomError(
+                f"{folder}: missing {', '.join(missing)}; the folder must hold all three WikiText raw files"
+            )
+        return {split: read_utf8(folder / name) for split, name in WIKITEXT_FILES.items()}
+    return _wikitext103_from_datasets()
+
+
+def _wikitext103_from_datasets() -> dict[str, str]:
+    try:
+        import datasets
+    except ImportError:
+        raise QKGeomError(
+            "WikiText-103 without --path needs the `datasets` package: "
+            "pip install 'qkgeom[datasets]', or pass --path to a folder with wiki.*.raw"
+        ) from None
+    try:
+        dsd = datasets.load_dataset(_HF_DATASET, _HF_CONFIG)
+    except Exception as err:  # network, hub or cache problems: all user-fixable
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise QKGeomError(
+            f"could not load {_HF_DATASET} ({_HF_CONFIG}) with datasets: {type(err).__name__}: {first}; "
+            "check the network/HF cache or pass --path to a folder with wiki.*.raw"
+        ) from None
+    out = {}
+    for split, hf_split in _HF_SPLITS.items():
+        if hf_split not in dsd:
+            raise QKGeomError(
+                f"{_HF_DATASET} ({_HF_CONFIG}) has no split {hf_split!r}; clear the HF cache and retry"
+            )
+        lines = dsd[hf_split]["text"]
+        out[split] = "".join(line if line else " \n" for line in lines)
+    return out
+
+
+def text_files(path: Path) -> list[Path]:
+    """The file itself, or every non-hidden file under a folder, sorted by relative path."""
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise QKGeomError(
+            f"{path}: no such file or folder; pass a UTF-8 text file or a folder of them"
+        )
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    if not files:
+        raise QKGeomError(f"{path}: folder holds no files; add UTF-8 text files to it")
+    return files
+
+
+def _line_start(text: str, pos: int) -> int:
+    """First line start at or after ``pos`` (``len(text)`` if there is none)."""
+    if pos <= 0 or text[pos - 1] == "\n":
+        return pos
+    nl = text.find("\n", pos)
+    return len(text) if nl == -1 else nl + 1
+
+
+def text_splits(path: str | Path) -> dict[str, str]:
+    """Any UTF-8 file or folder: files concatenated; the last 10 % split into val 5 % / test 5 %.
+
+    Files are joined in sorted order, with a newline added after a file that lacks one.
+    Cut points move forward to the next line start, so no line is split between two splits
+    (unless the lines are so long that a split would come out empty).
+    """
+    root = Path(path)
+    parts = []
+    for file in text_files(root):
+        text = read_utf8(file)
+        parts.append(text if not text or text.endswith("\n") else text + "\n")
+    text = "".join(parts)
+    if not text.strip():
+        raise QKGeomError(f"{root}: empty corpus (no text in it); pass a file or folder with text")
+    n = len(text)
+    a0, b0 = int(n * (1 - 2 * HELD_OUT_FRACTION)), int(n * (1 - HELD_OUT_FRACTION))
+    a, b = _line_start(text, a0), _line_start(text, b0)
+    if not a < b < n:  # lines too long to snap to: cut mid-line rather than lose a split
+        a, b = a0, b0
+    splits = {"train": text[:a], "val": text[a:b], "test": text[b:]}
+    empty = [s for s, t in splits.items() if not t]
+    if empty:
+        raise QKGeomError(
+            f"{root}: corpus too small to split ({n} characters gave an empty {'/'.join(empty)} split); "
+            "use more text"
+        )
+    return splits
+
+
+def input_files(source: str, path: str | Path | None) -> list[Path]:
+    """Files a prepared dataset was made from (their SHA-256 goes into ``meta.json``)."""
+    if source == "sample":
+        return [sample_dump_path()]
+    if source == "wikidump":
+        return [Path(path)] if path is not None else []
+    if source == "wikitext-103":
+        return [Path(path) / name for name in WIKITEXT_FILES.values()] if path is not None else []
+    if source == "text":
+        return text_files(Path(path)) if path is not None else []
+    return []

@@ -1,0 +1,281 @@
+"""prepare_data / load_prepared on real WikiText files, the datasets route and plain text."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from qkgeom.data import CharVocab, load_prepared, prepare_data
+from qkgeom.errors import QKGeomError
+
+
+@pytest.fixture(scope="module")
+def wikitext_dir(wikitext_sample: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Real raw files laid out as WikiText-103: valid doubles as train."""
+    folder = tmp_path_factory.mktemp("wikitext")
+    shutil.copy(wikitext_sample / "wiki.valid.raw", folder / "wiki.train.raw")
+    shutil.copy(wikitext_sample / "wiki.valid.raw", folder / "wiki.valid.raw")
+    shutil.copy(wikitext_sample / "wiki.test.raw", folder / "wiki.test.raw")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def wikitext_prepared(wikitext_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return prepare_data("wikitext-103", tmp_path_factory.mktemp("wt-prepared"), path=wikitext_dir)
+
+
+def test_wikitext_files(wikitext_dir: Path, wikitext_prepared: Path):
+    train = (wikitext_dir / "wiki.train.raw").read_text(encoding="utf-8")
+    test = (wikitext_dir / "wiki.test.raw").read_text(encoding="utf-8")
+    data = load_prepared(wikitext_prepared)
+    vocab = data.vocab
+    assert vocab.chars == "".join(sorted(set(train)))
+    # The real WikiText valid split has 284 distinct characters: 285 ids need uint16.
+    assert vocab.vocab_size == len(set(train)) + 1 == 285
+    assert data.train.dtype == np.uint16 and data.meta["dtype"] == "uint16"
+    assert data.sizes == {"train": len(train), "val": len(train), "test": len(test)}
+    assert (wikitext_prepared / "train.bin").stat().st_size == 2 * len(train)
+    assert isinstance(data.train, np.memmap) and not data.train.flags.writeable
+    assert vocab.decode(data.train[:1000]) == train[:1000]
+    assert np.array_equal(data.val, data.train)
+    # Characters of test never seen in train map to the unknown id, and only those.
+    unseen = set(test) - set(train)
+    assert unseen, "the real test split has characters the valid split lacks"
+    is_unseen = np.array([c in unseen for c in test])
+    assert np.array_equal(np.asarray(data.test) == vocab.unknown_id, is_unseen)
+    assert data.meta["unknown_tokens"] == {"train": 0, "val": 0, "test": int(is_unseen.sum())}
+    known = ~is_unseen
+    assert "".join(np.array(list(test))[known]) == vocab.decode(np.asarray(data.test)[known])
+
+
+def test_wikitext_meta_provenance(wikitext_dir: Path, wikitext_prepared: Path):
+    meta = json.loads((wikitext_prepared / "meta.json").read_text())
+    assert meta["source"] == "wikitext-103" and meta["format_version"] == 1
+    assert meta["path"] == str(wikitext_dir.resolve())
+    # sha256 of the real files, as published in the sample's README.
+    assert meta["inputs"][str(wikitext_dir / "wiki.valid.raw")] == (
+        "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"
+    )
+    assert meta["inputs"][str(wikitext_dir / "wiki.test.raw")] == (
+        "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"
+    )
+    assert CharVocab.from_json(meta["vocab"]).vocab_size == 285
+
+
+def test_datasets_route_matches_raw_files(wikitext_dir, wikitext_prepared, tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def rows(name: str) -> list[str]:
+        # The hub copy has one row per raw line, blank lines (" \n") stored as "".
+        lines = (wikitext_dir / name).read_text(encoding="utf-8").splitlines(keepends=True)
+        return [line if line.strip() else "" for line in lines]
+
+    calls = []
+
+    def fake_load_dataset(name, config):
+        calls.append((name, config))
+        return datasets.DatasetDict(
+            {
+                "train": datasets.Dataset.from_dict({"text": rows("wiki.train.raw")}),
+                "validation": datasets.Dataset.from_dict({"text": rows("wiki.valid.raw")}),
+                "test": datasets.Dataset.from_dict({"text": rows("wiki.test.raw")}),
+            }
+        )
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    out = prepare_data("wikitext-103", tmp_path / "hf")
+    assert calls == [("Salesforce/wikitext", "wikitext-103-raw-v1")]
+    ref = json.loads((wikitext_prepared / "meta.json").read_text())
+    got = json.loads((out / "meta.json").read_text())
+    for key in ("vocab", "dtype", "sizes", "unknown_tokens", "text_sha256"):
+        assert got[key] == ref[key], key
+    assert got["path"] is None and got["datasets"]["name"] == "Salesforce/wikitext"
+    for split in ("train", "val", "test"):
+        assert (out / f"{split}.bin").read_bytes() == (
+            wikitext_prepared / f"{split}.bin"
+        ).read_bytes()
+
+
+def test_datasets_missing_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(QKGeomError, match=r"pip install 'qkgeom\[datasets\]'"):
+        prepare_data("wikitext-103", tmp_path / "x")
+
+
+def test_datasets_load_failure_is_one_line(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network\nsecond line")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(QKGeomError, match="ConnectionError: no network;") as err:
+        prepare_data("wikitext-103", tmp_path / "x")
+    assert "\n" not in str(err.value)
+
+
+def test_wikitext_folder_missing_files(tmp_path):
+    with pytest.raises(QKGeomError, match="WikiText folder not found"):
+        prepare_data("wikitext-103", tmp_path / "out", path=tmp_path / "nowhere")
+    (tmp_path / "wt").mkdir()
+    (tmp_path / "wt" / "wiki.train.raw").write_text("x\n")
+    with pytest.raises(QKGeomError, match="missing wiki.valid.raw, wiki.test.raw"):
+        prepare_data("wikitext-103", tmp_path / "out", path=tmp_path / "wt")
+
+
+# --- plain text ------------------------------------------------------------------------
+
+
+def _lines(n: int, prefix: str = "line") -> str:
+    return "".join(f"{prefix} {i:04d} of the corpus\n" for i in range(n))
+
+
+def test_text_file_split_tail(tmp_path):
+    text = _lines(200)
+    (tmp_path / "corpus.txt").write_text(text, encoding="utf-8")
+    data = load_prepared(prepare_data("text", tmp_path / "out", path=tmp_path / "corpus.txt"))
+    assert data.train.dtype == np.uint8  # ASCII: well under 256 ids
+    decoded = {s: data.vocab.decode(getattr(data, s)) for s in ("train", "val", "test")}
+    assert decoded["train"] + decoded["val"] + decoded["test"] == text
+    # 90/5/5 by characters, cut at line starts.
+    line = len(text) // 200
+    assert data.sizes == {"train": 180 * line, "val": 10 * line, "test": 10 * line}
+    assert decoded["val"].startswith("line 0180") and decoded["test"].startswith("line 0190")
+
+
+def test_text_folder_sorted_and_joined(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "b").mkdir(parents=True)
+    (folder / "b" / "2.txt").write_text(_lines(100, "bee"), encoding="utf-8")
+    (folder / "a.txt").write_text("no trailing newline", encoding="utf-8")
+    (folder / ".hidden").write_text("\xff never read", encoding="latin-1")
+    data = load_prepared(prepare_data("text", tmp_path / "out", path=folder))
+    full = "".join(data.vocab.decode(getattr(data, s)) for s in ("train", "val", "test"))
+    assert full == "no trailing newline\n" + _lines(100, "bee")
+    assert data.meta["inputs"] == {
+        str((folder / "a.txt").resolve()): data.meta["inputs"][str((folder / "a.txt").resolve())],
+        str((folder / "b" / "2.txt").resolve()): data.meta["inputs"][
+            str((folder / "b" / "2.txt").resolve())
+        ],
+    }
+
+
+def test_unseen_chars_in_text_val_are_unknown(tmp_path):
+    text = _lines(180) + _lines(20, "ÆØÅÆ")  # the tail (val/test) holds new characters
+    (tmp_path / "c.txt").write_text(text, encoding="utf-8")
+    data = load_prepared(prepare_data("text", tmp_path / "out", path=tmp_path / "c.txt"))
+    assert "Æ" not in data.vocab.chars
+    assert (
+        int((np.asarray(data.test) == data.vocab.unknown_id).sum())
+        == data.meta["unknown_tokens"]["test"]
+        > 0
+    )
+    assert data.vocab.decode(data.val[:6]) == "\ufffd\ufffd\ufffd\ufffd 0"
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda p: p / "missing.txt", r"missing\.txt: no such file or folder"),
+        (
+            lambda p: (p / "bad.txt").write_bytes(b"ok line\nsecond \xff line\n") and p / "bad.txt",
+            r"bad\.txt: not valid UTF-8 at byte offset 15",
+        ),
+        (
+            lambda p: (p / "empty.txt").write_text("") is not None and p / "empty.txt",
+            r"empty\.txt: empty corpus",
+        ),
+        (lambda p: (p / "blank.txt").write_text(" \n\n") and p / "blank.txt", "empty corpus"),
+        (lambda p: (p / "emptydir").mkdir() or p / "emptydir", r"emptydir: folder holds no files"),
+        (lambda p: (p / "tiny.txt").write_text("ab") and p / "tiny.txt", "too small to split"),
+    ],
+)
+def test_text_errors(tmp_path, make, message):
+    with pytest.raises(QKGeomError, match=message) as err:
+        prepare_data("text", tmp_path / "out", path=make(tmp_path))
+    assert "\n" not in str(err.value)
+
+
+def test_source_errors(tmp_path):
+    with pytest.raises(QKGeomError, match="unknown data source 'wikitext-2'; choose one of sample"):
+        prepare_data("wikitext-2", tmp_path)
+    with pytest.raises(QKGeomError, match="needs --path"):
+        prepare_data("text", tmp_path)
+    with pytest.raises(QKGeomError, match="needs --path"):
+        prepare_data("wikidump", tmp_path)
+    with pytest.raises(QKGeomError, match="'sample' takes no --path"):
+        prepare_data("sample", tmp_path, path=tmp_path)
+
+
+def test_require_block(tmp_path):
+    (tmp_path / "c.txt").write_text(_lines(200), encoding="utf-8")
+    data = load_prepared(prepare_data("text", tmp_path / "out", path=tmp_path / "c.txt"))
+    n_val = data.sizes["val"]
+    data.require_block(n_val - 1)  # val has exactly block_size + 1 tokens: fine
+    with pytest.raises(QKGeomError, match=rf"too short for block_size {n_val}.*val has {n_val:,}"):
+        data.require_block(n_val)
+
+
+# --- meta corruption ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def prepared_text(tmp_path) -> Path:
+    (tmp_path / "c.txt").write_text(_lines(100), encoding="utf-8")
+    return prepare_data("text", tmp_path / "out", path=tmp_path / "c.txt")
+
+
+def _edit_meta(folder: Path, **changes) -> None:
+    meta = json.loads((folder / "meta.json").read_text())
+    meta.update(changes)
+    (folder / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (lambda d: (d / "meta.json").unlink(), r"meta\.json: missing"),
+        (lambda d: (d / "meta.json").write_text("{not json"), r"meta\.json: unreadable"),
+        (lambda d: (d / "meta.json").write_text("[1, 2]"), r"meta\.json: not a JSON object"),
+        (lambda d: _edit_meta(d, format_version=99), "format_version 99"),
+        (lambda d: _edit_meta(d, vocab={"chars": "ba"}), "sorted"),
+        (lambda d: _edit_meta(d, dtype="uint16"), "does not fit the vocabulary"),
+        (
+            lambda d: _edit_meta(d, sizes={"train": 5, "val": 5}),
+            "invalid size None for split 'test'",
+        ),
+        (lambda d: (d / "val.bin").unlink(), r"val\.bin: missing"),
+        (
+            lambda d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:-3]),
+            r"train\.bin: .* bytes but",
+        ),
+    ],
+)
+def test_load_prepared_detects_corruption(prepared_text, corrupt, message):
+    load_prepared(prepared_text)  # fine before
+    corrupt(prepared_text)
+    with pytest.raises(QKGeomError, match=message) as err:
+        load_prepared(prepared_text)
+    assert "qkgeom data prepare" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_load_prepared_missing_folder(tmp_path):
+    with pytest.raises(QKGeomError, match="prepared data folder not found"):
+        load_prepared(tmp_path / "nothing")
+
+
+def test_reprepare_overwrites(prepared_text, tmp_path):
+    (tmp_path / "d.txt").write_text(_lines(300, "other"), encoding="utf-8")
+    data = load_prepared(prepare_data("text", prepared_text, path=tmp_path / "d.txt"))
+    assert data.vocab.decode(data.train[:10]) == "other 0000"
+    assert sorted(p.name for p in prepared_text.iterdir()) == [
+        "meta.json",
+        "test.bin",
+        "train.bin",
+        "val.bin",
+    ]

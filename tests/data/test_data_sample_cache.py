@@ -1,0 +1,103 @@
+"""ensure_sample_data: the real offline corpus prepared once, reused, safe under concurrency."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from qkgeom.data import default_data_dir, ensure_sample_data, load_prepared
+from qkgeom.data import sources as sources_mod
+from qkgeom.errors import QKGeomError
+
+
+def test_default_data_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("QKGEOM_CACHE", str(tmp_path))
+    assert default_data_dir() == tmp_path / "data" / "sample"
+    monkeypatch.delenv("QKGEOM_CACHE")
+    assert default_data_dir() == Path.home() / ".cache" / "qkgeom" / "data" / "sample"
+
+
+def test_real_sample_prepared_once_then_reused(monkeypatch, tmp_path, sample_articles):
+    monkeypatch.setenv("QKGEOM_CACHE", str(tmp_path))
+    folder = ensure_sample_data()
+    assert folder == tmp_path / "data" / "sample"
+    data = load_prepared(folder)
+    assert data.meta["source"] == "sample"
+    sizes = data.sizes
+    # A partition by article of exactly the converted dump.
+    assert sum(sizes.values()) == sum(len(text) for _, text in sample_articles)
+    assert (
+        sizes["val"] >= 100_000
+        and sizes["test"] >= 100_000
+        and sizes["train"] >= 0.85 * sum(sizes.values())
+    )
+    assert data.vocab.decode(data.val[:4]) == " \n =" and data.meta["unknown_tokens"]["train"] == 0
+    first = {s: data.vocab.decode(getattr(data, s)) for s in ("train", "val", "test")}
+    # Each article lands whole in exactly one split (unknown characters decode as U+FFFD).
+    seen = {t: data.vocab.decode(data.vocab.encode(body)) for t, body in sample_articles}
+    titles = {s: [t for t, body in seen.items() if body in first[s]] for s in first}
+    assert sorted(sum(titles.values(), [])) == sorted(t for t, _ in sample_articles)
+    stamp = (folder / "meta.json").stat().st_mtime_ns
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the sample must not be converted again")
+
+    monkeypatch.setattr(sources_mod, "sample_splits", fail)
+    start = time.perf_counter()
+    assert ensure_sample_data() == folder
+    assert time.perf_counter() - start < 2.0
+    assert (folder / "meta.json").stat().st_mtime_ns == stamp
+    assert not [p for p in tmp_path.joinpath("data").iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.fixture
+def counted_fake_sample(monkeypatch):
+    """A small stand-in for the (slow) conversion, counting how often it runs."""
+    calls = []
+
+    def fake() -> dict[str, str]:
+        calls.append(threading.get_ident())
+        time.sleep(0.3)  # long enough for the other caller to arrive while we prepare
+        return {"train": "abc " * 100, "val": "cab " * 50, "test": "bca " * 50}
+
+    monkeypatch.setattr(sources_mod, "sample_splits", fake)
+    return calls
+
+
+def test_concurrent_callers_prepare_once(tmp_path, counted_fake_sample):
+    target = tmp_path / "cache" / "sample"
+    results, errors = [], []
+
+    def call() -> None:
+        try:
+            results.append(ensure_sample_data(target))
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and results == [target] * 3
+    assert len(counted_fake_sample) == 1
+    assert load_prepared(target).sizes == {"train": 400, "val": 200, "test": 200}
+
+
+def test_corrupt_cache_is_rebuilt_foreign_folder_refused(tmp_path, counted_fake_sample):
+    target = tmp_path / "sample"
+    ensure_sample_data(target)
+    (target / "val.bin").write_bytes(b"torn")
+    ensure_sample_data(target)
+    assert len(counted_fake_sample) == 2 and load_prepared(target).sizes["val"] == 200
+    other = tmp_path / "mine"
+    other.mkdir()
+    (other / "notes.txt").write_text("keep me")
+    with pytest.raises(
+        QKGeomError, match=r"mine: holds files that are not prepared data \(notes.txt\)"
+    ):
+        ensure_sample_data(other)
+    assert (other / "notes.txt").read_text() == "keep me"
