@@ -187,9 +187,8 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
     elif kind is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-    elif kind is str:
-        if isinstance(value, str):
-            return value
+    elif kind is str and isinstance(value, str):
+        return value
     raise QKGeomError(f"config key {name!r} must be {kind.__name__}, got {value!r}")
 
 

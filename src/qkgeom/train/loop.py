@@ -1,0 +1,361 @@
+"""The training loop: AdamW + warm-up/cosine, eval, probes, atomic checkpoints, resume.
+
+Step ``s`` means ``s`` optimiser updates are done. At every step that is a multiple of
+``probe_every`` (and at 0 and the last step) the probe set is measured; at multiples of
+``eval_every`` the val loss; at multiples of ``checkpoint_every`` a checkpoint is written
+*after* that step's records, so a resumed run keeps every record up to its checkpoint and
+recomputes nothing differently: on CPU the same seed gives the same metrics bit for bit,
+interrupted or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from qkgeom import __version__
+from qkgeom.config import TrainConfig, from_dict, with_vocab
+from qkgeom.data import PreparedData, ensure_sample_data, load_prepared, probe_set, sample_batch
+from qkgeom.errors import DivergedError, QKGeomError
+from qkgeom.io import read_json, write_json, write_parquet
+from qkgeom.model import GPT
+from qkgeom.probe import probe
+from qkgeom.seeding import make_generators
+from qkgeom.train.callbacks import Callback, TrainContext
+from qkgeom.train.checkpoint import load_latest_checkpoint, save_checkpoint
+from qkgeom.train.schedule import lr_at
+
+LOG_COLUMNS = ["step", "loss", "val_loss", "lr", "tokens_per_s"]
+_EVAL_SEED = 1234  # eval windows are the same for every run and every eval
+
+
+@dataclass
+class RunResult:
+    """What :func:`train` returns: the run folder, its final state and its tables."""
+
+    out_dir: Path
+    status: str  # "done" | "diverged"
+    step: int
+    metrics: pd.DataFrame
+    log: pd.DataFrame
+
+
+def load_data(cfg: TrainConfig) -> PreparedData:
+    """The prepared data of ``cfg.data`` ("" = the embedded Wikipedia sample, cached)."""
+    data_dir = ensure_sample_data() if cfg.data == "" else Path(cfg.data)
+    return load_prepared(data_dir)
+
+
+def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (``p.dim() >= 2``, robust to parametrisations)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QKGeomError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise QKGeomError("device 'mps' requested but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, data: np.ndarray, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean loss over ``eval_batches`` fixed windows of the val split."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(_EVAL_SEED)
+    losses = []
+    for _ in range(cfg.eval_batches):
+        x, y = sample_batch(data, cfg.batch_size, cfg.model.block_size, gen, device=device)
+        with _autocast(device, cfg.precision):
+            _, loss = model(x, y)
+        losses.append(float(loss))
+    model.train(was_training)
+    return float(np.mean(losses))
+
+
+def _write_status(out: Path, state: str, step: int, steps: int, **extra: Any) -> None:
+    write_json(out / "status.json", {"state": state, "step": step, "steps": steps,
+                                     "updated": time.time(), **extra})
+
+
+def _provenance(cfg: TrainConfig, data: PreparedData, run_id: str) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "config": cfg.to_dict(),
+        "config_hash": cfg.config_hash(),
+        "data_dir": str(data.dir),
+        "data_source": data.meta.get("source"),
+        "vocab_size": data.vocab.vocab_size,
+        "versions": {"qkgeom": __version__, "torch": torch.__version__,
+                     "python": platform.python_version()},
+    }
+
+
+def _prepare_run_dir(out: Path, cfg: TrainConfig, resume: bool, prov: dict[str, Any]) -> None:
+    """Refuse to clobber a different run; check a resumed run has the same config."""
+    cfg_path = out / "config.json"
+    if cfg_path.exists():
+        if not resume:
+            raise QKGeomError(f"{out} already holds a run; pass --resume to continue it "
+                              "or choose another --out")
+        saved = read_json(cfg_path)
+        if saved.get("config_hash") != prov["config_hash"]:
+            raise QKGeomError(f"{cfg_path}: the run was started with a different config "
+                              f"(hash {saved.get('config_hash')} vs {prov['config_hash']}); "
+                              "resume with the same settings or use another --out")
+    elif out.exists() and any(out.iterdir()) and not resume:
+        raise QKGeomError(f"{out} exists and is not empty; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(cfg_path, prov)
+
+
+def _read_table(path: Path, upto: int) -> list[pd.DataFrame]:
+    if not path.exists():
+        return []
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as err:
+        raise QKGeomError(f"{path}: unreadable Parquet ({type(err).__name__}); delete the run "
+                          "folder and train again") from None
+    return [frame[frame["step"] <= upto]]
+
+
+def train(
+    cfg: TrainConfig,
+    out_dir: str | Path,
+    *,
+    resume: bool = False,
+    callbacks: list[Callback] | None = None,
+    progress: bool = False,
+    run_id: str | None = None,
+) -> RunResult:
+    """Train one run into ``out_dir`` (SPEC §7 layout) and return its tables.
+
+    Raises :class:`QKGeomError` for bad input before any work, and
+    :class:`DivergedError` (after recording ``status: diverged``) on a non-finite loss.
+    """
+    cfg.validate()
+    out = Path(out_dir)
+    run_id = run_id or out.name
+    callbacks = list(callbacks or [])
+    device = resolve_device(cfg.device)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    data = load_data(cfg)
+    data.require_block(cfg.model.block_size)
+    cfg = with_vocab(cfg, data.vocab.vocab_size)
+    cfg.validate()
+    probe_tokens = probe_set(data.val, cfg.probe_sequences, cfg.model.block_size)
+    prov = _provenance(cfg, data, run_id)
+    _prepare_run_dir(out, cfg, resume, prov)
+
+    gens = make_generators(cfg.seed)
+    torch.manual_seed(gens.dropout_seed)
+    model = GPT(cfg.model, generator=gens.init).to(device)
+    optimizer = make_optimizer(model, cfg, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
+    ctx = TrainContext(config=cfg, model=model, optimizer=optimizer)
+
+    step = 0
+    metrics: list[pd.DataFrame] = []
+    log_rows: list[dict[str, float]] = []
+    state = load_latest_checkpoint(out) if resume else None
+    if state is not None:
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scaler.load_state_dict(state["scaler"])
+        gens.data.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        for cb, cb_state in zip(callbacks, state.get("callbacks", []), strict=False):
+            cb.load_state_dict(cb_state)
+        step = int(state["step"])
+        metrics = _read_table(out / "metrics.parquet", step)
+        log_frames = _read_table(out / "train_log.parquet", step)
+        log_rows = log_frames[0].to_dict("records") if log_frames else []
+    ctx.step = step
+    for cb in callbacks:
+        cb.on_train_start(ctx)
+
+    def flush() -> None:
+        if metrics:
+            write_parquet(out / "metrics.parquet", pd.concat(metrics, ignore_index=True))
+        write_parquet(out / "train_log.parquet", pd.DataFrame(log_rows, columns=LOG_COLUMNS))
+
+    def record_probe(s: int) -> None:
+        frame = probe(model, probe_tokens, batch_size=cfg.probe_batch, run_id=run_id, step=s)
+        frame = frame[["run_id", "step", "layer", "head", "metric", "value"]]
+        for cb in callbacks:
+            extra = cb.on_probe(ctx, frame)
+            if extra:
+                rows = [{"run_id": run_id, "step": s, "layer": -1, "head": -1,
+                         "metric": k, "value": float(v)} for k, v in extra.items()]
+                frame = pd.concat([frame, pd.DataFrame(rows)], ignore_index=True)
+        metrics.append(frame)
+
+    tokens_per_step = cfg.batch_size * cfg.model.block_size
+    acc = {"loss_sum": 0.0, "loss_n": 0, "tokens": 0, "t": time.perf_counter()}
+    if state is not None:
+        acc.update(state.get("loss_acc", {}))
+        acc["t"] = time.perf_counter()
+
+    def at_boundary(s: int, is_last: bool) -> None:
+        """Records, logs and checkpoints due at step ``s`` (before update s + 1)."""
+        if s % cfg.probe_every == 0 or is_last:
+            record_probe(s)
+        val_loss = math.nan
+        if s % cfg.eval_every == 0 or is_last:
+            val_loss = evaluate(model, data.val, cfg, device)
+        if s == 0 and not math.isnan(val_loss):
+            log_rows.append({"step": 0, "loss": math.nan, "val_loss": val_loss,
+                             "lr": 0.0, "tokens_per_s": math.nan})
+        elif s > 0 and (s % cfg.log_every == 0 or not math.isnan(val_loss) or is_last):
+            now = time.perf_counter()
+            log_rows.append({
+                "step": s, "loss": acc["loss_sum"] / max(acc["loss_n"], 1), "val_loss": val_loss,
+                "lr": lr_at(s - 1, lr=cfg.lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
+                            min_lr_ratio=cfg.min_lr_ratio),
+                "tokens_per_s": acc["tokens"] / max(now - acc["t"], 1e-9),
+            })
+            acc.update(loss_sum=0.0, loss_n=0, tokens=0, t=now)
+            if bar is not None:
+                bar.update(log_rows[-1])
+        if (s > 0 and s % cfg.checkpoint_every == 0) or is_last:
+            flush()
+            save_checkpoint(out, s, {
+                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "scaler": scaler.state_dict(), "data_rng": gens.data.get_state(),
+                "torch_rng": torch.get_rng_state(), "config": cfg.to_dict(),
+                "callbacks": [cb.state_dict() for cb in callbacks],
+                "loss_acc": {"loss_sum": acc["loss_sum"], "loss_n": acc["loss_n"]},
+            }, keep=cfg.keep_checkpoints)
+            _write_status(out, "done" if is_last else "running", s, cfg.steps)
+        elif s % cfg.probe_every == 0:
+            flush()
+
+    bar = _progress(progress, cfg.steps, step)
+    _write_status(out, "running", step, cfg.steps)
+    model.train()
+    resumed_at = step if state is not None else -1
+    try:
+        while True:
+            is_last = step == cfg.steps
+            if step != resumed_at:  # a resumed step's records were written before the stop
+                at_boundary(step, is_last)
+            if is_last:
+                break
+
+
+            lr = lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
+                       min_lr_ratio=cfg.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            x, y = sample_batch(data.train, cfg.batch_size, cfg.model.block_size, gens.data,
+                                device=device)
+            with _autocast(device, cfg.precision):
+                _, loss = model(x, y)
+            loss_value = float(loss.detach())
+            if not math.isfinite(loss_value):
+                flush()
+                _write_status(out, "diverged", step, cfg.steps, diverged_step=step + 1,
+                              message=f"non-finite loss ({loss_value}) at step {step + 1}")
+                raise DivergedError(f"run diverged: non-finite loss ({loss_value}) at step "
+                                    f"{step + 1}; recorded in {out / 'status.json'}")
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if cfg.grad_clip > 0:
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            step += 1
+            ctx.step = step
+            for cb in callbacks:
+                cb.on_step_end(ctx)
+            acc["loss_sum"] += loss_value
+            acc["loss_n"] += 1
+            acc["tokens"] += tokens_per_step
+            if bar is not None:
+                bar.advance()
+    finally:
+        if bar is not None:
+            bar.close()
+    _write_status(out, "done", step, cfg.steps)
+    for cb in callbacks:
+        cb.on_train_end(ctx)
+    return RunResult(out_dir=out, status="done", step=step,
+                     metrics=pd.concat(metrics, ignore_index=True),
+                     log=pd.DataFrame(log_rows, columns=LOG_COLUMNS))
+
+
+def load_run_config(run_dir: str | Path) -> TrainConfig:
+    """The :class:`TrainConfig` a run folder was trained with."""
+    prov = read_json(Path(run_dir) / "config.json")
+    try:
+        return from_dict(prov["config"])
+    except (KeyError, TypeError):
+        raise QKGeomError(f"{Path(run_dir) / 'config.json'}: not a qkgeom run config") from None
+
+
+class _Bar:
+    """A rich progress bar with loss, tokens/s and ETA (only when asked for)."""
+
+    def __init__(self, total: int, done: int) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
+        )
+        self._task = self._progress.add_task("train", total=total, completed=done,
+                                             loss="-", tps="-")
+        self._progress.start()
+
+    def advance(self) -> None:
+        self._progress.advance(self._task)
+
+    def update(self, row: dict[str, float]) -> None:
+        self._progress.update(self._task, loss=f"{row['loss']:.3f}",
+                              tps=f"{row['tokens_per_s']:,.0f}")
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+def _progress(enabled: bool, total: int, done: int) -> _Bar | None:
+    return _Bar(total, done) if enabled else None
+
+
+__all__ = ["RunResult", "train", "evaluate", "load_run_config", "load_data",
+           "make_optimizer"]
