@@ -15,7 +15,7 @@ import typer
 
 from qkgeom.errors import QKGeomError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Geometry of attention queries and keys.")
 data_app = typer.Typer(no_args_is_help=True, help="Prepare corpora into token arrays.")
 app.add_typer(data_app, name="data")
@@ -165,11 +165,16 @@ def show(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: turn user errors into one line and an exit code."""
+    """Entry point: turn user errors into one line and an exit code.
+
+    Typer's standalone mode already reports usage errors (unknown option, bad choice) as a
+    short message with exit code 2; errors the user can fix raised from inside a command
+    (:class:`QKGeomError`) are caught here.
+    """
     from qkgeom.errors import DivergedError
 
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, standalone_mode=True)
     except DivergedError as err:
         typer.echo(f"qkgeom: {err}", err=True)
         sys.exit(err.exit_code)
@@ -179,17 +184,6 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         typer.echo("qkgeom: interrupted", err=True)
         sys.exit(130)
-    except Exception as err:  # click usage errors come through here in non-standalone mode
-        import click
-
-        if isinstance(err, click.exceptions.ClickException):
-            err.show()
-            sys.exit(err.exit_code)
-        if isinstance(err, click.exceptions.Abort):
-            sys.exit(130)
-        if isinstance(err, click.exceptions.Exit):
-            sys.exit(err.exit_code)
-        raise
 
 
 if __name__ == "__main__":
