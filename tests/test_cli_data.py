@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import SHARED_WIKITEXT
+SHARED_WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-raw-sample"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:

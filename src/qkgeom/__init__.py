@@ -2,19 +2,45 @@
 
 Participation ratios of queries and keys (weights and tokens), the interaction spectrum of
 W_Q W_Kᵀ, attention entropy, and a trainer for char-level GPTs that records them.
+
+The names below load on first use, so ``import qkgeom.analysis`` (pandas only) does not pay
+for importing torch.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-from qkgeom.config import GPTConfig, TrainConfig, from_dict, make_config  # noqa: E402
-from qkgeom.data import load_prepared, prepare_data  # noqa: E402
-from qkgeom.errors import DivergedError, QKGeomError  # noqa: E402
-from qkgeom.model import GPT  # noqa: E402
-from qkgeom.probe import probe  # noqa: E402
-from qkgeom.train import Callback, RunResult, train  # noqa: E402
+_EXPORTS = {
+    "GPTConfig": "qkgeom.config", "TrainConfig": "qkgeom.config",
+    "make_config": "qkgeom.config", "from_dict": "qkgeom.config",
+    "prepare_data": "qkgeom.data", "load_prepared": "qkgeom.data",
+    "QKGeomError": "qkgeom.errors", "DivergedError": "qkgeom.errors",
+    "GPT": "qkgeom.model", "probe": "qkgeom.geometry.probe",
+    "train": "qkgeom.train", "RunResult": "qkgeom.train", "Callback": "qkgeom.train",
+}
 
 __all__ = [
     "GPT", "GPTConfig", "TrainConfig", "make_config", "from_dict", "train", "RunResult",
     "Callback", "probe", "prepare_data", "load_prepared", "QKGeomError", "DivergedError",
     "__version__",
 ]
+
+if TYPE_CHECKING:
+    from qkgeom.config import GPTConfig, TrainConfig, from_dict, make_config
+    from qkgeom.data import load_prepared, prepare_data
+    from qkgeom.errors import DivergedError, QKGeomError
+    from qkgeom.geometry.probe import probe
+    from qkgeom.model import GPT
+    from qkgeom.train import Callback, RunResult, train
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'qkgeom' has no attribute {name!r}")

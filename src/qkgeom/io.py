@@ -15,8 +15,21 @@ from pathlib import Path
 from typing import Any
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_path)`` then atomically move ``tmp_path`` onto ``path``."""
+    """Call ``write(tmp_path)`` then atomically move ``tmp_path`` onto ``path``.
+
+    The file gets the permissions a plain ``open(path, "w")`` would (0666 minus the umask),
+    not ``mkstemp``'s owner-only 0600, so results stay readable by collaborators.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -26,6 +39,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
         write(tmp_path)
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
+        os.chmod(tmp_path, 0o666 & ~_UMASK)
         os.replace(tmp_path, path)
     except BaseException:
         tmp_path.unlink(missing_ok=True)

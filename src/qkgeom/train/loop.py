@@ -26,9 +26,9 @@ from qkgeom import __version__
 from qkgeom.config import TrainConfig, from_dict, with_vocab
 from qkgeom.data import PreparedData, ensure_sample_data, load_prepared, probe_set, sample_batch
 from qkgeom.errors import DivergedError, QKGeomError
+from qkgeom.geometry.probe import probe
 from qkgeom.io import read_json, write_json, write_parquet
 from qkgeom.model import GPT
-from qkgeom.probe import probe
 from qkgeom.seeding import make_generators
 from qkgeom.train.callbacks import Callback, TrainContext
 from qkgeom.train.checkpoint import load_latest_checkpoint, save_checkpoint
@@ -97,9 +97,25 @@ def evaluate(model: GPT, data: np.ndarray, cfg: TrainConfig, device: torch.devic
     return float(np.mean(losses))
 
 
-def _write_status(out: Path, state: str, step: int, steps: int, **extra: Any) -> None:
-    write_json(out / "status.json", {"state": state, "step": step, "steps": steps,
-                                     "updated": time.time(), **extra})
+class _Status:
+    """Writes ``status.json``: state, step, and the wall time spent on the run so far
+    (summed over resumed attempts, up to the last status write of each)."""
+
+    def __init__(self, out: Path, steps: int, resume: bool) -> None:
+        self.path, self.steps = out / "status.json", steps
+        prev: dict[str, Any] = {}
+        if resume and self.path.exists():
+            with contextlib.suppress(QKGeomError):
+                prev = read_json(self.path)
+        self.started = prev.get("started", time.time())
+        self.wall_before = float(prev.get("wall_s", 0.0))
+        self.t0 = time.perf_counter()
+
+    def __call__(self, state: str, step: int, **extra: Any) -> None:
+        write_json(self.path, {
+            "state": state, "step": step, "steps": self.steps, "started": self.started,
+            "updated": time.time(),
+            "wall_s": self.wall_before + time.perf_counter() - self.t0, **extra})
 
 
 def _provenance(cfg: TrainConfig, data: PreparedData, run_id: str) -> dict[str, Any]:
@@ -180,6 +196,7 @@ def train(
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     ctx = TrainContext(config=cfg, model=model, optimizer=optimizer)
 
+    status = _Status(out, cfg.steps, resume)
     step = 0
     metrics: list[pd.DataFrame] = []
     log_rows: list[dict[str, float]] = []
@@ -252,12 +269,13 @@ def train(
                 "callbacks": [cb.state_dict() for cb in callbacks],
                 "loss_acc": {"loss_sum": acc["loss_sum"], "loss_n": acc["loss_n"]},
             }, keep=cfg.keep_checkpoints)
-            _write_status(out, "done" if is_last else "running", s, cfg.steps)
+            status("done" if is_last else "running", s)
         elif s % cfg.probe_every == 0:
             flush()
+            status("running", s)
 
     bar = _progress(progress, cfg.steps, step)
-    _write_status(out, "running", step, cfg.steps)
+    status("running", step)
     model.train()
     resumed_at = step if state is not None else -1
     try:
@@ -280,8 +298,8 @@ def train(
             loss_value = float(loss.detach())
             if not math.isfinite(loss_value):
                 flush()
-                _write_status(out, "diverged", step, cfg.steps, diverged_step=step + 1,
-                              message=f"non-finite loss ({loss_value}) at step {step + 1}")
+                status("diverged", step, diverged_step=step + 1,
+                       message=f"non-finite loss ({loss_value}) at step {step + 1}")
                 raise DivergedError(f"run diverged: non-finite loss ({loss_value}) at step "
                                     f"{step + 1}; recorded in {out / 'status.json'}")
             optimizer.zero_grad(set_to_none=True)
@@ -303,7 +321,7 @@ def train(
     finally:
         if bar is not None:
             bar.close()
-    _write_status(out, "done", step, cfg.steps)
+    status("done", step)
     for cb in callbacks:
         cb.on_train_end(ctx)
     return RunResult(out_dir=out, status="done", step=step,

@@ -1,5 +1,7 @@
 """Probe the project's GPT: every SPEC §2 metric, per head and per layer, as a long table.
 
+The one module of ``geometry/`` that knows a model; the rest takes plain tensors.
+
 The probe runs the fixed probe set through the model in eval mode and float32 (whatever
 the training precision), taps q and k of every layer, and streams them into the geometry
 accumulators, so memory does not grow with the probe set. Train mode is restored after.
