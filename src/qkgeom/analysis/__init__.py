@@ -1,0 +1,17 @@
+"""Analysis layer: collate a sweep, seed-average trajectories, evaluate the claims, report.
+
+Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures and files::
+
+    from qkgeom.analysis import collate, trajectories, claims_table, write_report
+    table = collate("sweeps/e1")            # long table; table.attrs["excluded"]
+    pr_q = trajectories(table, "pr_q_token")  # seed mean ± 95 % CI per layer and step
+    print(claims_table("sweeps/e1"))        # E1/E2 claims with counts, p-values, verdicts
+    write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
+"""
+
+from qkgeom.analysis.claims import CLAIMS, evaluate_claims
+from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
+from qkgeom.analysis.report import claims_table, write_report
+
+__all__ = ["collate", "trajectories", "write_report", "claims_table", "runs_table",
+           "excluded_runs", "evaluate_claims", "CLAIMS"]

@@ -1,0 +1,307 @@
+"""Collate a sweep folder into one long table, and seed-average it into trajectories.
+
+A sweep folder holds ``sweep.json`` and ``runs/<run_id>/`` run folders (SPEC §7). Every fact
+the analysis needs (depth, Q/K init, seed, warm-up, reference step) is read from each run's
+own ``config.json``, so the analysis works whatever ``sweep.json`` records, and also on a
+bare folder of runs. Runs that did not finish (``diverged``, ``failed``, still ``running``,
+or with no metrics) are left out of every average and listed, with the reason, in
+``table.attrs["excluded"]``.
+
+Trajectory (SPEC §2): a metric against training step for one (run, layer[, head]); a
+seed-averaged trajectory averages runs that differ only by seed. Runs that differ in any
+other config value besides depth and Q/K init get a ``variant`` label (e.g.
+``"lr=0.001"``) so they are never averaged together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from scipy import stats as sst
+
+from qkgeom.errors import QKGeomError
+from qkgeom.io import read_json
+
+# Group keys of a seed-averaged trajectory (one per layer).
+GROUP = ["depth", "qk_init", "variant"]
+TRAJECTORY = [*GROUP, "layer"]
+COLUMNS = ["run_id", "depth", "qk_init", "variant", "seed", "state", "step", "layer", "head",
+           "metric", "value"]
+# Config values that never define a variant: the seed axis, the grid axes themselves, and
+# where/how a run was executed.
+_NOT_VARIANT = {"seed", "model.n_layer", "model.qk_init", "device", "threads", "data",
+                "log_every", "eval_every", "eval_batches", "checkpoint_every",
+                "keep_checkpoints", "probe_batch"}
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``sweep.json`` (or {}) and the run entries it lists, each with ``run_id`` and ``dir``.
+
+    The sweep runner writes ``{"grid": {"name", "preset", "base", "axes"}, "runs": [{"run_id",
+    "axes", "config_hash", "steps"}]}``; a list of ids or a {run_id: axes} mapping is read too.
+    """
+    spec: dict[str, Any] = {}
+    entries: list[dict[str, Any]] = []
+    if (sweep_dir / "sweep.json").exists():
+        spec = read_json(sweep_dir / "sweep.json")
+        listed = spec.get("runs") or []
+        if isinstance(listed, dict):  # {run_id: axes} or {run_id: {...}}
+            listed = [{"run_id": k, **(v if isinstance(v, dict) and "axes" in v else
+                                       {"axes": v if isinstance(v, dict) else {}})}
+                      for k, v in listed.items()]
+        for run in listed:
+            if isinstance(run, str):
+                run = {"run_id": run}
+            if not isinstance(run, dict):
+                continue
+            rid = run.get("run_id")
+            if not rid:
+                continue
+            where = run.get("dir") or run.get("out_dir") or run.get("path")
+            folder = Path(where) if where else sweep_dir / "runs" / rid
+            if not folder.is_absolute():
+                folder = sweep_dir / folder
+            entries.append({"run_id": rid, "dir": folder, "axes": run.get("axes", {})})
+    listed = {e["dir"].resolve() for e in entries}
+    runs_dir = sweep_dir / "runs"
+    if runs_dir.is_dir():  # folders sweep.json does not (yet) list
+        for folder in sorted(p for p in runs_dir.iterdir() if (p / "config.json").exists()):
+            if folder.resolve() not in listed:
+                entries.append({"run_id": folder.name, "dir": folder, "axes": {}})
+    return spec, entries
+
+
+def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
+    """One row per run of the sweep: identity, config facts, state, and why it is excluded.
+
+    Columns: ``run_id, dir, depth, qk_init, variant, seed, state, step, steps, warmup_steps,
+    ref_step, batch_size, block_size, n_embd, n_head, lr, probe_every, probe_sequences,
+    vocab_size, data_source, tokens,
+    train_seconds, final_val_loss, excluded`` (``""`` = included, else the reason).
+    ``ref_step`` is the configured post-transient reference (SPEC §2): ``reference_step``,
+    or ``warmup_steps`` when it is −1. ``train_seconds`` sums the logged intervals' tokens
+    over their throughput (time in training steps; probes and evals not counted).
+    """
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise QKGeomError(f"{sweep_dir}: not a folder")
+    _, entries = _sweep_entries(sweep_dir)
+    if not entries:
+        raise QKGeomError(f"{sweep_dir}: no runs found (expected sweep.json or runs/<id>/config.json)")
+    rows, flat_cfgs = [], []
+    for entry in entries:
+        folder: Path = entry["dir"]
+        row: dict[str, Any] = {"run_id": entry["run_id"], "dir": str(folder), "excluded": ""}
+        flat: dict[str, Any] = {}
+        if not (folder / "config.json").exists():
+            row.update(state="pending", excluded="not started (no config.json)")
+            axes = entry["axes"]
+            row.update(depth=axes.get("model.n_layer"), qk_init=axes.get("model.qk_init"),
+                       seed=axes.get("seed"))
+            rows.append(row)
+            flat_cfgs.append(flat)
+            continue
+        prov = read_json(folder / "config.json")
+        cfg = prov.get("config", {})
+        flat = _flatten(cfg)
+        model = cfg.get("model", {})
+        warmup = int(cfg.get("warmup_steps", 0))
+        ref = int(cfg.get("reference_step", -1))
+        steps = int(cfg.get("steps", 0))
+        row.update(
+            run_id=prov.get("run_id", entry["run_id"]),
+            depth=int(model.get("n_layer", 0)), qk_init=str(model.get("qk_init", "?")),
+            seed=int(cfg.get("seed", 0)), steps=steps, warmup_steps=warmup,
+            ref_step=warmup if ref < 0 else ref, batch_size=int(cfg.get("batch_size", 0)),
+            block_size=int(model.get("block_size", 0)), n_embd=int(model.get("n_embd", 0)),
+            n_head=int(model.get("n_head", 0)), bias=bool(model.get("bias", False)),
+            lr=cfg.get("lr"),
+            probe_every=cfg.get("probe_every"), probe_sequences=cfg.get("probe_sequences"),
+            vocab_size=int(prov.get("vocab_size", model.get("vocab_size", 0))),
+            data_source=str(prov.get("data_source") or cfg.get("data") or "?"),
+            config_hash=prov.get("config_hash", ""),
+        )
+        row["tokens"] = steps * row["batch_size"] * row["block_size"]
+        status = read_json(folder / "status.json") if (folder / "status.json").exists() else {}
+        state = status.get("state", "unknown")
+        row.update(state=state, step=status.get("step"))
+        if state in ("diverged", "failed"):
+            where = status.get("diverged_step", status.get("step"))
+            msg = status.get("error") or status.get("message") or ""
+            row["excluded"] = f"{state} at step {where}" + (f": {msg}" if msg else "")
+        elif state != "done":
+            row["excluded"] = (f"incomplete ({state}, step {status.get('step', '?')}/{steps})"
+                               if status else "incomplete (no status.json)")
+        elif not (folder / "metrics.parquet").exists():
+            row["excluded"] = "no metrics.parquet"
+        log_path = folder / "train_log.parquet"
+        if log_path.exists():
+            row.update(_log_facts(pd.read_parquet(log_path), row["batch_size"] * row["block_size"]))
+        rows.append(row)
+        flat_cfgs.append(flat)
+    table = pd.DataFrame(rows)
+    table["variant"] = _variants(flat_cfgs)
+    dup = table["run_id"].duplicated(keep="first")
+    table.loc[dup, "excluded"] = "duplicate run_id"
+    return table
+
+
+def _log_facts(log: pd.DataFrame, tokens_per_step: int) -> dict[str, float]:
+    out = {"train_seconds": np.nan, "final_val_loss": np.nan, "final_loss": np.nan}
+    if log.empty:
+        return out
+    log = log.sort_values("step")
+    tps = log["tokens_per_s"].to_numpy(dtype=float)
+    dsteps = np.diff(log["step"].to_numpy(dtype=float), prepend=0.0)
+    ok = np.isfinite(tps) & (tps > 0)
+    out["train_seconds"] = float(np.sum(dsteps[ok] * tokens_per_step / tps[ok]))
+    val = log["val_loss"].dropna()
+    loss = log["loss"].dropna()
+    out["final_val_loss"] = float(val.iloc[-1]) if len(val) else np.nan
+    out["final_loss"] = float(loss.iloc[-1]) if len(loss) else np.nan
+    return out
+
+
+def _variants(flat_cfgs: list[dict[str, Any]]) -> list[str]:
+    """Label each run by the config values (other than depth, init, seed) that vary."""
+    keys = sorted({k for f in flat_cfgs for k in f} - _NOT_VARIANT)
+    varying = [k for k in keys
+               if len({repr(f.get(k)) for f in flat_cfgs if f}) > 1]
+    return [",".join(f"{k.removeprefix('model.')}={f.get(k)}" for k in varying) if f else ""
+            for f in flat_cfgs]
+
+
+def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> pd.DataFrame:
+    """All included runs' metrics in one long table.
+
+    Columns ``run_id, depth, qk_init, variant, seed, state, step, layer, head, metric,
+    value`` (``depth`` = n_layer). ``table.attrs`` carries ``"runs"`` (the
+    :func:`runs_table` rows as records), ``"excluded"`` (records of the runs left out, with
+    ``run_id, state, excluded`` = the reason) and ``"sweep"`` (``sweep.json`` or {}).
+    ``include_incomplete`` keeps runs still ``running`` (never diverged or failed ones).
+    """
+    sweep_dir = Path(sweep_dir)
+    spec, _ = _sweep_entries(sweep_dir)
+    runs = runs_table(sweep_dir)
+    if include_incomplete:
+        partial = runs["excluded"].str.startswith("incomplete (running")
+        runs.loc[partial, "excluded"] = ""
+    frames = []
+    for row in runs[runs["excluded"] == ""].itertuples():
+        m = pd.read_parquet(Path(row.dir) / "metrics.parquet")
+        m = m.assign(run_id=row.run_id, depth=row.depth, qk_init=row.qk_init,
+                     variant=row.variant, seed=row.seed, state=row.state)
+        frames.append(m[COLUMNS])
+    if frames:
+        table = pd.concat(frames, ignore_index=True)
+    else:
+        table = pd.DataFrame({c: pd.Series(dtype=float if c == "value" else object)
+                              for c in COLUMNS})
+    for col in ("depth", "seed", "step", "layer", "head"):
+        table[col] = table[col].astype("int64")
+    table["metric"] = table["metric"].astype(str)
+    table.attrs["runs"] = _records(runs)
+    table.attrs["excluded"] = _records(
+        runs.loc[runs["excluded"] != "", ["run_id", "depth", "qk_init", "seed", "state",
+                                          "excluded"]])
+    table.attrs["sweep"] = spec
+    table.attrs["name"] = sweep_name(spec, sweep_dir)
+    return table
+
+
+def sweep_name(spec: dict[str, Any], sweep_dir: Path) -> str:
+    grid = spec.get("grid") if isinstance(spec.get("grid"), dict) else {}
+    return str(spec.get("name") or grid.get("name") or Path(sweep_dir).resolve().name)
+
+
+def sweep_axes(spec: dict[str, Any]) -> dict[str, list[Any]]:
+    """The grid's axes from ``sweep.json`` ({} if it records none)."""
+    grid = spec.get("grid")
+    if not isinstance(grid, dict):
+        return {}
+    axes = grid.get("axes", grid)  # the runner nests them; a flat mapping is accepted too
+    if not isinstance(axes, dict):
+        return {}
+    return {str(k): (v if isinstance(v, list) else [v]) for k, v in axes.items()
+            if k not in ("name", "preset", "base")}
+
+
+def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
+    """Plain-Python records (attrs must stay cheap to copy and JSON-friendly)."""
+    out = []
+    for rec in frame.to_dict("records"):
+        out.append({k: (None if isinstance(v, float) and np.isnan(v) else
+                        v.item() if isinstance(v, np.generic) else v) for k, v in rec.items()})
+    return out
+
+
+def runs_of(table: pd.DataFrame) -> pd.DataFrame:
+    """The per-run facts :func:`collate` attached to ``table`` (all runs, excluded too)."""
+    return pd.DataFrame(table.attrs.get("runs", []))
+
+
+def excluded_runs(table: pd.DataFrame) -> pd.DataFrame:
+    """The runs :func:`collate` left out, with ``state`` and the reason (``excluded``)."""
+    return pd.DataFrame(table.attrs.get("excluded", []),
+                        columns=["run_id", "depth", "qk_init", "seed", "state", "excluded"])
+
+
+def t_interval(values: Iterable[float], level: float = 0.95) -> tuple[float, float, float, int]:
+    """Mean and two-sided t-interval over seeds: (mean, low, high, n). NaN bounds if n < 2."""
+    x = np.asarray([v for v in values if np.isfinite(v)], dtype=float)
+    n = len(x)
+    if n == 0:
+        return np.nan, np.nan, np.nan, 0
+    mean = float(x.mean())
+    if n < 2:
+        return mean, np.nan, np.nan, n
+    half = float(sst.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / np.sqrt(n))
+    return mean, mean - half, mean + half, n
+
+
+def trajectories(table: pd.DataFrame, metric: str, head: int | None = -1,
+                 level: float = 0.95) -> pd.DataFrame:
+    """Seed-averaged trajectories of ``metric``: one row per (depth, qk_init, variant,
+    layer, step) with ``mean, ci_low, ci_high, sd, n_seeds``.
+
+    The CI is the two-sided ``level`` t-interval over seeds (scipy.stats.t); with one seed
+    ``ci_low``/``ci_high``/``sd`` are NaN. ``head=-1`` (default) is the whole layer;
+    ``head=None`` keeps every head as its own trajectory (a ``head`` column) — note head
+    indices are not matched across seeds, so per-head seed means are rarely meaningful.
+    """
+    sel = table[table["metric"] == metric]
+    keys = [*TRAJECTORY, "step"]
+    if head is None:
+        keys = [*TRAJECTORY, "head", "step"]
+    else:
+        sel = sel[sel["head"] == head]
+    cols = [*keys, "mean", "ci_low", "ci_high", "sd", "n_seeds"]
+    if sel.empty:
+        return pd.DataFrame(columns=cols)
+    values = sel[np.isfinite(sel["value"])]
+    grouped = values.groupby(keys, sort=True)["value"]
+    out = grouped.agg(mean="mean", sd="std", n_seeds="count").reset_index()
+    n = out["n_seeds"].to_numpy()
+    tcrit = np.full(len(out), np.nan)
+    many = n >= 2
+    tcrit[many] = sst.t.ppf(0.5 + level / 2, n[many] - 1)
+    half = tcrit * out["sd"].to_numpy() / np.sqrt(np.maximum(n, 1))
+    out["ci_low"] = out["mean"] - half
+    out["ci_high"] = out["mean"] + half
+    out.loc[~many, "sd"] = np.nan
+    out["metric"] = metric
+    return out[[*cols, "metric"]]

@@ -1,0 +1,333 @@
+"""Figures of E1/E2 from a collated sweep table (matplotlib; PNG 300 dpi + SVG).
+
+One panel per depth × Q/K initialisation, ~3.4 in wide (a paper column), 8 pt text,
+colour-blind-safe colours (layers on a truncated viridis ramp, the contrast on the diverging
+RdBu map centred at 0), and a dashed vertical line at the post-transient reference step
+(SPEC §2). Each figure exists at the weight and at the token level:
+
+- ``pr_<level>``: PR_Q and PR_K against step, seed mean ± 95 % t-interval, one line per layer;
+- ``contrast_<level>``: PR_Q − PR_K per layer as a layer × step heatmap;
+- ``qk_entropy_<level>``: the interaction PR (pr_qk) and the attention entropy against step;
+- ``heads_<level>``: pr_qk against attention entropy for every head of every run, coloured
+  by training step.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.colors import Normalize, TwoSlopeNorm
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
+
+from qkgeom.analysis.collate import trajectories
+from qkgeom.io import atomic_write
+from qkgeom.stats import LEVELS, reference_probe
+
+PANEL_W, PANEL_H = 3.4, 2.1  # inches per panel
+STYLE = {
+    "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7,
+    "ytick.labelsize": 7, "legend.fontsize": 7, "legend.title_fontsize": 7,
+    "axes.spines.top": False, "axes.spines.right": False, "svg.fonttype": "none",
+    "figure.dpi": 100, "savefig.dpi": 300, "lines.linewidth": 1.2,
+}
+REF_LINE = {"color": "0.25", "linestyle": "--", "linewidth": 0.8, "zorder": 0}
+LEVEL_TITLE = {"weight": "weight level", "token": "token level (probe set)"}
+
+
+def layer_colors(n: int) -> np.ndarray:
+    """n colours from viridis without its pale yellow end (readable on white, CB-safe)."""
+    return matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, max(n, 1)))
+
+
+def _settings(table: pd.DataFrame) -> tuple[list[int], list[tuple[str, str]]]:
+    depths = sorted(int(d) for d in table["depth"].unique())
+    cols = sorted({(str(i), str(v)) for i, v in zip(table["qk_init"], table["variant"], strict=True)})
+    return depths, cols
+
+
+def _label(init: str, variant: str) -> str:
+    return init if not variant else f"{init} · {variant}"
+
+
+def _ref_steps(table: pd.DataFrame) -> dict[str, int]:
+    return {r["run_id"]: int(r["ref_step"]) for r in table.attrs.get("runs", [])
+            if r.get("ref_step") is not None}
+
+
+def _group_ref(table: pd.DataFrame, sub: pd.DataFrame) -> int | None:
+    """The reference probe of one (depth, init) group: first probed step ≥ its ref_step."""
+    refs = _ref_steps(table)
+    known = [refs[r] for r in sub["run_id"].unique() if r in refs]
+    if not known or sub.empty:
+        return None
+    return reference_probe(sub["step"].unique(), min(known))
+
+
+def _step_axis(ax: Axes, max_step: float) -> None:
+    """At most ~5 step ticks; thousands as "5k" once runs are long (no colliding labels)."""
+    ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
+    if max_step >= 10_000:
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
+
+
+def _empty(ax: Axes) -> None:
+    """A panel of the grid with no analysed run (e.g. every seed of it diverged)."""
+    ax.text(0.5, 0.5, "no runs", ha="center", va="center", transform=ax.transAxes, color="0.4")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+
+
+def _suptitle(fig: Figure, text: str, n_cols: int) -> None:
+    """A figure title wrapped to the figure's width (~60 characters per panel column)."""
+    fig.suptitle(textwrap.fill(text, width=max(60 * n_cols, 60)), fontsize=9)
+
+
+def _grid(n_rows: int, n_cols: int, height: float = PANEL_H, **kw) -> tuple[Figure, np.ndarray]:
+    # A bare Figure (no pyplot): no global backend switch, no figure registry to leak.
+    fig = Figure(figsize=(PANEL_W * n_cols, height * n_rows), layout="constrained")
+    axes = fig.subplots(n_rows, n_cols, squeeze=False, **kw)
+    return fig, axes
+
+
+def _lines(ax: Axes, traj: pd.DataFrame, colors: np.ndarray, layers: list[int]) -> None:
+    for color, layer in zip(colors, layers, strict=True):
+        t = traj[traj["layer"] == layer]
+        ax.plot(t["step"], t["mean"], color=color, label=f"{layer}")
+        if t["ci_low"].notna().any():
+            ax.fill_between(t["step"], t["ci_low"], t["ci_high"], color=color, alpha=0.15,
+                            linewidth=0)
+
+
+def _data_range(traj: pd.DataFrame) -> tuple[float, float]:
+    vals = pd.concat([traj["mean"], traj["ci_low"], traj["ci_high"]]).to_numpy(dtype=float)
+    vals = vals[np.isfinite(vals)]
+    return (float(vals.min()), float(vals.max())) if len(vals) else (np.nan, np.nan)
+
+
+def _share_ylim(axes: list[Axes], ranges: list[tuple[float, float]]) -> None:
+    """One y range for ``axes``, from their data (mean and CI), floored at 0: every quantity
+    plotted (PR, entropy) is non-negative, so a wide t-interval never drags the axis below."""
+    finite = [r for r in ranges if np.isfinite(r[0])]
+    if not finite:
+        return
+    lo, hi = min(r[0] for r in finite), max(r[1] for r in finite)
+    pad = 0.05 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
+    for ax in axes:
+        ax.set_ylim(max(lo - pad, 0.0), hi + pad)
+
+
+def _paired_rows(table: pd.DataFrame, level: str, metrics: list[tuple[str, str]],
+                 title: str, share_depth: bool) -> Figure:
+    """Rows = depth × the given metrics, columns = Q/K init; one line per layer. The y axis
+    is shared along each row, and across all rows of a depth when ``share_depth``."""
+    depths, cols = _settings(table)
+    n_rows = len(depths) * len(metrics)
+    fig, axes = _grid(n_rows, len(cols))
+    trajs = {m: trajectories(table, m) for m, _ in metrics}
+    for di, depth in enumerate(depths):
+        shared: dict[int, tuple[list[Axes], list[tuple[float, float]]]] = {}
+        legend_ax, legend_col = None, -1
+        for r, (metric, ylabel) in enumerate(metrics):
+            row = di * len(metrics) + r
+            axs, ranges = shared.setdefault(0 if share_depth else r, ([], []))
+            for c, (init, variant) in enumerate(cols):
+                ax = axes[row, c]
+                ax.set_title(f"depth {depth} · {_label(init, variant)}")
+                if c == 0:
+                    ax.set_ylabel(ylabel)
+                if row == n_rows - 1:
+                    ax.set_xlabel("training step")
+                tr = trajs[metric]
+                tr = tr[(tr["depth"] == depth) & (tr["qk_init"] == init)
+                        & (tr["variant"] == variant)]
+                if tr.empty:
+                    _empty(ax)
+                    continue
+                layers = sorted(int(x) for x in tr["layer"].unique())
+                _lines(ax, tr, layer_colors(len(layers)), layers)
+                _step_axis(ax, float(tr["step"].max()))
+                axs.append(ax)
+                ranges.append(_data_range(tr))
+                sel = (table["depth"] == depth) & (table["qk_init"] == init) & \
+                    (table["variant"] == variant)
+                ref = _group_ref(table, table[sel])
+                if ref is not None:
+                    ax.axvline(ref, **REF_LINE)
+                ax.margins(x=0.01)
+                if r == 0:
+                    legend_ax, legend_col = ax, c  # last drawn panel of the depth's first row
+        if legend_ax is not None:
+            n_layers = len(legend_ax.get_legend_handles_labels()[0])
+            where = ({"loc": "center left", "bbox_to_anchor": (1.0, 0.5)}
+                     if legend_col == len(cols) - 1 else {"loc": "best"})  # never over a panel
+            legend_ax.legend(title="layer", frameon=False, ncols=1 + n_layers // 10, **where)
+        for axs, ranges in shared.values():
+            _share_ylim(axs, ranges)
+    _suptitle(fig, f"{title} — {LEVEL_TITLE[level]}; seed mean ± 95 % CI; "
+              "dashed line: reference step", len(cols))
+    return fig
+
+
+def fig_pr(table: pd.DataFrame, level: str = "weight") -> Figure:
+    """(a) PR_Q and PR_K against step per depth × init, one line per layer."""
+    with matplotlib.rc_context(STYLE):
+        return _paired_rows(table, level, [(f"pr_q_{level}", "PR_Q (dimensions)"),
+                                           (f"pr_k_{level}", "PR_K (dimensions)")],
+                            "Participation ratio of queries and keys", share_depth=True)
+
+
+def fig_qk_entropy(table: pd.DataFrame, level: str = "weight") -> Figure:
+    """(c) Interaction PR (pr_qk) and attention entropy against step."""
+    with matplotlib.rc_context(STYLE):
+        return _paired_rows(table, level, [(f"pr_qk_{level}", "PR of QKᵀ spectrum (dims)"),
+                                           ("attn_entropy", "attention entropy (nats)")],
+                            "Interaction spectrum and attention entropy", share_depth=False)
+
+
+def fig_contrast(table: pd.DataFrame, level: str = "weight") -> Figure:
+    """(b) PR_Q − PR_K per layer × step (seed mean), diverging colours centred at 0."""
+    with matplotlib.rc_context(STYLE):
+        depths, cols = _settings(table)
+        tr = trajectories(table, f"contrast_{level}")
+        fig, axes = _grid(len(depths), len(cols), height=max(1.7, 2.6 / len(depths)))
+        vmax = float(np.nanmax(np.abs(tr["mean"]))) if len(tr) else 1.0
+        vmax = vmax if np.isfinite(vmax) and vmax > 0 else 1.0
+        norm = TwoSlopeNorm(vcenter=0.0, vmin=-vmax, vmax=vmax)
+        mesh = None
+        for r, depth in enumerate(depths):
+            for c, (init, variant) in enumerate(cols):
+                ax = axes[r, c]
+                t = tr[(tr["depth"] == depth) & (tr["qk_init"] == init) & (tr["variant"] == variant)]
+                ax.set_title(f"depth {depth} · {_label(init, variant)}")
+                if t.empty:
+                    _empty(ax)
+                    continue
+                grid = t.pivot_table(index="layer", columns="step", values="mean")
+                steps = grid.columns.to_numpy(dtype=float)
+                layers = grid.index.to_numpy()
+                mesh = ax.pcolormesh(_edges(steps), np.arange(len(layers) + 1) - 0.5,
+                                     grid.to_numpy(), cmap="RdBu_r", norm=norm,
+                                     shading="flat", rasterized=True)
+                ax.set_yticks(np.arange(len(layers)), [str(x) for x in layers])
+                _step_axis(ax, float(steps.max()))
+                ax.set_ylim(len(layers) - 0.5, -0.5)  # layer 0 on top
+                sel = (table["depth"] == depth) & (table["qk_init"] == init) & \
+                    (table["variant"] == variant)
+                ref = _group_ref(table, table[sel])
+                if ref is not None:
+                    ax.axvline(ref, color="k", linestyle="--", linewidth=0.8)
+                if c == 0:
+                    ax.set_ylabel("layer")
+                if r == len(depths) - 1:
+                    ax.set_xlabel("training step")
+                for side in ("top", "right"):
+                    ax.spines[side].set_visible(True)
+        if mesh is not None:
+            cb = fig.colorbar(mesh, ax=axes, shrink=0.8, aspect=30, pad=0.01)
+            cb.set_label("PR_Q − PR_K (dims)")
+        _suptitle(fig, f"Paired contrast PR_Q − PR_K — {LEVEL_TITLE[level]}; seed mean; "
+                  "red: queries higher-dimensional; dashed: reference step", len(cols))
+        return fig
+
+
+def _edges(steps: np.ndarray) -> np.ndarray:
+    """Cell edges around (possibly unevenly spaced) probe steps."""
+    if len(steps) == 1:
+        return np.array([steps[0] - 0.5, steps[0] + 0.5])
+    mid = (steps[1:] + steps[:-1]) / 2
+    return np.concatenate([[steps[0] - (mid[0] - steps[0])], mid,
+                           [steps[-1] + (steps[-1] - mid[-1])]])
+
+
+def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
+    """(d) pr_qk vs attention entropy for every head of every run, coloured by step."""
+    with matplotlib.rc_context(STYLE):
+        depths, cols = _settings(table)
+        heads = table[(table["head"] >= 0)
+                      & table["metric"].isin([f"pr_qk_{level}", "attn_entropy"])]
+        wide = heads.pivot_table(index=["depth", "qk_init", "variant", "run_id", "layer",
+                                        "head", "step"], columns="metric",
+                                 values="value").reset_index()
+        fig, axes = _grid(len(depths), len(cols), height=max(PANEL_H, 2.6 / len(depths)))
+        smax = float(table["step"].max()) if len(table) else 1.0
+        norm = Normalize(vmin=0.0, vmax=max(smax, 1.0))
+        sc = None
+        for r, depth in enumerate(depths):
+            for c, (init, variant) in enumerate(cols):
+                ax = axes[r, c]
+                ax.set_title(f"depth {depth} · {_label(init, variant)}")
+                if f"pr_qk_{level}" not in wide or "attn_entropy" not in wide:
+                    continue
+                w = wide[(wide["depth"] == depth) & (wide["qk_init"] == init)
+                         & (wide["variant"] == variant)].sort_values("step")
+                if w.empty:
+                    _empty(ax)
+                    continue
+                dense = len(w) > 3000  # many heads x runs x probes: smaller, lighter dots
+                sc = ax.scatter(w[f"pr_qk_{level}"], w["attn_entropy"], c=w["step"],
+                                cmap="viridis", norm=norm, s=2.5 if dense else 5,
+                                alpha=0.5 if dense else 0.7, linewidths=0, rasterized=True)
+                if c == 0:
+                    ax.set_ylabel("attention entropy (nats)")
+                if r == len(depths) - 1:
+                    ax.set_xlabel("PR of QKᵀ spectrum (dimensions)")
+        if sc is not None:
+            cb = fig.colorbar(sc, ax=axes, shrink=0.8, aspect=30, pad=0.01)
+            cb.set_label("training step")
+        _suptitle(fig, f"Heads: interaction PR vs attention entropy — {LEVEL_TITLE[level]}; "
+                  "one point per head, run and probe step", len(cols))
+        return fig
+
+
+FIGURES: dict[str, Callable[[pd.DataFrame, str], Figure]] = {
+    "pr": fig_pr, "contrast": fig_contrast, "qk_entropy": fig_qk_entropy, "heads": fig_heads,
+}
+FIGURE_TITLES = {
+    "pr": "(a) PR_Q and PR_K", "contrast": "(b) Paired contrast PR_Q − PR_K",
+    "qk_entropy": "(c) Interaction PR and attention entropy",
+    "heads": "(d) Heads: interaction PR vs attention entropy",
+}
+CAPTIONS = {
+    "pr": "PR_Q (top row of each depth) and PR_K (bottom row) against training step; seed "
+          "mean ± 95 % t-interval; one colour per layer; dashed line: reference step.",
+    "contrast": "Paired contrast PR_Q − PR_K per layer (rows) and probe step (columns), "
+                "seed mean; red = queries higher-dimensional than keys.",
+    "qk_entropy": "PR of the interaction spectrum W_Q W_Kᵀ (upper row) and mean attention "
+                  "entropy (lower row) against step; layer level (entropy: mean over heads).",
+    "heads": "Every head of every run at every probe step: interaction PR against attention "
+             "entropy, coloured by step.",
+}
+
+
+def save_figure(fig: Figure, out_dir: str | Path, name: str) -> list[Path]:
+    """Write ``name.png`` (300 dpi) and ``name.svg`` atomically."""
+    out_dir = Path(out_dir)
+    paths = []
+    with matplotlib.rc_context(STYLE):
+        for fmt in ("png", "svg"):
+            path = out_dir / f"{name}.{fmt}"
+            # constrained layout already fits titles, legends and colour bars
+            atomic_write(path, lambda p, fmt=fmt: fig.savefig(p, format=fmt, dpi=300))
+            paths.append(path)
+    return paths
+
+
+def make_figures(table: pd.DataFrame, out_dir: str | Path,
+                 levels: Iterable[str] = LEVELS,
+                 kinds: Iterable[str] = tuple(FIGURES)) -> dict[str, Path]:
+    """Every figure at every level into ``out_dir``; returns {``kind_level``: PNG path}."""
+    out = {}
+    for kind in kinds:
+        for level in levels:
+            name = f"{kind}_{level}"
+            out[name] = save_figure(FIGURES[kind](table, level), out_dir, name)[0]
+    return out

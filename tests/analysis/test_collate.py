@@ -1,0 +1,145 @@
+"""collate / trajectories: one long table, exclusions listed, seed means with t-intervals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from scipy import stats as sst
+
+from qkgeom.analysis import collate, excluded_runs, runs_table, trajectories
+from qkgeom.errors import QKGeomError
+
+from .conftest import monotone_values, write_run, write_sweep
+
+
+def test_collate_columns_and_excluded_diverged_run(all_rise):
+    table = collate(all_rise)
+    for col in ("run_id", "depth", "qk_init", "seed", "step", "layer", "head", "metric",
+                "value", "state"):
+        assert col in table.columns
+    assert set(table["state"]) == {"done"}
+    assert table["run_id"].nunique() == 6
+    assert "n_layer4-qk_init-normal-seed9" not in set(table["run_id"])
+    ex = excluded_runs(table)
+    assert list(ex["run_id"]) == ["n_layer4-qk_init-normal-seed9"]
+    assert ex.iloc[0]["state"] == "diverged"
+    assert ex.iloc[0]["excluded"].startswith("diverged at step 51")
+
+
+def test_runs_table_facts(all_rise):
+    runs = runs_table(all_rise).set_index("run_id")
+    r = runs.loc["n_layer4-qk_init-tied-seed1"]
+    assert (r["depth"], r["qk_init"], r["seed"], r["ref_step"]) == (4, "tied", 1, 20)
+    assert r["tokens"] == 100 * 4 * 16
+    assert r["train_seconds"] == pytest.approx(100 * 4 * 16 / 640.0)
+    assert r["excluded"] == ""
+    assert set(runs["variant"]) == {""}
+
+
+def test_missing_and_unlisted_and_running_runs(tmp_path):
+    root = tmp_path / "sw"
+    write_run(root, "a", 2, "normal", 0, monotone_values())
+    write_run(root, "b", 2, "normal", 1, monotone_values(), state="running")
+    write_run(root, "unlisted", 2, "normal", 2, monotone_values())
+    write_sweep(root, [{"run_id": "a"}, {"run_id": "b"},
+                       {"run_id": "ghost", "axes": {"model.n_layer": 2, "seed": 3}}])
+    table = collate(root)
+    assert set(table["run_id"]) == {"a", "unlisted"}
+    reasons = excluded_runs(table).set_index("run_id")["excluded"]
+    assert reasons["ghost"].startswith("not started")
+    assert reasons["b"].startswith("incomplete (running")
+    assert set(collate(root, include_incomplete=True)["run_id"]) == {"a", "b", "unlisted"}
+
+
+def test_reference_step_explicit_overrides_warmup(tmp_path):
+    root = tmp_path / "ref"
+    write_run(root, "a", 2, "normal", 0, monotone_values(), reference_step=35)
+    runs = runs_table(root)
+    assert runs.iloc[0]["ref_step"] == 35
+
+
+def test_runs_differing_in_other_settings_are_not_averaged(tmp_path):
+    root = tmp_path / "lr"
+    write_run(root, "a", 2, "normal", 0, monotone_values(), lr=1e-3)
+    write_run(root, "b", 2, "normal", 0, monotone_values(), lr=3e-3)
+    table = collate(root)
+    assert set(table["variant"]) == {"lr=0.001", "lr=0.003"}
+    tr = trajectories(table, "pr_q_weight")
+    assert set(tr["n_seeds"]) == {1}
+
+
+def test_trajectories_t_interval_and_single_seed(tmp_path):
+    rng = np.random.default_rng(0)
+    offsets = rng.normal(size=3)
+
+    def values_for(seed):
+        base = monotone_values()
+        return lambda layer, step, metric, head: base(layer, step, metric, head) + offsets[seed]
+
+    root = tmp_path / "t"
+    for s in range(3):
+        write_run(root, f"r{s}", 2, "normal", s, values_for(s))
+    write_run(root, "lonely", 2, "tied", 0, monotone_values())
+    write_sweep(root, [{"run_id": f"r{s}"} for s in range(3)] + [{"run_id": "lonely"}])
+    tr = trajectories(collate(root), "pr_k_weight")
+    assert len(tr) == 2 * 2 * 11  # inits x layers x steps
+    row = tr[(tr["qk_init"] == "normal") & (tr["layer"] == 1) & (tr["step"] == 30)].iloc[0]
+    x = 8.0 - 0.05 * 30 + offsets
+    half = sst.t.ppf(0.975, 2) * x.std(ddof=1) / np.sqrt(3)
+    assert row["mean"] == pytest.approx(x.mean())
+    assert row["ci_low"] == pytest.approx(x.mean() - half)
+    assert row["ci_high"] == pytest.approx(x.mean() + half)
+    assert row["n_seeds"] == 3
+    lonely = tr[tr["qk_init"] == "tied"]
+    assert lonely["ci_low"].isna().all() and (lonely["n_seeds"] == 1).all()
+    heads = trajectories(collate(root), "pr_qk_weight", head=None)
+    assert set(heads["head"]) == {-1, 0, 1, 2}
+
+
+def test_bare_runs_folder_without_sweep_json(tmp_path):
+    root = tmp_path / "bare"
+    write_run(root, "a", 2, "normal", 0, monotone_values())
+    assert set(collate(root)["run_id"]) == {"a"}
+    assert collate(root).attrs["sweep"] == {}
+
+
+def test_not_a_sweep_is_a_clear_error(tmp_path):
+    with pytest.raises(QKGeomError, match="no runs found"):
+        collate(tmp_path)
+    (tmp_path / "sweep.json").write_text("{not json")
+    with pytest.raises(QKGeomError, match="not valid JSON"):
+        collate(tmp_path)
+
+
+def test_sweep_json_string_entries_and_custom_dirs(tmp_path):
+    root = tmp_path / "custom"
+    write_run(root, "a", 2, "normal", 0, monotone_values())
+    (root / "runs" / "a").rename(root / "elsewhere")
+    (root / "runs").rmdir()
+    (root / "sweep.json").write_text(json.dumps({"runs": [{"run_id": "a", "dir": "elsewhere"}]}))
+    assert set(collate(root)["run_id"]) == {"a"}
+    (root / "sweep.json").write_text(json.dumps({"runs": ["a"]}))  # runs/a is gone
+    table = collate(root)
+    assert table.empty and excluded_runs(table)["run_id"].tolist() == ["a"]
+
+
+def test_sweep_json_runs_as_mapping(tmp_path):
+    root = tmp_path / "map"
+    write_run(root, "a", 2, "normal", 0, monotone_values())
+    (root / "sweep.json").write_text(json.dumps({"runs": {"a": {"model.n_layer": 2}}}))
+    assert set(collate(root)["run_id"]) == {"a"}
+
+
+def test_failed_run_reason_carries_the_runner_error(tmp_path):
+    root = tmp_path / "f"
+    write_run(root, "a", 2, "normal", 0, monotone_values())
+    bad = write_run(root, "b", 2, "normal", 1, monotone_values())
+    (bad / "status.json").write_text(json.dumps(
+        {"state": "failed", "step": 40, "steps": 100, "error": "RuntimeError: out of memory"}))
+    write_sweep(root, [{"run_id": "a"}, {"run_id": "b"}], {"seed": [0, 1]})
+    table = collate(root)
+    reason = excluded_runs(table).set_index("run_id").loc["b", "excluded"]
+    assert reason == "failed at step 40: RuntimeError: out of memory"
+    assert table.attrs["name"] == "f"

@@ -1,0 +1,82 @@
+"""Figures and the report on a synthetic sweep (written once per module: figures are slow)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from qkgeom.analysis import collate, write_report
+from qkgeom.analysis.figures import FIGURES, fig_contrast, save_figure
+
+from .conftest import make_sweep, monotone_values, write_run
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("rep") / "sweep"
+    make_sweep(root, monotone_values(), depths=(3,), inits=("normal", "tied"), seeds=(0, 1),
+               n_head=2)  # 6 trajectories: 6/6 has p = 1/64, enough for 'supported'
+    write_run(root, "n_layer3-qk_init-tied-seed7", 3, "tied", 7, monotone_values(),
+              state="failed")
+    return write_report(root, n_boot=100)
+
+
+def test_report_files(report):
+    out = report.parent
+    assert report.name == "report.md" and out.name == "report"
+    for kind in FIGURES:
+        for level in ("weight", "token"):
+            assert (out / f"{kind}_{level}.png").stat().st_size > 10_000
+            assert (out / f"{kind}_{level}.svg").exists()
+    for name in ("claims.csv", "trajectory_stats.csv", "trajectory_stats_runs.csv",
+                 "bootstrap.csv", "report.html"):
+        assert (out / name).exists()
+    assert not list(out.glob(".*.tmp"))  # atomic writes leave no temp files
+
+
+def test_report_md_opens_with_the_claims_table(report):
+    lines = report.read_text(encoding="utf-8").splitlines()
+    assert lines[0].startswith("# qkgeom report")
+    first = next(line for line in lines[1:] if line.strip())
+    assert first.startswith("| id | claim | level | measured from")
+    table = [line for line in lines[2:40] if line.startswith("| E")]
+    assert len(table) == 22
+    assert all("**supported**" in line for line in table)
+    assert any("reference, step 20" in line for line in table)
+
+
+def test_report_lists_excluded_run_and_setup(report):
+    text = report.read_text(encoding="utf-8")
+    excluded = text.split("## Excluded runs", 1)[1].split("##", 1)[0]
+    assert "n_layer3-qk_init-tied-seed7" in excluded and "failed" in excluded
+    setup = text.split("## Setup", 1)[1].split("## Excluded", 1)[0]
+    assert "6,400 tokens per run" in setup  # 100 steps x 4 x 16
+    assert "5 runs, 4 analysed, 1 excluded" in setup
+    assert "Wall time" in setup and "seeds" in setup
+
+
+def test_html_embeds_every_figure(report):
+    page = (report.parent / "report.html").read_text(encoding="utf-8")
+    assert "<table>" in page
+    assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', page)) == 2 * len(FIGURES)
+
+
+def test_single_run_figure_and_missing_init_panel(tmp_path):
+    """A sweep where one depth lacks an init still draws (an empty 'no runs' panel)."""
+    root = tmp_path / "gap"
+    write_run(root, "a", 2, "normal", 0, monotone_values())
+    write_run(root, "b", 3, "tied", 0, monotone_values())
+    paths = save_figure(fig_contrast(collate(root), "token"), tmp_path / "figs", "c")
+    assert [p.suffix for p in paths] == [".png", ".svg"]
+    assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_report_without_any_finished_run(tmp_path):
+    root = tmp_path / "dead"
+    write_run(root, "a", 2, "normal", 0, monotone_values(), state="diverged")
+    md = write_report(root, n_boot=10)
+    text = md.read_text(encoding="utf-8")
+    assert "not evaluated" in text and "diverged at step" in text
+    assert "No figures" in text
