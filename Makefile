@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
-demo: $(STAMP)  ## train the demo preset on the embedded Wikipedia sample, print the geometry
-	$(BIN)/qkgeom train --preset demo --out runs/demo --resume
+demo: $(STAMP)  ## E1 + E2 at demo size on the embedded Wikipedia sample: sweep, report, claims
+	$(BIN)/qkgeom reproduce e1 --preset demo --out sweeps/e1-demo
 
 test: $(STAMP)  ## lint + the whole test suite (slow tests included)
 	$(BIN)/ruff check src tests benchmarks
@@ -31,6 +31,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/train_throughput.py
+	$(BIN)/python benchmarks/sweep_scaling.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

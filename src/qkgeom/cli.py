@@ -9,11 +9,14 @@ from __future__ import annotations
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from qkgeom.errors import QKGeomError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Geometry of attention queries and keys.")
@@ -162,6 +165,126 @@ def show(
 ) -> None:
     """Per-layer PR_Q, PR_K, contrast, pr_qk and attention entropy at one probe step."""
     _show(run, step)
+
+
+sweep_app = typer.Typer(no_args_is_help=True, help="Run and inspect grids of training runs.")
+reproduce_app = typer.Typer(no_args_is_help=True, help="The paper's experiments, end to end.")
+app.add_typer(sweep_app, name="sweep")
+app.add_typer(reproduce_app, name="reproduce")
+
+Workers = Annotated[int | None, typer.Option(
+    help="Runs trained at once (default: one single-threaded run per CPU on CPU grids, "
+         "one at a time on GPU).")]
+Backend = Annotated[str, typer.Option(help="local | ray")]
+Address = Annotated[str | None, typer.Option(
+    help="Ray cluster address: auto or host:port (backend ray).")]
+Threads = Annotated[int | None, typer.Option(
+    help="torch threads per run (default: CPUs / workers).")]
+
+
+@sweep_app.command("run")
+def sweep_run(
+    grid: Annotated[Path, typer.Argument(help="Grid file (YAML): preset, base, axes.")],
+    out: Annotated[Path | None, typer.Option(help="Sweep folder (default sweeps/<name>).")] = None,
+    workers: Workers = None,
+    backend: Backend = "local",
+    address: Address = None,
+    threads: Threads = None,
+    retry_failed: Annotated[bool, typer.Option(help="Train failed runs again.")] = False,
+    quiet: Annotated[bool, typer.Option(help="No progress view.")] = False,
+) -> None:
+    """Train every run of a grid (resumable: done runs are skipped, interrupted ones resume)."""
+    from qkgeom.experiments import load_grid, run_sweep
+    from qkgeom.experiments.runner import available_cpus
+
+    spec = load_grid(grid)
+    out = out or Path("sweeps") / spec.name
+    if workers is None:
+        on_cpu = spec.expand()[0].config.device == "cpu"
+        workers = available_cpus() if on_cpu else 1
+    summary = run_sweep(spec, out, workers=workers, backend=backend, address=address,
+                        threads_per_run=threads, progress=not quiet, retry_failed=retry_failed)
+    _print_summary(summary, out)
+
+
+def _print_summary(summary: object, out: Path) -> None:
+    typer.echo(f"{summary}")
+    typer.echo(f"sweep folder: {out}")
+
+
+@sweep_app.command("status")
+def sweep_status_cmd(
+    sweep: Annotated[Path, typer.Argument(help="Sweep folder.")],
+) -> None:
+    """done / running / failed / diverged / pending per run."""
+    from qkgeom.experiments import sweep_status
+
+    _render_frame(sweep_status(sweep), f"{sweep} — runs")
+
+
+def _render_frame(frame: pd.DataFrame, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in frame.columns:
+        table.add_column(str(col))
+    for row in frame.itertuples(index=False):
+        table.add_row(*("" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+                        for v in row))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=max(console.width, 200))
+    console.print(table)
+
+
+def _report(sweep: Path, out: Path | None) -> None:
+    from qkgeom.analysis import claims_table, write_report
+
+    path = write_report(sweep, out)
+    claims = claims_table(sweep)
+    cols = ["claim_id", "claim", "level", "from", "measured", "p_value", "verdict"]
+    _render_frame(claims[cols], "claims (verdicts computed from the numbers; see report.md)")
+    excluded = claims.attrs.get("excluded")
+    if excluded is not None and len(excluded):
+        typer.echo(f"{len(excluded)} run(s) left out (diverged/failed/unfinished): see the report")
+    typer.echo(f"report: {path}")
+
+
+@app.command("report")
+def report_cmd(
+    sweep: Annotated[Path, typer.Argument(help="Sweep folder.")],
+    out: Annotated[Path | None, typer.Option(help="Report folder (default SWEEP/report).")] = None,
+) -> None:
+    """Figures + report.md/report.html opening with the claims table."""
+    if not (sweep / "sweep.json").is_file() and not (sweep / "runs").is_dir():
+        raise QKGeomError(f"{sweep}: not a sweep folder (no sweep.json); run `qkgeom sweep run` "
+                          "or `qkgeom reproduce` first")
+    _report(sweep, out)
+
+
+@reproduce_app.command("e1")
+def reproduce_e1_cmd(
+    preset: Annotated[str, typer.Option(help="smoke | demo | paper")] = "demo",
+    data: Annotated[str, typer.Option(help="Prepared data (default: embedded sample).")] = "",
+    out: Annotated[Path | None, typer.Option(help="Sweep folder (default sweeps/e1-<preset>).")] = None,
+    workers: Workers = None,
+    backend: Backend = "local",
+    address: Address = None,
+    threads: Threads = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda | ... for every run")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress view.")] = False,
+) -> None:
+    """E1 + E2: depths {4,6,8} x inits {normal,orthogonal,tied} x seeds, then the report."""
+    from qkgeom.experiments import reproduce_e1
+
+    out = out or Path("sweeps") / f"e1-{preset}"
+    overrides = {"device": device} if device else None
+    summary = reproduce_e1(preset, out, data, workers=workers, backend=backend,
+                           address=address, threads_per_run=threads, progress=not quiet,
+                           overrides=overrides)
+    _print_summary(summary, out)
+    _report(out, None)
 
 
 def main(argv: list[str] | None = None) -> None:

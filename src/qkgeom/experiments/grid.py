@@ -1,0 +1,290 @@
+"""Sweep grids: a YAML file -> the cartesian product of runs, each with a stable id.
+
+A grid names a base preset, overrides applied to every run (``base``) and ``axes``: config
+fields (dotted, e.g. ``model.n_layer``) with the values to sweep. Runs are the cartesian
+product of the axes in the order given (the last axis varies fastest)::
+
+    name: e1-demo
+    preset: demo
+    base: {steps: 600}            # nested ({model: {n_head: 4}}) or dotted keys
+    axes:
+      model.n_layer: [4, 6, 8]
+      model.qk_init: [normal, orthogonal, tied]
+      seed: [0, 1, 2, 3]
+
+**Run ids** are ``key=value`` pairs joined by commas, one per axis in axis order, e.g.
+``n_layer=4,qk_init=normal,seed=0``. ``key`` is the last part of the dotted axis name (the
+full dotted name when two axes share a last part); ``value`` is the value *after* config
+validation (so ``4`` and ``4.0`` for an int field are the same run), printed as JSON scalars
+print (``true``, ``0.001``, ``normal``), with every character outside ``[A-Za-z0-9._+-]``
+replaced by ``_`` and values over 40 characters shortened to 32 plus a hash. Ids depend only
+on the axes and their values, never on the order of expansion or the process, so a rerun
+finds its runs again. A grid without axes is one run, ``base``.
+
+Everything is checked before any work: a file that is not a mapping, an unknown top-level
+key, an unknown or invalid config value (through :func:`qkgeom.config.make_config`), an
+empty axis, a repeated value, or two runs with the same id is a one-line
+:class:`~qkgeom.errors.QKGeomError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qkgeom.config import PRESETS, TrainConfig, make_config
+from qkgeom.errors import QKGeomError
+
+GRID_KEYS = ("name", "preset", "base", "axes")
+# The sweep runner sets these per run (threads from --workers / --threads-per-run).
+RUNNER_KEYS = ("threads",)
+_SAFE = re.compile(r"[^A-Za-z0-9._+-]")
+_MAX_VALUE_CHARS = 40
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of a sweep: its id, full validated config and the axis values that made it."""
+
+    run_id: str
+    config: TrainConfig
+    axes: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def config_hash(self) -> str:
+        return self.config.config_hash()
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A validated grid: ``base`` nested, ``axes`` flat (dotted key -> values, in order)."""
+
+    name: str
+    preset: str
+    base: dict[str, Any]
+    axes: dict[str, list[Any]]
+
+    @classmethod
+    def from_dict(cls, d: Any, *, default_name: str = "sweep") -> Grid:
+        """Build and fully validate a grid (expands it once, so bad values fail here)."""
+        if not isinstance(d, dict):
+            raise QKGeomError("a grid must be a mapping with keys name, preset, base, axes")
+        unknown = [k for k in d if k not in GRID_KEYS]
+        if unknown:
+            raise QKGeomError(f"unknown grid key {unknown[0]!r}; a grid has {', '.join(GRID_KEYS)}")
+        name = d.get("name", default_name)
+        if not isinstance(name, str) or not name.strip():
+            raise QKGeomError(f"grid name must be a non-empty string, got {name!r}")
+        preset = d.get("preset", "demo")
+        if preset not in PRESETS:
+            raise QKGeomError(f"grid {name!r}: unknown preset {preset!r}; "
+                              f"choose one of {', '.join(PRESETS)}")
+        base = d.get("base") or {}
+        if not isinstance(base, dict):
+            raise QKGeomError(f"grid {name!r}: base must be a mapping of config keys to values")
+        axes_in = d.get("axes") or {}
+        if not isinstance(axes_in, dict):
+            raise QKGeomError(f"grid {name!r}: axes must be a mapping of config keys to lists")
+        grid = cls(name=name, preset=preset, base=nest_keys(base, f"grid {name!r}: base"),
+                   axes=_flat_axes(axes_in, name))
+        grid.expand()  # validates every run before anyone starts one
+        return grid
+
+    def to_dict(self) -> dict[str, Any]:
+        """The normalised grid (JSON-able); equal dicts mean the same sweep."""
+        return {"name": self.name, "preset": self.preset, "base": self.base,
+                "axes": {k: list(v) for k, v in self.axes.items()}}
+
+    def expand(self) -> list[RunSpec]:
+        """Every run of the grid, in product order, with validated configs and stable ids."""
+        where = f"grid {self.name!r}"
+        try:
+            make_config(self.preset, self.base)
+        except QKGeomError as err:
+            raise QKGeomError(f"{where}: base: {err}") from None
+        for key, values in self.axes.items():
+            try:
+                make_config(self.preset, _with(self.base, key, values[0]))
+            except QKGeomError as err:
+                raise QKGeomError(f"{where}: axis {key!r}: {err}") from None
+        labels = _labels(list(self.axes))
+        specs: list[RunSpec] = []
+        seen: dict[str, dict[str, Any]] = {}
+        for combo in itertools.product(*self.axes.values()):
+            axes = dict(zip(self.axes, combo, strict=True))
+            over = self.base
+            for key, value in axes.items():
+                over = _with(over, key, value)
+            try:
+                cfg = make_config(self.preset, over)
+            except QKGeomError as err:
+                raise QKGeomError(f"{where}: run {axes}: {err}") from None
+            resolved = {k: _get(cfg, k) for k in axes}
+            run_id = ",".join(f"{labels[k]}={_id_value(v)}" for k, v in resolved.items())
+            run_id = run_id or "base"
+            if run_id in seen:
+                raise QKGeomError(f"{where}: runs {seen[run_id]} and {axes} get the same run id "
+                                  f"{run_id!r}; make the axis values distinct")
+            seen[run_id] = axes
+            specs.append(RunSpec(run_id=run_id, config=cfg, axes=resolved))
+        return specs
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read and validate a grid file (YAML or JSON); the name defaults to the file's stem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise QKGeomError(f"{path}: grid file not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise QKGeomError(f"{path}: cannot read the grid file ({type(err).__name__})") from None
+    try:
+        loaded = yaml.load(text, Loader=_GridLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as err:
+        first = str(err).strip().splitlines()
+        raise QKGeomError(f"{path}: not valid YAML ({' '.join(first[:2])})") from None
+    if not isinstance(loaded, dict):
+        raise QKGeomError(f"{path}: a grid file must be a mapping with keys "
+                          f"{', '.join(GRID_KEYS)}")
+    try:
+        return Grid.from_dict(loaded, default_name=path.stem)
+    except QKGeomError as err:
+        raise QKGeomError(f"{path}: {err}") from None
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def nest_keys(d: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys -> nested mappings; a key set twice (``model.x`` and ``model: {x}``) fails."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if not isinstance(key, str) or not key:
+            raise QKGeomError(f"{where}: keys must be non-empty strings, got {key!r}")
+        parts = key.split(".")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise QKGeomError(f"{where}: {prefix + '.'.join(parts[:i + 1])!r} is set twice")
+            node = child
+        last = parts[-1]
+        full = prefix + key
+        if isinstance(value, dict):
+            sub = nest_keys(value, where, full + ".")
+            existing = node.setdefault(last, {})
+            if not isinstance(existing, dict):
+                raise QKGeomError(f"{where}: {full!r} is set twice")
+            for k, v in sub.items():
+                if k in existing:
+                    raise QKGeomError(f"{where}: {full + '.' + k!r} is set twice")
+                existing[k] = v
+        else:
+            if last in node:
+                raise QKGeomError(f"{where}: {full!r} is set twice")
+            node[last] = value
+    return out
+
+
+def _flat_axes(axes: dict[str, Any], name: str, prefix: str = "") -> dict[str, list[Any]]:
+    """``{model: {n_layer: [..]}}`` or ``{model.n_layer: [..]}`` -> flat dotted keys."""
+    out: dict[str, list[Any]] = {}
+    for key, values in axes.items():
+        if not isinstance(key, str) or not key:
+            raise QKGeomError(f"grid {name!r}: axis names must be non-empty strings, got {key!r}")
+        full = prefix + key
+        if isinstance(values, dict):
+            for k, v in _flat_axes(values, name, full + ".").items():
+                if k in out:
+                    raise QKGeomError(f"grid {name!r}: axis {k!r} is given twice")
+                out[k] = v
+            continue
+        if full in out:
+            raise QKGeomError(f"grid {name!r}: axis {full!r} is given twice")
+        if full.split(".")[-1] in RUNNER_KEYS:
+            raise QKGeomError(f"grid {name!r}: axis {full!r} is set by the sweep runner "
+                              "(--workers / --threads-per-run), not by the grid")
+        if not isinstance(values, list):
+            raise QKGeomError(f"grid {name!r}: axis {full!r} must be a list of values, "
+                              f"got {values!r}")
+        if not values:
+            raise QKGeomError(f"grid {name!r}: axis {full!r} is empty; give at least one value")
+        for v in values:
+            if isinstance(v, (dict, list)) or v is None:
+                raise QKGeomError(f"grid {name!r}: axis {full!r} values must be scalars, "
+                                  f"got {v!r}")
+        keys = [json.dumps(v) for v in values]
+        dup = next((v for v, k in zip(values, keys, strict=True) if keys.count(k) > 1), None)
+        if dup is not None:
+            raise QKGeomError(f"grid {name!r}: axis {full!r} lists {dup!r} twice")
+        out[full] = list(values)
+    return out
+
+
+def _with(over: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """A copy of nested ``over`` with ``dotted`` set to ``value`` (axes win over base)."""
+    out = dict(over)
+    parts = dotted.split(".")
+    node = out
+    for part in parts[:-1]:
+        child = node.get(part)
+        child = dict(child) if isinstance(child, dict) else {}
+        node[part] = child
+        node = child
+    node[parts[-1]] = value
+    return out
+
+
+def _get(cfg: TrainConfig, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _labels(keys: list[str]) -> dict[str, str]:
+    """Short id labels: the last dotted part, or the whole key where that part repeats."""
+    last = [k.split(".")[-1] for k in keys]
+    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last, strict=True)}
+
+
+def _id_value(value: Any) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    safe = _SAFE.sub("_", text) or "_"
+    if len(safe) > _MAX_VALUE_CHARS:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:7]
+        safe = f"{safe[:32]}-{digest}"
+    return safe
+
+
+class _GridLoader(yaml.SafeLoader):
+    """A SafeLoader that reads ``1e-3`` as a float (YAML 1.2) and rejects duplicate keys."""
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        for k in keys:
+            if keys.count(k) > 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {k!r} is given twice", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+_GridLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                    |[-+]?\.(?:inf|Inf|INF)
+                    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."),
+)
+
+__all__ = ["Grid", "RunSpec", "load_grid"]

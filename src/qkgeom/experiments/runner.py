@@ -1,0 +1,299 @@
+"""Run a grid into a sweep folder: skip what is done, resume what was cut, record the rest.
+
+:func:`run_sweep` is safe to rerun and to run twice at once on one folder:
+
+- a run whose status.json says ``done`` is skipped, ``diverged`` is recorded and not
+  retried, ``failed`` (an exception in training, with a one-line message) is skipped unless
+  ``retry_failed``; a run with a checkpoint that is not done (interrupted) is resumed;
+- every run is trained under its own lock (see :mod:`~qkgeom.experiments.layout`), so two
+  sweep processes on one folder never train the same run; a process **does not wait** for
+  runs another process holds: it counts them ``locked`` and ends when every run is either
+  finished or locked by someone else (run it again later, or use :func:`sweep_status`);
+- one exception in one run never stops the others.
+
+``workers`` runs train at once (local subprocesses, or Ray tasks in flight), each with
+``threads_per_run`` torch threads, by default ``max(1, cpus // workers)`` where ``cpus``
+counts the CPUs this process may use (its affinity mask, else ``os.cpu_count()``); the
+``threads`` field is outside the config hash, so it never changes a run's identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import json
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from qkgeom import __version__
+from qkgeom.errors import QKGeomError
+from qkgeom.experiments.backends import BACKENDS, make_backend
+from qkgeom.experiments.grid import Grid, RunSpec
+from qkgeom.experiments.layout import (
+    SWEEP_FILE,
+    lock_is_held,
+    read_status,
+    run_dir,
+)
+from qkgeom.experiments.progress import SweepView
+from qkgeom.io import read_json, write_json
+
+STATES = ("done", "diverged", "failed", "locked", "pending")
+_POLL_S = 0.5
+
+
+@dataclass
+class SweepSummary:
+    """What one :func:`run_sweep` call ended with.
+
+    ``counts``: runs per state — done, diverged, failed, locked (held by another sweep
+    process when this one looked), pending (not reached, only after an interruption).
+    ``trained``: ids this call trained or resumed. ``wall_s``: seconds this call took.
+    """
+
+    out_dir: Path
+    counts: dict[str, int]
+    wall_s: float
+    states: dict[str, str] = field(default_factory=dict)
+    trained: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        """Every run finished, and none failed (diverged runs are results, not failures)."""
+        return self.counts["failed"] == 0 and self.counts["locked"] == 0 \
+            and self.counts["pending"] == 0
+
+    def __str__(self) -> str:
+        counts = ", ".join(f"{k} {v}" for k, v in self.counts.items() if v)
+        return f"sweep {self.out_dir}: {counts or 'no runs'} in {self.wall_s:.1f} s"
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows
+        return os.cpu_count() or 1
+
+
+def run_sweep(
+    grid: Grid,
+    out_dir: str | Path,
+    *,
+    workers: int = 1,
+    backend: str = "local",
+    address: str | None = None,
+    threads_per_run: int | None = None,
+    progress: bool = True,
+    retry_failed: bool = False,
+) -> SweepSummary:
+    """Train every run of ``grid`` into ``out_dir/runs/<run_id>`` (see the module doc).
+
+    Everything is validated before any work: the grid (every run's config), the arguments,
+    the data (see :func:`resolve_data`), the backend (Ray importable and reachable), and
+    that ``out_dir/sweep.json``, if there, records this same grid. Raises
+    :class:`QKGeomError` for any of those.
+    """
+    t0 = time.perf_counter()
+    if not isinstance(workers, int) or workers < 1:
+        raise QKGeomError(f"workers must be a positive integer, got {workers!r}")
+    if threads_per_run is not None and (not isinstance(threads_per_run, int)
+                                        or threads_per_run < 1):
+        raise QKGeomError(f"threads_per_run must be a positive integer, got {threads_per_run!r}")
+    if backend not in BACKENDS:
+        raise QKGeomError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    specs = resolve_data(grid.expand())
+    threads = threads_per_run or max(1, available_cpus() // workers)
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise QKGeomError(f"{out} exists and is not a folder")
+    check_sweep_file(out, grid, specs)  # before connecting to anything
+    runner = make_backend(backend, address)
+    try:
+        write_sweep_file(out, grid, specs)
+        return _schedule(specs, out, runner, workers=workers, threads=threads,
+                         retry_failed=retry_failed, progress=progress, title=grid.name, t0=t0)
+    except BaseException:
+        runner.cancel()
+        raise
+    finally:
+        runner.close()
+
+
+def resolve_data(specs: list[RunSpec]) -> list[RunSpec]:
+    """The specs with ``model.vocab_size`` set from their data, checking the data first.
+
+    Each distinct ``data`` folder is opened once here, before any run starts: a missing or
+    too-short corpus fails the sweep at once instead of failing every run, the embedded
+    sample is prepared once instead of by racing workers, and the config hashes recorded in
+    sweep.json equal those the trainer writes to each run's config.json (which include the
+    data's vocabulary size). So the driver must see the data folders too.
+    """
+    from qkgeom.config import with_vocab
+    from qkgeom.train.loop import load_data
+
+    loaded: dict[str, Any] = {}
+    out = []
+    for spec in specs:
+        cfg = spec.config
+        if cfg.data not in loaded:
+            loaded[cfg.data] = load_data(cfg)
+        data = loaded[cfg.data]
+        data.require_block(cfg.model.block_size)
+        out.append(dataclasses.replace(spec, config=with_vocab(cfg, data.vocab.vocab_size)))
+    return out
+
+
+def _schedule(specs: list[RunSpec], out: Path, runner: Any, *, workers: int, threads: int,
+              retry_failed: bool, progress: bool, title: str, t0: float) -> SweepSummary:
+    """The loop: keep ``workers`` runs going, collect results, refresh the view."""
+    queue = deque(specs)
+    states: dict[str, str] = {}
+    in_flight: set[str] = set()
+    trained: list[str] = []
+    view = SweepView(title, {s.run_id: s.config.steps for s in specs}) if progress else None
+    try:
+        while queue or in_flight:
+            while queue and len(in_flight) < workers:
+                spec = queue.popleft()
+                folder = run_dir(out, spec.run_id)
+                known = _precheck(folder, retry_failed)
+                if known is not None:
+                    states[spec.run_id] = known
+                    continue
+                config = dataclasses.replace(spec.config, threads=threads).to_dict()
+                runner.submit(folder, config, threads, retry_failed)
+                in_flight.add(spec.run_id)
+            for result in runner.wait(_POLL_S) if in_flight else []:
+                run_id = result["run_id"]
+                in_flight.discard(run_id)
+                states[run_id] = result["state"]
+                if result["action"] in ("trained", "resumed"):
+                    trained.append(run_id)
+            if view is not None:
+                view.update(_live_states(specs, out, states, in_flight))
+    finally:
+        if view is not None:
+            view.close()
+    final = {s.run_id: states.get(s.run_id, "pending") for s in specs}
+    counts = {k: sum(v == k for v in final.values()) for k in STATES}
+    return SweepSummary(out_dir=out, counts=counts, wall_s=time.perf_counter() - t0,
+                        states=final, trained=trained)
+
+
+def _precheck(folder: Path, retry_failed: bool) -> str | None:
+    """A run's known outcome without starting a worker: finished, or locked by another.
+
+    Saves a worker start (about 3 s of imports) per skipped run; the worker checks again
+    under the lock, which is what makes skipping race-free.
+    """
+    status = read_status(folder)
+    state = status.get("state") if status else None
+    if state in ("done", "diverged") or (state == "failed" and not retry_failed):
+        return state
+    if lock_is_held(folder):
+        return "locked"
+    return None
+
+
+def _live_states(specs: list[RunSpec], out: Path, states: dict[str, str],
+                 in_flight: set[str]) -> dict[str, tuple[str, int]]:
+    live: dict[str, tuple[str, int]] = {}
+    for spec in specs:
+        rid = spec.run_id
+        if rid in in_flight or states.get(rid) == "locked":
+            status = read_status(run_dir(out, rid)) or {}
+            state = "running" if rid in in_flight else "locked"
+            live[rid] = (state, int(status.get("step", 0)))
+        else:
+            live[rid] = (states.get(rid, "pending"), 0)
+    return live
+
+
+# --- sweep.json ----------------------------------------------------------------------------
+
+
+def _sweep_record(grid: Grid, specs: list[RunSpec]) -> dict[str, Any]:
+    return {
+        "grid": json.loads(json.dumps(grid.to_dict())),
+        "runs": [{"run_id": s.run_id, "axes": s.axes, "config_hash": s.config_hash,
+                  "steps": s.config.steps} for s in specs],
+    }
+
+
+def check_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
+    """Refuse a sweep folder that records another grid (or other configs for this one)."""
+    path = out / SWEEP_FILE
+    if not path.exists():
+        if (out / "runs").is_dir() and any((out / "runs").iterdir()):
+            raise QKGeomError(f"{out} holds runs but no {SWEEP_FILE}; use another folder")
+        return
+    saved = read_json(path)
+    mine = _sweep_record(grid, specs)
+    if not isinstance(saved, dict) or saved.get("grid") != mine["grid"]:
+        name = saved.get("grid", {}).get("name") if isinstance(saved, dict) else None
+        raise QKGeomError(f"{path}: this folder holds sweep {name!r} with a different grid; "
+                          "use another output folder, or the grid it was started with")
+    old = {r["run_id"]: r["config_hash"] for r in saved.get("runs", [])}
+    new = {r["run_id"]: r["config_hash"] for r in mine["runs"]}
+    if old != new:
+        changed = sorted(k for k in new if old.get(k) != new[k])
+        raise QKGeomError(f"{path}: the same grid now gives different run configs "
+                          f"({', '.join(changed[:3]) or 'run ids'} changed: was a preset edited "
+                          "or the data prepared again?); use another output folder")
+
+
+def write_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
+    """Create sweep.json once (under a folder lock, so two starters agree), else recheck."""
+    from filelock import FileLock
+
+    out.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out / ".sweep.lock"), timeout=60):
+        if (out / SWEEP_FILE).exists():
+            check_sweep_file(out, grid, specs)
+            return
+        record = _sweep_record(grid, specs)
+        record["created"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+        record["qkgeom_version"] = __version__
+        write_json(out / SWEEP_FILE, record)
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+def sweep_status(out_dir: str | Path) -> pd.DataFrame:
+    """One row per run: run_id, the axis values, state, step, steps, error, config_hash.
+
+    ``state`` is done | diverged | failed | running (a process holds the run's lock) |
+    interrupted (started, not finished, nobody holds it: the next sweep resumes it) |
+    pending (never started).
+    """
+    out = Path(out_dir)
+    record = read_json(out / SWEEP_FILE)
+    if not isinstance(record, dict) or "runs" not in record:
+        raise QKGeomError(f"{out / SWEEP_FILE}: not a qkgeom sweep record")
+    axes = list(record.get("grid", {}).get("axes", {}))
+    rows = []
+    for run in record["runs"]:
+        folder = run_dir(out, run["run_id"])
+        status = read_status(folder)
+        if status is None:
+            state, step = ("running" if lock_is_held(folder) else "pending"), 0
+        else:
+            state, step = status.get("state", "pending"), int(status.get("step", 0))
+            if state == "running" and not lock_is_held(folder):
+                state = "interrupted"
+        rows.append({"run_id": run["run_id"], **{k: run["axes"].get(k) for k in axes},
+                     "state": state, "step": step, "steps": int(run.get("steps", 0)),
+                     "error": (status or {}).get("error"), "config_hash": run["config_hash"]})
+    return pd.DataFrame(rows, columns=["run_id", *axes, "state", "step", "steps", "error",
+                                       "config_hash"])
+
+
+__all__ = ["SweepSummary", "run_sweep", "sweep_status", "available_cpus"]

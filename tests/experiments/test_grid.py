@@ -1,0 +1,146 @@
+"""Grid files -> runs: product order, stable unique ids, validation before any work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from qkgeom.config import make_config
+from qkgeom.errors import QKGeomError
+from qkgeom.experiments import E1_PRESETS, Grid, e1_grid, load_grid
+from qkgeom.experiments.grid import _id_value, _labels
+
+E1_YAML = """\
+name: e1-test
+preset: smoke
+base: {steps: 30, model.n_head: 2}
+axes:
+  model.n_layer: [1, 2]
+  model.qk_init: [normal, orthogonal, tied]
+  seed: [0, 1]
+"""
+
+
+def test_product_size_order_and_ids(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text(E1_YAML)
+    specs = load_grid(path).expand()
+    assert len(specs) == 2 * 3 * 2
+    # Cartesian product in the order given; the last axis varies fastest.
+    assert [s.run_id for s in specs[:4]] == [
+        "n_layer=1,qk_init=normal,seed=0", "n_layer=1,qk_init=normal,seed=1",
+        "n_layer=1,qk_init=orthogonal,seed=0", "n_layer=1,qk_init=orthogonal,seed=1"]
+    assert specs[-1].run_id == "n_layer=2,qk_init=tied,seed=1"
+    assert len({s.run_id for s in specs}) == len(specs)
+    assert len({s.config_hash for s in specs}) == len(specs)
+    for s in specs:
+        assert s.config.model.n_layer == s.axes["model.n_layer"]
+        assert s.config.model.qk_init == s.axes["model.qk_init"]
+        assert s.config.seed == s.axes["seed"]
+        assert s.config.steps == 30 and s.config.model.n_head == 2  # base applied
+        assert s.config.model.n_embd == make_config("smoke").model.n_embd  # preset kept
+
+
+def test_ids_are_stable_across_calls_and_spellings(tmp_path: Path) -> None:
+    path = tmp_path / "g.yaml"
+    path.write_text(E1_YAML)
+    a = [(s.run_id, s.config_hash) for s in load_grid(path).expand()]
+    b = [(s.run_id, s.config_hash) for s in load_grid(path).expand()]
+    nested = Grid.from_dict({"name": "e1-test", "preset": "smoke",
+                             "base": {"steps": 30, "model": {"n_head": 2}},
+                             "axes": {"model": {"n_layer": [1, 2],
+                                                "qk_init": ["normal", "orthogonal", "tied"]},
+                                      "seed": [0, 1]}})
+    assert a == b == [(s.run_id, s.config_hash) for s in nested.expand()]
+    assert load_grid(path).to_dict() == nested.to_dict()
+
+
+def test_values_are_validated_and_printed_after_coercion(tmp_path: Path) -> None:
+    path = tmp_path / "lr.yaml"
+    path.write_text("preset: smoke\naxes:\n  lr: [1e-3, 3.0e-3]\n  model.dropout: [0, 0.1]\n")
+    grid = load_grid(path)
+    assert grid.name == "lr"  # defaults to the file's stem
+    specs = grid.expand()
+    assert specs[0].config.lr == 0.001 and isinstance(specs[0].config.lr, float)
+    assert [s.run_id for s in specs] == ["lr=0.001,dropout=0.0", "lr=0.001,dropout=0.1",
+                                         "lr=0.003,dropout=0.0", "lr=0.003,dropout=0.1"]
+
+
+def test_ids_are_filesystem_safe() -> None:
+    grid = Grid.from_dict({"preset": "smoke", "axes": {
+        "data": ["/data/wiki text/a", "x" * 80], "model.bias": [True, False]}})
+    ids = [s.run_id for s in grid.expand()]
+    assert ids[0] == "data=_data_wiki_text_a,bias=true"
+    for run_id in ids:
+        assert "/" not in run_id and " " not in run_id and len(run_id) < 80
+    assert _id_value("x" * 80) != _id_value("x" * 81)  # shortened values keep a hash
+    assert _labels(["model.dropout", "dropout", "seed"]) == {
+        "model.dropout": "model.dropout", "dropout": "dropout", "seed": "seed"}
+
+
+def test_no_axes_is_one_run() -> None:
+    specs = Grid.from_dict({"preset": "smoke", "base": {"steps": 10}}).expand()
+    assert [s.run_id for s in specs] == ["base"] and specs[0].config.steps == 10
+
+
+@pytest.mark.parametrize("text, words", [
+    ("- a\n- b\n", "must be a mapping"),
+    ("preset: smoke\naxis: {seed: [0]}\n", "unknown grid key 'axis'"),
+    ("preset: tiny\naxes: {seed: [0]}\n", "unknown preset 'tiny'"),
+    ("preset: smoke\naxes: {model.depth: [2]}\n", "axis 'model.depth': unknown config key"),
+    ("preset: smoke\naxes: {model.qk_init: [normal, xavier]}\n", "unknown qk_init 'xavier'"),
+    ("preset: smoke\naxes: {seed: []}\n", "axis 'seed' is empty"),
+    ("preset: smoke\naxes: {seed: 3}\n", "must be a list"),
+    ("preset: smoke\naxes: {seed: [0, 1, 0]}\n", "lists 0 twice"),
+    ("preset: smoke\naxes: {model.n_layer: [2, 2.0]}\n", "same run id 'n_layer=2'"),
+    ("preset: smoke\naxes: {seed: [0]}\naxes: {seed: [1]}\n", "key 'axes' is given twice"),
+    ("preset: smoke\nbase: {stepz: 3}\naxes: {seed: [0]}\n", "base: unknown config key 'stepz'"),
+    ("preset: smoke\nbase: {steps: 8, warmup_steps: 0}\n", "probe_every (10) is larger"),
+    ("preset: smoke\nbase: {model.n_head: 2, model: {n_head: 4}}\n", "set twice"),
+    ("preset: smoke\naxes: {threads: [1, 2]}\n", "set by the sweep runner"),
+    ("preset: smoke\naxes: {seed: [[0]]}\n", "must be scalars"),
+    ("preset: smoke\naxes: [seed]\n", "axes must be a mapping"),
+    ("preset: smoke\naxes: {seed: [0\n", "not valid YAML"),
+])
+def test_bad_grids_fail_in_one_line(tmp_path: Path, text: str, words: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    with pytest.raises(QKGeomError) as info:
+        load_grid(path)
+    message = str(info.value)
+    assert words in message and str(path) in message
+    assert "\n" not in message
+
+
+def test_missing_grid_file(tmp_path: Path) -> None:
+    with pytest.raises(QKGeomError, match="grid file not found"):
+        load_grid(tmp_path / "nope.yaml")
+
+
+def test_e1_grids_have_the_papers_structure() -> None:
+    inits = {"normal", "orthogonal", "tied"}
+    smoke = e1_grid("smoke")
+    assert len(smoke.expand()) == 6 and set(smoke.axes["model.qk_init"]) == inits
+    demo = e1_grid("demo").expand()
+    assert len(demo) == 18
+    assert {s.config.model.n_layer for s in demo} == {4, 6, 8}
+    assert len({s.config.seed for s in demo}) >= 2
+    cfg = demo[0].config
+    assert cfg.steps // cfg.probe_every >= 10  # probed at least ~10 times per run
+    paper = e1_grid("paper", data="/data/wikitext-103").expand()
+    assert len(paper) == 36 and {s.config.seed for s in paper} == {0, 1, 2, 3}
+    assert paper[0].config.model.n_embd == make_config("paper").model.n_embd
+    assert paper[0].config.data == "/data/wikitext-103"
+    cuda = e1_grid("demo", overrides={"device": "cuda"}).expand()
+    assert all(s.config.device == "cuda" for s in cuda)
+    assert set(E1_PRESETS) == {"smoke", "demo", "paper"}
+
+
+def test_e1_grid_errors() -> None:
+    with pytest.raises(QKGeomError, match="WikiText-103"):
+        e1_grid("paper")
+    with pytest.raises(QKGeomError, match="unknown E1 preset"):
+        e1_grid("huge")
+    with pytest.raises(QKGeomError, match="unknown config key"):
+        e1_grid("smoke", overrides={"model.depth": 3})
