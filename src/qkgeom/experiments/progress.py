@@ -16,22 +16,11 @@ class SweepView:
     """A rich progress display; ``update`` with every run's (state, step) each poll."""
 
     def __init__(self, title: str, steps: dict[str, int]) -> None:
-        from rich.console import Console
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from qkgeom.ui import progress_bar
 
         self._steps = steps
-        self._progress = Progress(
-            TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("{task.fields[counts]}"), TimeElapsedColumn(), TextColumn("eta"),
-            TimeRemainingColumn(), console=Console(stderr=True),
-        )
+        self._progress = progress_bar("[bold]{task.description}", "{task.fields[counts]}",
+                                      stderr=True)
         self._overall = self._progress.add_task(title, total=sum(steps.values()), counts="")
         self._per_run: dict[str, Any] = {}
         self._progress.start()

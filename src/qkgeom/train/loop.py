@@ -342,20 +342,10 @@ class _Bar:
     """A rich progress bar with loss, tokens/s and ETA (only when asked for)."""
 
     def __init__(self, total: int, done: int) -> None:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeElapsedColumn,
-            TimeRemainingColumn,
-        )
+        from qkgeom.ui import progress_bar
 
-        self._progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
-            TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(),
-        )
+        self._progress = progress_bar("[bold]train", "loss {task.fields[loss]}",
+                                      "{task.fields[tps]} tok/s")
         self._task = self._progress.add_task("train", total=total, completed=done,
                                              loss="-", tps="-")
         self._progress.start()
