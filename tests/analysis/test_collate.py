@@ -143,3 +143,14 @@ def test_failed_run_reason_carries_the_runner_error(tmp_path):
     reason = excluded_runs(table).set_index("run_id").loc["b", "excluded"]
     assert reason == "failed at step 40: RuntimeError: out of memory"
     assert table.attrs["name"] == "f"
+
+
+def test_relative_sweep_path_finds_every_run_once(all_rise, monkeypatch):
+    """`qkgeom report sweeps/x` from the folder above: the runs sweep.json lists are found
+    once, not looked up under sweeps/x/sweeps/x/ (a bug the demo hit)."""
+    absolute = runs_table(all_rise)
+    monkeypatch.chdir(all_rise.parent)
+    relative = runs_table(all_rise.name)
+    assert len(relative) == len(absolute)
+    assert list(relative["excluded"]) == list(absolute["excluded"])
+    assert "not started" not in " ".join(relative["excluded"])

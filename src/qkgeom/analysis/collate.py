@@ -72,9 +72,8 @@ def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]
             if not rid:
                 continue
             where = run.get("dir") or run.get("out_dir") or run.get("path")
-            folder = Path(where) if where else sweep_dir / "runs" / rid
-            if not folder.is_absolute():
-                folder = sweep_dir / folder
+            # A listed folder is relative to the sweep folder; the default one already is.
+            folder = sweep_dir / where if where else sweep_dir / "runs" / rid
             entries.append({"run_id": rid, "dir": folder, "axes": run.get("axes", {})})
     listed = {e["dir"].resolve() for e in entries}
     runs_dir = sweep_dir / "runs"
