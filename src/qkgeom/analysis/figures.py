@@ -107,28 +107,43 @@ def _lines(ax: Axes, traj: pd.DataFrame, colors: np.ndarray, layers: list[int]) 
                             linewidth=0)
 
 
-def _data_range(traj: pd.DataFrame) -> tuple[float, float]:
-    vals = pd.concat([traj["mean"], traj["ci_low"], traj["ci_high"]]).to_numpy(dtype=float)
+def _data_range(traj: pd.DataFrame, means_only: bool = False) -> tuple[float, float]:
+    cols = [traj["mean"]] if means_only else [traj["mean"], traj["ci_low"], traj["ci_high"]]
+    vals = pd.concat(cols).to_numpy(dtype=float)
     vals = vals[np.isfinite(vals)]
     return (float(vals.min()), float(vals.max())) if len(vals) else (np.nan, np.nan)
 
 
-def _share_ylim(axes: list[Axes], ranges: list[tuple[float, float]]) -> None:
-    """One y range for ``axes``, from their data (mean and CI), floored at 0: every quantity
-    plotted (PR, entropy) is non-negative, so a wide t-interval never drags the axis below."""
+def _share_ylim(axes: list[Axes], ranges: list[tuple[float, float]], log: bool = False) -> None:
+    """One y range for ``axes`` from the given data ranges, floored at 0: every quantity
+    plotted (PR, entropy) is non-negative. CI bands outside the range are clipped.
+
+    ``log``: a log axis over the seed means only (participation ratios are >= 1 and span the
+    early transient's tens of dimensions and the later few); CI bands are clipped to it."""
     finite = [r for r in ranges if np.isfinite(r[0])]
     if not finite:
         return
     lo, hi = min(r[0] for r in finite), max(r[1] for r in finite)
-    pad = 0.05 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
+    if log:
+        from matplotlib.ticker import FuncFormatter
+
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 2, 5, 10, 20 rather than 2×10⁰
+        for ax in axes:
+            ax.set_yscale("log")
+            ax.set_ylim(max(lo, 0.5) / 1.15, hi * 1.15)
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
+        return
+    pad = 0.15 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
     for ax in axes:
         ax.set_ylim(max(lo - pad, 0.0), hi + pad)
 
 
 def _paired_rows(table: pd.DataFrame, level: str, metrics: list[tuple[str, str]],
-                 title: str, share_depth: bool) -> Figure:
+                 title: str, share_depth: bool, log_metrics: tuple[str, ...] = ()) -> Figure:
     """Rows = depth × the given metrics, columns = Q/K init; one line per layer. The y axis
-    is shared along each row, and across all rows of a depth when ``share_depth``."""
+    is shared along each row, and across all rows of a depth when ``share_depth``; rows of
+    ``log_metrics`` get a log y axis."""
     depths, cols = _settings(table)
     n_rows = len(depths) * len(metrics)
     fig, axes = _grid(n_rows, len(cols))
@@ -156,7 +171,9 @@ def _paired_rows(table: pd.DataFrame, level: str, metrics: list[tuple[str, str]]
                 _lines(ax, tr, layer_colors(len(layers)), layers)
                 _step_axis(ax, float(tr["step"].max()))
                 axs.append(ax)
-                ranges.append(_data_range(tr))
+                # Axes follow the seed means; a 2-seed t-interval (x12.7 the s.e.) would
+                # otherwise stretch them far past the data (and past log T for entropy).
+                ranges.append(_data_range(tr, means_only=True))
                 sel = (table["depth"] == depth) & (table["qk_init"] == init) & \
                     (table["variant"] == variant)
                 ref = _group_ref(table, table[sel])
@@ -170,8 +187,9 @@ def _paired_rows(table: pd.DataFrame, level: str, metrics: list[tuple[str, str]]
             where = ({"loc": "center left", "bbox_to_anchor": (1.0, 0.5)}
                      if legend_col == len(cols) - 1 else {"loc": "best"})  # never over a panel
             legend_ax.legend(title="layer", frameon=False, ncols=1 + n_layers // 10, **where)
-        for axs, ranges in shared.values():
-            _share_ylim(axs, ranges)
+        for key, (axs, ranges) in shared.items():
+            row_metric = metrics[0][0] if share_depth else metrics[key][0]
+            _share_ylim(axs, ranges, log=row_metric in log_metrics)
     _suptitle(fig, f"{title} — {LEVEL_TITLE[level]}; seed mean ± 95 % CI; "
               "dashed line: reference step", len(cols))
     return fig
@@ -182,7 +200,8 @@ def fig_pr(table: pd.DataFrame, level: str = "weight") -> Figure:
     with matplotlib.rc_context(STYLE):
         return _paired_rows(table, level, [(f"pr_q_{level}", "PR_Q (dimensions)"),
                                            (f"pr_k_{level}", "PR_K (dimensions)")],
-                            "Participation ratio of queries and keys", share_depth=True)
+                            "Participation ratio of queries and keys", share_depth=True,
+                            log_metrics=(f"pr_q_{level}", f"pr_k_{level}"))
 
 
 def fig_qk_entropy(table: pd.DataFrame, level: str = "weight") -> Figure:
@@ -190,7 +209,8 @@ def fig_qk_entropy(table: pd.DataFrame, level: str = "weight") -> Figure:
     with matplotlib.rc_context(STYLE):
         return _paired_rows(table, level, [(f"pr_qk_{level}", "PR of QKᵀ spectrum (dims)"),
                                            ("attn_entropy", "attention entropy (nats)")],
-                            "Interaction spectrum and attention entropy", share_depth=False)
+                            "Interaction spectrum and attention entropy", share_depth=False,
+                            log_metrics=(f"pr_qk_{level}",))
 
 
 def fig_contrast(table: pd.DataFrame, level: str = "weight") -> Figure:
