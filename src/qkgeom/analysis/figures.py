@@ -125,14 +125,14 @@ def _share_ylim(axes: list[Axes], ranges: list[tuple[float, float]], log: bool =
         return
     lo, hi = min(r[0] for r in finite), max(r[1] for r in finite)
     if log:
-        from matplotlib.ticker import FuncFormatter
+        from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 2, 5, 10, 20 rather than 2×10⁰
         for ax in axes:
             ax.set_yscale("log")
             ax.set_ylim(max(lo, 0.5) / 1.15, hi * 1.15)
-            ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(plain)
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 2, 5, 10
+            ax.yaxis.set_minor_formatter(NullFormatter())
         return
     pad = 0.15 * (hi - lo) if hi > lo else 0.05 * max(abs(hi), 1.0)
     for ax in axes:
