@@ -1,4 +1,4 @@
-"""Training tokens/s of ``qkgeom.train`` (probes on, default cadence) vs a plain PyTorch loop.
+"""Training tokens/s of ``qkgeom.train()`` (probes on, default cadence) vs a plain PyTorch loop.
 
 Both train the same GPT on the same prepared data in this process, interleaved
 (plain, qkgeom, plain, qkgeom, ...) so machine noise hits both alike; the medians are
@@ -43,7 +43,7 @@ def plain_loop(cfg, data: np.ndarray, steps: int) -> float:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
-        float(loss)
+        float(loss.detach())
     return steps * B * T / (time.perf_counter() - t0)
 
 

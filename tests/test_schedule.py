@@ -1,4 +1,4 @@
-from qkgeom.train.schedule import lr_at
+from qkgeom.training.schedule import lr_at
 
 
 def test_warmup_then_cosine_to_floor() -> None:

@@ -20,7 +20,7 @@ _EXPORTS = {
     "prepare_data": "qkgeom.data", "load_prepared": "qkgeom.data",
     "QKGeomError": "qkgeom.errors", "DivergedError": "qkgeom.errors",
     "GPT": "qkgeom.model", "probe": "qkgeom.geometry.probe",
-    "train": "qkgeom.train", "RunResult": "qkgeom.train", "Callback": "qkgeom.train",
+    "train": "qkgeom.training", "RunResult": "qkgeom.training", "Callback": "qkgeom.training",
 }
 
 __all__ = [
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from qkgeom.errors import DivergedError, QKGeomError
     from qkgeom.geometry.probe import probe
     from qkgeom.model import GPT
-    from qkgeom.train import Callback, RunResult, train
+    from qkgeom.training import Callback, RunResult, train
 
 
 def __getattr__(name: str) -> Any:

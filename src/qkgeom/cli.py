@@ -100,7 +100,7 @@ def train_cmd(
 ) -> None:
     """Train a char-level GPT and record Q/K geometry along the way."""
     from qkgeom.config import make_config, parse_dotted
-    from qkgeom.train import train
+    from qkgeom.training import train
 
     overrides: dict[str, Any] = {}
     if config is not None:
@@ -148,7 +148,7 @@ def _show(run: Path, step: int | None) -> None:
         raise QKGeomError(f"{path}: unreadable Parquet ({type(err).__name__})") from None
     ref = None
     if (run / "config.json").exists():
-        from qkgeom.train import load_run_config
+        from qkgeom.training import load_run_config
 
         ref = load_run_config(run).ref_step
     try:

@@ -13,7 +13,7 @@ import qkgeom
 
 ANALYSIS_SOURCES = [*sorted((Path(qkgeom.__file__).parent / "analysis").glob("*.py")),
                     Path(qkgeom.__file__).parent / "stats.py"]
-FORBIDDEN = ("torch", "qkgeom.model", "qkgeom.train", "qkgeom.probe", "qkgeom.geometry",
+FORBIDDEN = ("torch", "qkgeom.model", "qkgeom.training", "qkgeom.probe", "qkgeom.geometry",
              "qkgeom.data", "transformers")
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from qkgeom import DivergedError, QKGeomError, make_config, train
-from qkgeom.train import Callback, TrainContext
+from qkgeom.training import Callback, TrainContext
 
 METRICS = {"pr_q_weight", "pr_k_weight", "contrast_weight", "pr_qk_weight", "pr_q_token",
            "pr_k_token", "contrast_token", "pr_qk_token", "attn_entropy", "attn_entropy_norm",

@@ -136,7 +136,7 @@ def resolve_data(specs: list[RunSpec]) -> list[RunSpec]:
     data's vocabulary size). So the driver must see the data folders too.
     """
     from qkgeom.config import with_vocab
-    from qkgeom.train.loop import load_data
+    from qkgeom.training.loop import load_data
 
     loaded: dict[str, Any] = {}
     out = []

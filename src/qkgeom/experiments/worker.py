@@ -64,8 +64,8 @@ def run_one(run_dir: str, config_dict: dict[str, Any], threads: int, *,
 def _train(run: Path, config_dict: dict[str, Any],
            status: dict[str, Any] | None) -> dict[str, Any]:
     from qkgeom.config import from_dict
-    from qkgeom.train import train
-    from qkgeom.train.checkpoint import list_checkpoints
+    from qkgeom.training import train
+    from qkgeom.training.checkpoint import list_checkpoints
 
     checkpoints = list_checkpoints(run)
     resume_from = checkpoints[-1][0] if checkpoints else None

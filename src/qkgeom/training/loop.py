@@ -30,9 +30,9 @@ from qkgeom.geometry.probe import probe
 from qkgeom.io import read_json, write_json, write_parquet
 from qkgeom.model import GPT
 from qkgeom.seeding import make_generators
-from qkgeom.train.callbacks import Callback, TrainContext
-from qkgeom.train.checkpoint import load_latest_checkpoint, save_checkpoint
-from qkgeom.train.schedule import lr_at
+from qkgeom.training.callbacks import Callback, TrainContext
+from qkgeom.training.checkpoint import load_latest_checkpoint, save_checkpoint
+from qkgeom.training.schedule import lr_at
 
 LOG_COLUMNS = ["step", "loss", "val_loss", "lr", "tokens_per_s"]
 _EVAL_SEED = 1234  # eval windows are the same for every run and every eval
