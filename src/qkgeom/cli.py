@@ -94,6 +94,11 @@ def train_cmd(
     precision: Annotated[str | None, typer.Option(help="fp32 | bf16 | fp16")] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N | mps")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads (0 = default).")] = None,
+    key_control: Annotated[str | None, typer.Option(
+        help="Key-spectrum control: none | hold | shrink | expand (SPEC §4).")] = None,
+    shrink_to: Annotated[float | None, typer.Option(
+        help="shrink: final PR_K target as a share of PR_K at step 0.")] = None,
+    key_control_scope: Annotated[str | None, typer.Option(help="layer | head")] = None,
     set_: Annotated[list[str] | None, typer.Option(
         "--set", help="Dotted override, repeatable: --set model.dropout=0.1")] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
@@ -108,7 +113,8 @@ def train_cmd(
     overrides = _deep_update(overrides, _train_overrides(
         data=data, seed=seed, steps=steps, depth=depth, n_embd=n_embd, n_head=n_head,
         block_size=block_size, batch_size=batch_size, lr=lr, qk_init=qk_init,
-        probe_every=probe_every, precision=precision, device=device, threads=threads))
+        probe_every=probe_every, precision=precision, device=device, threads=threads,
+        key_control=key_control, shrink_to=shrink_to, key_control_scope=key_control_scope))
     overrides = _deep_update(overrides, parse_dotted(set_ or []))
     cfg = make_config(preset, overrides)
     out = out or Path("runs") / f"{preset}-s{cfg.seed}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,11 @@ from qkgeom.errors import QKGeomError
 
 QK_INITS = ("normal", "orthogonal", "tied")
 PRECISIONS = ("fp32", "bf16", "fp16")
+# Key-spectrum control (SPEC §4); kept here so config stays torch-free (a test checks they
+# equal qkgeom.control's).
+KEY_CONTROL_MODES = ("none", "hold", "shrink", "expand")
+KEY_CONTROL_SCOPES = ("layer", "head")
+KEY_CONTROL_HOWS = ("post_step", "parametrize")
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,11 @@ class TrainConfig:
     precision: str = "fp32"
     device: str = "cpu"
     threads: int = 0  # 0 = leave torch's default
+    key_control: str = "none"  # none | hold | shrink | expand (SPEC §4)
+    key_control_scope: str = "layer"  # layer | head
+    key_control_how: str = "post_step"  # post_step | parametrize
+    shrink_to: float = 0.5  # shrink: final target as a share of PR_K at step 0
+    expand_to: float = 2.0  # expand: final target as a multiple of PR_K at step 0
 
     def validate(self) -> None:
         self.model.validate()
@@ -115,6 +126,16 @@ class TrainConfig:
             raise QKGeomError(f"threads must be >= 0, got {self.threads}")
         if self.reference_step < -1 or self.reference_step > self.steps:
             raise QKGeomError(f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
+        for name, allowed in (("key_control", KEY_CONTROL_MODES),
+                              ("key_control_scope", KEY_CONTROL_SCOPES),
+                              ("key_control_how", KEY_CONTROL_HOWS)):
+            if getattr(self, name) not in allowed:
+                raise QKGeomError(f"unknown {name} {getattr(self, name)!r}; choose one of "
+                                  f"{', '.join(allowed)}")
+        if not 0.0 < self.shrink_to <= 1.0:
+            raise QKGeomError(f"shrink_to must be in (0, 1], got {self.shrink_to}")
+        if not (math.isfinite(self.expand_to) and self.expand_to >= 1.0):
+            raise QKGeomError(f"expand_to must be a finite number >= 1, got {self.expand_to}")
         if not (self.device == "cpu" or self.device.startswith(("cuda", "mps"))):
             raise QKGeomError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or mps")
 

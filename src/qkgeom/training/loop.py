@@ -192,6 +192,13 @@ def train(
     gens = make_generators(cfg.seed)
     torch.manual_seed(gens.dropout_seed)
     model = GPT(cfg.model, generator=gens.init).to(device)
+    if cfg.key_control != "none":
+        from qkgeom.control import KeyControlCallback  # imports training: not at module level
+
+        key_cb = KeyControlCallback.from_config(cfg)
+        if cfg.key_control_how == "parametrize":  # renames state_dict keys: bind before loading
+            key_cb.bind(model, cfg.steps, fresh=True)
+        callbacks = [key_cb, *callbacks]
     optimizer = make_optimizer(model, cfg, device)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     ctx = TrainContext(config=cfg, model=model, optimizer=optimizer)

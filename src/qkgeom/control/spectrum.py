@@ -1,0 +1,408 @@
+"""Reshaping a singular spectrum to a target participation ratio (SPEC §4), as pure functions.
+
+The key-spectrum control replaces ``W = U·diag(s)·Vᵀ`` by ``U·diag(s′)·Vᵀ`` with
+``s′ᵢ = c·sᵢ^γ``: the singular vectors stay, the order of the singular values stays, and
+``c`` rescales so that ``Σs′² = Σs²`` (the Frobenius norm, i.e. the logit scale, is kept;
+only the *shape* of the spectrum changes). ``γ`` is found by bisection so that
+``PR(s′²) = (Σs′²)² / Σs′⁴`` equals the target.
+
+Why bisection works: with ``a = 2γ`` and weights ``pᵢ ∝ sᵢ^a``,
+``d log PR / da = 2·(E_a[log s] − E_2a[log s]) ≤ 0`` for ``a ≥ 0`` (``E_a[log s]`` grows
+with ``a``: its derivative is a variance), strictly unless the spectrum is flat. So on
+``γ ∈ [0, ∞)`` PR falls monotonically from ``n_nz`` (γ = 0: every non-zero value equal)
+to ``m_top`` (γ → ∞: only the values tied for the maximum survive; 1 for a generic
+spectrum). Negative γ would invert the order of the singular values and is never used.
+
+Edge cases (never a silent NaN):
+
+* **Tolerance.** Decisions about equality use ``rtol = min(8·n·eps, 1e-3)`` relative to
+  ``s_max``, with ``eps`` of the *stored* weight's dtype (float32 for a float32 W_K, whose
+  float64 SVD carries float32 round-off; the ``matrix_rank`` convention, with a margin).
+* **Zero singular values** (rank-deficient W; a value ``≤ rtol·s_max``) stay exactly zero,
+  even at γ = 0. The largest reachable PR is ``n_nz``, the number of non-zero values.
+* **Target outside the reachable range** ``[m_top, n_nz]`` (this includes any target
+  ``< 1`` or ``> n``): clamped to the nearest end and reported (``clamped``). Above: γ = 0,
+  all non-zero values equal. Below: the γ → ∞ limit, returned exactly as ``γ = inf``
+  (the ``m_top`` largest values equal, the rest zero, Frobenius norm kept) -- a rank
+  collapse, which is what asking for PR ≤ 1 means.
+* **Flat spectrum** (all non-zero values within ``rtol·s_max`` of the largest -- e.g. a
+  float32 orthogonal init, whose singular values differ by ~1e-6): every γ gives the
+  same PR (= ``n_nz``), so no power can reshape it. It is returned unchanged with
+  ``γ = 1`` and ``flat = True``; ``clamped`` is set when the target differs from ``n_nz``.
+  (An orthogonally initialised W_K is flat at step 0; one optimiser step later it is not.)
+  Raising instead would abort a training run over a measure-zero event.
+* **All-zero spectrum**: unchanged, ``γ = 1``, ``flat = True``, ``clamped = True``,
+  PR 0.0 (the project's zero-spectrum convention, :mod:`qkgeom.geometry.spectra`).
+* **Target equal to the current PR** (within 1e-12 relative): ``γ = 1`` exactly and the
+  spectrum is returned bit for bit.
+* Negative, NaN or infinite singular values, or a NaN target: ``ValueError`` (bad input,
+  not a state to paper over).
+
+Accuracy: the bisection stops when the bracket on γ is 1e-13 wide (relative), so
+``PR(s′²)`` is on target to about 1e-12 relative (the SPEC asks 1e-3). Everything is float64.
+
+:func:`spectral_reshape` is the differentiable version used by the ``parametrize``
+variant: a custom autograd function whose backward is the stable derivative of a spectral
+function (divided differences, finite for repeated singular values) plus the implicit
+derivative of γ (the target PR is held fixed while W moves).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GAMMA_MAX",
+    "SpectrumFit",
+    "apply_target",
+    "default_rtol",
+    "fit_spectrum",
+    "reshape_spectrum",
+    "spectral_reshape",
+]
+
+GAMMA_MAX = 2.0**40  # largest finite γ tried; beyond it only the γ = inf limit is used
+_EPS = torch.finfo(torch.float64).eps
+_GAMMA_RTOL = 1e-13  # bisection stop: relative width of the bracket on γ
+_SPLIT = 32  # sub-intervals per bisection pass
+_SAME_RTOL = 1e-12  # a target this close to the current PR means "leave it" (γ = 1)
+
+
+class SpectrumFit(NamedTuple):
+    """Result of :func:`fit_spectrum`; every field batched over the leading dims.
+
+    ``s`` (..., n) reshaped singular values (float64); ``gamma`` the exponent (1 =
+    unchanged, 0 = flattened, inf = the rank-``m_top`` limit); ``target`` the PR aimed at
+    after clamping to the reachable range; ``pr`` = PR(s′²) achieved; ``pr_before`` =
+    PR(s²); ``clamped`` whether the requested target was outside the reachable range (or
+    the spectrum was flat/zero and could not be moved); ``flat`` whether the input was flat
+    or all zero (returned unchanged).
+    """
+
+    s: Tensor
+    gamma: Tensor
+    target: Tensor
+    pr: Tensor
+    pr_before: Tensor
+    clamped: Tensor
+    flat: Tensor
+
+
+def _pr_rows(p: Tensor) -> Tensor:
+    """PR of non-negative rows whose max is 1 (so no overflow); 0.0 for an all-zero row."""
+    s1 = p.sum(dim=-1)  # (...,)
+    s2 = (p * p).sum(dim=-1)  # (...,)
+    return torch.where(s2 > 0, s1 * s1 / torch.where(s2 > 0, s2, torch.ones_like(s2)), s1 * 0)
+
+
+def _powers(logx: Tensor, nz: Tensor, gamma: Tensor) -> Tensor:
+    """``x^γ`` on the non-zero entries (x = s/s_max, so the top entry is 1), 0 elsewhere."""
+    return torch.where(nz, torch.exp(gamma.unsqueeze(-1) * logx), torch.zeros_like(logx))
+
+
+def _pr_at(logx: Tensor, nz: Tensor, gamma: Tensor) -> Tensor:
+    """PR(s′²) for s′ ∝ s^γ, i.e. PR of x^(2γ)."""
+    return _pr_rows(_powers(logx, nz, 2 * gamma))
+
+
+def _pr_many(logx: Tensor, nz: Tensor, gammas: Tensor) -> Tensor:
+    """PR(s′²) at several γ per row: logx, nz (..., n); gammas (..., K) -> (..., K)."""
+    p = torch.exp(2 * gammas.unsqueeze(-1) * logx.unsqueeze(-2))  # (..., K, n)
+    p = torch.where(nz.unsqueeze(-2), p, torch.zeros_like(p))
+    return _pr_rows(p)
+
+
+def _bisect_gamma(logx: Tensor, nz: Tensor, t: Tensor, below: Tensor,
+                  active: Tensor) -> Tensor:
+    """γ with PR(s^2γ) = t by bisection on a bracket, vectorised over rows.
+
+    The bracket is [1, 2^40] when the target is below the current PR (γ > 1; first
+    narrowed to one octave [2^(j-1), 2^j] by evaluating all 41 powers of two at once), else
+    [0, 1]. Each pass then probes ``_SPLIT - 1`` equally spaced points inside the bracket
+    and keeps the sub-interval where PR crosses the target -- bisection into ``_SPLIT``
+    parts instead of 2, so ~9 passes of a few tensor ops reach a 1e-12 relative bracket
+    instead of ~40 (it is the same bracketing search, and as robust: PR is monotone).
+    Only ``active`` rows (those with a root inside the bracket) decide when to stop.
+    """
+    shape = t.shape
+    lo = torch.where(below, torch.ones_like(t), torch.zeros_like(t))  # (...,)
+    hi = torch.ones_like(t)
+    if bool(below.any()):
+        octaves = 2.0 ** torch.arange(41, dtype=t.dtype, device=t.device)  # 1 .. GAMMA_MAX
+        pr_oct = _pr_many(logx, nz, octaves.expand(*shape, 41))  # (..., 41)
+        j = (pr_oct > t.unsqueeze(-1)).sum(-1).clamp(1, 40)  # first octave with PR <= t
+        lo = torch.where(below, octaves[j - 1], lo)
+        hi = torch.where(below, octaves[j], hi)
+    frac = torch.arange(1, _SPLIT, dtype=t.dtype, device=t.device) / _SPLIT  # (K,)
+    for _ in range(40):
+        probes = lo.unsqueeze(-1) + (hi - lo).unsqueeze(-1) * frac  # (..., K)
+        n_above = (_pr_many(logx, nz, probes) > t.unsqueeze(-1)).sum(-1, keepdim=True)
+        edges = torch.cat([lo.unsqueeze(-1), probes, hi.unsqueeze(-1)], dim=-1)  # (..., K+2)
+        lo = edges.gather(-1, n_above).squeeze(-1)  # last probe with PR > t (or lo)
+        hi = edges.gather(-1, n_above + 1).squeeze(-1)  # first probe with PR <= t (or hi)
+        if bool((((hi - lo) <= torch.clamp(_GAMMA_RTOL * hi, min=1e-300)) | ~active).all()):
+            break
+    return (lo + hi) / 2
+
+
+def _check_spectrum(s: Tensor | Any) -> Tensor:
+    s = torch.as_tensor(s).to(torch.float64)
+    if s.ndim == 0 or s.shape[-1] == 0:
+        raise ValueError(f"a spectrum needs a non-empty last dim, got shape {tuple(s.shape)}")
+    if not bool(torch.isfinite(s).all()):
+        raise ValueError("the singular values contain NaN or inf")
+    if bool((s < 0).any()):
+        raise ValueError(f"singular values must be non-negative; min = {s.min().item():.3g}")
+    return s
+
+
+def default_rtol(n: int, dtype: torch.dtype = torch.float64) -> float:
+    """Relative tolerance for "zero" and "tied" singular values of an n-value spectrum
+    whose matrix is stored in ``dtype``: ``min(8·n·eps(dtype), 1e-3)``."""
+    return min(8 * n * torch.finfo(dtype).eps, 1e-3)
+
+
+def fit_spectrum(s: Tensor | Any, target_pr: Tensor | float, *,
+                 rtol: float | None = None) -> SpectrumFit:
+    """Reshape singular values ``s`` (..., n) to ``PR(s′²) = target_pr`` (see module doc).
+
+    Batched over leading dims (``target_pr`` broadcasts against them). Zero entries may pad
+    rows of different lengths: they stay zero and do not count. ``rtol``: relative
+    tolerance for zero / tied values (default :func:`default_rtol` for float64).
+    """
+    s = _check_spectrum(s)  # (..., n)
+    n = s.shape[-1]
+    rtol = default_rtol(n) if rtol is None else float(rtol)
+    target = torch.as_tensor(target_pr, dtype=torch.float64, device=s.device)
+    target = target.expand(s.shape[:-1]).clone()  # (...,)
+    if bool(torch.isnan(target).any()):
+        raise ValueError("target PR is NaN")
+
+    s_max = s.amax(dim=-1)  # (...,)
+    dead = s_max == 0  # (...,) all-zero rows
+    x = s / torch.where(dead, torch.ones_like(s_max), s_max).unsqueeze(-1)  # (..., n) in [0, 1]
+    nz = x > rtol  # (..., n) non-zero singular values
+    logx = torch.where(nz, torch.log(torch.where(nz, x, torch.ones_like(x))), torch.zeros_like(x))
+    n_nz = nz.sum(dim=-1).to(torch.float64)  # (...,) = PR at γ = 0
+    top = nz & (x >= 1 - rtol)  # (..., n) values tied for the maximum
+    m_top = top.sum(dim=-1).to(torch.float64)  # (...,) = PR as γ -> inf
+    flat = dead | (m_top == n_nz)  # (...,)
+    ones = torch.ones_like(s_max)
+
+    pr_before = _pr_at(logx, nz, ones)  # (...,) PR(s²)
+    pr_cap = _pr_at(logx, nz, ones * GAMMA_MAX)  # (...,) PR at the largest finite γ
+
+    # Reachable range [m_top, n_nz]: clamp, and decide the closed-form rows first.
+    t = torch.minimum(torch.maximum(target, m_top), n_nz)  # (...,)
+    same = (target - pr_before).abs() <= _SAME_RTOL * pr_before
+    at_top = (t >= n_nz) & ~same  # γ = 0
+    at_limit = (t <= m_top) & ~same  # γ = inf
+    beyond_cap = (t < pr_cap) & ~at_limit & ~same  # γ = GAMMA_MAX, PR just above the target
+    clamped = ((t - target).abs() > _SAME_RTOL * target.abs().clamp_min(1.0)) | beyond_cap
+
+    # Bisection for the rest: PR(γ) is decreasing, PR(1) = pr_before.
+    solve = ~(flat | same | at_top | at_limit | beyond_cap)
+    gamma = ones.clone()
+    if bool(solve.any()):
+        gamma = torch.where(solve, _bisect_gamma(logx, nz, t, t < pr_before, solve), gamma)
+    gamma = torch.where(at_top, torch.zeros_like(gamma), gamma)
+    gamma = torch.where(beyond_cap, torch.full_like(gamma, GAMMA_MAX), gamma)
+    gamma = torch.where(at_limit & ~flat, torch.full_like(gamma, math.inf), gamma)
+    gamma = torch.where(flat | same, ones, gamma)
+
+    # s′ = c·s^γ with Σs′² = Σs² (computed on x = s/s_max: no overflow for any γ).
+    finite_g = torch.where(torch.isinf(gamma), ones, gamma)
+    p = _powers(logx, nz, finite_g)  # (..., n)
+    p = torch.where(torch.isinf(gamma).unsqueeze(-1), top.to(p.dtype), p)  # the γ = inf limit
+    sum_x2 = (x * x).sum(dim=-1)  # (...,) includes values treated as zero: norm kept exactly
+    sum_p2 = (p * p).sum(dim=-1).clamp_min(1.0)  # the top entry is 1, so >= 1 unless dead
+    s_new = p * (s_max * torch.sqrt(sum_x2 / sum_p2)).unsqueeze(-1)  # (..., n)
+    keep = (flat | same).unsqueeze(-1)
+    s_new = torch.where(keep, s, s_new)
+    pr = torch.where(keep.squeeze(-1), pr_before, _pr_rows(p * p))
+    t = torch.where(flat, pr_before, torch.where(same, target, t))
+    t = torch.where(beyond_cap, pr_cap, t)
+    clamped = torch.where(flat, dead | ((target - n_nz).abs() > _SAME_RTOL * n_nz), clamped)
+    return SpectrumFit(s=s_new, gamma=gamma, target=t, pr=pr, pr_before=pr_before,
+                       clamped=clamped, flat=flat)
+
+
+def reshape_spectrum(s: Tensor | Any, target_pr: Tensor | float, *,
+                     rtol: float | None = None) -> tuple[Tensor, Any]:
+    """``(s_new, gamma)``: ``s_new = c·s^γ`` with ``PR(s_new²) = target_pr``, ``Σs_new² = Σs²``.
+
+    ``s`` is a spectrum of singular values (not their squares), (n,) or batched (..., n).
+    For a 1-D ``s``, ``gamma`` is a float; batched, a tensor. Clamping and the flat / zero
+    cases follow the module docstring; use :func:`fit_spectrum` to see the flags.
+    """
+    fit = fit_spectrum(s, target_pr, rtol=rtol)
+    if fit.s.ndim == 1:
+        return fit.s, float(fit.gamma)
+    return fit.s, fit.gamma
+
+
+def _svd_reshape(a: Tensor, target: Tensor,
+                 rtol: float) -> tuple[Tensor, SpectrumFit, tuple[Tensor, ...]]:
+    """float64 (..., m, n) -> reshaped matrices, the fit, and (U, s, Vh)."""
+    u, s, vh = torch.linalg.svd(a, full_matrices=False)  # (..., m, k), (..., k), (..., k, n)
+    fit = fit_spectrum(s, target, rtol=rtol)
+    out = (u * fit.s.unsqueeze(-2)) @ vh  # (..., m, n)
+    keep = (fit.flat | (fit.gamma == 1)).unsqueeze(-1).unsqueeze(-1)
+    return torch.where(keep, a, out), fit, (u, s, vh)
+
+
+def apply_target(w: Tensor, target_pr: Tensor | float) -> tuple[Tensor, dict[str, Any]]:
+    """Reshape the spectrum of ``w`` (m, n) -- or a batch (..., m, n) -- to PR = target.
+
+    ``torch.linalg.svd(full_matrices=False)`` in float64; returns a new tensor in ``w``'s
+    dtype and device (``w`` itself is not modified) and ``info``: ``target`` (requested),
+    ``target_used`` (after clamping), ``pr_before``, ``pr`` (PR of the new float64
+    spectrum), ``gamma``, ``clamped``, ``flat``, ``changed``. Floats/bools for one matrix,
+    tensors for a batch. When nothing changes (γ = 1 or flat) the values of ``w`` come
+    back bit for bit.
+    """
+    if w.ndim < 2:
+        raise ValueError(f"apply_target needs (..., m, n), got {tuple(w.shape)}")
+    a = w.detach().to(torch.float64)
+    target = torch.as_tensor(target_pr, dtype=torch.float64, device=w.device)
+    rtol = default_rtol(min(w.shape[-2:]), w.dtype)
+    new64, fit, _ = _svd_reshape(a, target.expand(a.shape[:-2]), rtol)
+    changed = ~(fit.flat | (fit.gamma == 1))  # (...,)
+    new = torch.where(changed.unsqueeze(-1).unsqueeze(-1), new64.to(w.dtype), w.detach())
+    info: dict[str, Any] = {
+        "target": torch.as_tensor(target_pr, dtype=torch.float64).expand(a.shape[:-2]),
+        "target_used": fit.target, "pr_before": fit.pr_before, "pr": fit.pr,
+        "gamma": fit.gamma, "clamped": fit.clamped, "flat": fit.flat, "changed": changed,
+    }
+    if w.ndim == 2:
+        info = {k: (bool(v) if v.dtype == torch.bool else float(v)) for k, v in info.items()}
+    return new.clone(), info
+
+
+# --------------------------------------------------------------------------- differentiable
+
+
+def _psi_live(s: Tensor, gamma0: Tensor, target: Tensor, nz: Tensor, top: Tensor,
+              implicit: Tensor, const_gamma: Tensor, limit: Tensor, ghat_diag: Tensor) -> Tensor:
+    """``Σⱼ Ĝⱼⱼ·ψⱼ`` with the explicit ``sⱼ`` frozen and only ``c(s)``, ``γ(s)`` live.
+
+    ``ψⱼ = c(s)·sⱼ^γ(s)``, ``c = √(Σs² / Σs^2γ)``; ``γ(s)`` follows the target through the
+    implicit function theorem where ``implicit`` (one Newton correction around the solved
+    ``γ₀``: its value is γ₀, its gradient −∂PR/∂s ÷ ∂PR/∂γ), else it is held. ``limit`` rows
+    (γ = inf) use ``ψ = ‖s‖·1[top]/√m_top``. Everything stays finite in every branch.
+    """
+    s_max = s.detach().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(s.dtype).tiny)
+    xs = s / s_max  # (B, k), live; the constant s_max cancels in ψ / s_max
+    l_live = torch.where(nz, torch.log(torch.where(nz, xs, torch.ones_like(xs))), 0 * xs)
+    l_frozen = l_live.detach()
+    g0 = torch.where(torch.isfinite(gamma0), gamma0, torch.ones_like(gamma0))  # (B,)
+    neg_inf = torch.full_like(l_live, -math.inf)
+
+    def lse(a: Tensor, logs: Tensor) -> Tensor:  # log Σ_nz x^a, a: (B,)
+        return torch.logsumexp(torch.where(nz, a.unsqueeze(-1) * logs, neg_inf), dim=-1)
+
+    # dPR/dγ at the solution, held constant (only its value enters the implicit derivative).
+    with torch.no_grad():
+        w2 = torch.softmax(torch.where(nz, 2 * g0.unsqueeze(-1) * l_frozen, neg_inf), dim=-1)
+        w4 = torch.softmax(torch.where(nz, 4 * g0.unsqueeze(-1) * l_frozen, neg_inf), dim=-1)
+        log_pr0 = 2 * lse(2 * g0, l_frozen) - lse(4 * g0, l_frozen)
+        dpr = torch.exp(log_pr0) * 4 * ((w2 * l_frozen).sum(-1) - (w4 * l_frozen).sum(-1))
+        use_imp = implicit & (dpr.abs() > 1e-12)
+        dpr = torch.where(use_imp, dpr, torch.ones_like(dpr))
+    pr_live = torch.exp(2 * lse(2 * g0, l_live) - lse(4 * g0, l_live))  # PR(s, γ₀), live in s
+    g_imp = g0 - (pr_live - target) / dpr
+    gamma = torch.where(use_imp, g_imp, g0)
+    gamma = torch.where(const_gamma, g0, gamma)  # (B,)
+    log_norm2 = torch.logsumexp(torch.where(nz, 2 * l_live, neg_inf), dim=-1)  # log Σx²
+    log_c = 0.5 * (log_norm2 - lse(2 * gamma, l_live))  # (B,)
+    psi = torch.where(nz, torch.exp(log_c.unsqueeze(-1) + gamma.unsqueeze(-1) * l_frozen),
+                      0 * xs)  # ψ / s_max, (B, k)
+    m_top = top.sum(-1, keepdim=True).clamp_min(1).to(xs.dtype)
+    psi_lim = torch.where(top, torch.exp(0.5 * log_norm2).unsqueeze(-1) / m_top.sqrt(), 0 * xs)
+    psi = torch.where(limit.unsqueeze(-1), psi_lim, psi)
+    return (ghat_diag * psi * s_max).sum()
+
+
+class _SpectralReshape(torch.autograd.Function):
+    """float64 (B, m, n) -> U·diag(ψ(s))·Vᵀ, with a backward that is finite for repeated s."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, target: Tensor, identity: Tensor,
+                rtol: float) -> tuple[Tensor, ...]:
+        out, fit, (u, s, vh) = _svd_reshape(a, target, rtol)
+        ctx.rtol = rtol
+        ident = identity | fit.flat  # (B,) passed through, identity gradient
+        out = torch.where(ident.unsqueeze(-1).unsqueeze(-1), a, out)
+        ctx.save_for_backward(u, s, vh, fit.s, fit.gamma, fit.target, ident, fit.clamped)
+        ctx.mark_non_differentiable(fit.gamma, fit.pr, fit.clamped)
+        return out, fit.gamma, fit.pr, fit.clamped
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor, *_: Any) -> tuple[Tensor | None, None, None, None]:
+        u, s, vh, psi, gamma, target, ident, clamped = ctx.saved_tensors
+        v = vh.mT  # (B, n, k)
+        s_max = s.amax(dim=-1, keepdim=True)  # (B, 1)
+        nz = s > ctx.rtol * s_max  # (B, k), as in fit_spectrum
+        top = nz & (s >= (1 - ctx.rtol) * s_max)
+        limit = torch.isinf(gamma)  # (B,)
+        g_fin = torch.where(limit, torch.zeros_like(gamma), gamma)
+        s_safe = torch.where(nz, s, torch.ones_like(s))
+        ratio = torch.where(nz, psi / s_safe, torch.zeros_like(s))  # ψᵢ/sᵢ
+        dpsi = torch.where(nz, g_fin.unsqueeze(-1) * ratio, torch.zeros_like(s))  # ψ'(sᵢ), c and γ held
+        # Divided differences (ψᵢ−ψⱼ)/(sᵢ−sⱼ) -> ψ' for (nearly) equal values; (ψᵢ+ψⱼ)/(sᵢ+sⱼ).
+        ds = s.unsqueeze(-1) - s.unsqueeze(-2)  # (B, k, k)
+        close = ds.abs() <= 1e-8 * s_max.unsqueeze(-1)
+        d1 = torch.where(close, (dpsi.unsqueeze(-1) + dpsi.unsqueeze(-2)) / 2,
+                         (psi.unsqueeze(-1) - psi.unsqueeze(-2)) / torch.where(close, 1.0, ds))
+        ssum = s.unsqueeze(-1) + s.unsqueeze(-2)
+        pos = ssum > 0
+        d2 = torch.where(pos, (psi.unsqueeze(-1) + psi.unsqueeze(-2)) /
+                         torch.where(pos, ssum, 1.0), torch.zeros_like(ssum))
+        ghat = u.mT @ g @ v  # (B, k, k)
+        a1, a2 = d1 * ghat, d2 * ghat
+        core = (a1 + a1.mT) / 2 + (a2 - a2.mT) / 2  # (B, k, k)
+        grad = u @ core @ vh  # (B, m, n)
+        # Out-of-span parts (non-square W): (I−UUᵀ)·G·V·diag(ψ/s)·Vᵀ + U·diag(ψ/s)·Uᵀ·G·(I−VVᵀ).
+        gv = g @ v  # (B, m, k)
+        utg = u.mT @ g  # (B, k, n)
+        grad = grad + ((gv - u @ ghat) * ratio.unsqueeze(-2)) @ vh
+        grad = grad + u @ (ratio.unsqueeze(-1) * (utg - ghat @ vh))
+        # c(s) and γ(s) depend on all singular values: dL/dsᵢ through them, then U·diag·Vᵀ.
+        with torch.enable_grad():
+            s_live = s.detach().clone().requires_grad_(True)
+            implicit = ~(clamped | limit)
+            const_gamma = clamped | limit
+            f = _psi_live(s_live, gamma, target, nz, top, implicit, const_gamma, limit,
+                          torch.diagonal(ghat, dim1=-2, dim2=-1).detach())
+            (gs,) = torch.autograd.grad(f, s_live)
+        gs = torch.where(nz, gs, torch.zeros_like(gs))
+        grad = grad + (u * gs.unsqueeze(-2)) @ vh
+        grad = torch.where(ident.unsqueeze(-1).unsqueeze(-1), g, grad)
+        return grad, None, None, None
+
+
+def spectral_reshape(w: Tensor, target_pr: Tensor | float,
+                     identity: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Differentiable :func:`apply_target` for a batch ``w`` (B, m, n); returns
+    ``(w_new, gamma, pr, clamped)``, ``w_new`` in ``w``'s dtype.
+
+    The gradient is the derivative of ``W ↦ U·diag(c·s^γ)·Vᵀ`` with the *target* held
+    fixed (γ and c follow W), computed with divided differences so it stays finite when
+    singular values repeat (an orthogonal init), where autograd through
+    ``torch.linalg.svd`` gives NaN. Rows marked ``identity`` (and flat rows) are passed
+    through unchanged with an identity gradient. Rows clamped to the reachable range hold
+    γ fixed; the γ = inf limit is differentiated as its limit map.
+    """
+    if w.ndim != 3:
+        raise ValueError(f"spectral_reshape needs (B, m, n), got {tuple(w.shape)}")
+    a = w.to(torch.float64)
+    t = torch.as_tensor(target_pr, dtype=torch.float64, device=w.device).expand(w.shape[0])
+    ident = (torch.zeros(w.shape[0], dtype=torch.bool, device=w.device) if identity is None
+             else identity.to(device=w.device, dtype=torch.bool))
+    rtol = default_rtol(min(w.shape[-2:]), w.dtype)
+    out, gamma, pr, clamped = _SpectralReshape.apply(a, t.contiguous(), ident, rtol)
+    return out.to(w.dtype), gamma, pr, clamped
