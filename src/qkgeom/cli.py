@@ -64,15 +64,6 @@ def _train_overrides(**flags: Any) -> dict[str, Any]:
     return out
 
 
-def _deep_update(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_update(base[key], value)
-        else:
-            base[key] = value
-    return base
-
-
 @app.command("train")
 def train_cmd(
     preset: Annotated[str, typer.Option(help="smoke | demo | paper; flags override it.")] = "demo",
@@ -104,18 +95,18 @@ def train_cmd(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Train a char-level GPT and record Q/K geometry along the way."""
-    from qkgeom.config import make_config, parse_dotted
+    from qkgeom.config import deep_merge, make_config, parse_dotted
     from qkgeom.training import train
 
     overrides: dict[str, Any] = {}
     if config is not None:
-        overrides = _deep_update(overrides, _read_config_file(config))
-    overrides = _deep_update(overrides, _train_overrides(
+        overrides = deep_merge(overrides, _read_config_file(config))
+    overrides = deep_merge(overrides, _train_overrides(
         data=data, seed=seed, steps=steps, depth=depth, n_embd=n_embd, n_head=n_head,
         block_size=block_size, batch_size=batch_size, lr=lr, qk_init=qk_init,
         probe_every=probe_every, precision=precision, device=device, threads=threads,
         key_control=key_control, shrink_to=shrink_to, key_control_scope=key_control_scope))
-    overrides = _deep_update(overrides, parse_dotted(set_ or []))
+    overrides = deep_merge(overrides, parse_dotted(set_ or []))
     cfg = make_config(preset, overrides)
     out = out or Path("runs") / f"{preset}-s{cfg.seed}"
     result = train(cfg, out, resume=resume, progress=not quiet)

@@ -180,6 +180,19 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, recursing into nested mappings; neither is modified.
+    No validation: for combining override layers (file, flags, ``--set``) before
+    :func:`make_config` checks the result."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():

@@ -112,3 +112,20 @@ def test_diverging_run_exits_3(sample_data: Path, tmp_path: Path) -> None:
     assert res.returncode == 3, (res.stdout, res.stderr)
     status = json.loads((tmp_path / "div" / "status.json").read_text())
     assert status["state"] == "diverged" and status["diverged_step"] >= 1
+
+
+def test_config_file_then_flags_then_set_override_in_that_order(sample_data: Path,
+                                                                 tmp_path: Path) -> None:
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text("steps: 10\nprobe_every: 5\nmodel: {qk_init: xavier, n_layer: 1}\n")
+    out = tmp_path / "r"
+    base = ["train", "--preset", "smoke", "--data", str(sample_data), "--quiet",
+            "--config", str(cfg)]
+    bad = run(*base, "--out", str(out))
+    assert bad.returncode == 2 and "qk_init" in bad.stderr  # the file was read
+    res = run(*base, "--out", str(out), "--qk-init", "tied", "--steps", "8",
+              "--set", "steps=6", "--set", "probe_every=3")
+    assert res.returncode == 0, res.stderr
+    saved = json.loads((out / "config.json").read_text())["config"]
+    assert (saved["model"]["qk_init"], saved["model"]["n_layer"]) == ("tied", 1)
+    assert (saved["steps"], saved["probe_every"]) == (6, 3)

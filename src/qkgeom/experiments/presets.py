@@ -25,7 +25,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import QK_INITS
+from qkgeom.config import QK_INITS, deep_merge
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.grid import Grid, nest_keys
 from qkgeom.experiments.runner import SweepSummary, available_cpus, run_sweep
@@ -66,7 +66,7 @@ def e1_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None
     if preset == "paper" and not data:
         raise QKGeomError("the paper E1 grid trains on WikiText-103: pass data=<folder "
                           "prepared with `qkgeom data prepare --source wikitext-103`>")
-    merged = _deep_merge(nest_keys(base, "e1 base"), nest_keys(overrides or {}, "e1 overrides"))
+    merged = deep_merge(nest_keys(base, "e1 base"), nest_keys(overrides or {}, "e1 overrides"))
     if data:
         merged["data"] = str(data)
     return Grid.from_dict({
@@ -108,13 +108,3 @@ def reproduce_e1(
     return run_sweep(grid, out_dir, workers=workers, backend=backend, address=address,
                      threads_per_run=threads_per_run, progress=progress,
                      retry_failed=retry_failed)
-
-
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _deep_merge(out[key], value)
-        else:
-            out[key] = value
-    return out
