@@ -281,7 +281,7 @@ def train(
             flush()
             status("running", s)
 
-    bar = _progress(progress, cfg.steps, step)
+    bar = _Bar(cfg.steps, step) if progress else None
     status("running", step)
     model.train()
     resumed_at = step if state is not None else -1
@@ -366,10 +366,6 @@ class _Bar:
 
     def close(self) -> None:
         self._progress.stop()
-
-
-def _progress(enabled: bool, total: int, done: int) -> _Bar | None:
-    return _Bar(total, done) if enabled else None
 
 
 __all__ = ["RunResult", "train", "evaluate", "load_run_config", "load_data",
