@@ -284,6 +284,35 @@ def reproduce_e1_cmd(
     _report(out, None)
 
 
+@reproduce_app.command("e3")
+def reproduce_e3_cmd(
+    preset: Annotated[str, typer.Option(help="smoke | demo | paper")] = "demo",
+    data: Annotated[str, typer.Option(help="Prepared data (default: embedded sample).")] = "",
+    out: Annotated[Path | None, typer.Option(help="Sweep folder (default sweeps/e3-<preset>).")] = None,
+    shrink_to: Annotated[float | None, typer.Option(
+        help="shrink: final PR_K target as a share of step 0's (default 0.5).")] = None,
+    scope: Annotated[str | None, typer.Option(
+        "--key-control-scope", help="layer | head (default layer).")] = None,
+    workers: Workers = None,
+    backend: Backend = "local",
+    address: Address = None,
+    threads: Threads = None,
+    device: Annotated[str | None, typer.Option(help="cpu | cuda | ... for every run")] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress view.")] = False,
+) -> None:
+    """E3: seeds x key control {none, hold, shrink}, paired by seed, then the report."""
+    from qkgeom.experiments import reproduce_e3
+
+    out = out or Path("sweeps") / f"e3-{preset}"
+    overrides = {k: v for k, v in (("device", device), ("shrink_to", shrink_to),
+                                   ("key_control_scope", scope)) if v is not None}
+    summary = reproduce_e3(preset, out, data, workers=workers, backend=backend,
+                           address=address, threads_per_run=threads, progress=not quiet,
+                           overrides=overrides or None)
+    _print_summary(summary, out)
+    _report(out, None)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: turn user errors into one line and an exit code.
 

@@ -39,7 +39,8 @@ def monotone_values(q_sign: Callable[[int], int] = lambda layer: 1) -> Values:
 def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, values: Values,
               state: str = "done", n_head: int = 3, steps: list[int] = STEPS,
               warmup: int = WARMUP, reference_step: int = -1, levels=("weight", "token"),
-              lr: float = 3e-3) -> Path:
+              lr: float = 3e-3, extra_cfg: dict | None = None,
+              val_loss: Callable[[int], float] | None = None) -> Path:
     """One run folder: config.json, metrics.parquet, train_log.parquet, status.json."""
     out = root / "runs" / run_id
     out.mkdir(parents=True)
@@ -48,7 +49,7 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
                   "vocab_size": 50, "qk_init": qk_init, "bias": False, "dropout": 0.0},
         "seed": seed, "steps": steps[-1], "batch_size": 4, "lr": lr, "warmup_steps": warmup,
         "reference_step": reference_step, "probe_every": 10, "probe_sequences": 2,
-        "device": "cpu", "threads": 0, "data": "",
+        "device": "cpu", "threads": 0, "data": "", **(extra_cfg or {}),
     }
     (out / "config.json").write_text(json.dumps({
         "run_id": run_id, "config": cfg, "config_hash": f"h{seed}", "data_dir": "/x",
@@ -63,7 +64,8 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
         .to_parquet(out / "metrics.parquet", index=False)
     log_steps = np.arange(0, steps[-1] + 1, 10)
     pd.DataFrame({"step": log_steps, "loss": np.linspace(4, 2, len(log_steps)),
-                  "val_loss": np.linspace(4.1, 2.1, len(log_steps)),
+                  "val_loss": (np.linspace(4.1, 2.1, len(log_steps)) if val_loss is None
+                               else [val_loss(int(s)) for s in log_steps]),
                   "lr": np.full(len(log_steps), lr),
                   "tokens_per_s": np.full(len(log_steps), 640.0)}) \
         .to_parquet(out / "train_log.parquet", index=False)

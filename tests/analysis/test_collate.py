@@ -154,3 +154,19 @@ def test_relative_sweep_path_finds_every_run_once(all_rise, monkeypatch):
     assert len(relative) == len(absolute)
     assert list(relative["excluded"]) == list(absolute["excluded"])
     assert "not started" not in " ".join(relative["excluded"])
+
+
+def test_a_config_field_missing_from_older_runs_takes_its_default(tmp_path):
+    """A run written before a config field existed and one written after (with the field at
+    its default) are the same setting, not two variants."""
+    from qkgeom.analysis.collate import runs_table
+    from qkgeom.config import TrainConfig
+
+    root = tmp_path / "mixed"
+    write_run(root, "old", 2, "normal", 0, monotone_values())
+    write_run(root, "new", 2, "normal", 1, monotone_values(),
+              extra_cfg={"key_control": TrainConfig().key_control})
+    write_run(root, "other", 2, "normal", 2, monotone_values(), extra_cfg={"key_control": "hold"})
+    variants = runs_table(root).set_index("run_id")["variant"]
+    assert variants["old"] == variants["new"] == "key_control=none"
+    assert variants["other"] == "key_control=hold"

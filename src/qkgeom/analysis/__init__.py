@@ -7,11 +7,13 @@ Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures an
     pr_q = trajectories(table, "pr_q_token")  # seed mean ± 95 % CI per layer and step
     print(claims_table("sweeps/e1"))        # E1/E2 claims with counts, p-values, verdicts
     write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
+    e3_analysis(collate("sweeps/e3"))       # E3: paired effects per seed, claims E3.1-E3.4
 """
 
 from qkgeom.analysis.claims import CLAIMS, evaluate_claims
 from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
+from qkgeom.analysis.e3 import e3_analysis
 from qkgeom.analysis.report import claims_table, write_report
 
 __all__ = ["collate", "trajectories", "write_report", "claims_table", "runs_table",
-           "excluded_runs", "evaluate_claims", "CLAIMS"]
+           "excluded_runs", "evaluate_claims", "CLAIMS", "e3_analysis"]

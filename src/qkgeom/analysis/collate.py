@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sst
 
+from qkgeom.config import TrainConfig
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json
 
@@ -39,6 +40,7 @@ _NOT_VARIANT = {"seed", "model.n_layer", "model.qk_init", "device", "threads", "
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mapping -> dotted keys (``{"model": {"n_layer": 4}}`` -> ``model.n_layer``)."""
     out: dict[str, Any] = {}
     for key, value in d.items():
         if isinstance(value, dict):
@@ -46,6 +48,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + key] = value
     return out
+
+
+_DEFAULT_FLAT = _flatten(TrainConfig().to_dict())
 
 
 def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -89,7 +94,7 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
 
     Columns: ``run_id, dir, depth, qk_init, variant, seed, state, step, steps, warmup_steps,
     ref_step, batch_size, block_size, n_embd, n_head, lr, probe_every, probe_sequences,
-    vocab_size, data_source, tokens,
+    vocab_size, data_source, key_control, tokens,
     train_seconds, final_val_loss, excluded`` (``""`` = included, else the reason).
     ``ref_step`` is the configured post-transient reference (SPEC §2): ``reference_step``,
     or ``warmup_steps`` when it is −1. ``train_seconds`` sums the logged intervals' tokens
@@ -116,7 +121,9 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             continue
         prov = read_json(folder / "config.json")
         cfg = prov.get("config", {})
-        flat = _flatten(cfg)
+        # A field a run's config lacks (written by an older qkgeom) has its default value,
+        # so adding a config field never splits one setting into two variants.
+        flat = {**_DEFAULT_FLAT, **_flatten(cfg)}
         model = cfg.get("model", {})
         warmup = int(cfg.get("warmup_steps", 0))
         ref = int(cfg.get("reference_step", -1))
@@ -133,6 +140,7 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             vocab_size=int(prov.get("vocab_size", model.get("vocab_size", 0))),
             data_source=str(prov.get("data_source") or cfg.get("data") or "?"),
             config_hash=prov.get("config_hash", ""),
+            key_control=str(cfg.get("key_control", "none")),
         )
         row["tokens"] = steps * row["batch_size"] * row["block_size"]
         status = read_json(folder / "status.json") if (folder / "status.json").exists() else {}

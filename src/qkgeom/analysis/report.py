@@ -3,8 +3,8 @@
 ``write_report(sweep_dir)`` writes ``<sweep>/report/`` (SPEC §7): ``report.md`` (opens with
 the claims table), a self-contained ``report.html`` (figures embedded), the figures as PNG
 (300 dpi) and SVG, and the numbers behind the table as CSV (``claims.csv``,
-``trajectory_stats.csv``, ``trajectory_stats_runs.csv``, ``bootstrap.csv``). Every file is
-written atomically. Nothing here imports torch; matplotlib is imported only to draw.
+``trajectory_stats.csv``, ``trajectory_stats_runs.csv``, ``bootstrap.csv``). An E3 sweep gets
+its own report (:mod:`qkgeom.analysis.report_e3`). Every file is written atomically. Nothing here imports torch; matplotlib is imported only to draw.
 """
 
 from __future__ import annotations
@@ -22,17 +22,22 @@ import pandas as pd
 from qkgeom import stats
 from qkgeom.analysis.claims import evaluate_claims
 from qkgeom.analysis.collate import collate, excluded_runs, runs_of, sweep_axes
+from qkgeom.analysis.e3 import e3_analysis, is_e3
 from qkgeom.io import atomic_write
 
 
 def claims_table(sweep_dir: str | Path, n_boot: int = stats.N_BOOT,
                  rng_seed: int = stats.BOOT_SEED,
                  include_incomplete: bool = False) -> pd.DataFrame:
-    """The claims table of a sweep folder (see :func:`qkgeom.analysis.claims.evaluate_claims`):
-    one row per claim × level × origin with the count, mean and seed-bootstrap CI, the
+    """The claims table of a sweep folder (see :func:`qkgeom.analysis.claims.evaluate_claims`;
+    for an E3 sweep, :func:`qkgeom.analysis.e3.evaluate_e3_claims`): one row per claim × level
+    × origin with the count, mean and seed-bootstrap CI, the
     sign-test p-value and the verdict. ``table.attrs["excluded"]`` lists runs left out."""
     table = collate(sweep_dir, include_incomplete=include_incomplete)
-    claims = _claims(table, n_boot, rng_seed)[0]
+    if is_e3(table):
+        claims = e3_analysis(table, n_boot, rng_seed)["claims"]
+    else:
+        claims = _claims(table, n_boot, rng_seed)[0]
     claims.attrs["excluded"] = table.attrs["excluded"]
     return claims
 
@@ -71,7 +76,7 @@ def claims_markdown(claims: pd.DataFrame) -> str:
     for r in claims.to_dict("records"):
         rows.append([r["claim_id"], r["claim"], r["level"], r["from"], r["measured"],
                      r["estimate"], "sign test", _p(r["p_value"]), f"**{r['verdict']}**"])
-    return _md_table(["id", "claim", "level", "measured from", "measured (k/n trajectories)",
+    return _md_table(["id", "claim", "level", "measured from", "measured (k/n)",
                       "estimate [95 % seed-bootstrap CI]", "test", "p (one-sided)", "verdict"],
                      rows)
 
@@ -116,8 +121,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame) -> str:
-    """Grid, data, model sizes, tokens, seeds, reference steps and wall time."""
+def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
+                   trajectories: bool = True) -> str:
+    """Grid, data, model sizes, tokens, seeds, reference steps and wall time.
+    ``trajectories=False`` (E3, whose unit is the seed) leaves out the E1 trajectory
+    count and the reference probe used by the E1/E2 statistics."""
     runs = runs_of(table)
     spec = table.attrs.get("sweep") or {}
     inc = runs[runs["excluded"] == ""] if len(runs) else runs
@@ -135,9 +143,10 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame) -> 
         lines.append(f"- **Depths** (n_layer): {_range(inc['depth'])}; **Q/K inits**: "
                      f"{_range(inc['qk_init'])}; **seeds**: {_range(inc['seed'])}")
         per = inc.groupby(["depth", "qk_init", "variant"])["seed"].nunique()
-        lines.append(f"- **Seeds per depth × init**: {per.min()}–{per.max()}; "
-                     f"**trajectories** (depth × init × layer): "
-                     f"{int(inc.drop_duplicates(['depth', 'qk_init', 'variant'])['depth'].sum())}")
+        if trajectories:
+            lines.append(f"- **Seeds per depth × init**: {per.min()}–{per.max()}; "
+                         f"**trajectories** (depth × init × layer): "
+                         f"{int(inc.drop_duplicates(['depth', 'qk_init', 'variant'])['depth'].sum())}")
         variants = [v for v in inc["variant"].unique() if v]
         if variants:
             lines.append(f"- **Other varying settings** (kept apart): {', '.join(variants)}")
@@ -155,8 +164,9 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame) -> 
                      f"LR warm-up {_range(inc['warmup_steps'])} steps")
         ref_used = (sorted(traj.loc[traj["origin"] == "reference", "start_step"].unique())
                     if len(traj) else [])
-        lines.append(f"- **Reference step** (configured): {_range(inc['ref_step'])}; first probe "
-                     f"at or after it (used): {', '.join(map(str, ref_used)) or 'n/a'}")
+        if trajectories:
+            lines.append(f"- **Reference step** (configured): {_range(inc['ref_step'])}; first "
+                         f"probe at or after it (used): {', '.join(map(str, ref_used)) or 'n/a'}")
         lines.append(f"- **Probes**: every {_range(inc['probe_every'])} steps plus step 0 and the "
                      f"last, on {_range(inc['probe_sequences'])} held-out sequences × context")
         if "train_seconds" in inc and inc["train_seconds"].notna().any():
@@ -292,12 +302,17 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None,
 
     ``out`` defaults to ``<sweep_dir>/report``. Diverged, failed and unfinished runs are
     left out of every number and listed with their reason (``include_incomplete`` keeps
-    runs still running). ``figures=False`` skips the figures (faster; tables only).
+    runs still running). An E3 sweep (key control paired by seed) gets the E3 report
+    (:mod:`qkgeom.analysis.report_e3`). ``figures=False`` skips the figures (faster; tables only).
     """
     sweep_dir = Path(sweep_dir)
     out = sweep_dir / "report" if out is None else Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = collate(sweep_dir, include_incomplete=include_incomplete)
+    if is_e3(table):  # runs with and without key control, paired by seed
+        from qkgeom.analysis.report_e3 import write_e3_report
+
+        return write_e3_report(table, sweep_dir, out, n_boot, rng_seed, figures)
     claims, traj, boot = _claims(table, n_boot, rng_seed)
     runs_traj = stats.trajectory_stats(table, by="run") if not table.empty else pd.DataFrame()
     for name, frame in (("claims", claims), ("trajectory_stats", traj),

@@ -3,13 +3,22 @@
 ``load_grid`` / ``Grid.from_dict`` read a grid; ``Grid.expand`` gives its runs with stable
 ids; ``run_sweep`` trains them into a resumable sweep folder (each run in its own process
 through ``run_one``); ``sweep_status`` tabulates a sweep folder; ``e1_grid`` /
-``reproduce_e1`` are experiment E1 of the paper (SPEC §1).
+``reproduce_e1`` are experiment E1 of the paper and ``e3_grid`` / ``reproduce_e3`` experiment
+E3 (SPEC §1, §4).
 """
 
 from qkgeom.experiments.grid import Grid, RunSpec, load_grid
-from qkgeom.experiments.presets import E1_PRESETS, e1_grid, reproduce_e1
+from qkgeom.experiments.presets import (
+    E1_PRESETS,
+    E3_PRESETS,
+    e1_grid,
+    e3_grid,
+    reproduce_e1,
+    reproduce_e3,
+)
 from qkgeom.experiments.runner import SweepSummary, run_sweep, sweep_status
 from qkgeom.experiments.worker import run_one
 
 __all__ = ["Grid", "RunSpec", "load_grid", "run_sweep", "run_one", "sweep_status",
-           "SweepSummary", "e1_grid", "reproduce_e1", "E1_PRESETS"]
+           "SweepSummary", "e1_grid", "reproduce_e1", "E1_PRESETS", "e3_grid", "reproduce_e3",
+           "E3_PRESETS"]

@@ -1,6 +1,6 @@
-"""The paper's E1 grid (SPEC §1): depths {4, 6, 8} x the three Q/K inits x seeds.
+"""The paper's grids (SPEC §1): E1 (depths x Q/K inits x seeds) and E3 (seeds x key control).
 
-Three sizes of the same structure (depth x ``qk_init`` x seed; every run sees the same
+E1: three sizes of the same structure (depth x ``qk_init`` x seed; every run sees the same
 probe set because probes come from the start of the val split):
 
 ``smoke``
@@ -15,6 +15,20 @@ probe set because probes come from the start of the val split):
 ``paper``
     depths {4, 6, 8} x 3 inits x 4 seeds = 36 runs of the ``paper`` training preset on the
     prepared corpus ``data`` (WikiText-103, char level).
+
+E3 (SPEC §4): for each seed, the runs ``key_control`` ∈ {none, hold, shrink} start from the
+same init and see the same batches (the seed fixes both; the control draws no random
+numbers), so they are paired by seed. Sizes:
+
+``smoke``
+    2 seeds x 3 modes = 6 runs of the ``smoke`` preset (wiring check).
+``demo``
+    5 seeds x 3 modes = 15 runs of the E1 demo's 4-layer model (normal init) on the embedded
+    sample, 300 steps, probed every 25 steps and evaluated every 75, so the early phase
+    (first 25 % = 75 steps) has three probes and one validation loss.
+``paper``
+    5 seeds x 3 modes = 15 runs of the ``paper`` preset (6 layers, normal init) on
+    WikiText-103.
 
 Nothing here is tuned to make a claim hold: the demo's sizes were chosen from throughput
 alone (tokens/s of the 4-, 6- and 8-layer models on one thread), before looking at results.
@@ -53,6 +67,37 @@ E1_PRESETS: dict[str, tuple[str, dict[str, Any], list[int], list[int]]] = {
 }
 
 
+_DEMO_BASE: dict[str, Any] = E1_PRESETS["demo"][1]
+
+E3_MODES = ["none", "hold", "shrink"]
+# preset -> (training preset, overrides for every run, seeds)
+E3_PRESETS: dict[str, tuple[str, dict[str, Any], list[int]]] = {
+    "smoke": ("smoke", {}, [0, 1]),
+    # 15 runs of the E1 demo's depth-4 model. Probes (every 25 steps) and evals (every 75)
+    # are denser than E1's so the early phase (first 75 steps) has three probes and one
+    # validation loss.
+    "demo": ("demo", deep_merge(_DEMO_BASE, {"model": {"n_layer": 4, "qk_init": "normal"},
+                                             "probe_every": 25, "eval_every": 75}),
+             [0, 1, 2, 3, 4]),
+    "paper": ("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, [0, 1, 2, 3, 4]),
+}
+
+
+def _base(name: str, base: dict[str, Any], data: str,
+          overrides: dict[str, Any] | None) -> dict[str, Any]:
+    merged = deep_merge(nest_keys(base, f"{name} base"),
+                        nest_keys(overrides or {}, f"{name} overrides"))
+    if data:
+        merged["data"] = str(data)
+    return merged
+
+
+def _need_data(experiment: str, preset: str, data: str) -> None:
+    if preset == "paper" and not data:
+        raise QKGeomError(f"the paper {experiment} grid trains on WikiText-103: pass data=<folder "
+                          "prepared with `qkgeom data prepare --source wikitext-103`>")
+
+
 def e1_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None) -> Grid:
     """The E1 grid at size ``preset`` (smoke | demo | paper) on the prepared corpus ``data``.
 
@@ -63,16 +108,11 @@ def e1_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None
     if preset not in E1_PRESETS:
         raise QKGeomError(f"unknown E1 preset {preset!r}; choose one of {', '.join(E1_PRESETS)}")
     train_preset, base, depths, seeds = E1_PRESETS[preset]
-    if preset == "paper" and not data:
-        raise QKGeomError("the paper E1 grid trains on WikiText-103: pass data=<folder "
-                          "prepared with `qkgeom data prepare --source wikitext-103`>")
-    merged = deep_merge(nest_keys(base, "e1 base"), nest_keys(overrides or {}, "e1 overrides"))
-    if data:
-        merged["data"] = str(data)
+    _need_data("E1", preset, data)
     return Grid.from_dict({
         "name": f"e1-{preset}",
         "preset": train_preset,
-        "base": merged,
+        "base": _base("e1", base, data, overrides),
         "axes": {"model.n_layer": list(depths), "model.qk_init": list(QK_INITS),
                  "seed": list(seeds)},
     })
@@ -99,7 +139,54 @@ def reproduce_e1(
     3.5x faster than 1 worker x 2 threads on 2 shared cores); for ``paper`` one run at a
     time (one GPU).
     """
-    grid = e1_grid(preset, data, overrides)
+    return _run(e1_grid(preset, data, overrides), preset, out_dir, workers=workers,
+                backend=backend, address=address, threads_per_run=threads_per_run,
+                progress=progress, retry_failed=retry_failed)
+
+
+def e3_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None) -> Grid:
+    """The E3 grid at size ``preset``: seeds x ``key_control`` ∈ {none, hold, shrink}.
+
+    The seed is the outer axis, so a sweep finishes whole pairs first and a partial sweep
+    already has complete (none, hold, shrink) triples to compare. ``overrides`` as in
+    :func:`e1_grid` (e.g. ``{"shrink_to": 0.3}``, ``{"key_control_scope": "head"}``).
+    """
+    if preset not in E3_PRESETS:
+        raise QKGeomError(f"unknown E3 preset {preset!r}; choose one of {', '.join(E3_PRESETS)}")
+    train_preset, base, seeds = E3_PRESETS[preset]
+    _need_data("E3", preset, data)
+    return Grid.from_dict({
+        "name": f"e3-{preset}",
+        "preset": train_preset,
+        "base": _base("e3", base, data, overrides),
+        "axes": {"seed": list(seeds), "key_control": list(E3_MODES)},
+    })
+
+
+def reproduce_e3(
+    preset: str,
+    out_dir: str | Path,
+    data: str = "",
+    *,
+    workers: int | None = None,
+    backend: str = "local",
+    address: str | None = None,
+    threads_per_run: int | None = None,
+    progress: bool = True,
+    retry_failed: bool = False,
+    overrides: dict[str, Any] | None = None,
+) -> SweepSummary:
+    """Expand the E3 grid and run it into ``out_dir`` (resumable; layout as :func:`reproduce_e1`)."""
+    return _run(e3_grid(preset, data, overrides), preset, out_dir, workers=workers,
+                backend=backend, address=address, threads_per_run=threads_per_run,
+                progress=progress, retry_failed=retry_failed)
+
+
+def _run(grid: Grid, preset: str, out_dir: str | Path, *, workers: int | None, backend: str,
+         address: str | None, threads_per_run: int | None, progress: bool,
+         retry_failed: bool) -> SweepSummary:
+    """Run a paper grid with the worker layout measured fastest for its size (see
+    :func:`reproduce_e1`)."""
     if workers is None:
         runs = len(grid.expand())
         workers = 1 if preset == "paper" else max(1, min(available_cpus(), runs))
