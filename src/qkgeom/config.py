@@ -18,7 +18,7 @@ from typing import Any
 from qkgeom.errors import QKGeomError
 
 QK_INITS = ("normal", "orthogonal", "tied")
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 # Key-spectrum control (SPEC §4); kept here so config stays torch-free (a test checks they
 # equal qkgeom.control's).
 KEY_CONTROL_MODES = ("none", "hold", "shrink", "expand")
@@ -44,9 +44,13 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     def validate(self) -> None:
+        _check_types(self, "model.")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             if getattr(self, name) <= 0:
                 raise QKGeomError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        if self.block_size < 2:
+            raise QKGeomError(f"model.block_size must be at least 2 (attention over one "
+                              f"position has no entropy to measure), got {self.block_size}")
         if self.n_embd % self.n_head:
             raise QKGeomError(
                 f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
@@ -84,9 +88,12 @@ class TrainConfig:
     checkpoint_every: int = 250
     keep_checkpoints: int = 2
     reference_step: int = -1  # -1 = end of LR warm-up (SPEC §2 reference point)
-    precision: str = "fp32"
+    # auto = bf16 autocast on CUDA, fp32 elsewhere (see effective_precision); bf16 and fp16
+    # are opt-in anywhere. Weights and optimiser state stay fp32; probes always run in fp32.
+    precision: str = "auto"
     device: str = "cpu"
     threads: int = 0  # 0 = leave torch's default
+    compile: bool = False  # torch.compile the training forward/backward (probes stay eager)
     key_control: str = "none"  # none | hold | shrink | expand (SPEC §4)
     key_control_scope: str = "layer"  # layer | head
     key_control_how: str = "post_step"  # post_step | parametrize
@@ -94,6 +101,9 @@ class TrainConfig:
     expand_to: float = 2.0  # expand: final target as a multiple of PR_K at step 0
 
     def validate(self) -> None:
+        if not isinstance(self.model, GPTConfig):
+            raise QKGeomError(f"config key 'model' must be a GPTConfig, got {self.model!r}")
+        _check_types(self, "")
         self.model.validate()
         positive = ("steps", "batch_size", "probe_every", "probe_sequences", "probe_batch",
                     "eval_every", "eval_batches", "log_every", "checkpoint_every",
@@ -101,16 +111,19 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise QKGeomError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise QKGeomError(f"lr must be positive, got {self.lr}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise QKGeomError(f"lr must be a positive finite number, got {self.lr}")
+        if self.seed < 0:
+            raise QKGeomError(f"seed must be >= 0, got {self.seed}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise QKGeomError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if self.warmup_steps < 0 or self.warmup_steps > self.steps:
             raise QKGeomError(
                 f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}"
             )
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise QKGeomError("weight_decay and grad_clip must be non-negative")
+        if not all(math.isfinite(v) and v >= 0 for v in (self.weight_decay, self.grad_clip)):
+            raise QKGeomError("weight_decay and grad_clip must be finite and non-negative, got "
+                              f"{self.weight_decay} and {self.grad_clip}")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
             raise QKGeomError("beta1 and beta2 must be in [0, 1)")
         if self.probe_every > self.steps:
@@ -122,8 +135,9 @@ class TrainConfig:
             raise QKGeomError(
                 f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
             )
-        if self.threads < 0:
-            raise QKGeomError(f"threads must be >= 0, got {self.threads}")
+        if not 0 <= self.threads <= 4096:
+            raise QKGeomError(f"threads must be in [0, 4096] (0 = torch's default), got "
+                              f"{self.threads}")
         if self.reference_step < -1 or self.reference_step > self.steps:
             raise QKGeomError(f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
         for name, allowed in (("key_control", KEY_CONTROL_MODES),
@@ -140,6 +154,15 @@ class TrainConfig:
             raise QKGeomError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or mps")
 
     @property
+    def effective_precision(self) -> str:
+        """The precision a run trains in: ``auto`` resolves by device, bf16 on CUDA (every GPU
+        since Ampere computes bf16 natively; pass fp16 or fp32 on older ones) and fp32 on CPU
+        and MPS, where bf16 is opt-in (fast only with AMX / AVX512-BF16 and large matmuls)."""
+        if self.precision != "auto":
+            return self.precision
+        return "bf16" if self.device.startswith("cuda") else "fp32"
+
+    @property
     def ref_step(self) -> int:
         """The post-transient reference step (SPEC §2): explicit, or the end of warm-up."""
         return self.warmup_steps if self.reference_step < 0 else self.reference_step
@@ -148,12 +171,38 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     def config_hash(self) -> str:
-        """Stable short hash of everything that changes the result (not device/threads)."""
+        """Stable short hash of everything that changes the result.
+
+        Left out: ``device``, ``threads`` and ``compile`` (how fast, not what: a compiled
+        step computes the same maths, to rounding, and a run may be resumed with or without
+        it). In: the *effective* precision, since bf16 changes the numbers; ``auto`` hashes
+        as what it resolves to, so ``auto`` on CPU and an explicit ``fp32`` are one run.
+        """
         d = self.to_dict()
-        for k in ("device", "threads"):
+        for k in ("device", "threads", "compile"):
             d.pop(k)
+        d["precision"] = self.effective_precision
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def _check_types(cfg: Any, prefix: str) -> None:
+    """Each scalar field has its default's type (an int where a float is wanted is fine):
+    a config built in Python (``dataclasses.replace(cfg, steps="10")``) fails here, in one
+    line, instead of as a TypeError deep in training."""
+    for f in dataclasses.fields(cfg):
+        if f.default is dataclasses.MISSING:  # the nested model config: validated itself
+            continue
+        value, kind = getattr(cfg, f.name), type(f.default)
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if not ok:
+            raise QKGeomError(f"config key {prefix + f.name!r} must be {kind.__name__}, "
+                              f"got {value!r}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {

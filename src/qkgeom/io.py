@@ -3,16 +3,34 @@
 A run killed mid-write (pre-emption, Ctrl-C, disk full) must never leave a torn
 ``metrics.parquet`` or checkpoint behind, so every writer goes through a temp file in the
 same folder followed by ``os.replace`` (atomic on POSIX).
+
+A write the filesystem refuses (disk full, read-only folder, no permission) raises
+:class:`~qkgeom.errors.StorageError`, a one-line error naming the file; the file it would
+have replaced is left as it was, so a run's last good checkpoint survives.
+
+Fault injection for tests (``tests/faults``): the environment variable ``QKGEOM_FAULT``
+holds comma-separated ``action:glob[:n]`` entries, matched against the *name* of each file
+written here. ``enospc:GLOB:N`` makes the Nth matching write and every later one fail
+half-way with ``OSError(ENOSPC)`` (a disk that stays full), ``erofs:GLOB:N`` likewise
+with ``OSError(EROFS)`` (a folder that turned read-only); ``kill:GLOB:N`` SIGKILLs the
+process half-way through the Nth matching write (the temp file is torn, the target is
+untouched). ``n`` defaults to 1. Unset (the normal case), it costs one dict lookup.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fnmatch
 import json
 import os
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from qkgeom.errors import QKGeomError, StorageError
 
 
 def _umask() -> int:
@@ -22,6 +40,33 @@ def _umask() -> int:
 
 
 _UMASK = _umask()
+#: Layout version of a run folder, recorded in its config.json. Folders written before the
+#: field existed have the same layout and read as version 1.
+RUN_FORMAT_VERSION = 1
+_FAULT_ENV = "QKGEOM_FAULT"
+_fault_counts: dict[str, int] = {}
+
+
+def _inject_fault(path: Path, tmp_path: Path) -> None:
+    """Apply ``QKGEOM_FAULT`` (see the module doc) to this write of ``path``, if it matches."""
+    spec = os.environ.get(_FAULT_ENV)
+    if not spec:
+        return
+    for entry in spec.split(","):
+        action, _, rest = entry.strip().partition(":")
+        pattern, _, nth = rest.partition(":")
+        if not fnmatch.fnmatch(path.name, pattern):
+            continue
+        _fault_counts[entry] = count = _fault_counts.get(entry, 0) + 1
+        if count < int(nth or 1) or (action == "kill" and count > int(nth or 1)):
+            continue
+        size = tmp_path.stat().st_size
+        os.truncate(tmp_path, size // 2)  # a torn temp file, as a real failure leaves
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if action in ("enospc", "erofs"):
+            code = errno.ENOSPC if action == "enospc" else errno.EROFS
+            raise OSError(code, os.strerror(code), str(path))
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
@@ -31,18 +76,25 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     not ``mkstemp``'s owner-only 0600, so results stay readable by collaborators.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise StorageError.of(path, err) from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         write(tmp_path)
+        _inject_fault(path, tmp_path)
         with open(tmp_path, "rb+") as fh:
             os.fsync(fh.fileno())
         os.chmod(tmp_path, 0o666 & ~_UMASK)
         os.replace(tmp_path, path)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
+    except BaseException as err:
+        with contextlib.suppress(OSError):
+            tmp_path.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.errno in StorageError.ERRNOS:
+            raise StorageError.of(path, err) from None
         raise
 
 
@@ -64,12 +116,34 @@ def write_parquet(path: str | Path, frame: Any) -> None:
 
 def read_json(path: str | Path) -> Any:
     """Read JSON, turning a missing or torn file into a one-line QKGeomError."""
-    from qkgeom.errors import QKGeomError
-
     path = Path(path)
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise QKGeomError(f"{path}: file not found") from None
+    except OSError as err:
+        raise QKGeomError(f"{path}: cannot be read ({err.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise QKGeomError(f"{path}: not valid JSON ({err}); the file is corrupt") from None
+
+
+def check_run_format(prov: Any, path: str | Path) -> None:
+    """QKGeomError unless ``prov`` (a run's config.json) is a run record this qkgeom reads."""
+    if not isinstance(prov, dict) or not isinstance(prov.get("config"), dict):
+        raise QKGeomError(f"{path}: not a qkgeom run record (no 'config' mapping); the file "
+                          "is corrupt or from another tool")
+    version = prov.get("format_version", 1)
+    if version != RUN_FORMAT_VERSION:
+        newer = isinstance(version, int) and version > RUN_FORMAT_VERSION
+        advice = ("upgrade qkgeom to read it" if newer else
+                  "read it with the qkgeom version that wrote it, or train it again")
+        raise QKGeomError(f"{path}: run folder format {version!r}, this qkgeom reads format "
+                          f"{RUN_FORMAT_VERSION}; {advice}")
+
+
+def vocab_digest(chars: str) -> str:
+    """Short SHA-256 of a vocabulary's characters: two corpora with the same vocabulary
+    *size* but different characters must not pass for one another on resume."""
+    import hashlib
+
+    return hashlib.sha256(chars.encode("utf-8", "surrogatepass")).hexdigest()[:16]

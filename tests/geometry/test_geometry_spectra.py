@@ -178,3 +178,18 @@ def test_logit_singular_values_equal_explicit_route(T: int, hd: int) -> None:
     torch.testing.assert_close(
         logit_singular_values(q, k, scale=2.0), explicit * 2.0 * math.sqrt(hd)
     )
+
+
+def test_product_pr_from_grams_equals_the_svd_route():
+    """The LAPACK-free PR of a·bᵀ (Gram traces) equals the PR of its singular values²."""
+    from qkgeom.geometry.spectra import product_pr
+
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(5, 40, 8, generator=g, dtype=torch.float64)
+    b = torch.randn(5, 30, 8, generator=g, dtype=torch.float64)
+    b[1, :, 4:] = 0.0  # rank-deficient product in one batch item
+    svd = participation_ratio(product_singular_values(a, b) ** 2)
+    assert torch.allclose(product_pr(a, b), svd, rtol=1e-10)
+    eye = torch.eye(6, dtype=torch.float64)
+    assert float(product_pr(eye, eye)) == pytest.approx(6.0)  # flat spectrum: PR = r
+    assert float(product_pr(eye, torch.zeros(3, 6, dtype=torch.float64))) == 0.0

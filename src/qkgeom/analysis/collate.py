@@ -25,7 +25,7 @@ from scipy import stats as sst
 
 from qkgeom.config import TrainConfig
 from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json
+from qkgeom.io import check_run_format, read_json
 
 # Group keys of a seed-averaged trajectory (one per layer).
 GROUP = ["depth", "qk_init", "variant"]
@@ -119,7 +119,14 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             rows.append(row)
             flat_cfgs.append(flat)
             continue
-        prov = read_json(folder / "config.json")
+        try:
+            prov = read_json(folder / "config.json")
+            check_run_format(prov, folder / "config.json")
+        except QKGeomError as err:  # one unreadable run is listed, never sinks the report
+            row.update(state="unreadable", excluded=f"unreadable run: {err}")
+            rows.append(row)
+            flat_cfgs.append(flat)
+            continue
         cfg = prov.get("config", {})
         # A field a run's config lacks (written by an older qkgeom) has its default value,
         # so adding a config field never splits one setting into two variants.
@@ -143,13 +150,15 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             key_control=str(cfg.get("key_control", "none")),
         )
         row["tokens"] = steps * row["batch_size"] * row["block_size"]
-        status = read_json(folder / "status.json") if (folder / "status.json").exists() else {}
+        status, problem = _read_status(folder / "status.json")
         state = status.get("state", "unknown")
         row.update(state=state, step=status.get("step"))
         if state in ("diverged", "failed"):
             where = status.get("diverged_step", status.get("step"))
             msg = status.get("error") or status.get("message") or ""
             row["excluded"] = f"{state} at step {where}" + (f": {msg}" if msg else "")
+        elif problem:
+            row["excluded"] = problem
         elif state != "done":
             row["excluded"] = (f"incomplete ({state}, step {status.get('step', '?')}/{steps})"
                                if status else "incomplete (no status.json)")
@@ -157,7 +166,13 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             row["excluded"] = "no metrics.parquet"
         log_path = folder / "train_log.parquet"
         if log_path.exists():
-            row.update(_log_facts(pd.read_parquet(log_path), row["batch_size"] * row["block_size"]))
+            try:
+                log = pd.read_parquet(log_path)
+            except Exception as err:
+                log = None
+                row["excluded"] = row["excluded"] or f"unreadable {log_path.name} ({type(err).__name__})"
+            if log is not None:
+                row.update(_log_facts(log, row["batch_size"] * row["block_size"]))
         rows.append(row)
         flat_cfgs.append(flat)
     table = pd.DataFrame(rows)
@@ -165,6 +180,20 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
     dup = table["run_id"].duplicated(keep="first")
     table.loc[dup, "excluded"] = "duplicate run_id"
     return table
+
+
+def _read_status(path: Path) -> tuple[dict[str, Any], str]:
+    """``(status, problem)``: a missing file is ``({}, "")``; a torn or foreign one is
+    ``({}, reason)``, so the run is listed as left out instead of failing the report."""
+    if not path.exists():
+        return {}, ""
+    try:
+        status = read_json(path)
+    except QKGeomError:
+        return {}, f"unreadable {path.name} (not valid JSON)"
+    if not isinstance(status, dict):
+        return {}, f"unreadable {path.name} (not a JSON object)"
+    return status, ""
 
 
 def _log_facts(log: pd.DataFrame, tokens_per_step: int) -> dict[str, float]:
@@ -209,7 +238,14 @@ def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> pd.DataF
         runs.loc[partial, "excluded"] = ""
     frames = []
     for row in runs[runs["excluded"] == ""].itertuples():
-        m = pd.read_parquet(Path(row.dir) / "metrics.parquet")
+        try:
+            m = pd.read_parquet(Path(row.dir) / "metrics.parquet")
+            missing = {"step", "layer", "head", "metric", "value"} - set(m.columns)
+        except Exception as err:
+            m, missing = None, {type(err).__name__}
+        if m is None or missing:
+            runs.loc[row.Index, "excluded"] = f"unreadable metrics.parquet ({', '.join(missing)})"
+            continue
         m = m.assign(run_id=row.run_id, depth=row.depth, qk_init=row.qk_init,
                      variant=row.variant, seed=row.seed, state=row.state)
         frames.append(m[COLUMNS])

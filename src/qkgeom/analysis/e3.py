@@ -84,9 +84,10 @@ PREDICTED: dict[tuple[str, str], int] = {
 def run_modes(table: pd.DataFrame) -> pd.DataFrame:
     """``run_id, seed, mode, steps, dir`` of the analysed (not excluded) runs."""
     runs = runs_of(table)
-    if runs.empty:
+    if not runs.empty:
+        runs = runs[runs["excluded"] == ""].copy()
+    if runs.empty:  # e.g. a report while a sweep's first runs have not started
         return pd.DataFrame(columns=["run_id", "seed", "mode", "steps", "dir"])
-    runs = runs[runs["excluded"] == ""].copy()
     mode = runs["key_control"] if "key_control" in runs else pd.Series("none", index=runs.index)
     runs["mode"] = mode.fillna("none").astype(str)
     return runs[["run_id", "seed", "mode", "steps", "dir"]].reset_index(drop=True)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from qkgeom.errors import QKGeomError
 
-__all__ = ["sample_batch", "probe_set"]
+__all__ = ["sample_batch", "probe_set", "BatchStream"]
 
 
 def sample_batch(
@@ -52,6 +52,45 @@ def sample_batch(
             device, non_blocking=True
         )
     return x.to(device), y.to(device)
+
+
+class BatchStream:
+    """The training batches of one run, in data order, optionally gathered one step ahead.
+
+    With ``prefetch`` (meant for CUDA) :meth:`prefetch` draws the next batch and starts its
+    pinned-memory, non-blocking copy to the device while the current step's kernels run; the
+    host never waits on the device for data. The batches are the same either way: they come
+    from ``generator`` in order, and :meth:`generator_state` is the generator's state
+    *before* any batch drawn ahead, so a checkpoint resumes at the batch the next step uses.
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int,
+                 generator: torch.Generator, device: str | torch.device = "cpu",
+                 prefetch: bool = False) -> None:
+        self.tokens, self.batch_size, self.block_size = tokens, batch_size, block_size
+        self.generator, self.device, self.prefetching = generator, torch.device(device), prefetch
+        self._ahead: tuple[Tensor, Tensor, Tensor] | None = None  # (x, y, state before them)
+
+    def _draw(self) -> tuple[Tensor, Tensor, Tensor]:
+        before = self.generator.get_state()
+        x, y = sample_batch(self.tokens, self.batch_size, self.block_size, self.generator,
+                            device=self.device)
+        return x, y, before
+
+    def next(self) -> tuple[Tensor, Tensor]:
+        """The batch for the next step: ``x``, ``y`` of shape (B, T) on the device."""
+        x, y, _ = self._ahead if self._ahead is not None else self._draw()
+        self._ahead = None
+        return x, y
+
+    def prefetch(self) -> None:
+        """Draw the following batch now (no-op unless prefetching, or already drawn)."""
+        if self.prefetching and self._ahead is None:
+            self._ahead = self._draw()
+
+    def generator_state(self) -> Tensor:
+        """The data generator's state as of the first batch not yet returned by next()."""
+        return self._ahead[2] if self._ahead is not None else self.generator.get_state()
 
 
 def probe_set(tokens: np.ndarray, n_seq: int, block_size: int) -> Tensor:

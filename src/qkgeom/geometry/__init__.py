@@ -19,6 +19,7 @@ from qkgeom.geometry.records import (
     weight_records,
 )
 from qkgeom.geometry.spectra import (
+    NonFiniteError,
     interaction_singular_values,
     logit_singular_values,
     participation_ratio,
@@ -34,6 +35,7 @@ __all__ = [
     "TOKEN_METRICS",
     "WEIGHT_METRICS",
     "AttentionStats",
+    "NonFiniteError",
     "Record",
     "StreamingCovariance",
     "TokenGeometry",

@@ -26,11 +26,14 @@ import math
 import torch
 from torch import Tensor
 
+from qkgeom.geometry.spectra import NonFiniteError
+
 __all__ = ["ATTENTION_METRICS", "AttentionStats"]
 
 ATTENTION_METRICS = ("attn_entropy", "attn_entropy_norm", "attn_max")
 
 _MAX_CHUNK_ELEMENTS = 2**22
+_FLOAT32_SAFE = 1e37  # |score| bound above which float32 scores could overflow (max 3.4e38)
 
 
 class AttentionStats:
@@ -75,6 +78,12 @@ class AttentionStats:
                 (the Hugging Face convention). Padding is masked as a key and not counted
                 as a query.
             chunk_size: query positions per chunk; default from ``max_chunk_elements``.
+
+        Scores that could overflow float32 (|q|·|k|·hd·scale beyond ~1e37, e.g. activations
+        of 1e30) are computed in float64, where such a softmax is a finite one-hot.
+
+        Raises:
+            NonFiniteError: if q or k is non-finite or the scores overflow float64 too.
         """
         if q.ndim != 4 or k.shape != q.shape:
             raise ValueError(
@@ -83,10 +92,15 @@ class AttentionStats:
         B, H, T, hd = q.shape
         if self.n_head != H:
             raise ValueError(f"expected {self.n_head} heads, got {H}")
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
+        # Bound on |score|: one host sync per batch, not per chunk.
+        bound = float(q.detach().abs().amax()) * float(k.detach().abs().amax()) * hd * abs(scale)
+        if not math.isfinite(bound):
+            raise NonFiniteError("non-finite queries/keys, or attention scores beyond float64")
+        wide = q.dtype == torch.float64 or bound > _FLOAT32_SAFE
+        dtype = torch.float64 if wide else torch.float32
         q = q.detach().to(dtype)  # (B, H, T, hd)
         k = k.detach().to(dtype)  # (B, H, T, hd)
-        scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
         valid = None
         if attention_mask is not None:
             if attention_mask.shape != (B, T):

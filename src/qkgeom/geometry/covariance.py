@@ -91,6 +91,19 @@ class StreamingCovariance:
         self._m2 = self._m2 + m2_b + (delta[:, :, None] * delta[:, None, :]) * (n_a * n_b / n)
         self.count = n
 
+    def add_moments(self, count: int, mean: Tensor, m2: Tensor) -> None:
+        """Fold in a batch given as its sample count, (G, dim) mean and (G, dim, dim)
+        centred scatter, computed by the caller (e.g. a float32 product of the batch
+        centred on its own mean); merged by Chan's update, the totals stay float64."""
+        if mean.shape != self._mean.shape or m2.shape != self._m2.shape:
+            raise ValueError(f"expected mean {tuple(self._mean.shape)} and scatter "
+                             f"{tuple(self._m2.shape)}, got {tuple(mean.shape)}, {tuple(m2.shape)}")
+        if count:
+            dev = mean.device
+            if self._mean.device != dev:
+                self._mean, self._m2 = self._mean.to(dev), self._m2.to(dev)
+            self._merge(count, mean.to(torch.float64), m2.to(torch.float64))
+
     def merge(self, other: StreamingCovariance) -> None:
         """Fold another accumulator of the same shape into this one (e.g. from a worker)."""
         if (other.n_groups, other.dim) != (self.n_groups, self.dim):

@@ -18,6 +18,7 @@ Layer-level definitions (head = −1):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,11 +28,12 @@ from torch import Tensor
 from qkgeom.geometry.attention import ATTENTION_METRICS, AttentionStats
 from qkgeom.geometry.covariance import StreamingCovariance
 from qkgeom.geometry.spectra import (
+    NonFiniteError,
     _split_heads,
-    interaction_singular_values,
     logit_singular_values,
     participation_ratio,
-    product_singular_values,
+    product_pr,
+    require_finite,
     weight_pr,
 )
 
@@ -55,6 +57,8 @@ METRIC_NAMES = WEIGHT_METRICS + TOKEN_METRICS
 
 # Bound on the float64 elements one chunk of the per-sequence logit SVD may hold.
 _MAX_SVD_ELEMENTS = 2**22
+# Largest |activation| whose float64 scatter (sums of squares over ~1e9 tokens) stays finite.
+_MAX_ABS_ACTIVATION = 1e140
 
 
 @torch.no_grad()
@@ -70,23 +74,34 @@ def weight_records(w_q: Tensor, w_k: Tensor, n_head: int) -> list[Record]:
     Returns:
         Records ``(head, metric, value)`` for the four ``WEIGHT_METRICS``, heads 0..H−1
         then −1 (layer). PR values are dimensionless "numbers of directions".
+    Raises:
+        NonFiniteError: if a weight is inf or NaN (a diverged model has no geometry).
     """
     if w_q.shape != w_k.shape or w_q.ndim != 2:
         raise ValueError(f"w_q {tuple(w_q.shape)} and w_k {tuple(w_k.shape)} must be equal 2-D")
-    wq = w_q.detach().to(torch.float64)  # (d_out, d_model)
-    wk = w_k.detach().to(torch.float64)  # (d_out, d_model)
+    require_finite("W_Q/W_K weights", w_q, w_k)
+    # Each factor divided by its largest |entry|: every PR is scale invariant, and the
+    # interaction spectrum of weights near 1e±200 neither overflows nor underflows.
+    wq = _unit_max(w_q.detach().to(torch.float64))  # (d_out, d_model)
+    wk = _unit_max(w_k.detach().to(torch.float64))  # (d_out, d_model)
     pr_q = weight_pr(_split_heads(wq, n_head))  # (H,)
     pr_k = weight_pr(_split_heads(wk, n_head))  # (H,)
-    pr_qk = participation_ratio(interaction_singular_values(wq, wk, n_head) ** 2)  # (H,)
+    # Interaction PRs from hd × hd Gram products (no QR/SVD; equal to the SVD route).
+    pr_qk = product_pr(_split_heads(wq, n_head), _split_heads(wk, n_head))  # (H,)
     out: list[Record] = []
     for h in range(n_head):
         out += _weight_block(h, float(pr_q[h]), float(pr_k[h]), float(pr_qk[h]))
     # Layer: W_Q W_Kᵀ = w_q.T @ w_k, d_model × d_model, rank <= d_out.
-    layer_sv = product_singular_values(wq.mT, wk.mT)  # (min(d_model, d_out),)
     out += _weight_block(
-        LAYER, float(weight_pr(wq)), float(weight_pr(wk)), float(participation_ratio(layer_sv**2))
+        LAYER, float(weight_pr(wq)), float(weight_pr(wk)), float(product_pr(wq.mT, wk.mT))
     )
     return out
+
+
+def _unit_max(x: Tensor) -> Tensor:
+    """``x`` divided by its largest |entry| (unchanged when all zero)."""
+    m = x.abs().amax()
+    return x / m if bool(m > 0) else x
 
 
 def _weight_block(head: int, pr_q: float, pr_k: float, pr_qk: float) -> list[Record]:
@@ -142,6 +157,10 @@ class TokenGeometry:
                 attention statistics.
             scale: logit scale for the attention softmax and the logit matrix, default
                 1/√hd (PR of the logit spectrum does not depend on it).
+
+        Raises:
+            NonFiniteError: if q or k holds inf or NaN or entries beyond 1e140 (checked
+                before anything is accumulated, so the accumulator stays usable).
         """
         if q.ndim != 4 or k.shape != q.shape:
             raise ValueError(
@@ -152,6 +171,10 @@ class TokenGeometry:
             raise ValueError(f"expected (H, hd) = {(self.n_head, self.head_dim)}, got {(H, hd)}")
         q = q.detach()
         k = k.detach()
+        peak = max(float(q.abs().amax()), float(k.abs().amax())) if q.numel() else 0.0
+        if not peak <= _MAX_ABS_ACTIVATION:  # NaN fails this too
+            raise NonFiniteError(f"queries/keys are non-finite or beyond {_MAX_ABS_ACTIVATION:g} "
+                                 f"(max |entry| {peak:g}): their covariance would overflow")
         valid = None if attention_mask is None else attention_mask.to(q.device).bool()  # (B, T)
 
         # Covariances: one row per real token.
@@ -177,10 +200,12 @@ class TokenGeometry:
         else:
             seq_ok = torch.ones(B, dtype=torch.bool, device=q.device)  # (B,)
         # QR route holds O(T·hd) per head; the explicit route (hd >= T) O(T²) <= O(T·hd).
+        # PR is scale invariant: unit-max factors keep huge/tiny activations in range.
+        qn, kn = _unit_max(q.to(torch.float64)), _unit_max(k.to(torch.float64))  # (B, H, T, hd)
         step = max(1, _MAX_SVD_ELEMENTS // (H * T * hd))
         sum_pr = torch.zeros(H, dtype=torch.float64)  # (H,)
         for b0 in range(0, B, step):
-            sv = logit_singular_values(q[b0 : b0 + step], k[b0 : b0 + step], scale)  # (b, H, r)
+            sv = logit_singular_values(qn[b0 : b0 + step], kn[b0 : b0 + step], scale)  # (b, H, r)
             pr = participation_ratio(sv**2)  # (b, H)
             sum_pr += (pr * seq_ok[b0 : b0 + step, None]).sum(dim=0).cpu()
         self._sum_pr_qk += sum_pr
@@ -225,12 +250,15 @@ class TokenGeometry:
 def _token_block(
     head: int, pr_q: float, pr_k: float, pr_qk: float, attn: Mapping[str, float]
 ) -> list[Record]:
+    """The token records of one head (or the layer). ``attn_entropy_norm`` is left out
+    when it is undefined (NaN: no query ever saw two keys, e.g. length-1 sequences), so a
+    results file never holds a NaN without a reason."""
     return [
         (head, "pr_q_token", pr_q),
         (head, "pr_k_token", pr_k),
         (head, "contrast_token", pr_q - pr_k),
         (head, "pr_qk_token", pr_qk),
-        *((head, name, attn[name]) for name in ATTENTION_METRICS),
+        *((head, name, attn[name]) for name in ATTENTION_METRICS if not math.isnan(attn[name])),
     ]
 
 

@@ -25,13 +25,31 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "NonFiniteError",
+    "gram_product_pr",
     "interaction_singular_values",
     "logit_singular_values",
     "participation_ratio",
     "pr_from_covariance",
+    "product_pr",
     "product_singular_values",
     "weight_pr",
 ]
+
+
+class NonFiniteError(ValueError):
+    """Weights or activations hold inf/NaN (or overflow float64): no metric is defined.
+
+    Raised instead of returning NaN (or letting an SVD fail deep inside LAPACK), so that a
+    caller can say what happened: the trainer records the run as ``diverged``.
+    """
+
+
+def require_finite(what: str, *tensors: Tensor) -> None:
+    """:class:`NonFiniteError` unless every entry of every tensor is finite."""
+    for t in tensors:
+        if not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"non-finite {what} (inf or NaN)")
 
 
 def _max_over_last(x: Tensor, n_dims: int) -> Tensor:
@@ -191,3 +209,38 @@ def logit_singular_values(q: Tensor, k: Tensor, scale: float | None = None) -> T
     qs = q.detach().to(torch.float64) * math.sqrt(abs(scale))  # (B, H, T, hd)
     ks = k.detach().to(torch.float64) * math.sqrt(abs(scale))  # (B, H, T, hd)
     return product_singular_values(qs, ks)  # (B, H, min(T, hd))
+
+
+def gram_product_pr(g_a: Tensor, g_b: Tensor) -> Tensor:
+    """PR of the eigenvalues of ``G_a G_b`` for symmetric PSD ``G_a``, ``G_b`` (..., r, r).
+
+    Why: with ``G_a = aᵀa`` and ``G_b = bᵀb`` the squared singular values of ``a bᵀ`` are
+    the eigenvalues of ``M = G_a G_b``, so ``Σσ² = tr M`` and ``Σσ⁴ = tr M² = Σ_ij M_ij
+    M_ji``: the PR of an interaction or logit spectrum costs one r × r product and no
+    LAPACK call (a batched QR/SVD can stall for seconds in a multi-threaded LAPACK on a
+    busy CPU). Each factor is divided by its largest diagonal entry (PR is scale free).
+    Returns (...,) float64; 0.0 when the product is zero.
+    """
+    g_a = torch.as_tensor(g_a).to(torch.float64)  # (..., r, r)
+    g_b = torch.as_tensor(g_b).to(torch.float64)  # (..., r, r)
+    top_a = torch.diagonal(g_a, dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)  # (...,)
+    top_b = torch.diagonal(g_b, dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)  # (...,)
+    m = (g_a / top_a[..., None, None]) @ (g_b / top_b[..., None, None])  # (..., r, r)
+    s1 = torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)  # (...,) Σσ² (rescaled)
+    s2 = (m * m.mT).sum(dim=(-2, -1))  # (...,) Σσ⁴ (rescaled)
+    return torch.where(s2 > 0, s1 * s1 / torch.where(s2 > 0, s2, torch.ones_like(s2)), s1 * 0)
+
+
+def product_pr(a: Tensor, b: Tensor) -> Tensor:
+    """``participation_ratio(product_singular_values(a, b) ** 2)`` without QR or SVD.
+
+    PR of the squared singular values of ``a @ b.mT`` from the two r × r Gram matrices
+    (:func:`gram_product_pr`), float64, batched. Args: ``a`` (..., m, r), ``b`` (..., n, r).
+    Returns (...,); 0.0 for a zero product. Scale the inputs into range first (the Grams
+    square them).
+    """
+    a = torch.as_tensor(a).to(torch.float64)  # (..., m, r)
+    b = torch.as_tensor(b).to(torch.float64)  # (..., n, r)
+    if a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"inner dims differ: a {tuple(a.shape)}, b {tuple(b.shape)}")
+    return gram_product_pr(a.mT @ a, b.mT @ b)

@@ -153,3 +153,12 @@ def init_qk(w_q: Tensor, w_k: Tensor, mode: str, *, std: float = 0.02,
         w_k.copy_(w_q)
     else:
         raise ValueError(f"unknown qk_init {mode!r}")
+
+
+def flops_per_token(cfg: GPTConfig) -> float:
+    """Training FLOPs per token (forward + backward) of the model, the PaLM / nanoGPT
+    estimate: 6 x the matmul parameters (the 12 L d^2 of the blocks and the d x V of the
+    tied output head; the embedding lookups cost nothing) + 12 L T d for attention scores
+    and mixing (not halved for the causal mask). For MFU and run sizing (docs/speed.md)."""
+    n_matmul = 12 * cfg.n_layer * cfg.n_embd**2 + cfg.n_embd * cfg.vocab_size
+    return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd

@@ -3,7 +3,10 @@
 A checkpoint holds everything a resumed run needs to continue bit-for-bit: weights,
 optimiser state, the data-order generator state, torch's global RNG (dropout), the step
 and the config. Files are ``ckpt_{step:08d}.pt`` in ``RUN/checkpoints``; a torn or
-unreadable newest checkpoint falls back to the previous one with a warning.
+unreadable newest checkpoint falls back to the previous one with a one-line warning. A
+checkpoint of another format version is an error (never silently skipped: resuming past it
+would retrain from an older state, or from scratch, without saying so). Temp files left by
+a write that was killed are removed when a run resumes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 
 import torch
 
+from qkgeom.errors import QKGeomError
 from qkgeom.io import write_bytes
 
 FORMAT_VERSION = 1
@@ -46,17 +50,53 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
     return path
 
 
+def remove_stale_temp_files(run_dir: Path) -> None:
+    """Delete ``.NAME.*.tmp`` files a killed atomic write left in the run folder.
+
+    Only called when a run resumes, i.e. by the one process that now owns the folder.
+    """
+    for folder in (run_dir, checkpoint_dir(run_dir)):
+        if folder.is_dir():
+            for tmp in folder.glob(".*.tmp"):
+                tmp.unlink(missing_ok=True)
+
+
 def load_latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
-    """The newest readable checkpoint, or None when there is none."""
-    for step, path in reversed(list_checkpoints(run_dir)):
+    """The newest readable checkpoint, or None when there is none.
+
+    A torn or unreadable file (or one whose content is not the step its name says) is
+    skipped with a one-line warning and the previous one is used; when every checkpoint
+    is unreadable, a QKGeomError says so rather than silently starting over. A checkpoint
+    written in another format version raises QKGeomError naming the file.
+    """
+    remove_stale_temp_files(run_dir)
+    found = list_checkpoints(run_dir)
+    for step, path in reversed(found):
         try:
             state = torch.load(path, map_location="cpu", weights_only=False)
         except Exception as err:  # torn / corrupt file: fall back to an older one
             warnings.warn(f"{path}: unreadable checkpoint ({type(err).__name__}); "
                           "falling back to the previous one", stacklevel=2)
             continue
-        if state.get("format_version") != FORMAT_VERSION or state.get("step") != step:
-            warnings.warn(f"{path}: checkpoint of another format version; skipped", stacklevel=2)
+        if not isinstance(state, dict) or "format_version" not in state:
+            warnings.warn(f"{path}: not a qkgeom checkpoint; falling back to the previous one",
+                          stacklevel=2)
+            continue
+        version = state["format_version"]
+        if version != FORMAT_VERSION:
+            newer = isinstance(version, int) and version > FORMAT_VERSION
+            raise QKGeomError(
+                f"{path}: checkpoint format {version!r}, this qkgeom reads format "
+                f"{FORMAT_VERSION}; " + ("upgrade qkgeom to resume this run" if newer else
+                                         "resume it with the qkgeom version that wrote it, or "
+                                         "train again into a new --out"))
+        if state.get("step") != step:
+            warnings.warn(f"{path}: holds step {state.get('step')!r}, not {step} (renamed?); "
+                          "falling back to the previous one", stacklevel=2)
             continue
         return state
+    if found:
+        raise QKGeomError(f"{checkpoint_dir(run_dir)}: no readable checkpoint (all {len(found)} "
+                          "are torn or corrupt); delete the folder's checkpoints to train the "
+                          "run again from step 0")
     return None

@@ -6,11 +6,21 @@ Step ``s`` means ``s`` optimiser updates are done. At every step that is a multi
 *after* that step's records, so a resumed run keeps every record up to its checkpoint and
 recomputes nothing differently: on CPU the same seed gives the same metrics bit for bit,
 interrupted or not.
+
+Speed (docs/speed.md): ``precision`` autocasts the forward pass (bf16 by default on CUDA,
+opt-in on CPU; weights and AdamW state stay fp32, probes always run in fp32/fp64 on the
+eager model); ``compile`` wraps the model in ``torch.compile`` for the training step only
+(the wrapper shares the module's parameters, so probes, eval, key control and checkpoints
+see the same weights without going through the compiled graph); AdamW is fused on CPU and
+CUDA. On CUDA the hot loop never waits for the device: step losses stay on the GPU and are
+read back once per ``log_every`` steps (or when a record is due), and the next batch is
+gathered from the memmap and copied from pinned memory while the current step runs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import platform
 import time
@@ -25,9 +35,18 @@ import torch
 from qkgeom import __version__
 from qkgeom.config import TrainConfig, from_dict, with_vocab
 from qkgeom.data import PreparedData, ensure_sample_data, load_prepared, probe_set, sample_batch
+from qkgeom.data.batches import BatchStream
 from qkgeom.errors import DivergedError, QKGeomError
+from qkgeom.geometry import NonFiniteError
 from qkgeom.geometry.probe import probe
-from qkgeom.io import read_json, write_json, write_parquet
+from qkgeom.io import (
+    RUN_FORMAT_VERSION,
+    check_run_format,
+    read_json,
+    vocab_digest,
+    write_json,
+    write_parquet,
+)
 from qkgeom.model import GPT
 from qkgeom.seeding import make_generators
 from qkgeom.training.callbacks import Callback, TrainContext
@@ -75,6 +94,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """Mixed precision for the forward pass: matmuls in bf16/fp16, parameters (and so the
+    optimiser's master weights and state) stay fp32; the loss is computed in fp32."""
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
@@ -90,11 +111,11 @@ def evaluate(model: GPT, data: np.ndarray, cfg: TrainConfig, device: torch.devic
     losses = []
     for _ in range(cfg.eval_batches):
         x, y = sample_batch(data, cfg.batch_size, cfg.model.block_size, gen, device=device)
-        with _autocast(device, cfg.precision):
+        with _autocast(device, cfg.effective_precision):
             _, loss = model(x, y)
-        losses.append(float(loss))
+        losses.append(loss)  # read back after the loop: one device sync, not one per batch
     model.train(was_training)
-    return float(np.mean(losses))
+    return float(np.mean([float(v) for v in losses]))
 
 
 class _Status:
@@ -107,8 +128,11 @@ class _Status:
         if resume and self.path.exists():
             with contextlib.suppress(QKGeomError):
                 prev = read_json(self.path)
-        self.started = prev.get("started", time.time())
-        self.wall_before = float(prev.get("wall_s", 0.0))
+        prev = prev if isinstance(prev, dict) else {}  # garbage status: it is rewritten below
+        started, wall = prev.get("started"), prev.get("wall_s")
+        number = (int, float)
+        self.started = started if isinstance(started, number) else time.time()
+        self.wall_before = float(wall) if isinstance(wall, number) else 0.0
         self.t0 = time.perf_counter()
 
     def __call__(self, state: str, step: int, **extra: Any) -> None:
@@ -126,6 +150,8 @@ def _provenance(cfg: TrainConfig, data: PreparedData, run_id: str) -> dict[str, 
         "data_dir": str(data.dir),
         "data_source": data.meta.get("source"),
         "vocab_size": data.vocab.vocab_size,
+        "vocab_sha256": vocab_digest(data.vocab.chars),
+        "format_version": RUN_FORMAT_VERSION,
         "versions": {"qkgeom": __version__, "torch": torch.__version__,
                      "python": platform.python_version()},
     }
@@ -139,6 +165,12 @@ def _prepare_run_dir(out: Path, cfg: TrainConfig, resume: bool, prov: dict[str, 
             raise QKGeomError(f"{out} already holds a run; pass --resume to continue it "
                               "or choose another --out")
         saved = read_json(cfg_path)
+        check_run_format(saved, cfg_path)
+        if saved.get("vocab_sha256", prov["vocab_sha256"]) != prov["vocab_sha256"]:
+            meta = Path(prov["data_dir"]) / "meta.json"
+            raise QKGeomError(f"{meta}: its vocabulary is not the one this run was trained "
+                              f"with ({cfg_path} records {saved.get('data_dir')}); resume with "
+                              "--data pointing at that data, or train into a new --out")
         if saved.get("config_hash") != prov["config_hash"]:
             raise QKGeomError(f"{cfg_path}: the run was started with a different config "
                               f"(hash {saved.get('config_hash')} vs {prov['config_hash']}); "
@@ -157,6 +189,9 @@ def _read_table(path: Path, upto: int) -> list[pd.DataFrame]:
     except Exception as err:
         raise QKGeomError(f"{path}: unreadable Parquet ({type(err).__name__}); delete the run "
                           "folder and train again") from None
+    if "step" not in frame.columns:
+        raise QKGeomError(f"{path}: not a qkgeom table (no 'step' column); delete the run "
+                          "folder and train again")
     return [frame[frame["step"] <= upto]]
 
 
@@ -179,6 +214,7 @@ def train(
     run_id = run_id or out.name
     callbacks = list(callbacks or [])
     device = resolve_device(cfg.device)
+    cfg = dataclasses.replace(cfg, precision=cfg.effective_precision)  # auto -> concrete
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     data = load_data(cfg)
@@ -200,6 +236,9 @@ def train(
             key_cb.bind(model, cfg.steps, fresh=True)
         callbacks = [key_cb, *callbacks]
     optimizer = make_optimizer(model, cfg, device)
+    # The compiled wrapper shares every parameter with ``model``; only the training step
+    # calls it. Probes, eval, callbacks and checkpoints use ``model`` itself.
+    step_model = torch.compile(model) if cfg.compile else model
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.precision == "fp16")
     ctx = TrainContext(config=cfg, model=model, optimizer=optimizer)
 
@@ -209,9 +248,15 @@ def train(
     log_rows: list[dict[str, float]] = []
     state = load_latest_checkpoint(out) if resume else None
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scaler.load_state_dict(state["scaler"])
+        try:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scaler.load_state_dict(state["scaler"])
+        except (KeyError, RuntimeError, ValueError) as err:
+            raise QKGeomError(f"{out / 'checkpoints'}: step {state.get('step')} checkpoint does "
+                              f"not fit this run's model ({type(err).__name__}: "
+                              f"{' '.join(str(err).split())[:160]}); train into a new --out"
+                              ) from None
         gens.data.set_state(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
         for cb, cb_state in zip(callbacks, state.get("callbacks", []), strict=False):
@@ -230,7 +275,12 @@ def train(
         write_parquet(out / "train_log.parquet", pd.DataFrame(log_rows, columns=LOG_COLUMNS))
 
     def record_probe(s: int) -> None:
-        frame = probe(model, probe_tokens, batch_size=cfg.probe_batch, run_id=run_id, step=s)
+        try:
+            frame = probe(model, probe_tokens, batch_size=cfg.probe_batch, run_id=run_id, step=s)
+        except NonFiniteError as err:
+            # Update s left inf/NaN weights or activations while its own loss was finite (a
+            # huge lr): every earlier loss was finite, so the run diverged at step s.
+            diverge(s, f"{err} at the probe of step {s}")
         frame = frame[["run_id", "step", "layer", "head", "metric", "value"]]
         for cb in callbacks:
             extra = cb.on_probe(ctx, frame)
@@ -245,9 +295,39 @@ def train(
     if state is not None:
         acc.update(state.get("loss_acc", {}))
         acc["t"] = time.perf_counter()
+    # Step losses not yet read back, as device scalars, and the step they belong to. On CPU
+    # a read-back costs nothing, so every loss is checked before its update (a non-finite
+    # loss stops the run before it touches the weights); on an accelerator they are read
+    # once per log interval, and a non-finite one still names its exact step.
+    pending: list[tuple[int, torch.Tensor]] = []
+    read_each_step = device.type == "cpu"
+    batches = BatchStream(data.train, cfg.batch_size, cfg.model.block_size, gens.data,
+                          device=device, prefetch=device.type == "cuda")
+
+    def read_losses() -> None:
+        """Move pending step losses into the log accumulator; raise on a non-finite one."""
+        if not pending:
+            return
+        steps = [s for s, _ in pending]  # the update each loss belongs to (1-based)
+        values = torch.stack([v for _, v in pending]).tolist()  # one host sync
+        pending.clear()
+        for bad, value in zip(steps, values, strict=True):
+            if not math.isfinite(value):
+                diverge(bad, f"non-finite loss ({value}) at step {bad}")
+            acc["loss_sum"] += value
+            acc["loss_n"] += 1
+
+    def diverge(bad: int, message: str) -> None:
+        """Record ``diverged`` at update ``bad`` (records so far kept) and stop the run."""
+        flush()
+        status("diverged", step, diverged_step=bad, message=message)
+        raise DivergedError(f"run diverged: {message}; recorded in {out / 'status.json'}")
 
     def at_boundary(s: int, is_last: bool) -> None:
         """Records, logs and checkpoints due at step ``s`` (before update s + 1)."""
+        if is_last or any(s % every == 0 for every in (
+                cfg.log_every, cfg.probe_every, cfg.eval_every, cfg.checkpoint_every)):
+            read_losses()
         if s % cfg.probe_every == 0 or is_last:
             record_probe(s)
         val_loss = math.nan
@@ -271,7 +351,7 @@ def train(
             flush()
             save_checkpoint(out, s, {
                 "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scaler": scaler.state_dict(), "data_rng": gens.data.get_state(),
+                "scaler": scaler.state_dict(), "data_rng": batches.generator_state(),
                 "torch_rng": torch.get_rng_state(), "config": cfg.to_dict(),
                 "callbacks": [cb.state_dict() for cb in callbacks],
                 "loss_acc": {"loss_sum": acc["loss_sum"], "loss_n": acc["loss_n"]},
@@ -298,19 +378,15 @@ def train(
                        min_lr_ratio=cfg.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = sample_batch(data.train, cfg.batch_size, cfg.model.block_size, gens.data,
-                                device=device)
+            x, y = batches.next()  # (B, T), (B, T)
             with _autocast(device, cfg.precision):
-                _, loss = model(x, y)
-            loss_value = float(loss.detach())
-            if not math.isfinite(loss_value):
-                flush()
-                status("diverged", step, diverged_step=step + 1,
-                       message=f"non-finite loss ({loss_value}) at step {step + 1}")
-                raise DivergedError(f"run diverged: non-finite loss ({loss_value}) at step "
-                                    f"{step + 1}; recorded in {out / 'status.json'}")
+                _, loss = step_model(x, y)
+            pending.append((step + 1, loss.detach()))
+            if read_each_step:
+                read_losses()
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss).backward()
+            batches.prefetch()  # next batch's host gather + copy overlap this step's kernels
             if cfg.grad_clip > 0:
                 scaler.unscale_(optimizer)
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -320,8 +396,6 @@ def train(
             ctx.step = step
             for cb in callbacks:
                 cb.on_step_end(ctx)
-            acc["loss_sum"] += loss_value
-            acc["loss_n"] += 1
             acc["tokens"] += tokens_per_step
             if bar is not None:
                 bar.advance()
@@ -339,6 +413,7 @@ def train(
 def load_run_config(run_dir: str | Path) -> TrainConfig:
     """The :class:`TrainConfig` a run folder was trained with."""
     prov = read_json(Path(run_dir) / "config.json")
+    check_run_format(prov, Path(run_dir) / "config.json")
     try:
         return from_dict(prov["config"])
     except (KeyError, TypeError):
