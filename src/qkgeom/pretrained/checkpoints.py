@@ -1,0 +1,283 @@
+"""Checkpoint lists: which checkpoints, their steps, loading one, and its Q/K hash.
+
+A checkpoint is one of:
+
+- a Hugging Face hub revision (``EleutherAI/pythia-160m`` with ``--revisions step0,...``;
+  default ``main``), loaded with ``from_pretrained(..., revision=...)`` (uses the HF cache;
+  nothing needs the network once it is cached);
+- a local folder in HF format (``config.json`` + weights), or a folder whose sub-folders
+  are (e.g. a Trainer's ``checkpoint-*``); ``--revisions`` then names sub-folders;
+- a checkpoint of the project's own run folder (``runs/X/checkpoints/ckpt_*.pt``), with the
+  run's character vocabulary; ``--revisions`` then picks steps (``250`` or ``ckpt_00000250``).
+
+Step of each checkpoint: parsed from its name (``step1000``, ``checkpoint-1000``,
+``ckpt_00001000``, ``global_step1000``), else ``global_step`` of a folder's
+``trainer_state.json``; if any checkpoint has neither, the order of the list for all.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkgeom.errors import QKGeomError
+
+__all__ = ["CheckpointSpec", "free_model", "load_checkpoint", "qk_hash", "resolve_checkpoints"]
+
+_STEP = re.compile(r"(?:^|[^a-z])(?:global_step|step|checkpoint|ckpt)[-_]?(\d+)$", re.IGNORECASE)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """One checkpoint to analyse."""
+
+    name: str  # revision, folder name or ``ckpt_00000250``
+    kind: str  # "hub" | "folder" | "run"
+    source: str  # hub id, folder path, or run folder
+    revision: str | None = None  # hub revision
+    run_step: int | None = None  # own-run checkpoint step
+    step: int = 0
+    step_source: str = "order"  # "name" | "trainer_state" | "run" | "order"
+
+
+def _parse_step(name: str) -> int | None:
+    m = _STEP.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _is_hf_folder(path: Path) -> bool:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return "model_type" in json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+
+
+def _is_run_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and (path / "checkpoints").is_dir() \
+        and not _is_hf_folder(path)
+
+
+def _folder_step(path: Path) -> tuple[int | None, str]:
+    step = _parse_step(path.name)
+    if step is not None:
+        return step, "name"
+    state = path / "trainer_state.json"
+    if state.is_file():
+        try:
+            return int(json.loads(state.read_text(encoding="utf-8"))["global_step"]), \
+                "trainer_state"
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return None, "order"
+
+
+def _ordered(specs: list[CheckpointSpec], steps: list[int | None],
+             sources: list[str]) -> list[CheckpointSpec]:
+    from dataclasses import replace
+
+    if any(s is None for s in steps):
+        return [replace(sp, step=i, step_source="order") for i, sp in enumerate(specs)]
+    out = [replace(sp, step=int(s), step_source=src)
+           for sp, s, src in zip(specs, steps, sources, strict=True)]
+    return sorted(out, key=lambda sp: sp.step)
+
+
+def _run_checkpoints(run: Path, revisions: list[str] | None) -> list[CheckpointSpec]:
+    from qkgeom.training.checkpoint import list_checkpoints
+
+    found = dict(list_checkpoints(run))
+    if not found:
+        raise QKGeomError(f"{run}: the run folder has no checkpoints (checkpoints/ckpt_*.pt)")
+    steps = sorted(found)
+    if revisions:
+        wanted = []
+        for rev in revisions:
+            step = int(rev) if rev.isdigit() else _parse_step(rev)
+            if step not in found:
+                raise QKGeomError(f"{run}: no checkpoint at step {rev}; it has steps "
+                                  + ", ".join(map(str, steps)))
+            wanted.append(step)
+        steps = sorted(set(wanted))
+    return [CheckpointSpec(f"ckpt_{s:08d}", "run", str(run), run_step=s, step=s,
+                           step_source="run") for s in steps]
+
+
+def resolve_checkpoints(models: list[str], revisions: list[str] | None = None
+                        ) -> list[CheckpointSpec]:
+    """The checkpoints named by ``models`` (hub id, folders, a run folder) and
+    ``revisions``, ordered by step. Raises QKGeomError for anything it cannot use."""
+    if not models:
+        raise QKGeomError("name a model: a hub id, HF folders, or a qkgeom run folder")
+    paths = [Path(m) for m in models]
+    if len(models) == 1 and _is_run_folder(paths[0]):
+        return _run_checkpoints(paths[0], revisions)
+    if all(p.exists() for p in paths):
+        folders: list[Path] = []
+        for p in paths:
+            if not p.is_dir():
+                raise QKGeomError(f"{p}: not a folder; pass HF checkpoint folders")
+            if revisions and len(paths) == 1:
+                folders += [p / r for r in revisions]
+            elif _is_hf_folder(p):
+                folders.append(p)
+            else:  # a folder of checkpoint folders
+                subs = sorted(s for s in p.iterdir() if s.is_dir() and _is_hf_folder(s))
+                if not subs:
+                    raise QKGeomError(f"{p}: neither an HF model folder (config.json with a "
+                                      "model_type) nor a folder of them, nor a qkgeom run")
+                folders += subs
+        for f in folders:
+            if not _is_hf_folder(f):
+                raise QKGeomError(f"{f}: not an HF model folder (no config.json with a model_type)")
+        specs = [CheckpointSpec(f.name, "folder", str(f)) for f in folders]
+        found = [_folder_step(f) for f in folders]
+        names = [sp.name for sp in specs]
+        if len(set(names)) != len(names):  # same leaf name in different parents
+            specs = [CheckpointSpec(str(f), "folder", str(f)) for f in folders]
+        return _ordered(specs, [s for s, _ in found], [src for _, src in found])
+    missing = [m for m, p in zip(models, paths, strict=True) if not p.exists()]
+    if len(models) > 1:
+        raise QKGeomError(f"{missing[0]}: no such folder (several models must be local folders)")
+    if models[0].startswith((".", "/", "~")) or models[0].count("/") > 1:
+        raise QKGeomError(f"{models[0]}: no such folder, and not a hub id (owner/name)")
+    revs = revisions or ["main"]
+    specs = [CheckpointSpec(r, "hub", models[0], revision=r) for r in revs]
+    steps = [_parse_step(r) for r in revs]
+    return _ordered(specs, steps, ["name"] * len(specs))
+
+
+# ------------------------------------------------------------------------------- loading
+
+
+def _run_vocab(run: Path):
+    from qkgeom.data.vocab import CharVocab
+    from qkgeom.io import read_json
+
+    prov = read_json(run / "config.json")
+    data_dir = prov.get("data_dir")
+    if not data_dir:
+        raise QKGeomError(f"{run / 'config.json'}: no data_dir; is {run} a qkgeom run folder?")
+    meta_path = Path(data_dir) / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise QKGeomError(f"{meta_path}: the run's prepared data (its character vocabulary) "
+                          "is missing; prepare it again with `qkgeom data prepare`") from None
+    return CharVocab.from_json(meta.get("vocab"))
+
+
+def load_run_model(run: str | Path, step: int | None = None) -> tuple[nn.Module, Any, int]:
+    """(GPT, CharVocab, step) of a run folder's checkpoint at ``step`` (default: newest)."""
+    from qkgeom.model import GPT
+    from qkgeom.training import load_run_config
+    from qkgeom.training.checkpoint import list_checkpoints
+
+    run = Path(run)
+    found = dict(list_checkpoints(run))
+    if not found:
+        raise QKGeomError(f"{run}: the run folder has no checkpoints (checkpoints/ckpt_*.pt)")
+    step = max(found) if step is None else step
+    if step not in found:
+        raise QKGeomError(f"{run}: no checkpoint at step {step}; it has steps "
+                          + ", ".join(map(str, sorted(found))))
+    cfg = load_run_config(run)
+    if cfg.key_control != "none" and cfg.key_control_how == "parametrize":
+        raise QKGeomError(f"{run}: trained with a parametrised key control; its checkpoints "
+                          "store the unconstrained weights, not what the model used")
+    try:
+        state = torch.load(found[step], map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise QKGeomError(f"{found[step]}: unreadable checkpoint ({type(err).__name__})") from None
+    model = GPT(cfg.model)
+    model.load_state_dict(state["model"])
+    return model.eval(), _run_vocab(run), step
+
+
+def require_transformers() -> None:
+    """QKGeomError (not a traceback) when Hugging Face ``transformers`` is missing."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise QKGeomError("analysing Hugging Face checkpoints needs transformers: "
+                          "pip install 'transformers>=5'") from None
+
+
+def load_checkpoint(spec: CheckpointSpec, *, dtype: str = "float32", device: str = "cpu",
+                    attn_implementation: str = "sdpa",
+                    trust_remote_code: bool = False) -> tuple[nn.Module, Any]:
+    """(model, tokenizer) of one checkpoint, on ``device`` in eval mode."""
+    if dtype not in _DTYPES:
+        raise QKGeomError(f"unknown --dtype {dtype!r}; choose one of {', '.join(_DTYPES)}")
+    if spec.kind == "run":
+        model, vocab, _ = load_run_model(spec.source, spec.run_step)
+        return model.to(device=device, dtype=_DTYPES[dtype]), vocab
+    require_transformers()
+    from transformers import AutoModel
+
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype], "attn_implementation": attn_implementation,
+                              "trust_remote_code": trust_remote_code}
+    if spec.revision is not None:
+        kwargs["revision"] = spec.revision
+    try:
+        model = AutoModel.from_pretrained(spec.source, **kwargs)
+    except Exception as err:  # missing files, offline hub, unknown revision: user-fixable
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise QKGeomError(f"cannot load {spec.source}"
+                          + (f" (revision {spec.revision})" if spec.revision else "")
+                          + f": {type(err).__name__}: {first[:300]}") from None
+    return model.to(device).eval(), None
+
+
+def load_tokenizer(spec: CheckpointSpec, name: str | None = None,
+                   trust_remote_code: bool = False) -> Any:
+    """The HF tokenizer of ``name`` (``--tokenizer``) or of the checkpoint itself."""
+    require_transformers()
+    from transformers import AutoTokenizer
+
+    src = name or spec.source
+    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
+    if name is None and spec.revision is not None:
+        kwargs["revision"] = spec.revision
+    try:
+        return AutoTokenizer.from_pretrained(src, **kwargs)
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise QKGeomError(f"cannot load a tokenizer from {src}: {type(err).__name__}: "
+                          f"{first[:300]}; pass --tokenizer") from None
+
+
+def free_model(model: nn.Module | None) -> None:
+    """Drop the last reference the caller passes in and return its memory."""
+    del model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def qk_hash(adapter) -> str:
+    """SHA-256 of every layer's raw W_Q, W_K (and their biases), in layer order.
+
+    Two checkpoints with the same hash serve identical query/key weights.
+    """
+    digest = hashlib.sha256()
+    for site in adapter.sites:
+        for t in (*site.qk_weights(), *site.qk_biases()):
+            if t is None:
+                digest.update(b"-")
+                continue
+            t = t.detach().to("cpu").contiguous()
+            digest.update(str(t.dtype).encode() + str(tuple(t.shape)).encode())
+            digest.update(t.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,218 @@
+"""Attention entropy from captured q/k with an online softmax over key chunks.
+
+Why streaming: a checkpoint analysis runs long contexts (T = 512 … 2048) over many batches;
+the (B, H, T, T) pattern is never formed. Scores are computed block by block (a block of
+query positions × a block of key positions, at most ``max_block_elements`` scores at once)
+and each query row keeps three running numbers (the FlashAttention recurrence):
+
+    m = max score so far,  Z = Σ exp(s − m),  A = Σ exp(s − m)·(s − m).
+
+When a new key block raises the maximum from ``m`` to ``m'`` (``α = exp(m − m')``):
+``Z ← α·Z + Z_blk`` and ``A ← α·(A + (m − m')·Z) + A_blk``. At the end, per row,
+``H = log Z − A / Z`` (nats; ``p = exp(s − m)/Z`` so ``−Σp log p = log Z − A/Z``) and the
+largest weight is ``1 / Z``. Keeping A relative to the running maximum avoids the
+cancellation of ``m + log Z − Σ p s`` for peaked rows. Causally, keys after a query block
+are never multiplied (half the work). When whole key rows of ≥ 16 queries fit the block
+bound (T ≲ 1k at typical batch sizes) each row is one block and no rescaling happens.
+
+Grouped-query attention: ``k`` has ``H_kv`` heads; query head ``h`` uses key head
+``h // (H / H_kv)`` (HF ``repeat_kv`` order); keys are never copied per query head.
+
+Reported means over every (sequence, query position) — the definitions of
+:mod:`qkgeom.geometry.attention` (``attn_entropy``, ``attn_entropy_norm`` = mean of
+``H_t / log n_t`` over rows with ``n_t ≥ 2`` visible keys, ``attn_max``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import Tensor
+
+from qkgeom.geometry.attention import ATTENTION_METRICS
+from qkgeom.pretrained.workspace import Workspace
+
+__all__ = ["StreamingEntropy"]
+
+_MAX_BLOCK_ELEMENTS = 2**22  # scores per block: 16 MiB in float32
+_LOG_TINY = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}
+_NEG = -1e30  # masked score: exp(−1e30 − m) is exactly 0 and (−1e30 − m)·0 = 0 (no NaN)
+
+
+@functools.lru_cache(maxsize=64)
+def _row_weights(T: int, causal: bool, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(2, T) weights turning per-row Σ p log p into Σ H_t and Σ H_t / log n_t (rows with
+    n_t >= 2 visible keys only)."""
+    with torch.inference_mode(False):
+        n_vis = (torch.arange(1, T + 1, dtype=dtype, device=device) if causal
+                 else torch.full((T,), float(T), dtype=dtype, device=device))  # (T,) keys
+        inv_log = torch.where(n_vis >= 2, n_vis.clamp_min(2).log().reciprocal(), 0.0)  # (T,)
+        return -torch.stack([torch.ones_like(n_vis), inv_log])  # (2, T)
+
+
+@functools.lru_cache(maxsize=64)
+def _upper(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(n, 1, n) additive causal mask of the diagonal square of a query block: −1e30 where
+    the key comes after the query, else 0 (broadcast over the R query heads of a key head)."""
+    with torch.inference_mode(False):
+        above = torch.ones(n, n, dtype=torch.bool, device=device).triu(1)[:, None, :]
+        return torch.zeros(n, 1, n, dtype=dtype, device=device).masked_fill_(above, _NEG)
+
+
+class StreamingEntropy:
+    """Per-head attention entropy / max weight, accumulated over batches.
+
+    Args:
+        n_head: query heads H.
+        n_kv_head: key heads H_kv (H divisible by it); default H.
+        causal: decoder (True) or bidirectional encoder (False) attention.
+        max_block_elements: bound on the scores of one query × key block (all B·H).
+    """
+
+    def __init__(self, n_head: int, n_kv_head: int | None = None, causal: bool = True,
+                 max_block_elements: int = _MAX_BLOCK_ELEMENTS) -> None:
+        n_kv_head = n_kv_head or n_head
+        if n_head < 1 or n_head % n_kv_head:
+            raise ValueError(f"n_head={n_head} must be a positive multiple of n_kv_head={n_kv_head}")
+        self.n_head, self.n_kv_head, self.causal = n_head, n_kv_head, causal
+        self.max_block_elements = max_block_elements
+        self._sums = torch.zeros(3, n_head, dtype=torch.float64)  # entropy, norm, max
+        self.n_queries = 0
+        self.n_queries_norm = 0
+
+    def blocks(self, B: int, T: int) -> tuple[int, int]:
+        """(query rows, key columns) per block.
+
+        Whole key rows when at least 16 query rows fit the bound (no rescaling needed):
+        causally about T/4 rows (at least 16), so that skipping the keys after each block
+        saves ~3/8 of the scores; bidirectionally as many rows as fit. Otherwise 16 rows
+        and key chunks that fit (the online-softmax path).
+        """
+        per_row = max(1, self.max_block_elements // max(1, B * self.n_head))  # scores/row-set
+        fit = per_row // T  # query rows whose whole key row fits the bound
+        if fit >= 16:
+            return min(T, fit, max(16, -(-T // 4)) if self.causal else T), T
+        return min(T, 16), max(16, per_row // 16)
+
+    def prepare(self, q: Tensor, k: Tensor, scale: float | None = None,
+                workspace: Workspace | None = None) -> tuple[Tensor, Tensor]:
+        """The layouts :meth:`add_prepared` works on, in the softmax dtype (float64 for
+        float64 input, else float32): queries times ``scale`` (default 1/√hd) as
+        ``(B·H_kv, T, R, hd)`` and keys as ``(B·H_kv, T, hd)``, both contiguous, so that a
+        block of query positions of every query head of a key head is one bmm operand."""
+        B, H, T, hd = q.shape
+        if self.n_head != H or k.shape != (B, self.n_kv_head, T, hd):
+            raise ValueError(f"expected q (B, {self.n_head}, T, hd) and k (B, {self.n_kv_head}, "
+                             f"T, hd), got {tuple(q.shape)} and {tuple(k.shape)}")
+        ws = workspace or Workspace()
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        Hk, R = self.n_kv_head, H // self.n_kv_head
+        scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
+        qg = ws.get("entropy.q", (B, Hk, T, R, hd), dtype, q.device)
+        torch.mul(q.detach().unflatten(1, (Hk, R)).transpose(2, 3), scale, out=qg)
+        kk = ws.get("entropy.k", (B, Hk, T, hd), dtype, q.device)
+        kk.copy_(k.detach())
+        return qg.view(B * Hk, T, R, hd), kk.view(B * Hk, T, hd)
+
+    @torch.no_grad()
+    def update(self, q: Tensor, k: Tensor, scale: float | None = None,
+               blocks: tuple[int, int] | None = None,
+               workspace: Workspace | None = None) -> None:
+        """Add a batch: ``q`` (B, H, T, hd), ``k`` (B, H_kv, T, hd), no padding.
+
+        The softmax runs in float64 for float64 input, else float32; ``scale`` defaults
+        to 1/√hd. ``blocks`` = (query rows, key columns) per block overrides the default.
+        Nothing is copied to the host (no device sync).
+        """
+        ws = workspace or Workspace()
+        qg, kk = self.prepare(q, k, scale, ws)
+        self.add_prepared(qg, kk, q.shape[0], blocks, ws)
+
+    @torch.no_grad()
+    def add_prepared(self, qg: Tensor, kk: Tensor, B: int,
+                     blocks: tuple[int, int] | None = None,
+                     workspace: Workspace | None = None) -> None:
+        """Add a batch given in the layouts of :meth:`prepare` (``B`` sequences)."""
+        ws = workspace or Workspace()
+        BHk, T, R, hd = qg.shape
+        Hk, H = BHk // B, BHk // B * R
+        dtype, dev = qg.dtype, qg.device
+        c, kc = blocks or self.blocks(B, T)
+        rows = ws.get("entropy.rows", (2, BHk, T * R), dtype, dev)  # Σ p log p, max p
+        for t0 in range(0, T, c):
+            t1 = min(T, t0 + c)
+            n, nk = t1 - t0, (t1 if self.causal else T)  # query rows, visible keys
+            qb = qg[:, t0:t1].reshape(BHk, n * R, hd)  # (B·Hk, n·R, hd), a view
+            out = rows[:, :, t0 * R : t1 * R]  # (2, B·Hk, n·R)
+            if nk <= kc:
+                self._whole_rows(qb, kk[:, :nk], t0, n, R, out, ws)
+            else:
+                self._online_rows(qb, kk, t0, n, R, nk, kc, out)
+        w = _row_weights(T, self.causal, dtype, dev)  # (2, T): −1 and −1/log n_t
+        neg_ent = rows[0].view(B, Hk, T, R)
+        sums = torch.einsum("bgtr,wt->wgr", neg_ent, w).reshape(2, H)  # Σ H_t, Σ H_t/log n_t
+        self._sums = self._sums.to(dev)
+        self._sums[:2] += sums
+        self._sums[2] += rows[1].view(B, Hk, T, R).sum(dim=(0, 2)).reshape(H)
+        self.n_queries += B * T
+        self.n_queries_norm += B * (T - 1 if self.causal else (T if T >= 2 else 0))
+
+    def _whole_rows(self, qb: Tensor, kb: Tensor, t0: int, n: int, R: int, out: Tensor,
+                    ws: Workspace) -> None:
+        """Rows whose visible keys ``kb`` (B·Hk, nk, hd) fit one block: an explicit log
+        softmax; ``out`` (2, B·Hk, n·R) gets Σ p log p (non-positive terms: no
+        cancellation) and the max weight."""
+        shape = (qb.shape[0], qb.shape[1], kb.shape[1])  # (B·Hk, n·R, nk)
+        s = torch.bmm(qb, kb.mT, out=ws.get("entropy.s", shape, qb.dtype, qb.device))
+        if self.causal and n > 1:  # keys after the query, only in the last n columns
+            s.view(-1, n, R, shape[2])[..., t0:].add_(_upper(n, s.dtype, s.device))
+        logp = torch.log_softmax(s, dim=-1, out=ws.get("entropy.logp", shape, s.dtype, s.device))
+        # log p >= log(smallest normal) + 1: keeps p and p log p out of the subnormal range,
+        # where exp and mul run ~100x slower on x86; a weight below ~1e-37 (float32) then
+        # adds at most 3e-36 nats per key, far below round-off (masked keys included).
+        logp.clamp_(min=_LOG_TINY[s.dtype])
+        p = torch.exp(logp, out=s)
+        torch.amax(p, dim=-1, out=out[1])
+        torch.sum(p.mul_(logp), dim=-1, out=out[0])
+
+    def _online_rows(self, qb: Tensor, kk: Tensor, t0: int, n: int, R: int, nk: int, kc: int,
+                     out: Tensor) -> None:
+        """Rows longer than a block: online softmax over key chunks (the recurrence of the
+        module docstring); ``out`` as in :meth:`_whole_rows`."""
+        m = z = a = None
+        for s0 in range(0, nk, kc):
+            s1 = min(nk, s0 + kc)
+            s = torch.bmm(qb, kk[:, s0:s1].mT)  # (B·Hk, n·R, kc)
+            if self.causal and s1 > t0 + 1:  # keys after a query: a finite −∞
+                qpos = torch.arange(t0, t0 + n, device=s.device)[:, None, None]  # (n, 1, 1)
+                kpos = torch.arange(s0, s1, device=s.device)  # (kc,)
+                s.view(-1, n, R, s1 - s0).masked_fill_(kpos > qpos, _NEG)
+            m_blk = s.amax(dim=-1)  # (B·Hk, n·R)
+            m_new = m_blk if m is None else torch.maximum(m, m_blk)
+            d = s.sub_(m_new[..., None])  # (B·Hk, n·R, kc), <= 0 (masked: ≈ −1e30)
+            e = d.exp()  # masked entries underflow to exactly 0, so e·d = 0 there
+            z_blk = e.sum(dim=-1)  # (B·Hk, n·R)
+            a_blk = e.mul_(d).sum(dim=-1)  # (B·Hk, n·R) = Σ e·d (e is spent)
+            if m is None:
+                z, a = z_blk, a_blk
+            else:
+                shift = m - m_new  # (B·Hk, n·R), <= 0
+                alpha = shift.exp()
+                a = alpha * (a + shift * z) + a_blk
+                z = alpha * z + z_blk
+            m = m_new
+        out[0].copy_(a / z - z.log())  # Σ p log p = A/Z − log Z
+        out[1].copy_(z.reciprocal())  # largest weight
+
+    def result(self) -> dict[str, Tensor]:
+        """``{name: (H,) float64}`` means for the three ``ATTENTION_METRICS``."""
+        if self.n_queries == 0:
+            raise ValueError("StreamingEntropy has no query positions; call update() first")
+        sums = self._sums.cpu()  # (3, H)
+        norm = (sums[1] / self.n_queries_norm if self.n_queries_norm
+                else torch.full((self.n_head,), float("nan"), dtype=torch.float64))
+        return dict(zip(ATTENTION_METRICS,
+                        (sums[0] / self.n_queries, norm, sums[2] / self.n_queries),
+                        strict=True))

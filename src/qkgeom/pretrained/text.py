@@ -1,0 +1,142 @@
+"""Text for a checkpoint analysis, and its tokens in fixed-length windows.
+
+``--text`` names a corpus read in order:
+
+- ``sample`` (default): the embedded Wikipedia text (SPEC §6), its held-out splits first
+  (val, then test, then train), so the first tokens of a character-level run are exactly
+  the trainer's probe set. Converted once and cached as UTF-8 text in
+  ``$QKGEOM_CACHE/text/sample.txt``;
+- ``wikitext-103[:split]``: WikiText-103 raw through ``datasets`` (split ``validation``
+  by default; ``train``, ``validation``/``valid``/``val``, ``test``);
+- any UTF-8 text file, or a folder of them (sorted by path).
+
+The model's own tokenizer is applied to the raw text, a block of lines at a time, until
+the token budget is met; a :class:`~qkgeom.data.CharVocab` is the tokenizer of the
+project's own runs. Nothing is held but the current block, so memory does not grow with
+the budget.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from filelock import FileLock
+
+from qkgeom.data.sources import read_utf8, sample_splits, text_files
+from qkgeom.data.vocab import CharVocab
+from qkgeom.errors import QKGeomError
+from qkgeom.io import atomic_write
+
+__all__ = ["TEXT_HELP", "encode", "open_text", "sample_text_path", "token_windows"]
+
+TEXT_HELP = "sample | wikitext-103[:split] | a UTF-8 file or folder"
+_BLOCK_CHARS = 1 << 16  # characters tokenized at a time (cut at a line end)
+_WIKITEXT_SPLITS = {"train": "train", "validation": "validation", "valid": "validation",
+                    "val": "validation", "test": "test"}
+
+
+def sample_text_path() -> Path:
+    """The cached raw text of the embedded sample (val + test + train), built on first use."""
+    root = os.environ.get("QKGEOM_CACHE")
+    base = Path(root).expanduser() if root else Path.home() / ".cache" / "qkgeom"
+    path = base / "text" / "sample.txt"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path.parent / ".sample.lock")):
+        if not path.is_file():
+            splits = sample_splits()
+            text = splits["val"] + splits["test"] + splits["train"]
+            atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
+    return path
+
+
+def _wikitext(split: str) -> Iterator[str]:
+    name = _WIKITEXT_SPLITS.get(split)
+    if name is None:
+        raise QKGeomError(f"unknown WikiText split {split!r}; choose one of "
+                          + ", ".join(sorted(_WIKITEXT_SPLITS)))
+    try:
+        import datasets
+    except ImportError:
+        raise QKGeomError("--text wikitext-103 needs the `datasets` package "
+                          "(pip install 'qkgeom[datasets]'), or pass a wiki.*.raw file") from None
+    try:
+        ds = datasets.load_dataset("Salesforce/wikitext", "wikitext-103-raw-v1", split=name)
+    except Exception as err:  # network / hub / cache: user-fixable
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise QKGeomError(f"could not load WikiText-103 ({name}): {type(err).__name__}: {first}; "
+                          "check the network/HF cache or pass a wiki.*.raw file") from None
+    lines = ds["text"]
+    for start in range(0, len(lines), 2000):  # blank rows are " \n" in the raw files
+        yield "".join(line if line else " \n" for line in lines[start:start + 2000])
+
+
+def open_text(spec: str) -> Callable[[], Iterator[str]]:
+    """A re-iterable source of the corpus ``spec`` (see the module docstring): calling it
+    yields the text in order, in pieces. Validates ``spec`` now (QKGeomError if bad)."""
+    if spec == "sample":
+        path = sample_text_path()
+        return lambda: iter([read_utf8(path)])
+    if spec == "wikitext-103" or spec.startswith("wikitext-103:"):
+        split = spec.partition(":")[2] or "validation"
+        if split not in _WIKITEXT_SPLITS:
+            raise QKGeomError(f"unknown WikiText split {split!r}; choose one of "
+                              + ", ".join(sorted(_WIKITEXT_SPLITS)))
+        return lambda: _wikitext(split)
+    path = Path(spec)
+    if not path.exists():
+        raise QKGeomError(f"--text {spec!r}: no such file or folder; use {TEXT_HELP}")
+    files = text_files(path)
+    return lambda: (read_utf8(f) for f in files)
+
+
+def encode(tokenizer: Any, text: str) -> np.ndarray:
+    """Token ids of ``text`` (int64) without special tokens: an HF tokenizer, a
+    :class:`CharVocab`, or anything with ``encode(text) -> ids``."""
+    if isinstance(tokenizer, CharVocab):
+        return tokenizer.encode(text).astype(np.int64)
+    if callable(tokenizer) and hasattr(tokenizer, "convert_tokens_to_ids"):  # HF tokenizer
+        ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    else:
+        ids = tokenizer.encode(text)
+    return np.asarray(ids, dtype=np.int64)
+
+
+def _blocks(pieces: Iterable[str]) -> Iterator[str]:
+    """Pieces cut into blocks of about ``_BLOCK_CHARS`` at line ends (tokenizers never
+    merge across a newline boundary in practice, so the ids match one big call)."""
+    for piece in pieces:
+        start = 0
+        while start < len(piece):
+            end = min(len(piece), start + _BLOCK_CHARS)
+            if end < len(piece):
+                nl = piece.find("\n", end)
+                end = len(piece) if nl == -1 else nl + 1
+            yield piece[start:end]
+            start = end
+
+
+def token_windows(tokenizer: Any, pieces: Iterable[str], max_tokens: int,
+                  seq_len: int) -> Iterator[np.ndarray]:
+    """Consecutive windows of ``seq_len`` text tokens (the last may be shorter) covering the
+    first ``max_tokens`` tokens of the text, in order."""
+    if max_tokens < 1 or seq_len < 1:
+        raise QKGeomError(f"--tokens and the sequence length must be >= 1, got {max_tokens}, "
+                          f"{seq_len}")
+    buf = np.zeros(0, dtype=np.int64)
+    left = max_tokens
+    for block in _blocks(pieces):
+        buf = np.concatenate([buf, encode(tokenizer, block)[:left + seq_len]])
+        while len(buf) >= seq_len and left > 0:
+            n = min(seq_len, left)
+            yield buf[:n]
+            buf, left = buf[n:], left - n
+        if left == 0:
+            return
+    if left > 0 and len(buf):
+        yield buf[:left]

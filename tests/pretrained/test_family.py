@@ -1,0 +1,123 @@
+"""A family of saved tiny checkpoints: steps, duplicates, cache and resume, the report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from qkgeom.errors import QKGeomError
+from qkgeom.geometry import METRIC_NAMES
+from qkgeom.pretrained.checkpoints import resolve_checkpoints
+from qkgeom.pretrained.family import analyze_checkpoints
+from qkgeom.pretrained.report import write_e4_report
+
+from .tiny import ARCHS, TEXT, ModTokenizer, save_family, write_trainer_state
+
+
+@pytest.fixture(autouse=True)
+def _mod_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiny models have no tokenizer files: hand them the character stand-in."""
+    monkeypatch.setattr("qkgeom.pretrained.checkpoints.load_tokenizer",
+                        lambda *a, **k: ModTokenizer())
+
+
+def text_file(tmp_path: Path) -> str:
+    path = tmp_path / "text.txt"
+    path.write_text(TEXT, encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_family_is_analysed_per_checkpoint(arch: str, tmp_path: Path) -> None:
+    folders = save_family(tmp_path / "ckpts", arch, [0, 10, 100, 1000])
+    out = analyze_checkpoints([str(f) for f in reversed(folders)], tmp_path / "an",
+                              text=text_file(tmp_path), max_tokens=300, seq_len=40)
+    m = pd.read_parquet(out / "metrics.parquet")
+    assert list(m.columns[:7]) == ["run_id", "checkpoint", "step", "layer", "head", "metric",
+                                   "value"]
+    assert sorted(m["step"].unique()) == [0, 10, 100, 1000]  # parsed from the names
+    assert set(m["metric"]) == set(METRIC_NAMES) and m["value"].notna().all()
+    assert set(m["head"]) == {-1, 0, 1, 2, 3}  # query heads (4) under GQA too
+    ck = pd.read_parquet(out / "checkpoints.parquet")
+    assert ck["tokens"].tolist() == [300] * 4 and ck["duplicate_of"].isna().all()
+    assert ck["qk_hash"].nunique() == 4
+    trends = pd.read_parquet(out / "trends.parquet")
+    assert set(trends["layer"]) == {0, 1} and (trends["n"] == 4).all()
+    meta = json.loads((out / "analysis.json").read_text())
+    assert meta["state"] == "done"
+
+
+@pytest.mark.slow
+def test_duplicate_revisions_are_flagged_and_left_out(tmp_path: Path) -> None:
+    # step1 serves step0's weights (Pythia's fault); step20 serves the final step's
+    folders = save_family(tmp_path / "c", "gpt2", [0, 1, 10, 20, 30],
+                          duplicate={1: 0, 20: 30})
+    out = analyze_checkpoints([str(f) for f in folders], tmp_path / "an",
+                              text=text_file(tmp_path), max_tokens=120, seq_len=40)
+    ck = pd.read_parquet(out / "checkpoints.parquet").set_index("checkpoint")
+    assert ck.loc["step0", "duplicate_of"] == "step1"  # the later name is kept
+    assert ck.loc["step20", "duplicate_of"] == "step30"
+    assert ck["in_trends"].tolist() == [False, True, True, False, True]
+    trends = pd.read_parquet(out / "trends.parquet")
+    assert (trends["n"] == 3).all()
+    md = write_e4_report(out).read_text()
+    assert "`step0` = `step1`" in md and "left out of every trend statistic" in md
+    assert md.index("## Claims") < md.index("## Setup")
+    for png in ("contrast_steps.png", "prefix_trend.png", "qk_entropy_heads.png"):
+        assert (out / "report" / png).stat().st_size > 1000
+    kept = analyze_checkpoints([str(f) for f in folders], tmp_path / "kept", keep_duplicates=True,
+                               text=text_file(tmp_path), max_tokens=120, seq_len=40)
+    assert (pd.read_parquet(kept / "trends.parquet")["n"] == 5).all()
+
+
+def test_an_interrupted_analysis_resumes_from_its_cache(tmp_path: Path, monkeypatch) -> None:
+    folders = save_family(tmp_path / "c", "llama", [0, 5, 50])
+    args = ([str(f) for f in folders], tmp_path / "an")
+    kw = {"text": text_file(tmp_path), "max_tokens": 100, "seq_len": 25}
+    import qkgeom.pretrained.analyze as analyze_mod
+
+    calls: list[str] = []
+    original = analyze_mod.analyze_model
+
+    def flaky(model, tok, texts, **k):
+        calls.append(k["checkpoint"])
+        if k["checkpoint"] == "step50" and len(calls) == 3:
+            raise KeyboardInterrupt
+        return original(model, tok, texts, **k)
+
+    monkeypatch.setattr(analyze_mod, "analyze_model", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        analyze_checkpoints(*args, **kw)
+    assert sorted(p.name for p in (tmp_path / "an" / "checkpoints").glob("*.json")) == \
+        ["step0.json", "step5.json"]
+    first = pd.read_parquet(tmp_path / "an" / "checkpoints" / "step0.parquet")
+    analyze_checkpoints(*args, **kw)
+    assert calls == ["step0", "step5", "step50", "step50"]  # only the missing one again
+    m = pd.read_parquet(tmp_path / "an" / "metrics.parquet")
+    pd.testing.assert_frame_equal(
+        m[m["checkpoint"] == "step0"][first.columns].reset_index(drop=True), first)
+    with pytest.raises(QKGeomError, match="other settings"):
+        analyze_checkpoints(*args, **{**kw, "max_tokens": 99})
+
+
+def test_steps_from_trainer_state_or_list_order(tmp_path: Path) -> None:
+    a, b = save_family(tmp_path / "x", "bert", [3, 4])
+    a2, b2 = a.rename(tmp_path / "late"), b.rename(tmp_path / "early")
+    write_trainer_state(a2, 900)
+    write_trainer_state(b2, 100)
+    specs = resolve_checkpoints([str(a2), str(b2)])
+    assert [(s.name, s.step, s.step_source) for s in specs] == \
+        [("early", 100, "trainer_state"), ("late", 900, "trainer_state")]
+    (b2 / "trainer_state.json").unlink()
+    specs = resolve_checkpoints([str(a2), str(b2)])
+    assert [(s.name, s.step, s.step_source) for s in specs] == [("late", 0, "order"),
+                                                               ("early", 1, "order")]
+    hub = resolve_checkpoints(["EleutherAI/pythia-160m"], ["step1000", "step0", "step512"])
+    assert [(s.revision, s.step) for s in hub] == [("step0", 0), ("step512", 512),
+                                                   ("step1000", 1000)]
+    save_family(tmp_path / "y", "bert", [40, 3])
+    folder = resolve_checkpoints([str(tmp_path / "y")])  # a folder of checkpoint folders
+    assert [(s.name, s.step) for s in folder] == [("step3", 3), ("step40", 40)]
