@@ -1,0 +1,61 @@
+"""Monitor Q/K geometry while you train your own transformer (no change to its code).
+
+::
+
+    from qkgeom.monitor import GeometryMonitor
+    mon = GeometryMonitor(model, probe_batch, every=200, out="runs/mine")
+    transformers.Trainer(..., callbacks=[mon.hf_callback()])          # HF Trainer
+    lightning.Trainer(callbacks=[mon.lightning_callback()])            # Lightning
+    for step, batch in enumerate(loader): ...; mon.step(step + 1)      # plain loop
+
+Modules: ``monitor`` (:class:`GeometryMonitor`), ``measure`` (one probe, reusing
+:mod:`qkgeom.pretrained`), ``state`` (train flags and RNG restored), ``probe_input`` (the
+fixed probe set), ``alerts`` (rules, warnings, hooks), ``closed_loop`` (entropy-targeting
+key control, research-grade), ``sinks`` (TensorBoard, W&B), ``run_folder`` (SPEC §7
+folder), ``integrations`` (HF / Lightning callbacks), ``watch`` (the ``qkgeom watch`` view).
+Names load on first use, so ``qkgeom watch`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "GeometryMonitor": "qkgeom.monitor.monitor", "DEFAULT_EVERY": "qkgeom.monitor.monitor",
+    "DEFAULT_METRICS": "qkgeom.monitor.measure", "Probe": "qkgeom.monitor.measure",
+    "Alert": "qkgeom.monitor.alerts", "AlertRule": "qkgeom.monitor.alerts",
+    "DEFAULT_RULES": "qkgeom.monitor.alerts", "GeometryWarning": "qkgeom.monitor.alerts",
+    "entropy_collapse": "qkgeom.monitor.alerts", "key_pr_collapse": "qkgeom.monitor.alerts",
+    "EntropyController": "qkgeom.monitor.closed_loop",
+    "EntropyControlCallback": "qkgeom.monitor.closed_loop",
+    "watch": "qkgeom.monitor.watch",
+}
+
+__all__ = [
+    "DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_RULES", "Alert", "AlertRule",
+    "EntropyControlCallback", "EntropyController", "GeometryMonitor", "GeometryWarning",
+    "Probe", "entropy_collapse", "key_pr_collapse", "watch",
+]
+
+if TYPE_CHECKING:
+    from qkgeom.monitor.alerts import (
+        DEFAULT_RULES,
+        Alert,
+        AlertRule,
+        GeometryWarning,
+        entropy_collapse,
+        key_pr_collapse,
+    )
+    from qkgeom.monitor.closed_loop import EntropyControlCallback, EntropyController
+    from qkgeom.monitor.measure import DEFAULT_METRICS, Probe
+    from qkgeom.monitor.monitor import DEFAULT_EVERY, GeometryMonitor
+    from qkgeom.monitor.watch import watch
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'qkgeom.monitor' has no attribute {name!r}")

@@ -1,0 +1,110 @@
+"""Trainer callbacks that drive a :class:`~qkgeom.monitor.GeometryMonitor`.
+
+The classes are built on first use, subclassing the trainer's own base class, so
+``qkgeom.monitor`` imports neither transformers nor Lightning.
+
+- Hugging Face ``transformers.Trainer``: probe at ``on_train_begin`` (step
+  ``state.global_step``), after optimiser updates (``on_step_end``), at ``on_train_end``;
+  losses from ``on_log``. With ``tensorboard="auto"`` and ``"tensorboard"`` in
+  ``args.report_to``, the monitor writes next to the Trainer's own event files
+  (``$TENSORBOARD_LOGGING_DIR`` or ``<output_dir>/runs/qkgeom``).
+- Lightning (``lightning.pytorch`` or ``pytorch_lightning``): ``on_train_start``,
+  ``on_train_batch_end`` (``trainer.global_step``; gradient accumulation batches that do not
+  step the optimiser are skipped), ``on_train_end``, ``on_exception``; with
+  ``tensorboard="auto"`` the trainer's ``TensorBoardLogger`` writer is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import TYPE_CHECKING, Any
+
+from qkgeom.errors import QKGeomError
+
+if TYPE_CHECKING:
+    from qkgeom.monitor.monitor import GeometryMonitor
+
+__all__ = ["hf_callback", "lightning_callback"]
+
+
+def _loss(outputs: Any) -> Any:
+    if isinstance(outputs, dict):
+        return outputs.get("loss")
+    return outputs if hasattr(outputs, "detach") else None
+
+
+def hf_callback(monitor: GeometryMonitor) -> Any:
+    """A ``transformers.TrainerCallback`` for ``Trainer(callbacks=[...])``."""
+    from transformers import TrainerCallback
+
+    class GeometryMonitorCallback(TrainerCallback):
+        def __init__(self) -> None:
+            self.monitor = monitor
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            writer_dir = None
+            if "tensorboard" in (args.report_to or []):
+                writer_dir = os.environ.get("TENSORBOARD_LOGGING_DIR") or os.path.join(
+                    args.output_dir, "runs", "qkgeom")
+            monitor.start(state.global_step, total_steps=state.max_steps or None,
+                          tensorboard=writer_dir)
+
+        def on_step_end(self, args, state, control, **kwargs):
+            monitor.step(state.global_step)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and monitor.folder is not None:
+                monitor.folder.add_loss(state.global_step, logs["loss"],
+                                        logs.get("learning_rate"))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            monitor.close("done", state.global_step)
+
+    return GeometryMonitorCallback()
+
+
+def _lightning_base(package: str) -> type:
+    names = ("lightning.pytorch", "pytorch_lightning") if package == "auto" else (package,)
+    for name in names:
+        try:
+            return importlib.import_module(name).Callback
+        except ImportError:
+            continue
+    raise QKGeomError("lightning_callback() needs `lightning` or `pytorch_lightning` "
+                      "(pip install lightning)")
+
+
+def lightning_callback(monitor: GeometryMonitor, package: str = "auto") -> Any:
+    """A Lightning ``Callback`` for ``Trainer(callbacks=[...])``; ``package`` picks
+    ``lightning.pytorch`` or ``pytorch_lightning`` (``auto``: the first installed)."""
+    base = _lightning_base(package)
+
+    class GeometryMonitorCallback(base):  # type: ignore[misc, valid-type]
+        def __init__(self) -> None:
+            super().__init__()
+            self.monitor = monitor
+
+        def on_train_start(self, trainer, pl_module):
+            writer = None
+            for logger in getattr(trainer, "loggers", []) or []:
+                experiment = getattr(logger, "experiment", None)
+                if hasattr(experiment, "add_histogram"):
+                    writer = experiment
+                    break
+            total = getattr(trainer, "max_steps", -1)
+            if total is None or total < 0:
+                total = getattr(trainer, "estimated_stepping_batches", None)
+            total = int(total) if isinstance(total, (int, float)) and total < float("inf") else None
+            monitor.start(trainer.global_step, total_steps=total, tensorboard=writer)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            monitor.step(trainer.global_step, loss=_loss(outputs))
+
+        def on_train_end(self, trainer, pl_module):
+            monitor.close("done", trainer.global_step)
+
+        def on_exception(self, trainer, pl_module, exception):
+            monitor.close("failed", trainer.global_step)
+
+    return GeometryMonitorCallback()

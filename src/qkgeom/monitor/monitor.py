@@ -1,0 +1,300 @@
+"""``GeometryMonitor``: the SPEC §2 geometry of a model while someone else trains it.
+
+::
+
+    mon = GeometryMonitor(model, probe_batch, every=200, out="runs/mine",
+                          tensorboard="tb/mine")
+    trainer = transformers.Trainer(..., callbacks=[mon.hf_callback()])      # HF Trainer
+    lightning.Trainer(callbacks=[mon.lightning_callback()])                 # Lightning
+    for step, batch in enumerate(loader): ...; mon.step(step + 1)           # plain loop
+
+Cadence: a probe at every step that is a multiple of ``every`` (or in ``every``, when it is
+a list of steps), plus the first and last step of an integration's training run. ``step``
+is the number of optimiser updates done (the integrations pass ``global_step``); calling
+:meth:`step` twice with one value does nothing the second time (gradient accumulation).
+
+Each probe runs the fixed probe set through the model in eval mode without gradients and
+restores train flags and RNG states (:mod:`qkgeom.monitor.state`), so training computes
+exactly what it would unmonitored. Results go to the run folder (``out=``), TensorBoard
+(``tensorboard=`` a writer or folder; the integrations also find the trainer's own), W&B
+(``wandb="auto"``: the active ``wandb.run`` if any), the alert rules, and
+:attr:`history`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from torch import nn
+
+from qkgeom.errors import QKGeomError
+from qkgeom.monitor.alerts import Alert, AlertRule, Alerts, as_rules
+from qkgeom.monitor.closed_loop import EntropyController
+from qkgeom.monitor.measure import DEFAULT_METRICS, Probe, measure, resolve_metrics
+from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_ids
+from qkgeom.monitor.run_folder import METRIC_COLUMNS, RunFolder
+from qkgeom.monitor.sinks import TensorBoardSink, WandbSink, active_wandb_run
+from qkgeom.pretrained.adapters import QK_SITES, find_attention_sites
+
+__all__ = ["DEFAULT_EVERY", "GeometryMonitor"]
+
+DEFAULT_EVERY = 200
+
+
+class GeometryMonitor:
+    """Probe Q/K geometry of ``model`` during training and log it where you already look.
+
+    Args:
+        model: any model :func:`~qkgeom.pretrained.find_attention_sites` supports (HF
+            GPT-2, GPT-NeoX/Pythia, Llama-style with GQA, BERT-style, the project's GPT).
+        probe: the fixed probe set: token ids ``(n_seq, T)``, a batch with ``input_ids``,
+            or text with ``tokenizer=`` (see :mod:`qkgeom.monitor.probe_input`).
+        every: probe cadence in optimiser steps, or an explicit list of steps.
+        metrics: SPEC §2 names to record (``"contrast"`` = ``contrast_token``; ``"all"``).
+            Metrics the alert rules or the controller read are measured too.
+        tokenizer, seq_len, n_seq: for a text probe set (``n_seq`` windows of ``seq_len``).
+        batch_size: probe sequences per forward pass.
+        qk_site: ``post-rotary`` (default) or ``pre-rotary`` q/k for the token PRs.
+        out: run folder to write (SPEC §7); ``resume=True`` appends to an existing one.
+        run_id: the ``run_id`` column (default: the folder name, or ``"monitor"``).
+        total_steps: the run's length, if known (integrations read it from the trainer).
+        tensorboard: a ``SummaryWriter`` or a log folder; ``"auto"`` (default) uses the
+            trainer's TensorBoard logger when an integration finds one; None: off.
+        wandb: ``"auto"`` logs to the active ``wandb.run`` when W&B is installed; False: off.
+        histograms: log per-layer histograms of the key spectrum (TensorBoard, W&B).
+        alerts: alert rules (default :data:`~qkgeom.monitor.alerts.DEFAULT_RULES`; ``()``
+            for none); ``on_alert``: a hook called with each :class:`Alert`.
+        control: an :class:`EntropyController` to close the loop (off by default: with it,
+            training is of course no longer what it was unmonitored).
+    """
+
+    def __init__(self, model: nn.Module, probe: Any, *, every: int | Iterable[int] = DEFAULT_EVERY,
+                 metrics: str | Iterable[str] = DEFAULT_METRICS, tokenizer: Any = None,
+                 seq_len: int | None = None, n_seq: int = DEFAULT_PROBE_SEQUENCES,
+                 batch_size: int = 8, qk_site: str = "post-rotary",
+                 out: str | Path | None = None, run_id: str | None = None,
+                 resume: bool = False, total_steps: int | None = None,
+                 tensorboard: Any = "auto", wandb: str | bool = "auto",
+                 histograms: bool = True, alerts: Iterable[AlertRule] | None = None,
+                 on_alert: Callable[[Alert], None] | None = None,
+                 control: EntropyController | None = None) -> None:
+        if qk_site not in QK_SITES:
+            raise QKGeomError(f"unknown qk_site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
+        if batch_size < 1:
+            raise QKGeomError(f"batch_size must be >= 1, got {batch_size}")
+        self.model = model
+        self.adapter = find_attention_sites(model)
+        self.ids = probe_ids(probe, tokenizer=tokenizer, seq_len=seq_len, n_seq=n_seq,
+                             max_positions=self.adapter.max_positions)
+        self.every = _cadence(every)
+        self.alerts = Alerts(as_rules(alerts), on_alert)
+        self.control = control
+        self.requested = resolve_metrics(metrics)
+        needed = set(self.alerts.metrics) | ({"attn_entropy"} if control is not None else set())
+        self.metrics = self.requested + tuple(sorted(needed - set(self.requested)))
+        self.batch_size, self.qk_site, self.histograms = batch_size, qk_site, histograms
+        self.total_steps = total_steps
+        self.run_id = run_id or (Path(out).name if out is not None else "monitor")
+        self.folder = RunFolder(out, self.run_id, resume=resume) if out is not None else None
+        self._tb_auto = isinstance(tensorboard, str) and tensorboard == "auto"
+        self.tensorboard = (None if tensorboard is None or self._tb_auto
+                            else TensorBoardSink(tensorboard))
+        self._wandb_mode = wandb
+        self._wandb: WandbSink | None = None
+        self.probes: list[Probe] = []
+        self.probe_seconds = 0.0
+        self._last_step: int | None = None
+        self._started = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ cadence
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a probe step (and not probed yet)."""
+        if self.probes and self.probes[-1].step == step:
+            return False
+        if isinstance(self.every, int):
+            return step % self.every == 0
+        return step in self.every
+
+    def start(self, step: int = 0, *, total_steps: int | None = None,
+              tensorboard: Any = None) -> Probe | None:
+        """Begin a run at ``step``: write the config, attach the controller, probe.
+
+        Called by the integrations at train start (with the trainer's TensorBoard writer
+        when ``tensorboard="auto"``); :meth:`step` calls it on first use otherwise.
+        """
+        if self._started:
+            return None
+        self._started = True
+        self.total_steps = total_steps or self.total_steps
+        if self._tb_auto and tensorboard is not None and self.tensorboard is None:
+            self.tensorboard = TensorBoardSink(tensorboard)
+        if self.control is not None:
+            self.control.attach(self.model)
+        self._write_config()
+        self._last_step = step
+        return self.probe(step)
+
+    def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Probe | None:
+        """After an optimiser update: ``step`` = updates done so far. Applies the
+        controller (if any), records ``loss``, probes when due. Returns the probe or None."""
+        step = int(step)
+        if not self._started:
+            self.start(step)
+            if loss is not None:
+                self._log_loss(step, loss, lr)
+            return self.probes[-1]
+        if step == self._last_step:
+            return None
+        self._last_step = step
+        if self.control is not None:
+            self.control.after_step(step)
+        if loss is not None:
+            self._log_loss(step, loss, lr)
+        return self.probe(step) if self.due(step) else None
+
+    def _log_loss(self, step: int, loss: Any, lr: float | None) -> None:
+        if self.folder is not None:
+            value = float(loss.detach()) if hasattr(loss, "detach") else float(loss)
+            self.folder.add_loss(step, value, lr)
+
+    # ------------------------------------------------------------------ probing
+
+    def probe(self, step: int) -> Probe:
+        """Measure now, log everywhere, check the alerts, update the controller."""
+        spectra = self.histograms and (self.tensorboard is not None or self._wandb_sink()
+                                       is not None)
+        probe = measure(self.model, self.adapter, self.ids, self.metrics,
+                        batch_size=self.batch_size, qk_site=self.qk_site, spectra=spectra)
+        probe.step = int(step)
+        self.probe_seconds += probe.seconds
+        fired = self.alerts.check(step, probe.frame)
+        if self.control is not None:
+            self.control.update(probe.layer_values("attn_entropy"))
+            extra = [(-1, -1, k, float(v)) for k, v in self.control.records().items()]
+            probe.frame = pd.concat([probe.frame, pd.DataFrame(
+                extra, columns=["layer", "head", "metric", "value"])], ignore_index=True)
+        self.probes.append(probe)
+        if self.folder is not None:
+            self.folder.add_probe(step, probe.frame, fired, self.probe_seconds)
+        for sink in (self.tensorboard, self._wandb_sink()):
+            if sink is not None:
+                sink.log(probe, fired)
+        return probe
+
+    def _wandb_sink(self) -> WandbSink | None:
+        if self._wandb_mode is False or self._wandb_mode is None:
+            return None
+        active = active_wandb_run()
+        if active is None:
+            return None
+        module, run = active
+        if self._wandb is None or self._wandb.run is not run:
+            self._wandb = WandbSink(run, getattr(module, "Histogram", None))
+        return self._wandb
+
+    # ------------------------------------------------------------------ results
+
+    @property
+    def last(self) -> Probe | None:
+        return self.probes[-1] if self.probes else None
+
+    @property
+    def fired(self) -> list[Alert]:
+        """Every alert fired so far."""
+        return self.alerts.fired
+
+    @property
+    def history(self) -> pd.DataFrame:
+        """All probes: ``run_id, step, layer, head, metric, value``."""
+        if not self.probes:
+            return pd.DataFrame(columns=METRIC_COLUMNS)
+        frames = [p.frame.assign(run_id=self.run_id, step=p.step)[METRIC_COLUMNS]
+                  for p in self.probes]
+        return pd.concat(frames, ignore_index=True)
+
+    def overhead(self) -> dict[str, float]:
+        """``probes``, ``probe_s`` (total), ``per_probe_s`` (mean)."""
+        n = len(self.probes)
+        return {"probes": n, "probe_s": self.probe_seconds,
+                "per_probe_s": self.probe_seconds / n if n else math.nan}
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self, state: str = "done", step: int | None = None) -> None:
+        """Finish: probe the last step if not yet (state ``done``), write the final status,
+        close writers it opened. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        step = self._last_step if step is None else int(step)
+        if state == "done" and step is not None and (not self.probes or
+                                                     self.probes[-1].step != step):
+            self.probe(step)
+        if self.folder is not None and step is not None:
+            if self.total_steps is None:
+                self.total_steps = step
+                self._write_config()
+            self.folder.status(state, step, self.probe_seconds)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+    def __enter__(self) -> GeometryMonitor:
+        return self
+
+    def __exit__(self, exc_type: Any, *_: Any) -> None:
+        self.close("done" if exc_type is None else "failed")
+
+    def _write_config(self) -> None:
+        if self.folder is None:
+            return
+        site = self.adapter.sites[0]
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        facts = {"n_layer": self.adapter.n_layer, "n_head": site.n_head,
+                 "n_embd": site.d_model, "block_size": int(self.ids.shape[1]),
+                 "vocab_size": vocab, "steps": self.total_steps,
+                 "probe_every": self.every if isinstance(self.every, int) else None,
+                 "probe_sequences": int(self.ids.shape[0])}
+        monitor = {"every": self.every if isinstance(self.every, int) else sorted(self.every),
+                   "metrics": list(self.metrics), "qk_site": self.qk_site,
+                   "probe_shape": list(self.ids.shape),
+                   "alerts": [r.__dict__ for r in self.alerts.rules],
+                   "control": None if self.control is None else
+                   {"target": self.control.targets, "gain": self.control.gain,
+                    "max_step": self.control.max_step}}
+        model = {"arch": self.adapter.arch, "class": type(self.model).__name__,
+                 "n_layer": self.adapter.n_layer, "n_head": site.n_head,
+                 "n_kv_head": site.n_kv_head, "head_dim": site.head_dim,
+                 "d_model": site.d_model, "causal": self.adapter.causal,
+                 "n_params": sum(p.numel() for p in self.model.parameters())}
+        self.folder.write_config(facts, monitor, model)
+
+    # ------------------------------------------------------------------ integrations
+
+    def hf_callback(self) -> Any:
+        """A ``transformers.TrainerCallback`` driving this monitor."""
+        from qkgeom.monitor.integrations import hf_callback
+
+        return hf_callback(self)
+
+    def lightning_callback(self, package: str = "auto") -> Any:
+        """A Lightning ``Callback`` (``lightning.pytorch`` or ``pytorch_lightning``)."""
+        from qkgeom.monitor.integrations import lightning_callback
+
+        return lightning_callback(self, package)
+
+
+def _cadence(every: int | Iterable[int]) -> int | frozenset[int]:
+    if isinstance(every, int):
+        if every < 1:
+            raise QKGeomError(f"every must be >= 1, got {every}")
+        return every
+    steps = frozenset(int(s) for s in every)
+    if not steps or min(steps) < 0:
+        raise QKGeomError("every must be a positive int or a non-empty list of steps >= 0")
+    return steps

@@ -1,0 +1,137 @@
+"""``qkgeom watch RUN_DIR``: a live terminal view of a run's latest probe (rich).
+
+Reads only ``metrics.parquet`` and ``status.json`` (no torch), so it works on any run
+folder -- a monitored run, ``qkgeom train``'s, a sweep's run -- while it trains: the table
+is re-read whenever ``metrics.parquet`` changes and the view ends when the status says the
+run is over (done, failed, diverged) or on Ctrl-C.
+
+Per layer (head −1): PR_Q, PR_K and their contrast at the token level (the weight level
+when the run has no token metrics), attention entropy, and the change of each since the
+first probe.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from qkgeom.errors import QKGeomError
+from qkgeom.io import read_json
+
+__all__ = ["FINAL_STATES", "latest_layers", "render", "watch"]
+
+FINAL_STATES = ("done", "failed", "diverged")
+_LEVELS = (("pr_q_token", "pr_k_token", "contrast_token"),
+           ("pr_q_weight", "pr_k_weight", "contrast_weight"))
+
+
+def latest_layers(metrics: pd.DataFrame) -> tuple[int, pd.DataFrame]:
+    """``(step, table)``: per layer, PR_Q, PR_K, contrast, entropy at the last probe, and
+    their change since the first probe (columns ``Δ…``)."""
+    layer = metrics[(metrics["head"] == -1) & (metrics["layer"] >= 0)]
+    if layer.empty:
+        raise QKGeomError("no probe records yet")
+    present = set(layer["metric"])
+    level = next((lv for lv in _LEVELS if lv[0] in present or lv[1] in present), _LEVELS[0])
+    names = dict(zip(level, ("PR_Q", "PR_K", "contrast"), strict=True))
+    names["attn_entropy"] = "entropy"
+    steps = sorted(int(s) for s in layer["step"].unique())
+
+    def wide(step: int) -> pd.DataFrame:
+        at = layer[(layer["step"] == step) & layer["metric"].isin(names)]
+        return at.pivot_table(index="layer", columns="metric", values="value")
+
+    now, first = wide(steps[-1]), wide(steps[0])
+    table = pd.DataFrame(index=now.index)
+    for metric, title in names.items():
+        if metric in now:
+            table[title] = now[metric]
+    for metric, title in names.items():
+        if metric in now and metric in first and len(steps) > 1:
+            table[f"Δ{title}"] = now[metric] - first[metric]
+    table.attrs["level"] = "token" if level is _LEVELS[0] else "weight"
+    table.attrs["first_step"] = steps[0]
+    return steps[-1], table
+
+
+def _read(run: Path) -> tuple[pd.DataFrame | None, dict[str, Any]]:
+    status = read_json(run / "status.json") if (run / "status.json").exists() else {}
+    path = run / "metrics.parquet"
+    if not path.exists():
+        return None, status
+    try:
+        return pd.read_parquet(path), status
+    except Exception as err:  # a folder we did not write: say so in one line
+        raise QKGeomError(f"{path}: unreadable Parquet ({type(err).__name__})") from None
+
+
+def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> Any:
+    """The rich renderable: a per-layer table titled with the run's step and state."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    state = status.get("state", "?")
+    where = f"step {status.get('step', '?')}/{status.get('steps', '?')}, {state}"
+    if metrics is None or metrics.empty:
+        return Text(f"{run} — {where}: waiting for the first probe …")
+    step, table = latest_layers(metrics)
+    alerts = _alert_count(run)
+    title = (f"{run} — probe at step {step} ({where}; {table.attrs['level']} level; "
+             f"Δ = change since step {table.attrs['first_step']}"
+             + (f"; {alerts} alert(s), see alerts.json" if alerts else "") + ")")
+    out = Table()
+    out.add_column("layer", justify="right")
+    for col in table.columns:
+        out.add_column(col, justify="right")
+    for layer, row in table.iterrows():
+        out.add_row(str(layer), *(f"{v:+.3f}" if col.startswith("Δ") else f"{v:.3f}"
+                                  for col, v in row.items()))
+    return Group(Text(title, style="bold"), out)  # the title on its own line, unwrapped
+
+
+def _alert_count(run: Path) -> int:
+    path = run / "alerts.json"
+    if not path.exists():
+        return 0
+    try:
+        return len(read_json(path))
+    except QKGeomError:
+        return 0
+
+
+def watch(run: str | Path, *, interval: float = 2.0, once: bool = False,
+          console: Any = None) -> None:
+    """Show the latest probe of ``run``; refresh every ``interval`` s until the run ends
+    (``once``: print once and return)."""
+    from rich.console import Console
+    from rich.live import Live
+
+    run = Path(run)
+    if not run.is_dir():
+        raise QKGeomError(f"{run}: no such run folder")
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped / logged: never truncate the numbers
+            console = Console(width=max(console.width, 160))
+    if once:
+        metrics, status = _read(run)
+        if metrics is None and not status:
+            raise QKGeomError(f"{run}: not a run folder (no metrics.parquet or status.json)")
+        console.print(render(run, metrics, status))
+        return
+    seen: tuple[float, float] | None = None
+    with Live(render(run, *_read(run)), console=console, auto_refresh=False) as live:
+        while True:
+            stamp = tuple((run / n).stat().st_mtime if (run / n).exists() else 0.0
+                          for n in ("metrics.parquet", "status.json"))
+            if stamp != seen:
+                seen = stamp
+                metrics, status = _read(run)
+                live.update(render(run, metrics, status), refresh=True)
+                if status.get("state") in FINAL_STATES:
+                    return
+            time.sleep(interval)

@@ -1,0 +1,178 @@
+"""Plain training loop: bit-identical training, and every output read back by its reader
+(TensorBoard's event reader, a fake W&B run, ``qkgeom show``/``watch``/``report``)."""
+
+from __future__ import annotations
+
+import shutil
+import types
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from qkgeom.io import read_json
+from qkgeom.monitor import GeometryMonitor
+
+from .conftest import tiny_gpt2
+
+STEPS, EVERY = 6, 2
+
+
+class FakeWandbRun:
+    """Stands in for ``wandb.run`` (no network, no wandb install needed)."""
+
+    def __init__(self) -> None:
+        self.logged: list[dict] = []
+        self.defined: list[tuple] = []
+
+    def log(self, data: dict) -> None:
+        self.logged.append(data)
+
+    def define_metric(self, name: str, step_metric: str | None = None) -> None:
+        self.defined.append((name, step_metric))
+
+
+def train(vocab: int, windows: torch.Tensor, monitor_kw: dict | None) -> tuple:
+    """A few AdamW steps of a tiny GPT-2 with dropout; returns (model, losses, monitor)."""
+    model = tiny_gpt2(vocab)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    mon = GeometryMonitor(model, **monitor_kw) if monitor_kw is not None else None
+    if mon is not None:
+        mon.start(0, total_steps=STEPS)
+    losses = []
+    for step in range(STEPS):
+        x = windows[torch.randint(0, len(windows), (4,), generator=gen)]  # (4, T)
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if mon is not None:
+            mon.step(step + 1, loss=loss)
+    if mon is not None:
+        mon.close()
+    return model, losses, mon
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus, probe_tokens, train_windows):
+    tmp = tmp_path_factory.mktemp("plain")
+    fake = FakeWandbRun()
+    patch = pytest.MonkeyPatch()
+    fake_wandb = types.SimpleNamespace(run=fake, Histogram=lambda v: ("histogram", len(v)))
+    patch.setattr("qkgeom.monitor.sinks.wandb_module", lambda: fake_wandb)
+    try:
+        plain = train(corpus.vocab.vocab_size, train_windows, None)
+        kw = dict(probe=probe_tokens, every=EVERY, metrics="all", out=tmp / "sweep/runs/mon-a",
+                  tensorboard=tmp / "tb")
+        monitored = train(corpus.vocab.vocab_size, train_windows, kw)
+    finally:
+        patch.undo()
+    return types.SimpleNamespace(tmp=tmp, plain=plain, monitored=monitored, wandb=fake)
+
+
+def test_monitored_training_is_bit_identical(runs) -> None:
+    (m0, losses0, _), (m1, losses1, mon) = runs.plain, runs.monitored
+    assert losses0 == losses1
+    for (name, p0), p1 in zip(m0.named_parameters(), m1.parameters(), strict=True):
+        assert torch.equal(p0, p1), name
+    assert m1.training and all(m.training for m in m1.modules())
+    assert [p.step for p in mon.probes] == [0, 2, 4, 6]
+
+
+def test_run_folder_follows_spec7(runs) -> None:
+    run = runs.tmp / "sweep/runs/mon-a"
+    metrics = pd.read_parquet(run / "metrics.parquet")
+    assert list(metrics.columns) == ["run_id", "step", "layer", "head", "metric", "value"]
+    assert sorted(metrics["step"].unique()) == [0, 2, 4, 6]
+    assert set(metrics["run_id"]) == {"mon-a"}
+    # 2 layers × (2 heads + layer) × 11 metrics per probe
+    assert metrics.groupby("step").size().tolist() == [66] * 4
+    status = read_json(run / "status.json")
+    assert status["state"] == "done" and status["step"] == STEPS == status["steps"]
+    cfg = read_json(run / "config.json")
+    assert cfg["config"]["model"]["n_layer"] == 2 and cfg["config"]["steps"] == STEPS
+    assert cfg["model"]["arch"] == "gpt2" and cfg["source"] == "qkgeom.monitor"
+    log = pd.read_parquet(run / "train_log.parquet")
+    assert log["step"].tolist() == list(range(1, STEPS + 1))
+    assert log["loss"].tolist() == pytest.approx(runs.monitored[1])
+
+
+def test_tensorboard_event_files_read_back(runs) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs.tmp / "tb"), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    scalars, hists = acc.Tags()["scalars"], acc.Tags()["histograms"]
+    assert {"qkgeom/pr_k_token/layer0", "qkgeom/attn_entropy/layer1"} <= set(scalars)
+    assert {"qkgeom/key_sv_weight/layer0", "qkgeom/key_eig_token/layer1"} <= set(hists)
+    events = acc.Scalars("qkgeom/pr_k_token/layer1")
+    mon = runs.monitored[2]
+    want = mon.history.query("metric == 'pr_k_token' and layer == 1 and head == -1")
+    assert [e.step for e in events] == want["step"].tolist()
+    assert [e.value for e in events] == pytest.approx(want["value"].tolist(), rel=1e-6)
+    hist = acc.Histograms("qkgeom/key_sv_weight/layer0")[-1].histogram_value
+    assert hist.num == 32  # one singular value per key dimension (d_k = 32)
+
+
+def test_wandb_gets_scalars_and_histograms_on_its_own_step_axis(runs) -> None:
+    logged = runs.wandb.logged
+    assert [d["qkgeom/step"] for d in logged] == [0, 2, 4, 6]
+    assert logged[-1]["qkgeom/pr_q_token/layer0"] == pytest.approx(
+        runs.monitored[2].last.layer_values("pr_q_token")[0])
+    assert logged[0]["qkgeom/key_sv_weight/layer1"] == ("histogram", 32)
+    assert ("qkgeom/*", "qkgeom/step") in runs.wandb.defined
+
+
+def test_qkgeom_show_and_watch_read_the_run(runs) -> None:
+    from qkgeom.cli import app
+
+    run = runs.tmp / "sweep/runs/mon-a"
+    cli = CliRunner()
+    shown = cli.invoke(app, ["show", str(run)])
+    assert shown.exit_code == 0, shown.output
+    assert "per-layer Q/K geometry at step 6" in shown.output
+    watched = cli.invoke(app, ["watch", "--once", str(run)])
+    assert watched.exit_code == 0, watched.output
+    assert "probe at step 6" in watched.output and "done" in watched.output
+
+
+@pytest.mark.slow
+def test_qkgeom_report_reads_a_folder_of_monitored_runs(runs) -> None:
+    from qkgeom.cli import app
+
+    run = runs.tmp / "sweep/runs/mon-a"
+    cli = CliRunner()
+    second = runs.tmp / "sweep/runs/mon-b"  # a second run in the folder (another run_id)
+    shutil.copytree(run, second)
+    m = pd.read_parquet(second / "metrics.parquet").assign(run_id="mon-b")
+    m.to_parquet(second / "metrics.parquet")
+    cfg = read_json(second / "config.json")
+    cfg.update(run_id="mon-b")
+    cfg["config"]["seed"] = 1
+    (second / "config.json").write_text(__import__("json").dumps(cfg))
+    reported = cli.invoke(app, ["report", str(runs.tmp / "sweep")])
+    assert reported.exit_code == 0, reported.output
+    report = (runs.tmp / "sweep/report/report.md").read_text()
+    assert "E1.2" in report and "left out" not in reported.output
+
+
+def test_resume_and_clobber(runs, probe_tokens) -> None:
+    from qkgeom.errors import QKGeomError
+
+    model = tiny_gpt2(50)
+    with pytest.raises(QKGeomError, match="already holds a run"):
+        GeometryMonitor(model, probe_tokens % 50, out=runs.tmp / "sweep/runs/mon-a")
+    Path(runs.tmp / "x").mkdir()
+    mon = GeometryMonitor(model, probe_tokens % 50, out=runs.tmp / "x", every=1,
+                          tensorboard=None, wandb=False)
+    mon.start(0)
+    mon.close()
+    mon = GeometryMonitor(model, probe_tokens % 50, out=runs.tmp / "x", every=1, resume=True)
+    mon.start(1)
+    mon.close()
+    assert sorted(pd.read_parquet(runs.tmp / "x/metrics.parquet")["step"].unique()) == [0, 1]

@@ -1,0 +1,77 @@
+"""``qkgeom watch``: the per-layer table of the latest probe, from the run folder alone."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from qkgeom.errors import QKGeomError
+from qkgeom.io import write_json
+from qkgeom.monitor.watch import latest_layers, watch
+
+
+def metrics(level: str = "token") -> pd.DataFrame:
+    rows = []
+    for step, shift in ((0, 0.0), (10, 1.0)):
+        for layer in (0, 1):
+            q, k = 8.0 + layer + shift, 5.0 - shift
+            rows += [(step, layer, -1, f"pr_q_{level}", q), (step, layer, -1, f"pr_k_{level}", k),
+                     (step, layer, -1, f"contrast_{level}", q - k),
+                     (step, layer, -1, "attn_entropy", 2.0 - shift / 2),
+                     (step, layer, 0, f"pr_q_{level}", 99.0)]  # a head row: not shown
+        rows.append((step, -1, -1, "ctl_pr_l0", 3.0))  # controller row: not a layer
+    frame = pd.DataFrame(rows, columns=["step", "layer", "head", "metric", "value"])
+    return frame.assign(run_id="r")
+
+
+def test_latest_layers_values_and_changes() -> None:
+    step, table = latest_layers(metrics())
+    assert step == 10 and list(table.index) == [0, 1]
+    assert table.loc[1, "PR_Q"] == 10.0 and table.loc[1, "PR_K"] == 4.0
+    assert table.loc[0, "contrast"] == 5.0 and table.loc[0, "entropy"] == 1.5
+    assert table.loc[0, "ΔPR_Q"] == 1.0 and table.loc[0, "ΔPR_K"] == -1.0
+    assert table.loc[0, "Δentropy"] == -0.5 and table.attrs["level"] == "token"
+    _, weight = latest_layers(metrics("weight"))  # a run without token metrics
+    assert weight.attrs["level"] == "weight" and weight.loc[1, "PR_Q"] == 10.0
+
+
+def test_watch_once_cli(tmp_path) -> None:
+    from qkgeom.cli import app
+
+    metrics().to_parquet(tmp_path / "metrics.parquet")
+    (tmp_path / "status.json").write_text(json.dumps({"state": "running", "step": 12,
+                                                      "steps": 100}))
+    res = CliRunner().invoke(app, ["watch", str(tmp_path), "--once"])
+    assert res.exit_code == 0, res.output
+    assert "probe at step 10" in res.output and "step 12/100, running" in res.output
+    assert "10.000" in res.output and "+1.000" in res.output
+
+
+def test_watch_live_waits_then_returns_when_the_run_is_done(tmp_path) -> None:
+    import threading
+
+    from rich.console import Console
+
+    (tmp_path / "status.json").write_text(json.dumps({"state": "running", "step": 0}))
+    console = Console(record=True, width=150, force_terminal=False)
+
+    def finish() -> None:  # the "training" side: first probe, then done
+        metrics().to_parquet(tmp_path / "metrics.parquet")
+        write_json(tmp_path / "status.json", {"state": "done", "step": 3, "steps": 3})
+
+    timer = threading.Timer(0.3, finish)
+    timer.start()
+    watch(tmp_path, interval=0.05, console=console)  # returns by itself at "done"
+    timer.join()
+    text = console.export_text()
+    assert "probe at step 10" in text
+
+
+def test_watch_errors(tmp_path) -> None:
+    with pytest.raises(QKGeomError, match="no such run folder"):
+        watch(tmp_path / "missing", once=True)
+    with pytest.raises(QKGeomError, match="not a run folder"):
+        watch(tmp_path, once=True)
