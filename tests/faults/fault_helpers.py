@@ -1,0 +1,119 @@
+"""Helpers for tests/faults: run the CLI, check one-line errors, compare run folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+
+FIGURES: list[str] = []
+METRIC_COLS = ["step", "layer", "head", "metric", "value"]
+LOG_COLS = ["step", "loss", "val_loss", "lr"]
+
+
+def figure(name: str, text: str) -> None:
+    """Print a test's figure and keep it for the end-of-run summary."""
+    line = f"FIGURE {name}: {text}"
+    print(line)
+    FIGURES.append(line)
+
+
+def cli(*args: str, fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m qkgeom.cli ARGS`` to completion; ``fault`` sets QKGEOM_FAULT."""
+    return subprocess.run([sys.executable, "-m", "qkgeom.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, env=fault_env(fault))
+
+
+def popen(*args: str, fault: str | None = None) -> subprocess.Popen:
+    """The CLI started in its own session (so a kill can take its workers down too)."""
+    return subprocess.Popen([sys.executable, "-m", "qkgeom.cli", *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=fault_env(fault), start_new_session=True)
+
+
+def fault_env(fault: str | None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "QKGEOM_FAULT"}
+    if fault:
+        env["QKGEOM_FAULT"] = fault
+    return env
+
+
+def in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """``qkgeom.cli.main(args)`` in this process: (exit code, stdout, stderr)."""
+    from qkgeom.cli import main
+
+    capsys.readouterr()
+    try:
+        main(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def error_lines(stderr: str) -> list[str]:
+    """stderr without one-line warnings and progress noise."""
+    return [ln for ln in stderr.strip().splitlines() if ln.strip()
+            and not ln.startswith("qkgeom: warning:")]
+
+
+def clean_error(code: int, stderr: str, expect: int = 2, words: tuple[str, ...] = ()) -> bool:
+    """Exit ``expect``, no traceback, exactly one error line holding every word."""
+    lines = error_lines(stderr)
+    return (code == expect and "Traceback" not in stderr and len(lines) == 1
+            and all(w in lines[0] for w in words))
+
+
+def assert_clean_error(code: int, stderr: str, expect: int = 2, words: tuple[str, ...] = ()
+                       ) -> None:
+    assert clean_error(code, stderr, expect, words), (code, stderr)
+
+
+def train_args(data: Path, out: Path, steps: int, every: int = 4, *extra: str) -> list[str]:
+    """A smoke run with a checkpoint, a probe and an eval every ``every`` steps."""
+    return ["train", "--preset", "smoke", "--data", str(data), "--out", str(out), "--quiet",
+            "--threads", "1", "--steps", str(steps), "--set", f"checkpoint_every={every}",
+            "--set", f"probe_every={every}", "--set", f"eval_every={every}",
+            "--set", f"log_every={every}", "--set", "warmup_steps=2", *extra]
+
+
+def train_in_process(data: Path, out: Path, steps: int, every: int = 4, **over: Any) -> Path:
+    """The same run as :func:`train_args`, through the Python API (the reference)."""
+    import qkgeom
+
+    cfg = qkgeom.make_config("smoke", {
+        "data": str(data), "steps": steps, "checkpoint_every": every, "probe_every": every,
+        "eval_every": every, "log_every": every, "warmup_steps": 2, "threads": 1, **over})
+    qkgeom.train(cfg, out)
+    return out
+
+
+def assert_same_results(ref: Path, run: Path) -> None:
+    """Bit-for-bit equal metrics and train log (run_id and timing aside)."""
+    a = pd.read_parquet(ref / "metrics.parquet")[METRIC_COLS]
+    b = pd.read_parquet(run / "metrics.parquet")[METRIC_COLS]
+    pd.testing.assert_frame_equal(a, b, check_exact=True)
+    la = pd.read_parquet(ref / "train_log.parquet")[LOG_COLS]
+    lb = pd.read_parquet(run / "train_log.parquet")[LOG_COLS]
+    pd.testing.assert_frame_equal(la, lb, check_exact=True)
+
+
+def status(run: Path) -> dict[str, Any]:
+    return json.loads((run / "status.json").read_text())
+
+
+def assert_no_torn_files(run: Path) -> None:
+    """Every result file present parses (atomic writes: old or new, never half)."""
+    for name in ("config.json", "status.json"):
+        if (run / name).exists():
+            json.loads((run / name).read_text())
+    for name in ("metrics.parquet", "train_log.parquet"):
+        if (run / name).exists():
+            pd.read_parquet(run / name)
