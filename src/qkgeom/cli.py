@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from qkgeom.cli_monitor import register as register_monitor
+from qkgeom.cli_pretrained import register as register_pretrained
 from qkgeom.errors import QKGeomError
 
 if TYPE_CHECKING:
@@ -82,7 +84,11 @@ def train_cmd(
     lr: Annotated[float | None, typer.Option()] = None,
     qk_init: Annotated[str | None, typer.Option(help="normal | orthogonal | tied")] = None,
     probe_every: Annotated[int | None, typer.Option()] = None,
-    precision: Annotated[str | None, typer.Option(help="fp32 | bf16 | fp16")] = None,
+    precision: Annotated[str | None, typer.Option(
+        help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16")] = None,
+    compile_: Annotated[bool | None, typer.Option(
+        "--compile/--no-compile", help="torch.compile the training step (probes stay eager).",
+        show_default=False)] = None,
     device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N | mps")] = None,
     threads: Annotated[int | None, typer.Option(help="torch CPU threads (0 = default).")] = None,
     key_control: Annotated[str | None, typer.Option(
@@ -104,8 +110,9 @@ def train_cmd(
     overrides = deep_merge(overrides, _train_overrides(
         data=data, seed=seed, steps=steps, depth=depth, n_embd=n_embd, n_head=n_head,
         block_size=block_size, batch_size=batch_size, lr=lr, qk_init=qk_init,
-        probe_every=probe_every, precision=precision, device=device, threads=threads,
-        key_control=key_control, shrink_to=shrink_to, key_control_scope=key_control_scope))
+        probe_every=probe_every, precision=precision, compile=compile_, device=device,
+        threads=threads, key_control=key_control, shrink_to=shrink_to,
+        key_control_scope=key_control_scope))
     overrides = deep_merge(overrides, parse_dotted(set_ or []))
     cfg = make_config(preset, overrides)
     out = out or Path("runs") / f"{preset}-s{cfg.seed}"
@@ -248,12 +255,21 @@ def _report(sweep: Path, out: Path | None) -> None:
     typer.echo(f"report: {path}")
 
 
+register_pretrained(app)  # `analyze` and `export` (E4, qkgeom.cli_pretrained)
+register_monitor(app)  # `watch` (live view of a training run, qkgeom.cli_monitor)
+
+
 @app.command("report")
 def report_cmd(
     sweep: Annotated[Path, typer.Argument(help="Sweep folder.")],
     out: Annotated[Path | None, typer.Option(help="Report folder (default SWEEP/report).")] = None,
 ) -> None:
     """Figures + report.md/report.html opening with the claims table."""
+    if (sweep / "analysis.json").is_file():  # a checkpoint analysis (qkgeom analyze): E4
+        from qkgeom.pretrained.report import write_e4_report
+
+        typer.echo(f"report: {write_e4_report(sweep, out)}")
+        return
     if not (sweep / "sweep.json").is_file() and not (sweep / "runs").is_dir():
         raise QKGeomError(f"{sweep}: not a sweep folder (no sweep.json); run `qkgeom sweep run` "
                           "or `qkgeom reproduce` first")
@@ -320,8 +336,12 @@ def main(argv: list[str] | None = None) -> None:
     short message with exit code 2; errors the user can fix raised from inside a command
     (:class:`QKGeomError`) are caught here.
     """
-    from qkgeom.errors import DivergedError
+    import warnings
 
+    from qkgeom.errors import DivergedError, StorageError
+
+    # Warnings (e.g. "torn checkpoint, falling back") as one line, not file:line + source.
+    warnings.formatwarning = lambda message, *_, **__: f"qkgeom: warning: {message}\n"
     try:
         app(args=argv, standalone_mode=True)
     except DivergedError as err:
@@ -330,6 +350,11 @@ def main(argv: list[str] | None = None) -> None:
     except QKGeomError as err:
         typer.echo(f"qkgeom: error: {err}", err=True)
         sys.exit(err.exit_code)
+    except OSError as err:  # a folder qkgeom may not create (read-only, full disk)
+        if err.errno not in StorageError.ERRNOS:
+            raise
+        typer.echo(f"qkgeom: error: {StorageError.of(err.filename or '?', err)}", err=True)
+        sys.exit(StorageError.exit_code)
     except KeyboardInterrupt:
         typer.echo("qkgeom: interrupted", err=True)
         sys.exit(130)
