@@ -52,9 +52,9 @@ def layer_table(metrics: pd.DataFrame, step: int | None = None,
     return step, table
 
 
-def render(table: pd.DataFrame, title: str) -> None:
-    """Print ``table`` with rich."""
-    from rich.console import Console
+def rich_table(table: pd.DataFrame, title: str | None = None):
+    """``table`` (one row per layer, from :func:`layer_table`) as a ``rich`` Table: values to
+    3 decimals, changes (Δ columns) signed."""
     from rich.table import Table
 
     out = Table(title=title)
@@ -64,6 +64,14 @@ def render(table: pd.DataFrame, title: str) -> None:
     for layer, row in table.iterrows():
         out.add_row(str(layer), *(f"{v:+.3f}" if col.startswith("Δ") else f"{v:.3f}"
                                   for col, v in row.items()))
+    return out
+
+
+def render(table: pd.DataFrame, title: str) -> None:
+    """Print ``table`` with rich."""
+    from rich.console import Console
+
+    out = rich_table(table, title)
     console = Console()
     if not console.is_terminal:  # piped / logged: never truncate the numbers
         console = Console(width=max(console.width, 200))

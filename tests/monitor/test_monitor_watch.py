@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import write_json
+from qkgeom.io import write_json, write_parquet
 from qkgeom.monitor.watch import latest_layers, watch
 
 
@@ -59,7 +59,7 @@ def test_watch_live_waits_then_returns_when_the_run_is_done(tmp_path) -> None:
     console = Console(record=True, width=150, force_terminal=False)
 
     def finish() -> None:  # the "training" side: first probe, then done
-        metrics().to_parquet(tmp_path / "metrics.parquet")
+        write_parquet(tmp_path / "metrics.parquet", metrics())  # atomic, as a trainer writes
         write_json(tmp_path / "status.json", {"state": "done", "step": 3, "steps": 3})
 
     timer = threading.Timer(0.3, finish)

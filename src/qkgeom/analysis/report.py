@@ -324,9 +324,14 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None,
 
         figs = make_figures(table, out)
     text = report_markdown(table, claims, traj, figs, sweep_dir)
+    return write_pages(out, text, table.attrs.get("name") or sweep_dir.name)
+
+
+def write_pages(out: Path, text: str, title: str) -> Path:
+    """``report.md`` and its self-contained ``report.html`` into ``out``, atomically;
+    returns the path of ``report.md``."""
     md_path = out / "report.md"
     atomic_write(md_path, lambda p: p.write_text(text, encoding="utf-8"))
-    title = table.attrs.get("name") or sweep_dir.name
     page = render_html(text, out, f"qkgeom report: {title}")
     atomic_write(out / "report.html", lambda p: p.write_text(page, encoding="utf-8"))
     return md_path

@@ -21,8 +21,8 @@ from qkgeom.analysis.report import (
     _p,
     claims_markdown,
     excluded_markdown,
-    render_html,
     setup_markdown,
+    write_pages,
 )
 from qkgeom.io import atomic_write
 
@@ -116,9 +116,4 @@ def write_e3_report(table: pd.DataFrame, sweep_dir: Path, out: Path, n_boot: int
         steps = int(run_modes(table)["steps"].max())
         figs = make_e3_figures(analysis, steps, out)
     text = e3_report_markdown(table, analysis, figs, sweep_dir)
-    md_path = out / "report.md"
-    atomic_write(md_path, lambda p: p.write_text(text, encoding="utf-8"))
-    title = table.attrs.get("name") or sweep_dir.name
-    page = render_html(text, out, f"qkgeom report: {title}")
-    atomic_write(out / "report.html", lambda p: p.write_text(page, encoding="utf-8"))
-    return md_path
+    return write_pages(out, text, table.attrs.get("name") or sweep_dir.name)

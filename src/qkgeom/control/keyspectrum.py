@@ -123,7 +123,10 @@ class KeySite:
         return self.heads(w).reshape(self.d_k, self.d_model)
 
 
-def _layer_list(model: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
+def layer_list(model: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
+    """The first non-empty ``nn.ModuleList`` at one of ``paths`` (dotted), else None: how
+    the per-layer blocks of an HF model are found whatever wrapper (``transformer.``,
+    ``model.``, ...) sits around them."""
     for path in paths:
         try:
             mods = model.get_submodule(path)
@@ -145,7 +148,7 @@ def find_key_sites(model: nn.Module) -> tuple[str, list[KeySite]]:
         cfg = model.config
         return "qkgeom", [KeySite(i, b.attn.k_proj, "weight", "linear", cfg.n_head,
                                   cfg.head_dim, cfg.n_embd) for i, b in enumerate(model.blocks)]
-    layers = _layer_list(model, ("transformer.h", "h"))
+    layers = layer_list(model, ("transformer.h", "h"))
     if layers is not None and hasattr(layers[0], "attn") and hasattr(layers[0].attn, "c_attn"):
         sites = []
         for i, block in enumerate(layers):
@@ -158,7 +161,7 @@ def find_key_sites(model: nn.Module) -> tuple[str, list[KeySite]]:
                                  attn.head_dim, d))
         else:
             return "gpt2", sites
-    layers = _layer_list(model, ("gpt_neox.layers", "layers"))
+    layers = layer_list(model, ("gpt_neox.layers", "layers"))
     if layers is not None and hasattr(getattr(layers[0], "attention", None), "query_key_value"):
         sites = []
         for i, layer in enumerate(layers):
@@ -168,7 +171,7 @@ def find_key_sites(model: nn.Module) -> tuple[str, list[KeySite]]:
             sites.append(KeySite(i, attn.query_key_value, "weight", "neox_qkv",
                                  w.shape[0] // (3 * hd), hd, w.shape[1]))
         return "gpt_neox", sites
-    layers = _layer_list(model, ("model.layers", "layers", "model.model.layers"))
+    layers = layer_list(model, ("model.layers", "layers", "model.model.layers"))
     if layers is not None and isinstance(getattr(getattr(layers[0], "self_attn", None),
                                                  "k_proj", None), nn.Linear):
         sites = []

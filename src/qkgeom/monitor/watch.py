@@ -71,8 +71,9 @@ def _read(run: Path) -> tuple[pd.DataFrame | None, dict[str, Any]]:
 def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> Any:
     """The rich renderable: a per-layer table titled with the run's step and state."""
     from rich.console import Group
-    from rich.table import Table
     from rich.text import Text
+
+    from qkgeom.report_table import rich_table
 
     state = status.get("state", "?")
     where = f"step {status.get('step', '?')}/{status.get('steps', '?')}, {state}"
@@ -83,13 +84,7 @@ def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> A
     title = (f"{run} — probe at step {step} ({where}; {table.attrs['level']} level; "
              f"Δ = change since step {table.attrs['first_step']}"
              + (f"; {alerts} alert(s), see alerts.json" if alerts else "") + ")")
-    out = Table()
-    out.add_column("layer", justify="right")
-    for col in table.columns:
-        out.add_column(col, justify="right")
-    for layer, row in table.iterrows():
-        out.add_row(str(layer), *(f"{v:+.3f}" if col.startswith("Δ") else f"{v:.3f}"
-                                  for col, v in row.items()))
+    out = rich_table(table)
     return Group(Text(title, style="bold"), out)  # the title on its own line, unwrapped
 
 

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
+from qkgeom.control.keyspectrum import layer_list
 from qkgeom.errors import QKGeomError
 
 __all__ = [
@@ -146,17 +147,6 @@ def _cfg(model: nn.Module, *names: str) -> int | None:
     return None
 
 
-def _layers(model: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
-    for path in paths:
-        try:
-            mods = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(mods, nn.ModuleList) and len(mods) > 0:
-            return mods
-    return None
-
-
 def _unknown(model: nn.Module) -> QKGeomError:
     return QKGeomError(
         f"unsupported architecture {type(model).__name__}: qkgeom does not know where its "
@@ -174,7 +164,7 @@ def find_attention_sites(model: nn.Module) -> ModelAdapter:
     from qkgeom.model import GPT
 
     model = getattr(model, "base_model", model) if not isinstance(model, GPT) else model
-    bert = _layers(model, ("encoder.layer", "bert.encoder.layer"))
+    bert = layer_list(model, ("encoder.layer", "bert.encoder.layer"))
     if bert is not None and hasattr(getattr(bert[0], "attention", None), "self"):
         sites = []
         for i, layer in enumerate(bert):
