@@ -9,8 +9,9 @@ for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkgeom._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -44,9 +45,4 @@ if TYPE_CHECKING:
     from qkgeom.training import Callback, RunResult, train
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'qkgeom' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -276,34 +276,48 @@ def report_cmd(
     _report(sweep, out)
 
 
+Preset = Annotated[str, typer.Option(help="smoke | demo | paper")]
+Data = Annotated[str, typer.Option(help="Prepared data (default: embedded sample).")]
+Device = Annotated[str | None, typer.Option(help="cpu | cuda | ... for every run")]
+Quiet = Annotated[bool, typer.Option(help="No progress view.")]
+
+
+def _reproduce(experiment: str, preset: str, data: str, out: Path | None,
+               overrides: dict[str, Any], *, workers: int | None, backend: str,
+               address: str | None, threads: int | None, quiet: bool) -> None:
+    """Run one of the paper's grids (``qkgeom.experiments.reproduce_<experiment>``) into
+    ``out`` (default ``sweeps/<experiment>-<preset>``), then print the summary and report."""
+    import qkgeom.experiments as experiments
+
+    out = out or Path("sweeps") / f"{experiment}-{preset}"
+    run = getattr(experiments, f"reproduce_{experiment}")
+    summary = run(preset, out, data, workers=workers, backend=backend, address=address,
+                  threads_per_run=threads, progress=not quiet, overrides=overrides or None)
+    _print_summary(summary, out)
+    _report(out, None)
+
+
 @reproduce_app.command("e1")
 def reproduce_e1_cmd(
-    preset: Annotated[str, typer.Option(help="smoke | demo | paper")] = "demo",
-    data: Annotated[str, typer.Option(help="Prepared data (default: embedded sample).")] = "",
+    preset: Preset = "demo",
+    data: Data = "",
     out: Annotated[Path | None, typer.Option(help="Sweep folder (default sweeps/e1-<preset>).")] = None,
     workers: Workers = None,
     backend: Backend = "local",
     address: Address = None,
     threads: Threads = None,
-    device: Annotated[str | None, typer.Option(help="cpu | cuda | ... for every run")] = None,
-    quiet: Annotated[bool, typer.Option(help="No progress view.")] = False,
+    device: Device = None,
+    quiet: Quiet = False,
 ) -> None:
     """E1 + E2: depths {4,6,8} x inits {normal,orthogonal,tied} x seeds, then the report."""
-    from qkgeom.experiments import reproduce_e1
-
-    out = out or Path("sweeps") / f"e1-{preset}"
-    overrides = {"device": device} if device else None
-    summary = reproduce_e1(preset, out, data, workers=workers, backend=backend,
-                           address=address, threads_per_run=threads, progress=not quiet,
-                           overrides=overrides)
-    _print_summary(summary, out)
-    _report(out, None)
+    _reproduce("e1", preset, data, out, {"device": device} if device else {}, workers=workers,
+               backend=backend, address=address, threads=threads, quiet=quiet)
 
 
 @reproduce_app.command("e3")
 def reproduce_e3_cmd(
-    preset: Annotated[str, typer.Option(help="smoke | demo | paper")] = "demo",
-    data: Annotated[str, typer.Option(help="Prepared data (default: embedded sample).")] = "",
+    preset: Preset = "demo",
+    data: Data = "",
     out: Annotated[Path | None, typer.Option(help="Sweep folder (default sweeps/e3-<preset>).")] = None,
     shrink_to: Annotated[float | None, typer.Option(
         help="shrink: final PR_K target as a share of step 0's (default 0.5).")] = None,
@@ -313,20 +327,14 @@ def reproduce_e3_cmd(
     backend: Backend = "local",
     address: Address = None,
     threads: Threads = None,
-    device: Annotated[str | None, typer.Option(help="cpu | cuda | ... for every run")] = None,
-    quiet: Annotated[bool, typer.Option(help="No progress view.")] = False,
+    device: Device = None,
+    quiet: Quiet = False,
 ) -> None:
     """E3: seeds x key control {none, hold, shrink}, paired by seed, then the report."""
-    from qkgeom.experiments import reproduce_e3
-
-    out = out or Path("sweeps") / f"e3-{preset}"
     overrides = {k: v for k, v in (("device", device), ("shrink_to", shrink_to),
                                    ("key_control_scope", scope)) if v is not None}
-    summary = reproduce_e3(preset, out, data, workers=workers, backend=backend,
-                           address=address, threads_per_run=threads, progress=not quiet,
-                           overrides=overrides or None)
-    _print_summary(summary, out)
-    _report(out, None)
+    _reproduce("e3", preset, data, out, overrides, workers=workers, backend=backend,
+               address=address, threads=threads, quiet=quiet)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -147,22 +147,27 @@ def test_per_run_stats_and_seed_average(tmp_path):
     assert set(avg["n_seeds"]) == {2}
 
 
+def _noisy(noise: np.ndarray, noisy_metric: str, head: int | None = None):
+    """``monotone_values`` with ``noise[layer, step // 10]`` added to one metric (of one
+    head, or of every head when ``head`` is None)."""
+    base = monotone_values()
+
+    def values(layer, step, metric, h):
+        v = base(layer, step, metric, h)
+        if metric == noisy_metric and (head is None or h == head):
+            v += noise[layer, step // 10]
+        return v
+
+    return values
+
+
 def test_bootstrap_is_deterministic_and_brackets_the_mean(tmp_path):
     rng = np.random.default_rng(1)
     noise = {s: rng.normal(scale=0.5, size=(2, 11)) for s in range(4)}
-    def noisy(seed):
-        base = monotone_values()
-
-        def values(layer, step, metric, head):
-            v = base(layer, step, metric, head)
-            if metric == "pr_q_weight":
-                v += noise[seed][layer, step // 10]
-            return v
-        return values
-
     root = tmp_path / "boot"
     for s in range(4):
-        write_run(root, f"r{s}", 2, "normal", s, noisy(s), levels=("weight",))
+        write_run(root, f"r{s}", 2, "normal", s, _noisy(noise[s], "pr_q_weight"),
+                  levels=("weight",))
     write_sweep(root, [{"run_id": f"r{s}"} for s in range(4)])
     table = collate(root)
     b1 = stats.bootstrap_ci(table, n_boot=300, levels=["weight"], statistics=["delta_pr_q"])
@@ -188,20 +193,10 @@ def test_rho_is_the_seed_mean_of_per_run_rho_and_its_interval_brackets_it(tmp_pa
     resamples those values: the bootstrap interval is centred on the point estimate."""
     rng = np.random.default_rng(3)
     noise = {s: rng.normal(scale=1.0, size=(2, 11)) for s in range(4)}
-
-    def noisy(seed):
-        base = monotone_values()
-
-        def values(layer, step, metric, head):
-            v = base(layer, step, metric, head)
-            if metric == "pr_qk_weight" and head == -1:
-                v += noise[seed][layer, step // 10]
-            return v
-        return values
-
     root = tmp_path / "rho"
     for s in range(4):
-        write_run(root, f"r{s}", 2, "normal", s, noisy(s), levels=("weight",))
+        write_run(root, f"r{s}", 2, "normal", s, _noisy(noise[s], "pr_qk_weight", head=-1),
+                  levels=("weight",))
     write_sweep(root, [{"run_id": f"r{s}"} for s in range(4)])
     table = collate(root)
     traj = stats.trajectory_stats(table, levels=["weight"]).set_index(["origin", "layer"])

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-import qkgeom.geometry.probe as probe_module
 from qkgeom import make_config, train
 from qkgeom.config import GPTConfig
 from qkgeom.model import GPT
@@ -35,17 +34,8 @@ def test_auto_precision_is_bf16_and_compiled_training_learns(sample_data: Path,
 
 
 def test_probes_run_in_fp32_during_a_bf16_run(sample_data: Path, tmp_path: Path,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[torch.dtype] = []
-    real = probe_module.tap_qk
-
-    def spy(model, fn):
-        def wrapped(layer, q, k):
-            seen.extend([q.dtype, k.dtype])
-            fn(layer, q, k)
-        return real(model, wrapped)
-
-    monkeypatch.setattr(probe_module, "tap_qk", spy)
+                                              probe_dtypes: list[torch.dtype]) -> None:
+    seen = probe_dtypes
     res = train(smoke(sample_data, precision="bf16", steps=20), tmp_path / "r")
     assert seen and set(seen) == {torch.float32}
     assert np.isfinite(res.metrics["value"]).all()

@@ -16,7 +16,6 @@ import pandas as pd
 import pytest
 import torch
 
-import qkgeom.geometry.probe as probe_module
 from qkgeom import make_config, train
 from qkgeom.config import GPTConfig
 from qkgeom.data.batches import BatchStream, sample_batch
@@ -50,24 +49,9 @@ def test_cli_maps_compile_flag() -> None:
     assert _train_overrides(compile=None) == {}
 
 
-def _record_probe_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
-    """Wrap the probe's tap so the raw q/k dtypes (before any cast) are recorded."""
-    seen: list[torch.dtype] = []
-    real = probe_module.tap_qk
-
-    def spy(model, fn):
-        def wrapped(layer, q, k):
-            seen.extend([q.dtype, k.dtype])
-            fn(layer, q, k)
-        return real(model, wrapped)
-
-    monkeypatch.setattr(probe_module, "tap_qk", spy)
-    return seen
-
-
 def test_bf16_run_probes_in_fp32_keeps_fp32_master_weights_and_learns(
-        sample_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _record_probe_dtypes(monkeypatch)
+        sample_data: Path, tmp_path: Path, probe_dtypes: list[torch.dtype]) -> None:
+    seen = probe_dtypes
     res = train(smoke(sample_data, precision="bf16"), tmp_path / "bf16")
     assert seen and set(seen) == {torch.float32}  # probes never ran in bf16
     assert np.isfinite(res.metrics["value"]).all()

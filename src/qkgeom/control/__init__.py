@@ -11,9 +11,9 @@ trainer (and the trainer can import this package without an import cycle).
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from qkgeom._lazy import lazy_getattr
 from qkgeom.control.keyspectrum import (
     HOWS,
     MODES,
@@ -51,9 +51,5 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name == "KeyControlCallback":
-        value = importlib.import_module("qkgeom.control.callback").KeyControlCallback
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'qkgeom.control' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, {"KeyControlCallback": "qkgeom.control.callback"},
+                           globals())

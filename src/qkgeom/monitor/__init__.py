@@ -18,8 +18,9 @@ Names load on first use, so ``qkgeom watch`` never imports torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkgeom._lazy import lazy_getattr
 
 _EXPORTS = {
     "GeometryMonitor": "qkgeom.monitor.monitor", "DEFAULT_EVERY": "qkgeom.monitor.monitor",
@@ -53,9 +54,4 @@ if TYPE_CHECKING:
     from qkgeom.monitor.watch import watch
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'qkgeom.monitor' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

@@ -21,8 +21,9 @@ the report side never imports torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from qkgeom._lazy import lazy_getattr
 
 _EXPORTS = {
     "analyze_model": "qkgeom.pretrained.analyze",
@@ -58,9 +59,4 @@ if TYPE_CHECKING:
     from qkgeom.pretrained.trends import mann_kendall, trend_table
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'qkgeom.pretrained' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())
