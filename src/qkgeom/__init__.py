@@ -1,7 +1,10 @@
 """qkgeom: geometry of attention queries and keys.
 
 Participation ratios of queries and keys (weights and tokens), the interaction spectrum of
-W_Q W_Kᵀ, attention entropy, and a trainer for char-level GPTs that records them.
+W_Q W_Kᵀ, attention entropy (:func:`measure`, for the project's GPT and supported Hugging
+Face models), a trainer for char-level GPTs that records them (:func:`train`), key-spectrum
+control, checkpoint-family analysis, a monitor for your own training, and the reports of
+the paper's experiments.
 
 The names below load on first use, so ``import qkgeom.analysis`` (pandas only) does not pay
 for importing torch.
@@ -17,32 +20,43 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "GPTConfig": "qkgeom.config", "TrainConfig": "qkgeom.config",
-    "make_config": "qkgeom.config", "from_dict": "qkgeom.config",
+    "KeyControlConfig": "qkgeom.config", "make_config": "qkgeom.config",
+    "from_dict": "qkgeom.config",
     "prepare_data": "qkgeom.data", "load_prepared": "qkgeom.data",
     "QKGeomError": "qkgeom.errors", "DivergedError": "qkgeom.errors",
-    "GPT": "qkgeom.model", "probe": "qkgeom.geometry.probe",
-    "train": "qkgeom.training", "RunResult": "qkgeom.training", "Callback": "qkgeom.training",
-    "analyze_model": "qkgeom.pretrained", "analyze_checkpoints": "qkgeom.pretrained",
-    "write_e4_report": "qkgeom.pretrained", "export_run": "qkgeom.pretrained",
+    "GPT": "qkgeom.model", "measure": "qkgeom.geometry", "Measurement": "qkgeom.geometry",
+    "adapter_for": "qkgeom.arch",
+    "train": "qkgeom.launch", "RunResult": "qkgeom.training", "Callback": "qkgeom.training",
+    "load_config": "qkgeom.runs",
+    "KeySpectrumControl": "qkgeom.control",
+    "analyze_model": "qkgeom.checkpoints", "analyze_checkpoints": "qkgeom.checkpoints",
+    "export_run": "qkgeom.checkpoints",
+    "write_report": "qkgeom.analysis", "claims_table": "qkgeom.analysis",
     "GeometryMonitor": "qkgeom.monitor",
 }
 
 __all__ = [
-    "GPT", "GPTConfig", "TrainConfig", "make_config", "from_dict", "train", "RunResult",
-    "Callback", "probe", "prepare_data", "load_prepared", "QKGeomError", "DivergedError",
-    "analyze_model", "analyze_checkpoints", "write_e4_report", "export_run", "__version__",
-    "GeometryMonitor",
+    "GPT", "Callback", "DivergedError", "GPTConfig", "GeometryMonitor", "KeyControlConfig",
+    "KeySpectrumControl", "Measurement", "QKGeomError", "RunResult", "TrainConfig",
+    "__version__", "adapter_for", "analyze_checkpoints", "analyze_model", "claims_table",
+    "export_run", "from_dict", "load_config", "load_prepared", "make_config", "measure",
+    "prepare_data", "train", "write_report",
 ]
 
 if TYPE_CHECKING:
-    from qkgeom.config import GPTConfig, TrainConfig, from_dict, make_config
+    from qkgeom.analysis import claims_table, write_report
+    from qkgeom.arch import adapter_for
+    from qkgeom.checkpoints import analyze_checkpoints, analyze_model, export_run
+    from qkgeom.config import GPTConfig, KeyControlConfig, TrainConfig, from_dict, make_config
+    from qkgeom.control import KeySpectrumControl
     from qkgeom.data import load_prepared, prepare_data
     from qkgeom.errors import DivergedError, QKGeomError
-    from qkgeom.geometry.probe import probe
+    from qkgeom.geometry import Measurement, measure
+    from qkgeom.launch import train
     from qkgeom.model import GPT
     from qkgeom.monitor import GeometryMonitor
-    from qkgeom.pretrained import analyze_checkpoints, analyze_model, export_run, write_e4_report
-    from qkgeom.training import Callback, RunResult, train
+    from qkgeom.runs import load_config
+    from qkgeom.training import Callback, RunResult
 
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

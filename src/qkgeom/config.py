@@ -19,16 +19,11 @@ from qkgeom.errors import QKGeomError
 
 QK_INITS = ("normal", "orthogonal", "tied")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-# Key-spectrum control (SPEC §4); kept here so config stays torch-free (a test checks they
-# equal qkgeom.control's).
-KEY_CONTROL_MODES = ("none", "hold", "shrink", "expand")
-KEY_CONTROL_SCOPES = ("layer", "head")
-KEY_CONTROL_HOWS = ("post_step", "parametrize")
 
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Shape of the decoder-only GPT (SPEC §3). ``vocab_size`` comes from the prepared data."""
+    """Shape of the decoder-only GPT. ``vocab_size`` comes from the prepared data."""
 
     n_layer: int = 4
     n_head: int = 4
@@ -62,6 +57,42 @@ class GPTConfig:
 
 
 @dataclass(frozen=True)
+class KeyControlConfig:
+    """Key-spectrum control during training (docs/definitions.md#key-spectrum-control).
+
+    The one definition of the control's settings: :mod:`qkgeom.control` reads its allowed
+    values from here, so the config stays torch-free and nothing is kept equal by hand.
+    """
+
+    MODES = ("none", "hold", "shrink", "expand")
+    SCOPES = ("layer", "head")
+    HOWS = ("post_step", "parametrize")
+
+    mode: str = "none"  # none | hold | shrink | expand
+    scope: str = "layer"  # layer (whole W_K) | head (each head's slice)
+    how: str = "post_step"  # post_step (project after each update) | parametrize
+    shrink_to: float = 0.5  # shrink: final target as a share of PR_K at step 0
+    expand_to: float = 2.0  # expand: final target as a multiple of PR_K at step 0
+
+    def validate(self, prefix: str = "key_control.") -> None:
+        _check_types(self, prefix)
+        for name, allowed in (("mode", self.MODES), ("scope", self.SCOPES),
+                              ("how", self.HOWS)):
+            if getattr(self, name) not in allowed:
+                raise QKGeomError(f"unknown {prefix}{name} {getattr(self, name)!r}; choose one "
+                                  f"of {', '.join(allowed)}")
+        if not 0.0 < self.shrink_to <= 1.0:
+            raise QKGeomError(f"{prefix}shrink_to must be in (0, 1], got {self.shrink_to}")
+        if not (math.isfinite(self.expand_to) and self.expand_to >= 1.0):
+            raise QKGeomError(f"{prefix}expand_to must be a finite number >= 1, got "
+                              f"{self.expand_to}")
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything that determines a run. ``seed`` fixes init and data order; the probe set
     is fixed by ``probe_seed``-independent data (the start of the val split), so every run of
@@ -87,24 +118,23 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 250
     keep_checkpoints: int = 2
-    reference_step: int = -1  # -1 = end of LR warm-up (SPEC §2 reference point)
+    reference_step: int = -1  # -1 = end of LR warm-up (the post-transient reference)
     # auto = bf16 autocast on CUDA, fp32 elsewhere (see effective_precision); bf16 and fp16
     # are opt-in anywhere. Weights and optimiser state stay fp32; probes always run in fp32.
     precision: str = "auto"
     device: str = "cpu"
     threads: int = 0  # 0 = leave torch's default
     compile: bool = False  # torch.compile the training forward/backward (probes stay eager)
-    key_control: str = "none"  # none | hold | shrink | expand (SPEC §4)
-    key_control_scope: str = "layer"  # layer | head
-    key_control_how: str = "post_step"  # post_step | parametrize
-    shrink_to: float = 0.5  # shrink: final target as a share of PR_K at step 0
-    expand_to: float = 2.0  # expand: final target as a multiple of PR_K at step 0
+    key_control: KeyControlConfig = field(default_factory=KeyControlConfig)
 
     def validate(self) -> None:
-        if not isinstance(self.model, GPTConfig):
-            raise QKGeomError(f"config key 'model' must be a GPTConfig, got {self.model!r}")
+        for name, kind in (("model", GPTConfig), ("key_control", KeyControlConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise QKGeomError(f"config key {name!r} must be a {kind.__name__}, got "
+                                  f"{getattr(self, name)!r}")
         _check_types(self, "")
         self.model.validate()
+        self.key_control.validate()
         positive = ("steps", "batch_size", "probe_every", "probe_sequences", "probe_batch",
                     "eval_every", "eval_batches", "log_every", "checkpoint_every",
                     "keep_checkpoints")
@@ -140,18 +170,13 @@ class TrainConfig:
                               f"{self.threads}")
         if self.reference_step < -1 or self.reference_step > self.steps:
             raise QKGeomError(f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
-        for name, allowed in (("key_control", KEY_CONTROL_MODES),
-                              ("key_control_scope", KEY_CONTROL_SCOPES),
-                              ("key_control_how", KEY_CONTROL_HOWS)):
-            if getattr(self, name) not in allowed:
-                raise QKGeomError(f"unknown {name} {getattr(self, name)!r}; choose one of "
-                                  f"{', '.join(allowed)}")
-        if not 0.0 < self.shrink_to <= 1.0:
-            raise QKGeomError(f"shrink_to must be in (0, 1], got {self.shrink_to}")
-        if not (math.isfinite(self.expand_to) and self.expand_to >= 1.0):
-            raise QKGeomError(f"expand_to must be a finite number >= 1, got {self.expand_to}")
         if not (self.device == "cpu" or self.device.startswith(("cuda", "mps"))):
             raise QKGeomError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or mps")
+
+    def active_features(self) -> list[str]:
+        """Config sections that ask for behaviour the trainer does not implement itself:
+        each must be served by a callback (built from the config by :mod:`qkgeom.launch`)."""
+        return ["key_control"] if self.key_control.active else []
 
     @property
     def effective_precision(self) -> str:
@@ -164,7 +189,7 @@ class TrainConfig:
 
     @property
     def ref_step(self) -> int:
-        """The post-transient reference step (SPEC §2): explicit, or the end of warm-up."""
+        """The post-transient reference step: explicit, or the end of warm-up."""
         return self.warmup_steps if self.reference_step < 0 else self.reference_step
 
     def to_dict(self) -> dict[str, Any]:
@@ -249,7 +274,9 @@ def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict
             raise QKGeomError(f"unknown config key {prefix + key!r}")
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
-                raise QKGeomError(f"config key {prefix + key!r} must be a mapping")
+                first = next(iter(base[key]))
+                raise QKGeomError(f"config key {prefix + key!r} must be a mapping (e.g. "
+                                  f"{prefix + key}.{first}=...)")
             out[key] = _merge(base[key], value, prefix + key + ".")
         else:
             out[key] = value
@@ -275,17 +302,31 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
     raise QKGeomError(f"config key {name!r} must be {kind.__name__}, got {value!r}")
 
 
+def _nested(cls: type) -> dict[str, type]:
+    """The fields of ``cls`` that are themselves config dataclasses (``model``, ...)."""
+    return {f.name: f.default_factory for f in dataclasses.fields(cls)
+            if dataclasses.is_dataclass(f.default_factory)}
+
+
+def _build(cls: type, full: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> Any:
+    """``cls(**full)`` with each scalar coerced to its default's type, recursing into the
+    nested config dataclasses."""
+    nested = _nested(cls)
+    kw = {}
+    for key, value in full.items():
+        if key in nested:
+            kw[key] = _build(nested[key], value, defaults[key], f"{prefix}{key}.")
+        else:
+            kw[key] = _coerce(value, defaults[key], prefix + key)
+    return cls(**kw)
+
+
 def from_dict(d: dict[str, Any]) -> TrainConfig:
     """Build a validated config from a (possibly partial) nested mapping."""
     if not isinstance(d, dict):
         raise QKGeomError("a config must be a mapping of keys to values")
-    full = _merge(TrainConfig().to_dict(), d)
     defaults = TrainConfig().to_dict()
-    model_kw = {
-        k: _coerce(v, defaults["model"][k], f"model.{k}") for k, v in full.pop("model").items()
-    }
-    kw = {k: _coerce(v, defaults[k], k) for k, v in full.items()}
-    cfg = TrainConfig(model=GPTConfig(**model_kw), **kw)
+    cfg = _build(TrainConfig, _merge(defaults, d), defaults)
     cfg.validate()
     return cfg
 

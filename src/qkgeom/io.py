@@ -1,4 +1,5 @@
-"""Atomic file writes: a result file is either the old one or the complete new one.
+"""Atomic file writes (a result file is either the old one or the complete new one), and
+JSON reads that fail in one line.
 
 A run killed mid-write (pre-emption, Ctrl-C, disk full) must never leave a torn
 ``metrics.parquet`` or checkpoint behind, so every writer goes through a temp file in the
@@ -40,9 +41,6 @@ def _umask() -> int:
 
 
 _UMASK = _umask()
-#: Layout version of a run folder, recorded in its config.json. Folders written before the
-#: field existed have the same layout and read as version 1.
-RUN_FORMAT_VERSION = 1
 _FAULT_ENV = "QKGEOM_FAULT"
 _fault_counts: dict[str, int] = {}
 
@@ -125,25 +123,3 @@ def read_json(path: str | Path) -> Any:
         raise QKGeomError(f"{path}: cannot be read ({err.strerror})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise QKGeomError(f"{path}: not valid JSON ({err}); the file is corrupt") from None
-
-
-def check_run_format(prov: Any, path: str | Path) -> None:
-    """QKGeomError unless ``prov`` (a run's config.json) is a run record this qkgeom reads."""
-    if not isinstance(prov, dict) or not isinstance(prov.get("config"), dict):
-        raise QKGeomError(f"{path}: not a qkgeom run record (no 'config' mapping); the file "
-                          "is corrupt or from another tool")
-    version = prov.get("format_version", 1)
-    if version != RUN_FORMAT_VERSION:
-        newer = isinstance(version, int) and version > RUN_FORMAT_VERSION
-        advice = ("upgrade qkgeom to read it" if newer else
-                  "read it with the qkgeom version that wrote it, or train it again")
-        raise QKGeomError(f"{path}: run folder format {version!r}, this qkgeom reads format "
-                          f"{RUN_FORMAT_VERSION}; {advice}")
-
-
-def vocab_digest(chars: str) -> str:
-    """Short SHA-256 of a vocabulary's characters: two corpora with the same vocabulary
-    *size* but different characters must not pass for one another on resume."""
-    import hashlib
-
-    return hashlib.sha256(chars.encode("utf-8", "surrogatepass")).hexdigest()[:16]

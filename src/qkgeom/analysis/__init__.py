@@ -7,6 +7,7 @@ Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures an
     pr_q = trajectories(table, "pr_q_token")  # seed mean ± 95 % CI per layer and step
     print(claims_table("sweeps/e1"))        # E1/E2 claims with counts, p-values, verdicts
     write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
+    write_report("runs/demo")               # one run folder; "ckpt/pythia" an E4 analysis
     e3_analysis(collate("sweeps/e3"))       # E3: paired effects per seed, claims E3.1-E3.4
 """
 

@@ -25,7 +25,8 @@ from scipy import stats as sst
 
 from qkgeom.config import TrainConfig
 from qkgeom.errors import QKGeomError
-from qkgeom.io import check_run_format, read_json
+from qkgeom.io import read_json
+from qkgeom.runs import is_run_folder, read_record
 
 # Group keys of a seed-averaged trajectory (one per layer).
 GROUP = ["depth", "qk_init", "variant"]
@@ -61,6 +62,8 @@ def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]
     """
     spec: dict[str, Any] = {}
     entries: list[dict[str, Any]] = []
+    if is_run_folder(sweep_dir) and not (sweep_dir / "sweep.json").exists():  # one run
+        return spec, [{"run_id": sweep_dir.resolve().name, "dir": sweep_dir, "axes": {}}]
     if (sweep_dir / "sweep.json").exists():
         spec = read_json(sweep_dir / "sweep.json")
         listed = spec.get("runs") or []
@@ -120,8 +123,7 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             flat_cfgs.append(flat)
             continue
         try:
-            prov = read_json(folder / "config.json")
-            check_run_format(prov, folder / "config.json")
+            prov = read_record(folder)
         except QKGeomError as err:  # one unreadable run is listed, never sinks the report
             row.update(state="unreadable", excluded=f"unreadable run: {err}")
             rows.append(row)
@@ -147,7 +149,7 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             vocab_size=int(prov.get("vocab_size", model.get("vocab_size", 0))),
             data_source=str(prov.get("data_source") or cfg.get("data") or "?"),
             config_hash=prov.get("config_hash", ""),
-            key_control=str(cfg.get("key_control", "none")),
+            key_control=str(flat.get("key_control.mode", "none")),
         )
         row["tokens"] = steps * row["batch_size"] * row["block_size"]
         status, problem = _read_status(folder / "status.json")

@@ -23,12 +23,25 @@ from qkgeom import stats
 from qkgeom.analysis.claims import evaluate_claims
 from qkgeom.analysis.collate import collate, excluded_runs, runs_of, sweep_axes
 from qkgeom.analysis.e3 import e3_analysis, is_e3
+from qkgeom.errors import QKGeomError
 from qkgeom.io import atomic_write
+from qkgeom.runs.family import is_analysis_folder
 
 
 def claims_table(sweep_dir: str | Path, n_boot: int = stats.N_BOOT,
                  rng_seed: int = stats.BOOT_SEED,
                  include_incomplete: bool = False) -> pd.DataFrame:
+    """The claims table of any result folder: a sweep (E1/E2 or E3), one run folder, or a
+    checkpoint analysis folder (E4)."""
+    if is_analysis_folder(sweep_dir):
+        from qkgeom.analysis.e4.report import e4_claims_table
+
+        return e4_claims_table(sweep_dir)
+    return _sweep_claims(sweep_dir, n_boot, rng_seed, include_incomplete)
+
+
+def _sweep_claims(sweep_dir: str | Path, n_boot: int, rng_seed: int,
+                  include_incomplete: bool) -> pd.DataFrame:
     """The claims table of a sweep folder (see :func:`qkgeom.analysis.claims.evaluate_claims`;
     for an E3 sweep, :func:`qkgeom.analysis.e3.evaluate_e3_claims`): one row per claim × level
     × origin with the count, mean and seed-bootstrap CI, the
@@ -306,6 +319,12 @@ def write_report(sweep_dir: str | Path, out: str | Path | None = None,
     (:mod:`qkgeom.analysis.report_e3`). ``figures=False`` skips the figures (faster; tables only).
     """
     sweep_dir = Path(sweep_dir)
+    if is_analysis_folder(sweep_dir):  # a checkpoint family (qkgeom analyze): E4
+        from qkgeom.analysis.e4.report import write_e4_report
+
+        return write_e4_report(sweep_dir, out, figures=figures)
+    if not sweep_dir.is_dir():
+        raise QKGeomError(f"{sweep_dir}: no such folder")
     out = sweep_dir / "report" if out is None else Path(out)
     out.mkdir(parents=True, exist_ok=True)
     table = collate(sweep_dir, include_incomplete=include_incomplete)

@@ -1,28 +1,24 @@
-"""The key-spectrum control as a trainer callback (SPEC §4, E3).
+"""The key-spectrum control as a trainer callback (experiment E3).
 
-Trainer order (``qkgeom.training.loop.train``): the model is built, a resumed checkpoint is
-loaded into the model *and* into each callback's ``load_state_dict``, then
-``on_train_start`` runs. So the callback keeps a state it is given before it is attached
-and applies it when it attaches: a resumed run keeps the step-0 PRs and the step counter
-of the original run, never re-measures them on trained weights.
-
-``how="parametrize"`` changes the model's ``state_dict`` keys (``k_proj.weight`` becomes
-``k_proj.parametrizations.weight.original``), so a trainer that resumes such a run must
-call :meth:`KeyControlCallback.bind` on the fresh model *before* loading the checkpoint
-(and before building the optimiser, for clarity -- the parameter object is kept either way).
+Event order (:mod:`qkgeom.training.callbacks`): the control attaches in ``on_model_built``
+(fresh step-0 weights, before the optimiser and any checkpoint: a parametrisation renames
+``k_proj.weight`` to ``k_proj.parametrizations.weight.original``, which the checkpoint of a
+resumed run then matches); a resumed run's saved state (step-0 PRs, step counter) replaces
+what was measured at attach time in ``load_state_dict``, so targets never come from trained
+weights.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from qkgeom.config import KeyControlConfig
 from qkgeom.control.keyspectrum import KeySpectrumControl
 from qkgeom.errors import QKGeomError
 from qkgeom.training.callbacks import Callback
 
 if TYPE_CHECKING:
     import pandas as pd
-    from torch import nn
 
     from qkgeom.training.callbacks import TrainContext
 
@@ -30,73 +26,41 @@ __all__ = ["KeyControlCallback"]
 
 
 class KeyControlCallback(Callback):
-    """Attaches :class:`KeySpectrumControl` at train start and steps it after every update.
+    """Attaches :class:`KeySpectrumControl` to the trainer's model and steps it after every
+    update. ``on_probe`` returns the last step's flat records (``ctl_target_l0``,
+    ``ctl_pr_l0``, ...) so they land in ``metrics.parquet`` next to the probe metrics."""
 
-    ``on_probe`` returns the last step's flat records (``ctl_target_l0``, ``ctl_pr_l0``,
-    ...) so they land in ``metrics.parquet`` next to the probe metrics.
-    """
+    feature = "key_control"
 
-    def __init__(self, mode: str = "hold", *, scope: str = "layer", shrink_to: float = 0.5,
-                 expand_to: float = 2.0, how: str = "post_step",
-                 layers: list[int] | None = None) -> None:
-        self.mode, self.scope, self.how = mode, scope, how
-        self.shrink_to, self.expand_to, self.layers = shrink_to, expand_to, layers
+    def __init__(self, settings: KeyControlConfig, *, layers: list[int] | None = None) -> None:
+        settings.validate()
+        self.settings, self.layers = settings, layers
         self.control: KeySpectrumControl | None = None
-        self._pending: dict[str, Any] | None = None
+        self._restored = False
 
-    @classmethod
-    def from_config(cls, cfg: Any) -> KeyControlCallback:
-        """From a ``TrainConfig`` carrying ``key_control``, ``key_control_scope``,
-        ``shrink_to``, ``expand_to``, ``key_control_how`` (missing fields: defaults, mode
-        ``none``)."""
-        return cls(getattr(cfg, "key_control", "none"),
-                   scope=getattr(cfg, "key_control_scope", "layer"),
-                   shrink_to=getattr(cfg, "shrink_to", 0.5),
-                   expand_to=getattr(cfg, "expand_to", 2.0),
-                   how=getattr(cfg, "key_control_how", "post_step"))
+    def on_model_built(self, ctx: TrainContext) -> None:
+        s = self.settings
+        self.control = KeySpectrumControl.attach(
+            ctx.model, s.mode, scope=s.scope, shrink_to=s.shrink_to, expand_to=s.expand_to,
+            total_steps=ctx.config.steps, how=s.how, layers=self.layers)
 
-    def bind(self, model: nn.Module, total_steps: int, *, fresh: bool = True) -> KeySpectrumControl:
-        """Attach to ``model`` now (idempotent). ``fresh``: the weights are the step-0
-        weights, so PR0 is measured from them; otherwise it must come from a saved state."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.control is None:
-            self.control = KeySpectrumControl.attach(
-                model, self.mode, scope=self.scope, shrink_to=self.shrink_to,
-                expand_to=self.expand_to, total_steps=total_steps, how=self.how,
-                layers=self.layers, record_initial=fresh)
-        if self._pending is not None and self.mode != "none":
-            self.control.load_state_dict(self._pending)
-            self._pending = None
-        return self.control
+            raise QKGeomError("key control state given before the model was built")
+        self.control.load_state_dict(state)
+        self._restored = True
 
     def on_train_start(self, ctx: TrainContext) -> None:
-        if self.mode == "none":
-            return
-        resumed = ctx.step > 0
-        if resumed and self._pending is None and (self.control is None or
-                                                  self.control.step_count != ctx.step):
+        if ctx.step > 0 and not self._restored:
             raise QKGeomError(f"resuming at step {ctx.step} with key control "
-                              f"{self.mode!r}, but the checkpoint holds no key-control state "
-                              "(was the run started without it?)")
-        self.bind(ctx.model, ctx.config.steps, fresh=not resumed)
+                              f"{self.settings.mode!r}, but the checkpoint holds no key-control "
+                              "state (was the run started without it?)")
 
     def on_step_end(self, ctx: TrainContext) -> None:
-        if self.control is not None and self.mode != "none":
-            self.control.step(ctx.step)
+        self.control.step(ctx.step)
 
     def on_probe(self, ctx: TrainContext, metrics: pd.DataFrame) -> dict[str, float] | None:
-        if self.control is None or self.mode == "none":
-            return None
         return self.control.last() or None
 
     def state_dict(self) -> dict[str, Any]:
-        if self.control is not None and self.mode != "none":
-            return self.control.state_dict()
-        return dict(self._pending or {})
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.mode == "none" or not state:
-            return
-        if self.control is None:
-            self._pending = dict(state)
-        else:
-            self.control.load_state_dict(state)
+        return self.control.state_dict() if self.control is not None else {}

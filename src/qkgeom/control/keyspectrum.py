@@ -1,7 +1,8 @@
-"""Key-spectrum control during training (SPEC §4, experiment E3).
+"""Key-spectrum control during training (experiment E3; docs/definitions.md#key-spectrum-control).
 
 :meth:`KeySpectrumControl.attach` finds the key projection W_K of every layer of a model
-(the project's GPT, or a Hugging Face GPT-2, GPT-NeoX/Pythia or Llama-style model) and,
+(any family :mod:`qkgeom.arch` supports: the project's GPT, Hugging Face GPT-2,
+GPT-NeoX/Pythia, Llama-style and BERT-style models) and,
 after each optimiser step (``how="post_step"``) or inside every forward pass
 (``how="parametrize"``), replaces each controlled matrix -- a whole layer's W_K
 (``scope="layer"``, d_k × d_model) or each head's slice (``scope="head"``, d_head ×
@@ -19,33 +20,26 @@ Targets (PR0 = the matrix's PR_K when the control is attached, i.e. at step 0):
 * ``expand``: the mirror: rises linearly to ``expand_to``·PR0 (clamped to the matrix's
   largest PR, min(d_out, d_model)) and is never below the current PR.
 
-Weight layouts (nn.Linear layout ``(d_out, d_model)``, head ``h`` owning rows
-``h·hd:(h+1)·hd``, is what is controlled; fused tensors are addressed through views and
-written in place, so W_Q and W_V are never touched):
-
-* project GPT: ``blocks[i].attn.k_proj.weight``;
-* HF GPT-2: ``transformer.h[i].attn.c_attn.weight``, a ``Conv1D`` of shape
-  (d_model, 3·d_model) computing ``x @ W``: W_K = ``W[:, d:2d].T``;
-* HF GPT-NeoX: ``gpt_neox.layers[i].attention.query_key_value.weight`` (3·d_model,
-  d_model), interleaved per head (the model views its output as (…, H, 3·hd) and chunks
-  the last dim): W_K of head h = rows ``h·3hd + hd : h·3hd + 2hd``;
-* Llama-style (Llama, Mistral, Qwen2, …): ``model.layers[i].self_attn.k_proj.weight``;
-  with grouped-query attention "heads" are the key/value heads.
-
-Rotary embeddings act after W_K and are not part of the controlled matrix.
+What is controlled is W_K in nn.Linear layout ``(d_k, d_model)`` (head ``h`` owning rows
+``h·hd:(h+1)·hd``), found through the architecture's :class:`~qkgeom.arch.AttentionSite`:
+fused q/k/v tensors (GPT-2's ``c_attn``, NeoX's interleaved ``query_key_value``) are
+addressed through the site's views and written in place, so W_Q and W_V are never touched.
+With grouped-query attention "heads" are the key/value heads. Rotary embeddings act after
+W_K and are not part of the controlled matrix.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from qkgeom.arch import AttentionSite, adapter_for
+from qkgeom.config import KeyControlConfig
 from qkgeom.control.spectrum import default_rtol, fit_spectrum, spectral_reshape
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry.spectra import participation_ratio, weight_pr
@@ -54,138 +48,16 @@ __all__ = [
     "HOWS",
     "MODES",
     "SCOPES",
-    "SUPPORTED_ARCHITECTURES",
-    "KeySite",
     "KeySpectrumControl",
     "KeySpectrumParametrization",
-    "find_key_sites",
     "target_schedule",
 ]
 
-MODES = ("none", "hold", "shrink", "expand")
-SCOPES = ("layer", "head")
-HOWS = ("post_step", "parametrize")
-SUPPORTED_ARCHITECTURES = (
-    "qkgeom GPT (blocks[i].attn.k_proj)",
-    "HF GPT-2 (transformer.h[i].attn.c_attn, Conv1D)",
-    "HF GPT-NeoX/Pythia (gpt_neox.layers[i].attention.query_key_value)",
-    "HF Llama-style (model.layers[i].self_attn.k_proj)",
-)
+MODES = KeyControlConfig.MODES
+SCOPES = KeyControlConfig.SCOPES
+HOWS = KeyControlConfig.HOWS
 _STATE_VERSION = 1
 _RECORD_FIELDS = ("target", "sched", "pr", "pr_before", "gamma", "clamped")
-
-
-def _key_heads(layout: str, w: Tensor, n_head: int, head_dim: int, d_model: int) -> Tensor:
-    """(n_head, head_dim, d_model) *view* of the key inside a stored weight ``w``."""
-    if layout == "linear":  # (H*hd, d)
-        return w.view(n_head, head_dim, d_model)
-    if layout == "conv1d_qkv":  # (d, 3*H*hd), y = x @ w; key columns d_k:2*d_k
-        d_k = n_head * head_dim
-        return w[:, d_k:2 * d_k].T.unflatten(0, (n_head, head_dim))
-    if layout == "neox_qkv":  # (H*3*hd, d), per head rows [q_h; k_h; v_h]
-        return w.view(n_head, 3, head_dim, d_model)[:, 1]
-    raise ValueError(f"unknown key layout {layout!r}")
-
-
-@dataclass(frozen=True, eq=False)
-class KeySite:
-    """Where one layer's W_K lives: ``module.<param_name>`` in a given layout."""
-
-    layer: int
-    module: nn.Module
-    param_name: str
-    layout: str  # "linear" | "conv1d_qkv" | "neox_qkv"
-    n_head: int  # key heads (key/value heads under grouped-query attention)
-    head_dim: int
-    d_model: int
-
-    @property
-    def d_k(self) -> int:
-        return self.n_head * self.head_dim
-
-    def weight(self) -> Tensor:
-        """The weight the model uses (runs the parametrisation if there is one)."""
-        return getattr(self.module, self.param_name)
-
-    def stored(self) -> Tensor:
-        """The stored parameter (the unconstrained original under a parametrisation)."""
-        if parametrize.is_parametrized(self.module, self.param_name):
-            return self.module.parametrizations[self.param_name].original
-        return self.module._parameters[self.param_name]
-
-    def heads(self, w: Tensor) -> Tensor:
-        """(n_head, head_dim, d_model) view of the key in a tensor laid out like the weight."""
-        return _key_heads(self.layout, w, self.n_head, self.head_dim, self.d_model)
-
-    def key(self, w: Tensor | None = None) -> Tensor:
-        """W_K in nn.Linear layout (d_k, d_model); a copy for fused layouts."""
-        w = self.weight() if w is None else w
-        return self.heads(w).reshape(self.d_k, self.d_model)
-
-
-def layer_list(model: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
-    """The first non-empty ``nn.ModuleList`` at one of ``paths`` (dotted), else None: how
-    the per-layer blocks of an HF model are found whatever wrapper (``transformer.``,
-    ``model.``, ...) sits around them."""
-    for path in paths:
-        try:
-            mods = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(mods, nn.ModuleList) and len(mods) > 0:
-            return mods
-    return None
-
-
-def find_key_sites(model: nn.Module) -> tuple[str, list[KeySite]]:
-    """``(architecture, sites)``: every layer's key weight, in layer order.
-
-    Raises :class:`QKGeomError` for an architecture it does not know.
-    """
-    from qkgeom.model import GPT
-
-    if isinstance(model, GPT):
-        cfg = model.config
-        return "qkgeom", [KeySite(i, b.attn.k_proj, "weight", "linear", cfg.n_head,
-                                  cfg.head_dim, cfg.n_embd) for i, b in enumerate(model.blocks)]
-    layers = layer_list(model, ("transformer.h", "h"))
-    if layers is not None and hasattr(layers[0], "attn") and hasattr(layers[0].attn, "c_attn"):
-        sites = []
-        for i, block in enumerate(layers):
-            attn = block.attn
-            w = attn.c_attn.weight
-            d = w.shape[0]
-            if type(attn.c_attn).__name__ != "Conv1D" or w.shape[1] != 3 * d:
-                break
-            sites.append(KeySite(i, attn.c_attn, "weight", "conv1d_qkv", attn.num_heads,
-                                 attn.head_dim, d))
-        else:
-            return "gpt2", sites
-    layers = layer_list(model, ("gpt_neox.layers", "layers"))
-    if layers is not None and hasattr(getattr(layers[0], "attention", None), "query_key_value"):
-        sites = []
-        for i, layer in enumerate(layers):
-            attn = layer.attention
-            w = attn.query_key_value.weight
-            hd = attn.head_size
-            sites.append(KeySite(i, attn.query_key_value, "weight", "neox_qkv",
-                                 w.shape[0] // (3 * hd), hd, w.shape[1]))
-        return "gpt_neox", sites
-    layers = layer_list(model, ("model.layers", "layers", "model.model.layers"))
-    if layers is not None and isinstance(getattr(getattr(layers[0], "self_attn", None),
-                                                 "k_proj", None), nn.Linear):
-        sites = []
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            k = attn.k_proj
-            hd = int(getattr(attn, "head_dim", 0) or
-                     model.config.hidden_size // model.config.num_attention_heads)
-            sites.append(KeySite(i, k, "weight", "linear", k.out_features // hd, hd,
-                                 k.in_features))
-        return "llama", sites
-    raise QKGeomError(
-        f"key-spectrum control does not know where W_K lives in {type(model).__name__}; "
-        "supported: " + "; ".join(SUPPORTED_ARCHITECTURES))
 
 
 def target_schedule(mode: str, pr0: Tensor, step: int, total_steps: int | None, *,
@@ -227,12 +99,10 @@ class KeySpectrumParametrization(nn.Module):
     For fused q/k/v weights only the key slice changes.
     """
 
-    def __init__(self, layout: str, scope: str, n_head: int, head_dim: int, d_model: int,
-                 target: Tensor) -> None:
+    def __init__(self, site: AttentionSite, scope: str, target: Tensor) -> None:
         super().__init__()
-        self.layout, self.scope = layout, scope
-        self.n_head, self.head_dim, self.d_model = n_head, head_dim, d_model
-        n_units = n_head if scope == "head" else 1
+        self.site, self.scope = site, scope
+        n_units = site.n_kv_head if scope == "head" else 1
         self.register_buffer("target", torch.as_tensor(target, dtype=torch.float64)
                              .reshape(n_units).clone(), persistent=False)
         self.register_buffer("identity", torch.zeros(n_units, dtype=torch.bool),
@@ -241,15 +111,14 @@ class KeySpectrumParametrization(nn.Module):
         self.last_clamped: Tensor | None = None
 
     def forward(self, w: Tensor) -> Tensor:
-        heads = _key_heads(self.layout, w, self.n_head, self.head_dim, self.d_model)
-        k = heads if self.scope == "head" else heads.reshape(1, -1, self.d_model)  # (U, m, d)
+        heads = self.site.k_heads(w)  # (H_kv, hd, d)
+        k = heads if self.scope == "head" else heads.reshape(1, -1, self.site.d_model)  # (U, m, d)
         k_new, gamma, _, clamped = spectral_reshape(k, self.target, self.identity)
         self.last_gamma, self.last_clamped = gamma.detach(), clamped.detach()
-        if self.layout == "linear":
+        if self.site.k_module is not self.site.q_module:  # W_K alone in its weight
             return k_new.reshape(w.shape)
-        out = w.clone()
-        _key_heads(self.layout, out, self.n_head, self.head_dim, self.d_model).copy_(
-            k_new.reshape(heads.shape))
+        out = w.clone()  # fused q/k/v: only the key slice changes
+        self.site.k_heads(out).copy_(k_new.reshape(heads.shape))
         return out
 
     def right_inverse(self, w: Tensor) -> Tensor:
@@ -266,7 +135,7 @@ class KeySpectrumControl:
     PR0 and the step counter so a resumed run keeps the same targets.
     """
 
-    def __init__(self, model: nn.Module, arch: str, sites: list[KeySite], *, mode: str,
+    def __init__(self, model: nn.Module, arch: str, sites: list[AttentionSite], *, mode: str,
                  scope: str, shrink_to: float, expand_to: float, total_steps: int | None,
                  how: str) -> None:
         self.model, self.arch, self.sites = model, arch, sites
@@ -277,13 +146,13 @@ class KeySpectrumControl:
         for site in sites:
             start = len(self.names)
             if scope == "head":
-                self.names += [f"l{site.layer}h{h}" for h in range(site.n_head)]
+                self.names += [f"l{site.layer}h{h}" for h in range(site.n_kv_head)]
             else:
                 self.names.append(f"l{site.layer}")
             self._slices.append(slice(start, len(self.names)))
         max_pr: list[float] = []  # largest PR each matrix can have: min(d_out, d_model)
         for site, sl in zip(sites, self._slices, strict=True):
-            rows = site.head_dim if scope == "head" else site.d_k
+            rows = site.head_dim if scope == "head" else site.n_kv_head * site.head_dim
             max_pr += [float(min(rows, site.d_model))] * (sl.stop - sl.start)
         self._max_pr = torch.tensor(max_pr, dtype=torch.float64)
         self.pr0 = torch.full((len(self.names),), math.nan, dtype=torch.float64)
@@ -328,7 +197,8 @@ class KeySpectrumControl:
         if mode == "none":
             return cls(model, "", [], mode=mode, scope=scope, shrink_to=shrink_to,
                        expand_to=expand_to, total_steps=total_steps, how=how)
-        arch, sites = find_key_sites(model)
+        adapter = adapter_for(model)
+        arch, sites = adapter.arch, adapter.sites
         if layers is not None:
             wanted = sorted({int(i) for i in layers})
             bad = [i for i in wanted if not 0 <= i < len(sites)]
@@ -337,7 +207,7 @@ class KeySpectrumControl:
                                   f"{len(sites)} layers (0..{len(sites) - 1})")
             sites = [sites[i] for i in wanted]
         for site in sites:
-            if parametrize.is_parametrized(site.module, site.param_name):
+            if parametrize.is_parametrized(site.k_module, "weight"):
                 raise QKGeomError(f"layer {site.layer}: its key weight is already "
                                   "parametrised (is a key control attached twice?)")
         ctl = cls(model, arch, sites, mode=mode, scope=scope, shrink_to=shrink_to,
@@ -348,11 +218,10 @@ class KeySpectrumControl:
             ctl._last = ctl._initial_record()
         if how == "parametrize":
             for site, sl in zip(sites, ctl._slices, strict=True):
-                p = KeySpectrumParametrization(site.layout, scope, site.n_head, site.head_dim,
-                                               site.d_model, pr_now[sl])
+                p = KeySpectrumParametrization(site, scope, pr_now[sl])
                 p.identity.fill_(True)  # the identity until the first step sets targets
-                p.to(site.stored().device)
-                parametrize.register_parametrization(site.module, site.param_name, p)
+                p.to(site.key_stored().device)
+                parametrize.register_parametrization(site.k_module, "weight", p)
                 ctl._params.append(p)
             if record_initial:
                 ctl._set_param_targets()
@@ -361,16 +230,16 @@ class KeySpectrumControl:
     def remove(self) -> None:
         """Undo a ``parametrize`` attachment, keeping the current (reshaped) weights."""
         for site in self.sites:
-            if parametrize.is_parametrized(site.module, site.param_name):
-                parametrize.remove_parametrizations(site.module, site.param_name,
+            if parametrize.is_parametrized(site.k_module, "weight"):
+                parametrize.remove_parametrizations(site.k_module, "weight",
                                                     leave_parametrized=True)
         self._params = []
 
     # ----------------------------------------------------------------- reading
 
-    def _units(self, site: KeySite, w: Tensor) -> Tensor:
-        heads = site.heads(w.detach())  # (H, hd, d)
-        mats = heads if self.scope == "head" else heads.reshape(1, site.d_k, site.d_model)
+    def _units(self, site: AttentionSite, w: Tensor) -> Tensor:
+        heads = site.k_heads(w.detach())  # (H_kv, hd, d)
+        mats = heads if self.scope == "head" else heads.reshape(1, -1, site.d_model)
         return mats.to(torch.float64)  # (U, m, d)
 
     def current_pr(self) -> Tensor:
@@ -378,7 +247,8 @@ class KeySpectrumControl:
         if not self.sites:
             return torch.zeros(0, dtype=torch.float64)
         with torch.no_grad():
-            prs = [weight_pr(self._units(site, site.weight())).cpu() for site in self.sites]
+            prs = [weight_pr(self._units(site, site.key_effective())).cpu()
+                   for site in self.sites]
         return torch.cat(prs)
 
     def target_now(self, step: int | None = None) -> Tensor:
@@ -422,8 +292,8 @@ class KeySpectrumControl:
         """Site indices grouped by unit shape, dtype and device: one batched SVD each."""
         groups: dict[tuple, list[int]] = {}
         for j, site in enumerate(self.sites):
-            w = site.stored()
-            rows = site.head_dim if self.scope == "head" else site.d_k
+            w = site.key_stored()
+            rows = site.head_dim if self.scope == "head" else site.n_kv_head * site.head_dim
             groups.setdefault((rows, site.d_model, w.dtype, w.device), []).append(j)
         return list(groups.values())
 
@@ -448,7 +318,7 @@ class KeySpectrumControl:
             sites = [self.sites[j] for j in group]
             idx = torch.cat([torch.arange(self._slices[j].start, self._slices[j].stop)
                              for j in group])  # unit indices, in stacking order
-            a = torch.cat([self._units(site, site.stored()) for site in sites])  # (U, m, d)
+            a = torch.cat([self._units(site, site.key_stored()) for site in sites])  # (U, m, d)
             wide = a.shape[-2] <= a.shape[-1]
             gram = a @ a.mT if wide else a.mT @ a  # (U, r, r), r = min(m, d)
             lam, vec = torch.linalg.eigh(gram.to(_eigh_device(gram)))  # ascending
@@ -459,7 +329,7 @@ class KeySpectrumControl:
             pr_before = participation_ratio(lam_cpu)  # (U,) PR of s²
             sched = sched_all[idx]
             target, identity = self._bounded(sched, pr_before, self._max_pr[idx])
-            rtol = max(default_rtol(r, sites[0].stored().dtype),
+            rtol = max(default_rtol(r, sites[0].key_stored().dtype),
                        math.sqrt(8 * r * torch.finfo(torch.float64).eps))
             fit = fit_spectrum(s, target, rtol=rtol)
             changed = ~identity & ~fit.flat & (fit.gamma != 1)  # (U,)
@@ -471,16 +341,16 @@ class KeySpectrumControl:
                 new = mix @ a if wide else a @ mix  # (U, m, d)
                 offset = 0
                 for site in sites:
-                    n_units = site.n_head if self.scope == "head" else 1
-                    view = site.heads(site.stored())  # (H, hd, d) view into the parameter
+                    n_units = site.n_kv_head if self.scope == "head" else 1
+                    view = site.k_heads(site.key_stored())  # (H_kv, hd, d) view, in place
                     mine = changed[offset:offset + n_units]
                     if self.scope == "head":
                         for h in torch.nonzero(mine).flatten().tolist():
                             view[h].copy_(new[offset + h])
                     elif bool(mine[0]):
-                        view.copy_(new[offset].view(site.n_head, site.head_dim, site.d_model))
+                        view.copy_(new[offset].view(view.shape))
                     offset += n_units
-            after = torch.cat([self._units(site, site.stored()) for site in sites])
+            after = torch.cat([self._units(site, site.key_stored()) for site in sites])
             rec["target"][idx] = torch.where(identity, pr_before, fit.target)
             rec["sched"][idx] = sched
             rec["pr_before"][idx] = pr_before
@@ -495,12 +365,12 @@ class KeySpectrumControl:
         rec = {f: torch.zeros(len(self.names), dtype=torch.float64) for f in _RECORD_FIELDS}
         with torch.no_grad():
             for site, sl, p in zip(self.sites, self._slices, self._params, strict=True):
-                pr_before = weight_pr(self._units(site, site.stored())).cpu()  # unconstrained
+                pr_before = weight_pr(self._units(site, site.key_stored())).cpu()  # unconstrained
                 sched = sched_all[sl]
                 target, identity = self._bounded(sched, pr_before, self._max_pr[sl])
                 p.target.copy_(target)
                 p.identity.copy_(identity)
-                effective = site.weight()  # runs the parametrisation with the new targets
+                effective = site.key_effective()  # runs the parametrisation, new targets
                 rec["target"][sl] = target
                 rec["sched"][sl] = sched
                 rec["pr_before"][sl] = pr_before

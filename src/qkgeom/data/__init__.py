@@ -11,7 +11,9 @@ from qkgeom.data.prepare import (
     PreparedData,
     default_data_dir,
     ensure_sample_data,
+    load_data,
     load_prepared,
+    load_vocab,
     prepare_data,
 )
 from qkgeom.data.vocab import CharVocab
@@ -21,6 +23,8 @@ __all__ = [
     "SOURCES",
     "prepare_data",
     "load_prepared",
+    "load_data",
+    "load_vocab",
     "PreparedData",
     "CharVocab",
     "ensure_sample_data",

@@ -40,6 +40,8 @@ __all__ = [
     "load_prepared",
     "default_data_dir",
     "ensure_sample_data",
+    "load_data",
+    "load_vocab",
     "source_splits",
 ]
 
@@ -246,6 +248,23 @@ def load_prepared(dir: str | Path) -> PreparedData:
             )
         arrays[split] = np.memmap(bin_path, dtype=vocab.dtype, mode="r", shape=(n,))
     return PreparedData(dir=folder, vocab=vocab, meta=meta, **arrays)
+
+
+def load_data(spec: str | Path = "") -> PreparedData:
+    """The prepared corpus ``spec`` names: a prepared folder, or ``""`` for the embedded
+    Wikipedia sample (prepared on first use into :func:`default_data_dir`)."""
+    return load_prepared(ensure_sample_data() if str(spec) == "" else Path(spec))
+
+
+def load_vocab(data_dir: str | Path) -> CharVocab:
+    """The character vocabulary recorded in a prepared folder's ``meta.json``."""
+    path = Path(data_dir) / _META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        raise QKGeomError(f"{path}: the prepared data (its character vocabulary) is missing; "
+                          "prepare it again with `qkgeom data prepare`") from None
+    return CharVocab.from_json(meta.get("vocab") if isinstance(meta, dict) else None)
 
 
 def default_data_dir() -> Path:

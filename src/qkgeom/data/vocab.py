@@ -9,6 +9,7 @@ in chunks, so a 540 M-character corpus encodes in seconds with bounded extra mem
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,6 +111,11 @@ class CharVocab:
             (self.chars + UNKNOWN_CHAR).encode("utf-32-le", "surrogatepass"), dtype="<u4"
         )
         return table[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
+
+    def digest(self) -> str:
+        """Short SHA-256 of the characters: two corpora with the same vocabulary *size* but
+        different characters must not pass for one another when a run resumes."""
+        return hashlib.sha256(self.chars.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:
         """JSON-safe description stored in ``meta.json``."""

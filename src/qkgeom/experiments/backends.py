@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 from qkgeom.errors import QKGeomError
-from qkgeom.experiments.layout import WORKER_LOG
 from qkgeom.experiments.worker import record_failure
+from qkgeom.runs.sweep import WORKER_LOG
 
 BACKENDS = ("local", "ray")
 

@@ -1,4 +1,4 @@
-"""The paper's grids (SPEC §1): E1 (depths x Q/K inits x seeds) and E3 (seeds x key control).
+"""The paper's grids: E1 (depths x Q/K inits x seeds) and E3 (seeds x key control).
 
 E1: three sizes of the same structure (depth x ``qk_init`` x seed; every run sees the same
 probe set because probes come from the start of the val split):
@@ -16,7 +16,7 @@ probe set because probes come from the start of the val split):
     depths {4, 6, 8} x 3 inits x 4 seeds = 36 runs of the ``paper`` training preset on the
     prepared corpus ``data`` (WikiText-103, char level).
 
-E3 (SPEC §4): for each seed, the runs ``key_control`` ∈ {none, hold, shrink} start from the
+E3: for each seed, the runs ``key_control.mode`` ∈ {none, hold, shrink} start from the
 same init and see the same batches (the seed fixes both; the control draws no random
 numbers), so they are paired by seed. Sizes:
 
@@ -145,11 +145,11 @@ def reproduce_e1(
 
 
 def e3_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None) -> Grid:
-    """The E3 grid at size ``preset``: seeds x ``key_control`` ∈ {none, hold, shrink}.
+    """The E3 grid at size ``preset``: seeds x ``key_control.mode`` ∈ {none, hold, shrink}.
 
     The seed is the outer axis, so a sweep finishes whole pairs first and a partial sweep
     already has complete (none, hold, shrink) triples to compare. ``overrides`` as in
-    :func:`e1_grid` (e.g. ``{"shrink_to": 0.3}``, ``{"key_control_scope": "head"}``).
+    :func:`e1_grid` (e.g. ``{"key_control": {"shrink_to": 0.3, "scope": "head"}}``).
     """
     if preset not in E3_PRESETS:
         raise QKGeomError(f"unknown E3 preset {preset!r}; choose one of {', '.join(E3_PRESETS)}")
@@ -159,7 +159,7 @@ def e3_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None
         "name": f"e3-{preset}",
         "preset": train_preset,
         "base": _base("e3", base, data, overrides),
-        "axes": {"seed": list(seeds), "key_control": list(E3_MODES)},
+        "axes": {"seed": list(seeds), "key_control.mode": list(E3_MODES)},
     })
 
 

@@ -5,7 +5,7 @@
 - a run whose status.json says ``done`` is skipped, ``diverged`` is recorded and not
   retried, ``failed`` (an exception in training, with a one-line message) is skipped unless
   ``retry_failed``; a run with a checkpoint that is not done (interrupted) is resumed;
-- every run is trained under its own lock (see :mod:`~qkgeom.experiments.layout`), so two
+- every run is trained under its own lock (see :mod:`~qkgeom.runs.sweep`), so two
   sweep processes on one folder never train the same run; a process **does not wait** for
   runs another process holds: it counts them ``locked`` and ends when every run is either
   finished or locked by someone else (run it again later, or use :func:`sweep_status`);
@@ -35,14 +35,10 @@ from qkgeom import __version__
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.backends import BACKENDS, make_backend
 from qkgeom.experiments.grid import Grid, RunSpec
-from qkgeom.experiments.layout import (
-    SWEEP_FILE,
-    lock_is_held,
-    read_status,
-    run_dir,
-)
 from qkgeom.experiments.progress import SweepView
 from qkgeom.io import read_json, write_json
+from qkgeom.runs import lock_is_held, read_status
+from qkgeom.runs.sweep import SWEEP_FILE, run_dir
 
 STATES = ("done", "diverged", "failed", "locked", "pending")
 _POLL_S = 0.5
@@ -136,14 +132,14 @@ def resolve_data(specs: list[RunSpec]) -> list[RunSpec]:
     data's vocabulary size). So the driver must see the data folders too.
     """
     from qkgeom.config import with_vocab
-    from qkgeom.training.loop import load_data
+    from qkgeom.data import load_data
 
     loaded: dict[str, Any] = {}
     out = []
     for spec in specs:
         cfg = spec.config
         if cfg.data not in loaded:
-            loaded[cfg.data] = load_data(cfg)
+            loaded[cfg.data] = load_data(cfg.data)
         data = loaded[cfg.data]
         data.require_block(cfg.model.block_size)
         out.append(dataclasses.replace(spec, config=with_vocab(cfg, data.vocab.vocab_size)))

@@ -20,13 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from qkgeom.errors import DivergedError, QKGeomError
-from qkgeom.experiments.layout import (
-    ATTEMPTS_FILE,
-    ERROR_LOG,
-    RunLock,
-    read_status,
-)
 from qkgeom.io import write_json
+from qkgeom.runs import STATUS, RunLock, list_checkpoints, read_status
+from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG
 
 _MAX_MESSAGE = 300
 
@@ -64,8 +60,7 @@ def run_one(run_dir: str, config_dict: dict[str, Any], threads: int, *,
 def _train(run: Path, config_dict: dict[str, Any],
            status: dict[str, Any] | None) -> dict[str, Any]:
     from qkgeom.config import from_dict
-    from qkgeom.training import train
-    from qkgeom.training.checkpoint import list_checkpoints
+    from qkgeom.launch import train
 
     checkpoints = list_checkpoints(run)
     resume_from = checkpoints[-1][0] if checkpoints else None
@@ -84,7 +79,7 @@ def _train(run: Path, config_dict: dict[str, Any],
         last = read_status(run) or status or {}
         failed = {"state": "failed", "step": int(last.get("step", 0)), "steps": steps,
                   "error": message, "updated": time.time()}
-        write_json(run / "status.json", failed)
+        write_json(run / STATUS, failed)
         return _result(run, "failed", action, failed)
     return {"run_id": run.name, "state": "done", "step": result.step, "steps": steps,
             "error": None, "action": action}
@@ -110,7 +105,7 @@ def record_failure(run: Path, message: str) -> bool:
         status = read_status(run) or {}
         if status.get("state") in ("done", "diverged", "failed"):
             return False
-        write_json(run / "status.json", {
+        write_json(run / STATUS, {
             "state": "failed", "step": int(status.get("step", 0)),
             "steps": int(status.get("steps", 0)), "error": message, "updated": time.time()})
         return True

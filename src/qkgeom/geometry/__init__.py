@@ -1,50 +1,46 @@
-"""Pure tensor geometry metrics of attention queries and keys.
+"""Q/K geometry: pure metrics, the one streaming measurement engine, and ``measure``.
 
-Nothing here knows about training or a model class: functions take tensors (weights in
-``nn.Linear`` layout, per-head q/k activations ``(B, H, T, hd)``) and return numbers,
-tensors or long records ``(head, metric, value)`` (head −1 = whole layer). Metric names
-follow SPEC section 2 exactly (see ``METRIC_NAMES``).
+Layers, from the bottom: :mod:`.spectra` (participation ratios and the spectra they are taken
+of: tensors in, numbers out), :mod:`.covariance` and :mod:`.entropy` (streaming float64
+covariances, online-softmax attention entropy), :mod:`.tokens` (:class:`LayerGeometry`, the
+one accumulator of a layer's token metrics), :mod:`.records` (metric names, weight metrics,
+the long ``layer, head, metric, value`` table), and :mod:`.measure` (:func:`measure`: any
+supported model on token windows). Definitions: docs/definitions.md.
 """
 
-from qkgeom.geometry.attention import ATTENTION_METRICS, AttentionStats
-from qkgeom.geometry.covariance import StreamingCovariance
+from qkgeom.geometry.covariance import StreamingCovariance, centred_scatter, head_blocks
+from qkgeom.geometry.entropy import ATTENTION_METRICS, StreamingEntropy
+from qkgeom.geometry.measure import Measurement, measure, measure_batches, resolve_metrics
 from qkgeom.geometry.records import (
     LAYER,
     METRIC_NAMES,
     TOKEN_METRICS,
     WEIGHT_METRICS,
     Record,
-    TokenGeometry,
     records_to_frame,
+    token_records,
     weight_records,
 )
 from qkgeom.geometry.spectra import (
     NonFiniteError,
+    gram_product_pr,
     interaction_singular_values,
     logit_singular_values,
     participation_ratio,
     pr_from_covariance,
+    product_pr,
     product_singular_values,
     weight_pr,
 )
+from qkgeom.geometry.state import frozen_training_state
+from qkgeom.geometry.tokens import LayerGeometry, logit_pr
 
 __all__ = [
-    "ATTENTION_METRICS",
-    "LAYER",
-    "METRIC_NAMES",
-    "TOKEN_METRICS",
-    "WEIGHT_METRICS",
-    "AttentionStats",
-    "NonFiniteError",
-    "Record",
-    "StreamingCovariance",
-    "TokenGeometry",
-    "interaction_singular_values",
-    "logit_singular_values",
-    "participation_ratio",
-    "pr_from_covariance",
-    "product_singular_values",
-    "records_to_frame",
-    "weight_pr",
-    "weight_records",
+    "ATTENTION_METRICS", "LAYER", "METRIC_NAMES", "TOKEN_METRICS", "WEIGHT_METRICS",
+    "LayerGeometry", "Measurement", "NonFiniteError", "Record", "StreamingCovariance",
+    "StreamingEntropy", "centred_scatter", "frozen_training_state", "gram_product_pr",
+    "head_blocks", "interaction_singular_values", "logit_pr", "logit_singular_values",
+    "measure", "measure_batches", "participation_ratio", "pr_from_covariance", "product_pr",
+    "product_singular_values", "records_to_frame", "resolve_metrics", "token_records",
+    "weight_pr", "weight_records",
 ]

@@ -1,6 +1,6 @@
 """Streaming per-group covariances of token activations, in float64.
 
-Why streamed: the SPEC's token PR needs the covariance of q (or k) over every token of a
+Why streamed: the token PR needs the covariance of q (or k) over every token of a
 probe set or a corpus, which never fits in memory at once; only ``count``, the mean and the
 centred scatter matrix are kept, O(G·dim²) however many tokens pass.
 
@@ -15,12 +15,15 @@ round-off of the centred quantities.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 from qkgeom.geometry.spectra import pr_from_covariance
+from qkgeom.geometry.workspace import Workspace
 
-__all__ = ["StreamingCovariance"]
+__all__ = ["StreamingCovariance", "centred_scatter", "head_blocks"]
 
 # Rows per internal chunk are chosen so one float64 chunk stays under this many elements
 # (2**22 doubles = 32 MiB), whatever batch the caller passes.
@@ -138,3 +141,39 @@ class StreamingCovariance:
     def _require(self, n: int) -> None:
         if self.count < n:
             raise ValueError(f"need at least {n} samples, have {self.count}")
+
+
+def head_blocks(cov: Tensor, n_head: int) -> Tensor:
+    """(D, D) covariance of heads concatenated -> (n_head, hd, hd) diagonal blocks."""
+    hd = cov.shape[-1] // n_head
+    blocks = cov.view(n_head, hd, n_head, hd).diagonal(dim1=0, dim2=2)  # (hd, hd, H)
+    return blocks.permute(2, 0, 1)  # (H, hd, hd)
+
+
+def centred_scatter(x: Tensor, workspace: Workspace | None = None, name: str = "scatter",
+                    feature_dims: int = 1) -> tuple[Tensor, Tensor]:
+    """Float64 mean (D,) and centred scatter (D, D) of the vectors ``x`` (..., D), or of
+    the last ``feature_dims`` dims flattened (e.g. (B, T, H, hd) with 2: D = H·hd).
+
+    Why float32: the scatter is one (D × N)(N × D) product per batch, the largest cost of
+    the covariances. The batch is centred on its (pairwise-summed) float32 mean c, so a
+    large common offset costs no precision: only deviations are multiplied; the product
+    runs in float32 (float64 for float64 input). With δ the residual mean of the centred
+    rows (a sum of deviations, accurate in float32), the scatter about the batch mean is
+    ``S − n·δδᵀ`` and the mean ``c + δ`` (in float64). The caller merges both into float64 running totals
+    (:meth:`~qkgeom.geometry.StreamingCovariance.add_moments`, Chan's update), so the
+    accumulation over batches is float64 throughout.
+    """
+    features = tuple(x.shape[x.ndim - feature_dims:])
+    D = math.prod(features)
+    n = x.numel() // D
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rows = tuple(range(x.ndim - feature_dims))
+    centre = x.detach().sum(dim=rows, dtype=dt) / n  # (*features,) ≈ the mean (pairwise sum)
+    ws = workspace or Workspace()
+    xc = torch.sub(x.detach(), centre, out=ws.get(name, tuple(x.shape), dt, x.device))
+    xc = xc.view(n, D)  # (N, D) centred rows
+    off = xc.sum(dim=0).to(torch.float64) / n  # (D,) residual mean (sums of deviations)
+    m2 = (xc.mT @ xc).to(torch.float64)  # (D, D) scatter about the centre
+    mean = centre.reshape(D).to(torch.float64) + off  # (D,) float64 batch mean
+    return mean, m2.addr_(off, off, alpha=-n)  # scatter about the mean

@@ -33,6 +33,8 @@ __all__ = [
     "pr_from_covariance",
     "product_pr",
     "product_singular_values",
+    "require_finite",
+    "split_heads",
     "weight_pr",
 ]
 
@@ -157,7 +159,7 @@ def product_singular_values(a: Tensor, b: Tensor) -> Tensor:
     return torch.linalg.svdvals(a @ b.mT)  # (..., min(m, n))
 
 
-def _split_heads(w: Tensor, n_head: int) -> Tensor:
+def split_heads(w: Tensor, n_head: int) -> Tensor:
     """nn.Linear weight (d_out, d_model) -> per-head W^h = (H, d_model, hd)."""
     d_out, d_model = w.shape
     if d_out % n_head != 0:
@@ -180,8 +182,8 @@ def interaction_singular_values(w_q: Tensor, w_k: Tensor, n_head: int) -> Tensor
     """
     if w_q.shape != w_k.shape or w_q.ndim != 2:
         raise ValueError(f"w_q {tuple(w_q.shape)} and w_k {tuple(w_k.shape)} must be equal 2-D")
-    a = _split_heads(w_q.detach(), n_head)  # (H, d_model, hd)
-    b = _split_heads(w_k.detach(), n_head)  # (H, d_model, hd)
+    a = split_heads(w_q.detach(), n_head)  # (H, d_model, hd)
+    b = split_heads(w_k.detach(), n_head)  # (H, d_model, hd)
     return product_singular_values(a, b)  # (H, min(d_model, hd))
 
 

@@ -8,11 +8,11 @@
     lightning.Trainer(callbacks=[mon.lightning_callback()])            # Lightning
     for step, batch in enumerate(loader): ...; mon.step(step + 1)      # plain loop
 
-Modules: ``monitor`` (:class:`GeometryMonitor`), ``measure`` (one probe, reusing
-:mod:`qkgeom.pretrained`), ``state`` (train flags and RNG restored), ``probe_input`` (the
-fixed probe set), ``alerts`` (rules, warnings, hooks), ``closed_loop`` (entropy-targeting
-key control, research-grade), ``sinks`` (TensorBoard, W&B), ``run_folder`` (SPEC §7
-folder), ``integrations`` (HF / Lightning callbacks), ``watch`` (the ``qkgeom watch`` view).
+Modules: ``monitor`` (:class:`GeometryMonitor`; each probe is :func:`qkgeom.geometry.measure`,
+its run folder :mod:`qkgeom.runs`'s), ``probe_input`` (the fixed probe set), ``alerts``
+(rules, warnings, hooks), ``closed_loop`` (entropy-targeting key control, research-grade),
+``sinks`` (TensorBoard, W&B), ``integrations`` (HF / Lightning callbacks), ``watch`` (the
+``qkgeom watch`` view).
 Names load on first use, so ``qkgeom watch`` never imports torch.
 """
 
@@ -24,7 +24,7 @@ from qkgeom._lazy import lazy_getattr
 
 _EXPORTS = {
     "GeometryMonitor": "qkgeom.monitor.monitor", "DEFAULT_EVERY": "qkgeom.monitor.monitor",
-    "DEFAULT_METRICS": "qkgeom.monitor.measure", "Probe": "qkgeom.monitor.measure",
+    "DEFAULT_METRICS": "qkgeom.monitor.monitor",
     "Alert": "qkgeom.monitor.alerts", "AlertRule": "qkgeom.monitor.alerts",
     "DEFAULT_RULES": "qkgeom.monitor.alerts", "GeometryWarning": "qkgeom.monitor.alerts",
     "entropy_collapse": "qkgeom.monitor.alerts", "key_pr_collapse": "qkgeom.monitor.alerts",
@@ -36,7 +36,7 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_RULES", "Alert", "AlertRule",
     "EntropyControlCallback", "EntropyController", "GeometryMonitor", "GeometryWarning",
-    "Probe", "entropy_collapse", "key_pr_collapse", "watch",
+    "entropy_collapse", "key_pr_collapse", "watch",
 ]
 
 if TYPE_CHECKING:
@@ -49,8 +49,7 @@ if TYPE_CHECKING:
         key_pr_collapse,
     )
     from qkgeom.monitor.closed_loop import EntropyControlCallback, EntropyController
-    from qkgeom.monitor.measure import DEFAULT_METRICS, Probe
-    from qkgeom.monitor.monitor import DEFAULT_EVERY, GeometryMonitor
+    from qkgeom.monitor.monitor import DEFAULT_EVERY, DEFAULT_METRICS, GeometryMonitor
     from qkgeom.monitor.watch import watch
 
 

@@ -1,6 +1,6 @@
 """Closed loop (research-grade): steer attention entropy through the key spectrum.
 
-E3 (SPEC §4) finds that shrinking the key spectrum sharpens attention and holding it at
+E3 finds that shrinking the key spectrum sharpens attention and holding it at
 its initial dispersion softens it. This module turns that into a controller: a
 :class:`~qkgeom.control.KeySpectrumControl` in ``hold`` mode whose PR target is not fixed
 but moved, at every probe, toward a target attention entropy:
@@ -11,7 +11,7 @@ but moved, at every probe, toward a target attention entropy:
 a proportional law on the *change* of the setpoint (velocity form), so a constant error
 keeps moving the target until the entropy is reached. Entropy too low (attention too
 peaked) raises the key PR target, too high lowers it. The control itself reshapes W_K
-after every optimiser step, keeping ‖W_K‖_F (SPEC §4).
+after every optimiser step, keeping ‖W_K‖_F.
 
 Research-grade: nothing guarantees the entropy responds monotonically or fast enough to the
 key PR (other parameters -- W_Q, the logit scale, LayerNorm gains -- move attention too),
@@ -120,7 +120,7 @@ class EntropyController:
                 continue
             target = self.target_for(site.layer)
             step = max(-self.max_step, min(self.max_step, self.gain * (target - h)))
-            upper = float(min(site.d_k, site.d_model))  # the largest PR W_K can have
+            upper = float(min(site.n_kv_head * site.head_dim, site.d_model))  # largest PR of W_K
             setpoint[i] = min(upper, max(1.0, float(setpoint[i]) * math.exp(step)))
             name = f"l{site.layer}"
             rec[f"ctl_entropy_target_{name}"] = target
@@ -150,14 +150,14 @@ class EntropyController:
 
 
 class EntropyControlCallback(Callback):
-    """The closed loop inside ``qkgeom.train``: attaches at train start, reshapes W_K after
-    every step, and updates the setpoints from the trainer's own probes (``on_probe``),
-    whose rows (``ctl_*``) land in ``metrics.parquet``."""
+    """The closed loop inside ``qkgeom.train``: attaches to the fresh model, reshapes W_K
+    after every step, and updates the setpoints from the trainer's own probes
+    (``on_probe``), whose rows (``ctl_*``) land in ``metrics.parquet``."""
 
     def __init__(self, controller: EntropyController) -> None:
         self.controller = controller
 
-    def on_train_start(self, ctx: TrainContext) -> None:
+    def on_model_built(self, ctx: TrainContext) -> None:
         self.controller.attach(ctx.model)
 
     def on_step_end(self, ctx: TrainContext) -> None:

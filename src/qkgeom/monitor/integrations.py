@@ -54,9 +54,8 @@ def hf_callback(monitor: GeometryMonitor) -> Any:
             monitor.step(state.global_step)
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "loss" in logs and monitor.folder is not None:
-                monitor.folder.add_loss(state.global_step, logs["loss"],
-                                        logs.get("learning_rate"))
+            if logs and "loss" in logs:
+                monitor.log_loss(state.global_step, logs["loss"], logs.get("learning_rate"))
 
         def on_train_end(self, args, state, control, **kwargs):
             monitor.close("done", state.global_step)

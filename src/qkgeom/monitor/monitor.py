@@ -1,4 +1,4 @@
-"""``GeometryMonitor``: the SPEC §2 geometry of a model while someone else trains it.
+"""``GeometryMonitor``: the Q/K geometry of a model while someone else trains it.
 
 ::
 
@@ -13,9 +13,10 @@ a list of steps), plus the first and last step of an integration's training run.
 is the number of optimiser updates done (the integrations pass ``global_step``); calling
 :meth:`step` twice with one value does nothing the second time (gradient accumulation).
 
-Each probe runs the fixed probe set through the model in eval mode without gradients and
-restores train flags and RNG states (:mod:`qkgeom.monitor.state`), so training computes
-exactly what it would unmonitored. Results go to the run folder (``out=``), TensorBoard
+Each probe is :func:`qkgeom.geometry.measure` on the fixed probe set: eval mode, no
+gradients, train flags and RNG states restored, so training computes exactly what it would
+unmonitored, and the numbers are those the trainer's own probes give. Results go to the
+run folder (``out=``), TensorBoard
 (``tensorboard=`` a writer or folder; the integrations also find the trainer's own), W&B
 (``wandb="auto"``: the active ``wandb.run`` if any), the alert rules, and
 :attr:`history`.
@@ -23,6 +24,7 @@ exactly what it would unmonitored. Results go to the run folder (``out=``), Tens
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -31,35 +33,42 @@ from typing import Any
 import pandas as pd
 from torch import nn
 
+from qkgeom.arch import QK_SITES, adapter_for
 from qkgeom.errors import QKGeomError
+from qkgeom.geometry import Measurement, measure, resolve_metrics
+from qkgeom.geometry.measure import PRECISIONS
+from qkgeom.io import write_json
 from qkgeom.monitor.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.monitor.closed_loop import EntropyController
-from qkgeom.monitor.measure import DEFAULT_METRICS, Probe, measure, resolve_metrics
 from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_ids
-from qkgeom.monitor.run_folder import METRIC_COLUMNS, RunFolder
 from qkgeom.monitor.sinks import TensorBoardSink, WandbSink, active_wandb_run
-from qkgeom.pretrained.adapters import QK_SITES, find_attention_sites
+from qkgeom.runs import ALERTS, CONFIG, METRIC_COLUMNS, METRICS, RunWriter, run_record
 
-__all__ = ["DEFAULT_EVERY", "GeometryMonitor"]
+__all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "GeometryMonitor", "train_config_mapping"]
 
 DEFAULT_EVERY = 200
+# The paired token-level PRs and their contrast, the interaction PR of the weights, and
+# attention entropy (what the closed loop and the alerts read).
+DEFAULT_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight", "attn_entropy")
 
 
 class GeometryMonitor:
     """Probe Q/K geometry of ``model`` during training and log it where you already look.
 
     Args:
-        model: any model :func:`~qkgeom.pretrained.find_attention_sites` supports (HF
-            GPT-2, GPT-NeoX/Pythia, Llama-style with GQA, BERT-style, the project's GPT).
+        model: any model :func:`qkgeom.arch.adapter_for` supports (HF GPT-2,
+            GPT-NeoX/Pythia, Llama-style with GQA, BERT-style, the project's GPT).
         probe: the fixed probe set: token ids ``(n_seq, T)``, a batch with ``input_ids``,
             or text with ``tokenizer=`` (see :mod:`qkgeom.monitor.probe_input`).
         every: probe cadence in optimiser steps, or an explicit list of steps.
-        metrics: SPEC §2 names to record (``"contrast"`` = ``contrast_token``; ``"all"``).
+        metrics: metric names to record (``"contrast"`` = ``contrast_token``; ``"all"``).
             Metrics the alert rules or the controller read are measured too.
         tokenizer, seq_len, n_seq: for a text probe set (``n_seq`` windows of ``seq_len``).
         batch_size: probe sequences per forward pass.
         qk_site: ``post-rotary`` (default) or ``pre-rotary`` q/k for the token PRs.
-        out: run folder to write (SPEC §7); ``resume=True`` appends to an existing one.
+        precision: ``float64`` (default, the trainer's probes) or ``float32`` products.
+        out: run folder to write (docs/definitions.md#run-folder); ``resume=True`` appends
+            to an existing one.
         run_id: the ``run_id`` column (default: the folder name, or ``"monitor"``).
         total_steps: the run's length, if known (integrations read it from the trainer).
         tensorboard: a ``SummaryWriter`` or a log folder; ``"auto"`` (default) uses the
@@ -76,7 +85,7 @@ class GeometryMonitor:
                  metrics: str | Iterable[str] = DEFAULT_METRICS, tokenizer: Any = None,
                  seq_len: int | None = None, n_seq: int = DEFAULT_PROBE_SEQUENCES,
                  batch_size: int = 8, qk_site: str = "post-rotary",
-                 out: str | Path | None = None, run_id: str | None = None,
+                 precision: str = "float64", out: str | Path | None = None, run_id: str | None = None,
                  resume: bool = False, total_steps: int | None = None,
                  tensorboard: Any = "auto", wandb: str | bool = "auto",
                  histograms: bool = True, alerts: Iterable[AlertRule] | None = None,
@@ -86,8 +95,11 @@ class GeometryMonitor:
             raise QKGeomError(f"unknown qk_site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
         if batch_size < 1:
             raise QKGeomError(f"batch_size must be >= 1, got {batch_size}")
-        self.model = model
-        self.adapter = find_attention_sites(model)
+        if precision not in PRECISIONS:
+            raise QKGeomError(f"unknown precision {precision!r}; choose one of "
+                              f"{', '.join(PRECISIONS)}")
+        self.model, self.precision = model, precision
+        self.adapter = adapter_for(model)
         self.ids = probe_ids(probe, tokenizer=tokenizer, seq_len=seq_len, n_seq=n_seq,
                              max_positions=self.adapter.max_positions)
         self.every = _cadence(every)
@@ -99,13 +111,14 @@ class GeometryMonitor:
         self.batch_size, self.qk_site, self.histograms = batch_size, qk_site, histograms
         self.total_steps = total_steps
         self.run_id = run_id or (Path(out).name if out is not None else "monitor")
-        self.folder = RunFolder(out, self.run_id, resume=resume) if out is not None else None
+        self.folder = _open_folder(out, self.run_id, resume) if out is not None else None
         self._tb_auto = isinstance(tensorboard, str) and tensorboard == "auto"
         self.tensorboard = (None if tensorboard is None or self._tb_auto
                             else TensorBoardSink(tensorboard))
         self._wandb_mode = wandb
         self._wandb: WandbSink | None = None
-        self.probes: list[Probe] = []
+        self.probes: list[Measurement] = []
+        self._alerts: list[dict[str, Any]] = []
         self.probe_seconds = 0.0
         self._last_step: int | None = None
         self._started = False
@@ -122,7 +135,7 @@ class GeometryMonitor:
         return step in self.every
 
     def start(self, step: int = 0, *, total_steps: int | None = None,
-              tensorboard: Any = None) -> Probe | None:
+              tensorboard: Any = None) -> Measurement | None:
         """Begin a run at ``step``: write the config, attach the controller, probe.
 
         Called by the integrations at train start (with the trainer's TensorBoard writer
@@ -140,14 +153,14 @@ class GeometryMonitor:
         self._last_step = step
         return self.probe(step)
 
-    def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Probe | None:
+    def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Measurement | None:
         """After an optimiser update: ``step`` = updates done so far. Applies the
         controller (if any), records ``loss``, probes when due. Returns the probe or None."""
         step = int(step)
         if not self._started:
             self.start(step)
             if loss is not None:
-                self._log_loss(step, loss, lr)
+                self.log_loss(step, loss, lr)
             return self.probes[-1]
         if step == self._last_step:
             return None
@@ -155,22 +168,24 @@ class GeometryMonitor:
         if self.control is not None:
             self.control.after_step(step)
         if loss is not None:
-            self._log_loss(step, loss, lr)
+            self.log_loss(step, loss, lr)
         return self.probe(step) if self.due(step) else None
 
-    def _log_loss(self, step: int, loss: Any, lr: float | None) -> None:
+    def log_loss(self, step: int, loss: Any, lr: float | None = None) -> None:
+        """Record a training loss (a float or a scalar tensor) in the run folder's log."""
         if self.folder is not None:
             value = float(loss.detach()) if hasattr(loss, "detach") else float(loss)
-            self.folder.add_loss(step, value, lr)
+            self.folder.add_log({"step": step, "loss": value,
+                                 "lr": math.nan if lr is None else lr})
 
     # ------------------------------------------------------------------ probing
 
-    def probe(self, step: int) -> Probe:
+    def probe(self, step: int) -> Measurement:
         """Measure now, log everywhere, check the alerts, update the controller."""
         spectra = self.histograms and (self.tensorboard is not None or self._wandb_sink()
                                        is not None)
-        probe = measure(self.model, self.adapter, self.ids, self.metrics,
-                        batch_size=self.batch_size, qk_site=self.qk_site, spectra=spectra)
+        probe = measure(self.model, self.ids, metrics=self.metrics, batch_size=self.batch_size,
+                        qk_site=self.qk_site, precision=self.precision, spectra=spectra)
         probe.step = int(step)
         self.probe_seconds += probe.seconds
         fired = self.alerts.check(step, probe.frame)
@@ -181,7 +196,12 @@ class GeometryMonitor:
                 extra, columns=["layer", "head", "metric", "value"])], ignore_index=True)
         self.probes.append(probe)
         if self.folder is not None:
-            self.folder.add_probe(step, probe.frame, fired, self.probe_seconds)
+            self.folder.add_metrics(probe.frame, step, replace=True)
+            self.folder.flush()
+            if fired:
+                self._alerts += [dataclasses.asdict(a) | {"message": a.message} for a in fired]
+                write_json(self.folder.out / ALERTS, self._alerts)
+            self.folder.status("running", step, probe_s=self.probe_seconds)
         for sink in (self.tensorboard, self._wandb_sink()):
             if sink is not None:
                 sink.log(probe, fired)
@@ -201,7 +221,7 @@ class GeometryMonitor:
     # ------------------------------------------------------------------ results
 
     @property
-    def last(self) -> Probe | None:
+    def last(self) -> Measurement | None:
         return self.probes[-1] if self.probes else None
 
     @property
@@ -240,7 +260,8 @@ class GeometryMonitor:
             if self.total_steps is None:
                 self.total_steps = step
                 self._write_config()
-            self.folder.status(state, step, self.probe_seconds)
+            self.folder.flush()
+            self.folder.status(state, step, probe_s=self.probe_seconds)
         if self.tensorboard is not None:
             self.tensorboard.close()
 
@@ -271,8 +292,12 @@ class GeometryMonitor:
                  "n_layer": self.adapter.n_layer, "n_head": site.n_head,
                  "n_kv_head": site.n_kv_head, "head_dim": site.head_dim,
                  "d_model": site.d_model, "causal": self.adapter.causal,
-                 "n_params": sum(p.numel() for p in self.model.parameters())}
-        self.folder.write_config(facts, monitor, model)
+                 "n_params": sum(p.numel() for p in self.model.parameters()),
+                 "precision": self.precision}
+        cfg = train_config_mapping(facts)
+        write_json(self.folder.out / CONFIG, run_record(
+            cfg, self.run_id, source="qkgeom.monitor", monitor=monitor, model=model))
+        self.folder.steps = int(facts.get("steps") or 0)
 
     # ------------------------------------------------------------------ integrations
 
@@ -298,3 +323,41 @@ def _cadence(every: int | Iterable[int]) -> int | frozenset[int]:
     if not steps or min(steps) < 0:
         raise QKGeomError("every must be a positive int or a non-empty list of steps >= 0")
     return steps
+
+
+def _open_folder(out: str | Path, run_id: str, resume: bool) -> RunWriter:
+    """The monitor's run folder: a new one, or (``resume``) the one an earlier attempt wrote."""
+    out = Path(out)
+    if ((out / CONFIG).exists() or (out / METRICS).exists()) and not resume:
+        raise QKGeomError(f"{out} already holds a run; pass resume=True to append to it or "
+                          "choose another out=")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = RunWriter(out, run_id, resume=resume)
+    if resume:
+        writer.restore()
+    return writer
+
+
+def train_config_mapping(facts: dict[str, Any]) -> Any:
+    """The :class:`~qkgeom.config.TrainConfig` that ``facts`` describe, or None when they
+    do not make a valid one (keys it cannot know keep their defaults), so that ``qkgeom
+    show`` and collation read a monitored run like a trained one.
+
+    ``facts``: ``n_layer, n_head, n_embd, block_size, vocab_size, steps, probe_every,
+    probe_sequences, seed`` (None = unknown)."""
+    from qkgeom.config import from_dict
+
+    model = {k: facts[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
+             if facts.get(k)}
+    cfg: dict[str, Any] = {"model": model}
+    steps = max(1, int(facts.get("steps") or 1))
+    cfg.update(steps=steps, warmup_steps=0, batch_size=int(facts.get("batch_size") or 1))
+    if facts.get("probe_every"):
+        cfg["probe_every"] = min(int(facts["probe_every"]), steps)
+    for key in ("probe_sequences", "seed"):
+        if facts.get(key) is not None:
+            cfg[key] = int(facts[key])
+    try:
+        return from_dict(cfg)
+    except QKGeomError:
+        return None

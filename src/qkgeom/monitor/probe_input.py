@@ -1,14 +1,14 @@
 """The monitor's fixed probe set: token ids ``(n_seq, T)`` from whatever the user has.
 
-SPEC §2's probe set is a fixed slice of held-out tokens, the same at every probe step, so
+The probe set is a fixed slice of held-out tokens, the same at every probe step, so
 the monitor turns its input into one LongTensor once, at construction:
 
 - a tensor / array of token ids ``(n_seq, T)`` (or ``(T,)``, one sequence);
 - a batch mapping with ``input_ids`` (an ``attention_mask``, if any, must be all ones:
-  the streamed entropy of :mod:`qkgeom.pretrained` takes unpadded windows);
+  the measurement engine takes unpadded windows);
 - text (a string or a list of strings) plus ``tokenizer=`` (an HF tokenizer, a
   :class:`~qkgeom.data.CharVocab` or anything with ``encode``), cut into ``n_seq``
-  windows of ``seq_len`` tokens by :func:`qkgeom.pretrained.text.token_windows`.
+  windows of ``seq_len`` tokens by :func:`qkgeom.data.text.token_windows`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from qkgeom.errors import QKGeomError
 
 __all__ = ["DEFAULT_PROBE_SEQUENCES", "probe_ids"]
 
-DEFAULT_PROBE_SEQUENCES = 16  # SPEC §2: 16 sequences × block_size
+DEFAULT_PROBE_SEQUENCES = 16  # 16 sequences × block_size, as the trainer's probe set
 _DEFAULT_SEQ_LEN = 128  # text input, when neither seq_len nor the model's context is known
 
 
@@ -69,7 +69,7 @@ def _is_text(probe: Any) -> bool:
 
 def _from_text(texts: str | Iterable[str], tokenizer: Any, seq_len: int | None, n_seq: int,
                max_positions: int | None) -> Tensor:
-    from qkgeom.pretrained.text import token_windows
+    from qkgeom.data.text import token_windows
 
     if tokenizer is None:
         raise QKGeomError("a text probe set needs tokenizer= (an HF tokenizer or a CharVocab)")

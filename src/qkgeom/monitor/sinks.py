@@ -1,6 +1,6 @@
 """Where probe results go besides the run folder: TensorBoard and Weights & Biases.
 
-Tag names (both loggers): ``qkgeom/<metric>/layer<l>`` for the layer-level scalars (SPEC §2
+Tag names (both loggers): ``qkgeom/<metric>/layer<l>`` for the layer-level scalars (metric
 names), ``qkgeom/key_sv_weight/layer<l>`` (singular values of W_K) and
 ``qkgeom/key_eig_token/layer<l>`` (eigenvalues of the key covariance on the probe set) for
 the per-layer histograms of the key spectrum, ``qkgeom/alerts`` for alert texts.
@@ -13,13 +13,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from qkgeom.geometry import Measurement
 from qkgeom.monitor.alerts import Alert
-from qkgeom.monitor.measure import Probe
 
 __all__ = ["TensorBoardSink", "WandbSink", "active_wandb_run", "scalars", "wandb_module"]
 
 
-def scalars(probe: Probe) -> dict[str, float]:
+def scalars(probe: Measurement) -> dict[str, float]:
     """Layer-level (head −1) values as ``{"qkgeom/<metric>/layer<l>": value}``; rows of
     layer −1 (controller records) as ``{"qkgeom/<metric>": value}``."""
     rows = probe.frame[probe.frame["head"] == -1]
@@ -30,7 +30,7 @@ def scalars(probe: Probe) -> dict[str, float]:
     return out
 
 
-def _spectra(probe: Probe) -> dict[str, Any]:
+def _spectra(probe: Measurement) -> dict[str, Any]:
     out = {}
     for name, spectra in (("key_sv_weight", probe.key_sv_weight),
                           ("key_eig_token", probe.key_eig_token)):
@@ -54,7 +54,7 @@ class TensorBoardSink:
 
             self.writer, self._owned = SummaryWriter(log_dir=str(Path(target))), True
 
-    def log(self, probe: Probe, alerts: list[Alert]) -> None:
+    def log(self, probe: Measurement, alerts: list[Alert]) -> None:
         for tag, value in scalars(probe).items():
             self.writer.add_scalar(tag, value, probe.step)
         for tag, values in _spectra(probe).items():
@@ -96,7 +96,7 @@ class WandbSink:
             define("qkgeom/step")
             define("qkgeom/*", step_metric="qkgeom/step")
 
-    def log(self, probe: Probe, alerts: list[Alert]) -> None:
+    def log(self, probe: Measurement, alerts: list[Alert]) -> None:
         data: dict[str, Any] = {"qkgeom/step": probe.step, **scalars(probe)}
         if self.histogram is not None:
             data.update({tag: self.histogram(values) for tag, values in _spectra(probe).items()

@@ -20,10 +20,9 @@ import pandas as pd
 
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json
+from qkgeom.runs import ALERTS, FINAL_STATES, METRICS, STATUS, read_metrics, read_status
 
-__all__ = ["FINAL_STATES", "latest_layers", "render", "watch"]
-
-FINAL_STATES = ("done", "failed", "diverged")
+__all__ = ["latest_layers", "render", "watch"]
 _LEVELS = (("pr_q_token", "pr_k_token", "contrast_token"),
            ("pr_q_weight", "pr_k_weight", "contrast_weight"))
 
@@ -58,14 +57,7 @@ def latest_layers(metrics: pd.DataFrame) -> tuple[int, pd.DataFrame]:
 
 
 def _read(run: Path) -> tuple[pd.DataFrame | None, dict[str, Any]]:
-    status = read_json(run / "status.json") if (run / "status.json").exists() else {}
-    path = run / "metrics.parquet"
-    if not path.exists():
-        return None, status
-    try:
-        return pd.read_parquet(path), status
-    except Exception as err:  # a folder we did not write: say so in one line
-        raise QKGeomError(f"{path}: unreadable Parquet ({type(err).__name__})") from None
+    return read_metrics(run), read_status(run) or {}
 
 
 def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> Any:
@@ -73,7 +65,7 @@ def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> A
     from rich.console import Group
     from rich.text import Text
 
-    from qkgeom.report_table import rich_table
+    from qkgeom.ui import rich_table
 
     state = status.get("state", "?")
     where = f"step {status.get('step', '?')}/{status.get('steps', '?')}, {state}"
@@ -89,7 +81,7 @@ def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> A
 
 
 def _alert_count(run: Path) -> int:
-    path = run / "alerts.json"
+    path = run / ALERTS
     if not path.exists():
         return 0
     try:
@@ -122,7 +114,7 @@ def watch(run: str | Path, *, interval: float = 2.0, once: bool = False,
     with Live(render(run, *_read(run)), console=console, auto_refresh=False) as live:
         while True:
             stamp = tuple((run / n).stat().st_mtime if (run / n).exists() else 0.0
-                          for n in ("metrics.parquet", "status.json"))
+                          for n in (METRICS, STATUS))
             if stamp != seen:
                 seen = stamp
                 metrics, status = _read(run)

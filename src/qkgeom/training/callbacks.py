@@ -1,9 +1,22 @@
-"""Trainer events, so new behaviour (key control, monitors) plugs in instead of growing flags."""
+"""Trainer events: behaviour (key control, entropy control, your own) plugs in here
+instead of growing flags. The trainer calls, in order:
+
+- ``on_model_built(ctx)``: the model exists (fresh weights), nothing is loaded yet and there
+  is no optimiser: the place to register parametrisations, which rename ``state_dict`` keys
+  a resumed checkpoint must then match;
+- ``load_state_dict(state)``: only when resuming, with what ``state_dict`` returned;
+- ``on_train_start(ctx)``; then per update ``on_step_end(ctx)``; at every probe
+  ``on_probe(ctx, metrics)``; finally ``on_train_end(ctx)``.
+
+A callback that serves a config section (e.g. ``key_control``) says so in ``feature``: the
+trainer refuses a config that enables a feature no callback serves (build the callbacks
+from the config with :func:`qkgeom.launch.callbacks_for`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -19,13 +32,18 @@ class TrainContext:
 
     config: TrainConfig
     model: GPT
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None = None  # None until on_train_start
     step: int = 0  # optimiser updates done so far
+    resumed: bool = False  # the run continues from a checkpoint
     extra: dict[str, Any] = field(default_factory=dict)  # callbacks' own state
 
 
 class Callback:
     """Override any subset. ``state_dict``/``load_state_dict`` go into checkpoints."""
+
+    feature: ClassVar[str | None] = None  # the config section this callback serves
+
+    def on_model_built(self, ctx: TrainContext) -> None: ...
 
     def on_train_start(self, ctx: TrainContext) -> None: ...
 

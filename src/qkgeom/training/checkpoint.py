@@ -2,7 +2,8 @@
 
 A checkpoint holds everything a resumed run needs to continue bit-for-bit: weights,
 optimiser state, the data-order generator state, torch's global RNG (dropout), the step
-and the config. Files are ``ckpt_{step:08d}.pt`` in ``RUN/checkpoints``; a torn or
+and the config. Files are ``ckpt_{step:08d}.pt`` in ``RUN/checkpoints`` (names:
+:mod:`qkgeom.runs`); a torn or
 unreadable newest checkpoint falls back to the previous one with a one-line warning. A
 checkpoint of another format version is an error (never silently skipped: resuming past it
 would retrain from an older state, or from scratch, without saying so). Temp files left by
@@ -12,7 +13,6 @@ a write that was killed are removed when a run resumes.
 from __future__ import annotations
 
 import io
-import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -21,44 +21,26 @@ import torch
 
 from qkgeom.errors import QKGeomError
 from qkgeom.io import write_bytes
+from qkgeom.runs import (
+    checkpoint_dir,
+    checkpoint_path,
+    list_checkpoints,
+    load_config,
+    remove_stale_temp_files,
+)
 
 FORMAT_VERSION = 1
-_NAME = re.compile(r"ckpt_(\d{8})\.pt$")
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint, oldest first."""
-    folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.search(p.name))]
-    return sorted(found)
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     """Write ``state`` for ``step`` atomically, then drop all but the newest ``keep``."""
     buf = io.BytesIO()
     torch.save({"format_version": FORMAT_VERSION, "step": step, **state}, buf)
-    path = checkpoint_dir(run_dir) / f"ckpt_{step:08d}.pt"
+    path = checkpoint_path(run_dir, step)
     write_bytes(path, buf.getvalue())
     for _, old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return path
-
-
-def remove_stale_temp_files(run_dir: Path) -> None:
-    """Delete ``.NAME.*.tmp`` files a killed atomic write left in the run folder.
-
-    Only called when a run resumes, i.e. by the one process that now owns the folder.
-    """
-    for folder in (run_dir, checkpoint_dir(run_dir)):
-        if folder.is_dir():
-            for tmp in folder.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
 
 
 def load_latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
@@ -100,3 +82,28 @@ def load_latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
                           "are torn or corrupt); delete the folder's checkpoints to train the "
                           "run again from step 0")
     return None
+
+
+def load_model(run_dir: str | Path, step: int | None = None) -> tuple[Any, int]:
+    """(GPT in eval mode, step) from a run folder's checkpoint at ``step`` (default: newest)."""
+    from qkgeom.model import GPT
+
+    run = Path(run_dir)
+    found = dict(list_checkpoints(run))
+    if not found:
+        raise QKGeomError(f"{run}: the run folder has no checkpoints (checkpoints/ckpt_*.pt)")
+    step = max(found) if step is None else step
+    if step not in found:
+        raise QKGeomError(f"{run}: no checkpoint at step {step}; it has steps "
+                          + ", ".join(map(str, sorted(found))))
+    cfg = load_config(run)
+    if cfg.key_control.active and cfg.key_control.how == "parametrize":
+        raise QKGeomError(f"{run}: trained with a parametrised key control; its checkpoints "
+                          "store the unconstrained weights, not what the model used")
+    try:
+        state = torch.load(found[step], map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise QKGeomError(f"{found[step]}: unreadable checkpoint ({type(err).__name__})") from None
+    model = GPT(cfg.model)
+    model.load_state_dict(state["model"])
+    return model.eval(), step

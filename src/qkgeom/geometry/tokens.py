@@ -1,22 +1,29 @@
-"""Per-layer streaming accumulator of the token-level metrics of a pretrained model.
+"""The one streaming accumulator of a layer's token-level metrics: :class:`LayerGeometry`.
 
-The same SPEC §2 metrics as :class:`qkgeom.geometry.TokenGeometry` (so a table from a
-checkpoint analysis reads like a training run's probes), built for long corpora and
-grouped-query attention:
+Every token metric of qkgeom -- the trainer's probes, the monitor, checkpoint analysis --
+goes through this class, so a number means the same thing whichever path produced it.
+Per batch of captured q/k (q (B, H, T, hd), k (B, H_kv, T, hd), unpadded windows):
 
-- q and k covariances are accumulated in float64 (:class:`~qkgeom.geometry.StreamingCovariance`,
-  Chan's update) once per layer over all heads concatenated; each batch's centred scatter is
-  one float32 matrix product (:func:`centred_scatter`), merged into the float64 totals.
-  Each head's covariance is the diagonal block of the layer's, so per-head PRs cost no
-  second pass. Memory O((H·hd)²) for any token count.
+- q and k covariances, float64 running totals (:class:`~qkgeom.geometry.StreamingCovariance`,
+  Chan's update) of the layer's heads concatenated; each head's covariance is a diagonal
+  block of the layer's (:func:`~qkgeom.geometry.covariance.head_blocks`), so per-head PRs
+  cost no second pass. Memory O((H·hd)²) for any token count.
 - ``pr_qk_token``: PR of the squared singular values of each sequence's logit matrix
-  ``Q_h K_hᵀ·scale``, mean over sequences (:func:`logit_pr`: from two hd × hd Gram
-  matrices, the same number as :func:`~qkgeom.geometry.logit_singular_values` gives).
-- ``attn_*``: :class:`~qkgeom.pretrained.entropy.StreamingEntropy` (online softmax).
+  ``Q_h K_hᵀ·scale``, mean over sequences (:func:`logit_pr`: two hd × hd Gram matrices, no
+  SVD; equal to :func:`~qkgeom.geometry.spectra.logit_singular_values`' route).
+- ``attn_*``: :class:`~qkgeom.geometry.entropy.StreamingEntropy` (online softmax).
+
+Precision: the products of a batch (scatter, Grams, scores) run in the input's float type
+-- float64 input gives float64 throughout (what probes use: exact, small inputs); float32
+input gives float32 products merged into float64 totals (long corpora, fast). Scores that
+could overflow float32 (|q|·|k|·hd·scale beyond 1e37) are computed in float64. Non-finite
+activations, or entries beyond 1e140 (their float64 scatter would overflow), raise
+:class:`~qkgeom.geometry.spectra.NonFiniteError` before anything is accumulated.
 
 GQA: per query head h, ``pr_k_token`` is the PR of key head ``h // R`` (R = H / H_kv) and
 the contrast pairs the two; the layer's ``pr_k_token`` is the PR of the H_kv distinct key
-heads concatenated (equal to that of the keys repeated as the attention uses them).
+heads concatenated (equal to that of the keys repeated as the attention uses them: same
+non-zero spectrum, scaled by R).
 """
 
 from __future__ import annotations
@@ -26,20 +33,17 @@ import math
 import torch
 from torch import Tensor
 
-from qkgeom.geometry import LAYER, StreamingCovariance
-from qkgeom.geometry.records import Record, _token_block
-from qkgeom.geometry.spectra import gram_product_pr, pr_from_covariance
-from qkgeom.pretrained.entropy import StreamingEntropy
-from qkgeom.pretrained.workspace import Workspace
+from qkgeom.geometry.covariance import StreamingCovariance, centred_scatter, head_blocks
+from qkgeom.geometry.entropy import StreamingEntropy
+from qkgeom.geometry.records import LAYER, Record, token_records
+from qkgeom.geometry.spectra import NonFiniteError, gram_product_pr, pr_from_covariance
+from qkgeom.geometry.workspace import Workspace
 
-__all__ = ["LayerGeometry", "centred_scatter", "head_blocks", "logit_pr"]
+__all__ = ["LayerGeometry", "logit_pr"]
 
-
-def head_blocks(cov: Tensor, n_head: int) -> Tensor:
-    """(D, D) covariance of heads concatenated -> (n_head, hd, hd) diagonal blocks."""
-    hd = cov.shape[-1] // n_head
-    blocks = cov.view(n_head, hd, n_head, hd).diagonal(dim1=0, dim2=2)  # (hd, hd, H)
-    return blocks.permute(2, 0, 1)  # (H, hd, hd)
+# Largest |activation| whose float64 scatter (sums of squares over ~1e9 tokens) stays finite.
+_MAX_ABS_ACTIVATION = 1e140
+_FLOAT32_SAFE = 1e37  # |score| bound above which float32 scores could overflow (max 3.4e38)
 
 
 def logit_pr(q: Tensor, k: Tensor) -> Tensor:
@@ -88,45 +92,16 @@ def _logit_pr_prepared(qg: Tensor, kk: Tensor, B: int) -> Tensor:
     return torch.where(s2 > 0, s1 * s1 / s2, 0.0).flatten(1)  # (B, H)
 
 
-def centred_scatter(x: Tensor, workspace: Workspace | None = None, name: str = "scatter",
-                    feature_dims: int = 1) -> tuple[Tensor, Tensor]:
-    """Float64 mean (D,) and centred scatter (D, D) of the vectors ``x`` (..., D), or of
-    the last ``feature_dims`` dims flattened (e.g. (B, T, H, hd) with 2: D = H·hd).
-
-    Why float32: the scatter is one (D × N)(N × D) product per batch, the largest cost of
-    the covariances. The batch is centred on its (pairwise-summed) float32 mean c, so a
-    large common offset costs no precision: only deviations are multiplied; the product
-    runs in float32 (float64 for float64 input). With δ the residual mean of the centred
-    rows (a sum of deviations, accurate in float32), the scatter about the batch mean is
-    ``S − n·δδᵀ`` and the mean ``c + δ`` (in float64). The caller merges both into float64 running totals
-    (:meth:`~qkgeom.geometry.StreamingCovariance.add_moments`, Chan's update), so the
-    accumulation over batches is float64 throughout.
-    """
-    features = tuple(x.shape[x.ndim - feature_dims:])
-    D = math.prod(features)
-    n = x.numel() // D
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rows = tuple(range(x.ndim - feature_dims))
-    centre = x.detach().sum(dim=rows, dtype=dt) / n  # (*features,) ≈ the mean (pairwise sum)
-    ws = workspace or Workspace()
-    xc = torch.sub(x.detach(), centre, out=ws.get(name, tuple(x.shape), dt, x.device))
-    xc = xc.view(n, D)  # (N, D) centred rows
-    off = xc.sum(dim=0).to(torch.float64) / n  # (D,) residual mean (sums of deviations)
-    m2 = (xc.mT @ xc).to(torch.float64)  # (D, D) scatter about the centre
-    mean = centre.reshape(D).to(torch.float64) + off  # (D,) float64 batch mean
-    return mean, m2.addr_(off, off, alpha=-n)  # scatter about the mean
-
-
 class LayerGeometry:
-    """Streams one layer's q/k of a pretrained model into the SPEC §2 token metrics.
+    """Streams one layer's q/k into the token metrics (see the module docstring).
 
     Args:
         n_head, n_kv_head, head_dim: query heads, key heads, head size.
         causal: decoder (True) or encoder (False) attention.
         with_logit_spectrum: compute ``pr_qk_token`` (two hd × hd Gram matrices per
-            sequence and head, :func:`logit_pr`); when False the metric is NaN.
-        workspace: scratch buffers to reuse across batches, shared by all layers of one
-            analysis (default: fresh temporaries per batch).
+            sequence and head); when False the metric is left out of :meth:`records`.
+        workspace: scratch buffers reused across batches, shared by all layers of one
+            measurement (default: fresh temporaries per batch).
     """
 
     def __init__(self, n_head: int, n_kv_head: int, head_dim: int, causal: bool = True,
@@ -142,12 +117,34 @@ class LayerGeometry:
         self.n_tokens = 0
 
     @torch.no_grad()
-    def update(self, q_site: Tensor, k_site: Tensor, q_attn: Tensor, k_attn: Tensor,
-               scale: float | None = None) -> None:
+    def update(self, q_site: Tensor, k_site: Tensor, q_attn: Tensor | None = None,
+               k_attn: Tensor | None = None, scale: float | None = None) -> None:
         """Add a batch: covariances from ``q_site``/``k_site``, logit spectrum and entropy
-        from ``q_attn``/``k_attn`` (what the attention computes with). q (B, H, T, hd),
-        k (B, H_kv, T, hd). Nothing is copied to the host (no device sync)."""
-        B, H, T, hd = q_site.shape
+        from ``q_attn``/``k_attn`` (what the attention computes with; default the same
+        tensors). q (B, H, T, hd), k (B, H_kv, T, hd); ``scale`` defaults to 1/√hd.
+
+        Raises:
+            NonFiniteError: non-finite q/k, or entries beyond 1e140 (checked first, so the
+                accumulator stays usable).
+        """
+        q_attn = q_site if q_attn is None else q_attn
+        k_attn = k_site if k_attn is None else k_attn
+        B, H, T, hd = q_attn.shape
+        if (H, hd) != (self.n_head, self.head_dim) or k_attn.shape != (B, self.n_kv_head, T, hd):
+            raise ValueError(f"expected q (B, {self.n_head}, T, {self.head_dim}) and k (B, "
+                             f"{self.n_kv_head}, T, {self.head_dim}), got {tuple(q_attn.shape)} "
+                             f"and {tuple(k_attn.shape)}")
+        scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
+        tensors = {id(t): t for t in (q_site, k_site, q_attn, k_attn)}  # site = attn: once
+        amax = dict(zip(tensors, torch.stack([t.detach().abs().amax().double()
+                                              for t in tensors.values()]).tolist(), strict=True))
+        peak = max(amax.values())  # one host sync for all of them
+        if not peak <= _MAX_ABS_ACTIVATION:  # NaN fails this too
+            raise NonFiniteError(f"queries/keys are non-finite or beyond {_MAX_ABS_ACTIVATION:g} "
+                                 f"(max |entry| {peak:g}): their covariance would overflow")
+        bound = amax[id(q_attn)] * amax[id(k_attn)] * hd * abs(scale)  # |score| bound
+        if q_attn.dtype != torch.float64 and bound > _FLOAT32_SAFE:
+            q_attn, k_attn = q_attn.double(), k_attn.double()  # float32 scores would overflow
         ws = self.workspace or Workspace()
         for cov, x, name in ((self.cov_q, q_site, "cov.q"), (self.cov_k, k_site, "cov.k")):
             mean, m2 = centred_scatter(x.transpose(1, 2), ws, name, 2)  # rows (B, T), heads·hd
@@ -161,7 +158,7 @@ class LayerGeometry:
         self.n_tokens += B * T
 
     def records(self) -> list[Record]:
-        """Records of the seven token metrics, query heads 0..H−1 then −1 (layer)."""
+        """Records of the token metrics, query heads 0..H−1 then −1 (layer)."""
         if self.n_sequences == 0:
             raise ValueError("LayerGeometry has no tokens; call update() first")
         cov_q = self.cov_q.covariance()[0]  # (H·hd, H·hd)
@@ -174,9 +171,13 @@ class LayerGeometry:
         attn = self.entropy.result()
         out: list[Record] = []
         for h in range(self.n_head):
-            out += _token_block(h, float(pr_q[h]), float(pr_k[h // R]), float(pr_qk[h]),
-                                {n: float(v[h]) for n, v in attn.items()})
-        out += _token_block(LAYER, float(pr_from_covariance(cov_q)),
-                            float(pr_from_covariance(cov_k)), float(pr_qk.mean()),
-                            {n: float(v.mean()) for n, v in attn.items()})
+            out += token_records(h, float(pr_q[h]), float(pr_k[h // R]), float(pr_qk[h]),
+                                 {n: float(v[h]) for n, v in attn.items()})
+        out += token_records(LAYER, float(pr_from_covariance(cov_q)),
+                             float(pr_from_covariance(cov_k)), float(pr_qk.mean()),
+                             {n: float(v.mean()) for n, v in attn.items()})
         return out
+
+    def key_covariance(self) -> Tensor:
+        """(H_kv·hd, H_kv·hd) float64 covariance of the layer's keys."""
+        return self.cov_k.covariance()[0]

@@ -13,12 +13,12 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import stats
+from qkgeom.analysis.e4.claims import e4_claims
+from qkgeom.analysis.e4.trends import head_correlations, prefix_trends, trend_table
 from qkgeom.analysis.report import _md_table, _p, render_html
 from qkgeom.errors import QKGeomError
 from qkgeom.io import atomic_write, read_json
-from qkgeom.pretrained.claims import e4_claims
-from qkgeom.pretrained.family import MARKER
-from qkgeom.pretrained.trends import head_correlations, prefix_trends, trend_table
+from qkgeom.runs.family import CHECKPOINT_TABLE, MARKER
 
 __all__ = ["e4_claims_table", "load_analysis", "write_e4_report"]
 
@@ -35,7 +35,7 @@ def load_analysis(folder: str | Path) -> dict:
         raise QKGeomError(f"{folder}: the analysis has no metrics.parquet yet (state "
                           f"{meta.get('state')!r}); run `qkgeom analyze` again to finish it")
     metrics = pd.read_parquet(folder / "metrics.parquet")
-    ckpts = pd.read_parquet(folder / "checkpoints.parquet")
+    ckpts = pd.read_parquet(folder / CHECKPOINT_TABLE)
     used = metrics[metrics["in_trends"]]
     return {"meta": meta, "metrics": metrics, "checkpoints": ckpts, "trends": trend_table(used),
             "prefix": prefix_trends(used), "heads": head_correlations(used)}
@@ -122,7 +122,7 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
         atomic_write(out / f"{name}.csv", lambda p, f=frame: f.to_csv(p, index=False))
     figs = {}
     if figures:
-        from qkgeom.pretrained.figures import make_e4_figures
+        from qkgeom.analysis.e4.figures import make_e4_figures
 
         figs = make_e4_figures(a["metrics"], a["trends"], a["prefix"], a["heads"], out)
     meta = a["meta"]

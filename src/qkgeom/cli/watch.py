@@ -1,7 +1,4 @@
-"""``qkgeom watch``: the live view of a training run (issue 8, :mod:`qkgeom.monitor`).
-
-Registered on the main app by :func:`register`; parse, validate, call the API, print.
-"""
+"""``qkgeom watch``: the live view of a training run (:mod:`qkgeom.monitor.watch`)."""
 
 from __future__ import annotations
 

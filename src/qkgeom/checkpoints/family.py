@@ -7,13 +7,14 @@ resumes where it stopped; a cached result is reused only if it was made with the
 settings. The folder (``analysis.json`` marks it):
 
 - ``analysis.json``: model, text, tokens, settings, state;
-- ``metrics.parquet``: SPEC §7 long format ``run_id, checkpoint, step, layer, head,
-  metric, value`` plus ``duplicate_of`` (the checkpoint it duplicates, or None) and
+- ``metrics.parquet``: the run folder's long format ``run_id, checkpoint, step, layer,
+  head, metric, value`` plus ``duplicate_of`` (the checkpoint it duplicates, or None) and
   ``in_trends`` (False for a duplicate left out of trend statistics);
 - ``checkpoints.parquet``: per checkpoint its step (and where it came from), Q/K hash,
-  ``duplicate_of``, ``in_trends``, tokens and tokens/s;
-- ``trends.parquet``, ``prefix_trends.parquet``, ``head_correlations.parquet``: the
-  statistics of :mod:`qkgeom.pretrained.trends`.
+  ``duplicate_of``, ``in_trends``, tokens and tokens/s.
+
+The statistics over the family (trends, early regime, head correlations) are the report's
+(:mod:`qkgeom.analysis.e4`): this folder holds measurements only.
 
 Integrity: checkpoints serving identical Q/K weights under different names are grouped;
 weights can legitimately equal an *earlier* state (no update happened, e.g. Pythia's step0
@@ -37,18 +38,14 @@ import pandas as pd
 from qkgeom import __version__
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json, write_json, write_parquet
+from qkgeom.runs.family import CACHE, CHECKPOINT_TABLE, FORMAT_VERSION, MARKER
 
 if TYPE_CHECKING:
-    from qkgeom.pretrained.checkpoints import CheckpointSpec
+    from qkgeom.checkpoints.resolve import CheckpointSpec
 
-__all__ = ["MARKER", "analyze_checkpoints", "flag_duplicates", "is_analysis_folder"]
+__all__ = ["analyze_checkpoints", "flag_duplicates"]
 
-MARKER = "analysis.json"
-FORMAT_VERSION = 1
-
-
-def is_analysis_folder(path: str | Path) -> bool:
-    return (Path(path) / MARKER).is_file()
+PROBE_SET = "probe-set"  # the ``text`` of an analysis on a run's own probe set
 
 
 def _slug(name: str) -> str:
@@ -88,7 +85,7 @@ def analyze_checkpoints(
     out: str | Path,
     *,
     revisions: list[str] | None = None,
-    text: str = "sample",
+    text: str | None = None,
     max_tokens: int = 200_000,
     seq_len: int | None = None,
     batch_size: int | None = None,
@@ -103,20 +100,24 @@ def analyze_checkpoints(
 ) -> Path:
     """Analyse every checkpoint of ``models``/``revisions`` into ``out``; returns ``out``.
 
-    See :func:`qkgeom.pretrained.checkpoints.resolve_checkpoints` for what ``models`` may
-    be and :func:`qkgeom.pretrained.analyze.analyze_model` for the analysis itself.
+    See :func:`qkgeom.checkpoints.resolve.resolve_checkpoints` for what ``models`` may
+    be and :func:`qkgeom.checkpoints.analyze.analyze_model` for the analysis itself.
+    ``text`` (a :func:`qkgeom.data.text.open_text` spec) defaults to ``sample``, except for
+    the checkpoints of a qkgeom run folder: they are measured on the run's own probe set in
+    float64, exactly as the trainer's probes, so the numbers equal the run's
+    ``metrics.parquet`` (``max_tokens``, ``seq_len`` and ``batch_size`` then do not apply).
     Raises :class:`QKGeomError` for bad input, before any model is loaded where possible.
     """
-    from qkgeom.pretrained.adapters import QK_SITES, find_attention_sites
-    from qkgeom.pretrained.analyze import analyze_model
-    from qkgeom.pretrained.checkpoints import (
+    from qkgeom.arch import QK_SITES, adapter_for
+    from qkgeom.checkpoints.analyze import analyze_model
+    from qkgeom.checkpoints.resolve import (
         free_model,
         load_checkpoint,
         load_tokenizer,
         qk_hash,
         resolve_checkpoints,
     )
-    from qkgeom.pretrained.text import open_text
+    from qkgeom.data.text import open_text
 
     if qk_site not in QK_SITES:
         raise QKGeomError(f"unknown --qk-site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
@@ -124,9 +125,13 @@ def analyze_checkpoints(
         raise QKGeomError(f"--tokens must be >= 1, got {max_tokens}")
     out = Path(out)
     specs = resolve_checkpoints(models, revisions)
-    texts = open_text(text)
-    settings = _settings(specs, text, max_tokens, seq_len, qk_site, dtype, logit_spectrum,
-                         tokenizer)
+    probe_ids = None
+    if text is None and specs[0].kind == "run":
+        probe_ids, probe_batch = _run_probe_set(Path(specs[0].source))
+        text, max_tokens = PROBE_SET, int(probe_ids.numel())
+    texts = open_text(text or "sample") if probe_ids is None else None
+    settings = _settings(specs, text or "sample", max_tokens, seq_len, qk_site, dtype,
+                         logit_spectrum, tokenizer)
     key = _hash(settings)
     if (out / MARKER).is_file():
         prev = read_json(out / MARKER)
@@ -157,7 +162,7 @@ def analyze_checkpoints(
     tok = None
     try:
         for spec in specs:
-            cache = out / "checkpoints" / _slug(spec.name)
+            cache = out / CACHE / _slug(spec.name)
             done_path = cache.with_suffix(".json")
             if done_path.is_file() and cache.with_suffix(".parquet").is_file():
                 done = read_json(done_path)
@@ -176,8 +181,7 @@ def analyze_checkpoints(
                     tok = own_tok
                 elif tok is None:
                     tok = load_tokenizer(spec, tokenizer, trust_remote_code)
-                adapter = find_attention_sites(model)
-                digest = qk_hash(adapter)
+                digest = qk_hash(adapter_for(model))
                 advanced = 0
 
                 def tick(n: int) -> None:
@@ -186,10 +190,15 @@ def analyze_checkpoints(
                     if bar is not None:
                         bar.update(task, advance=n)
 
-                frame = analyze_model(
-                    model, tok, texts, max_tokens=max_tokens, seq_len=seq_len,
-                    batch_size=batch_size, qk_site=qk_site, logit_spectrum=logit_spectrum,
-                    progress=tick, run_id=label, checkpoint=spec.name, step=spec.step)
+                columns = {"run_id": label, "checkpoint": spec.name, "step": spec.step}
+                if probe_ids is not None:
+                    frame = _measure_probe_set(model, probe_ids, probe_batch, logit_spectrum,
+                                               tick, **columns)
+                else:
+                    frame = analyze_model(
+                        model, tok, texts, max_tokens=max_tokens, seq_len=seq_len,
+                        batch_size=batch_size, qk_site=qk_site, logit_spectrum=logit_spectrum,
+                        progress=tick, **columns)
             finally:
                 free_model(model)
                 model = None
@@ -214,19 +223,41 @@ def analyze_checkpoints(
     return out
 
 
+def _run_probe_set(run: Path) -> tuple[Any, int]:
+    """The probe set a run's trainer measured (token ids (n_seq, T)) and its probe batch."""
+    from qkgeom.data import load_data, probe_set
+    from qkgeom.runs import load_config, read_record
+
+    cfg = load_config(run)
+    data = load_data(read_record(run).get("data_dir") or cfg.data)
+    return probe_set(data.val, cfg.probe_sequences, cfg.model.block_size), cfg.probe_batch
+
+
+def _measure_probe_set(model: Any, ids: Any, batch_size: int, logit_spectrum: bool,
+                       progress: Any, **columns: Any) -> pd.DataFrame:
+    """A run checkpoint on the run's probe set, as the trainer measures it (float64)."""
+    from qkgeom.geometry import METRIC_NAMES, measure
+
+    metrics = "all" if logit_spectrum else [m for m in METRIC_NAMES if m != "pr_qk_token"]
+    result = measure(model, ids, metrics=metrics, batch_size=batch_size, **columns)
+    progress(result.tokens)
+    frame = result.frame
+    site = result.adapter.sites[0]
+    frame.attrs.update(arch=result.adapter.arch, tokens=result.tokens,
+                       positions=result.tokens, seconds=result.seconds,
+                       tokens_per_s=result.tokens / max(result.seconds, 1e-9),
+                       seq_len=int(ids.shape[1]), n_head=site.n_head, n_kv_head=site.n_kv_head,
+                       causal=True, rotary=False, qk_site="post-rotary")
+    return frame
+
+
 def finish(out: Path, frames: list[pd.DataFrame], rows: list[dict[str, Any]],
            keep_duplicates: bool) -> None:
-    """Write the combined tables and the trajectory statistics of an analysis folder."""
-    from qkgeom.pretrained.trends import head_correlations, prefix_trends, trend_table
-
+    """Write the combined tables of an analysis folder."""
     ckpts = flag_duplicates(pd.DataFrame(rows), keep_duplicates)
     metrics = pd.concat(frames, ignore_index=True)
     by_name = ckpts.set_index("checkpoint")
     metrics["duplicate_of"] = metrics["checkpoint"].map(by_name["duplicate_of"])
     metrics["in_trends"] = metrics["checkpoint"].map(by_name["in_trends"]).astype(bool)
-    write_parquet(out / "checkpoints.parquet", ckpts)
+    write_parquet(out / CHECKPOINT_TABLE, ckpts)
     write_parquet(out / "metrics.parquet", metrics)
-    used = metrics[metrics["in_trends"]]
-    write_parquet(out / "trends.parquet", trend_table(used))
-    write_parquet(out / "prefix_trends.parquet", prefix_trends(used))
-    write_parquet(out / "head_correlations.parquet", head_correlations(used))

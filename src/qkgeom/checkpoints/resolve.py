@@ -28,9 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from qkgeom.arch import ModelAdapter
 from qkgeom.errors import QKGeomError
+from qkgeom.runs import CHECKPOINTS, is_run_folder, list_checkpoints, read_record
 
-__all__ = ["CheckpointSpec", "free_model", "load_checkpoint", "qk_hash", "resolve_checkpoints"]
+__all__ = ["CheckpointSpec", "free_model", "load_checkpoint", "load_run_model", "qk_hash",
+           "resolve_checkpoints"]
 
 _STEP = re.compile(r"(?:^|[^a-z])(?:global_step|step|checkpoint|ckpt)[-_]?(\d+)$", re.IGNORECASE)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,8 +68,7 @@ def _is_hf_folder(path: Path) -> bool:
 
 
 def _is_run_folder(path: Path) -> bool:
-    return (path / "config.json").is_file() and (path / "checkpoints").is_dir() \
-        and not _is_hf_folder(path)
+    return is_run_folder(path) and (path / CHECKPOINTS).is_dir() and not _is_hf_folder(path)
 
 
 def _folder_step(path: Path) -> tuple[int | None, str]:
@@ -95,8 +97,6 @@ def _ordered(specs: list[CheckpointSpec], steps: list[int | None],
 
 
 def _run_checkpoints(run: Path, revisions: list[str] | None) -> list[CheckpointSpec]:
-    from qkgeom.training.checkpoint import list_checkpoints
-
     found = dict(list_checkpoints(run))
     if not found:
         raise QKGeomError(f"{run}: the run folder has no checkpoints (checkpoints/ckpt_*.pt)")
@@ -161,48 +161,17 @@ def resolve_checkpoints(models: list[str], revisions: list[str] | None = None
 # ------------------------------------------------------------------------------- loading
 
 
-def _run_vocab(run: Path):
-    from qkgeom.data.vocab import CharVocab
-    from qkgeom.io import read_json
-
-    prov = read_json(run / "config.json")
-    data_dir = prov.get("data_dir")
-    if not data_dir:
-        raise QKGeomError(f"{run / 'config.json'}: no data_dir; is {run} a qkgeom run folder?")
-    meta_path = Path(data_dir) / "meta.json"
-    try:
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        raise QKGeomError(f"{meta_path}: the run's prepared data (its character vocabulary) "
-                          "is missing; prepare it again with `qkgeom data prepare`") from None
-    return CharVocab.from_json(meta.get("vocab"))
-
-
 def load_run_model(run: str | Path, step: int | None = None) -> tuple[nn.Module, Any, int]:
     """(GPT, CharVocab, step) of a run folder's checkpoint at ``step`` (default: newest)."""
-    from qkgeom.model import GPT
-    from qkgeom.training import load_run_config
-    from qkgeom.training.checkpoint import list_checkpoints
+    from qkgeom.data import load_vocab
+    from qkgeom.training.checkpoint import load_model
 
-    run = Path(run)
-    found = dict(list_checkpoints(run))
-    if not found:
-        raise QKGeomError(f"{run}: the run folder has no checkpoints (checkpoints/ckpt_*.pt)")
-    step = max(found) if step is None else step
-    if step not in found:
-        raise QKGeomError(f"{run}: no checkpoint at step {step}; it has steps "
-                          + ", ".join(map(str, sorted(found))))
-    cfg = load_run_config(run)
-    if cfg.key_control != "none" and cfg.key_control_how == "parametrize":
-        raise QKGeomError(f"{run}: trained with a parametrised key control; its checkpoints "
-                          "store the unconstrained weights, not what the model used")
-    try:
-        state = torch.load(found[step], map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise QKGeomError(f"{found[step]}: unreadable checkpoint ({type(err).__name__})") from None
-    model = GPT(cfg.model)
-    model.load_state_dict(state["model"])
-    return model.eval(), _run_vocab(run), step
+    model, step = load_model(run, step)
+    data_dir = read_record(run).get("data_dir")
+    if not data_dir:
+        raise QKGeomError(f"{Path(run) / 'config.json'}: no data_dir; is {run} a qkgeom run "
+                          "folder?")
+    return model, load_vocab(data_dir), step
 
 
 def require_transformers() -> None:
@@ -266,14 +235,14 @@ def free_model(model: nn.Module | None) -> None:
         torch.cuda.empty_cache()
 
 
-def qk_hash(adapter) -> str:
+def qk_hash(adapter: ModelAdapter) -> str:
     """SHA-256 of every layer's raw W_Q, W_K (and their biases), in layer order.
 
     Two checkpoints with the same hash serve identical query/key weights.
     """
     digest = hashlib.sha256()
     for site in adapter.sites:
-        for t in (*site.qk_weights(), *site.qk_biases()):
+        for t in (*site.qk_weights(), site.bias("q"), site.bias("k")):
             if t is None:
                 digest.update(b"-")
                 continue

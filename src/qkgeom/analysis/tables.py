@@ -1,4 +1,4 @@
-"""The per-layer geometry table that ``qkgeom show`` and ``qkgeom train`` print.
+"""The per-layer geometry table that ``qkgeom show``, ``train`` and ``analyze`` print.
 
 Reads only the long-format metrics table (no torch), so it works on any run folder,
 finished or still training.
@@ -21,7 +21,7 @@ def layer_table(metrics: pd.DataFrame, step: int | None = None,
                 reference_step: int | None = None) -> tuple[int, pd.DataFrame]:
     """Per-layer (head -1) values at ``step`` (default: the last probe), plus the change of
     token-level PR_Q and PR_K since step 0 and since the post-transient reference step
-    (SPEC §2; the first probe at or after ``reference_step``). Returns (step, table)."""
+    (the first probe at or after ``reference_step``). Returns (step, table)."""
     if metrics.empty:
         raise ValueError("no probe records yet")
     steps = sorted(int(s) for s in metrics["step"].unique())
@@ -50,29 +50,3 @@ def layer_table(metrics: pd.DataFrame, step: int | None = None,
             if metric in now and metric in base:
                 table[f"{title}{tag}"] = now[metric] - base[metric]
     return step, table
-
-
-def rich_table(table: pd.DataFrame, title: str | None = None):
-    """``table`` (one row per layer, from :func:`layer_table`) as a ``rich`` Table: values to
-    3 decimals, changes (Δ columns) signed."""
-    from rich.table import Table
-
-    out = Table(title=title)
-    out.add_column("layer", justify="right")
-    for col in table.columns:
-        out.add_column(col, justify="right")
-    for layer, row in table.iterrows():
-        out.add_row(str(layer), *(f"{v:+.3f}" if col.startswith("Δ") else f"{v:.3f}"
-                                  for col, v in row.items()))
-    return out
-
-
-def render(table: pd.DataFrame, title: str) -> None:
-    """Print ``table`` with rich."""
-    from rich.console import Console
-
-    out = rich_table(table, title)
-    console = Console()
-    if not console.is_terminal:  # piped / logged: never truncate the numbers
-        console = Console(width=max(console.width, 200))
-    console.print(out)

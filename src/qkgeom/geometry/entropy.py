@@ -1,5 +1,7 @@
 """Attention entropy from captured q/k with an online softmax over key chunks.
 
+Why from q/k: training uses fused ``scaled_dot_product_attention`` (HF models their ``sdpa``
+path), which returns no weights, so the softmax is recomputed here from the captured q/k.
 Why streaming: a checkpoint analysis runs long contexts (T = 512 … 2048) over many batches;
 the (B, H, T, T) pattern is never formed. Scores are computed block by block (a block of
 query positions × a block of key positions, at most ``max_block_elements`` scores at once)
@@ -18,9 +20,12 @@ bound (T ≲ 1k at typical batch sizes) each row is one block and no rescaling h
 Grouped-query attention: ``k`` has ``H_kv`` heads; query head ``h`` uses key head
 ``h // (H / H_kv)`` (HF ``repeat_kv`` order); keys are never copied per query head.
 
-Reported means over every (sequence, query position) — the definitions of
-:mod:`qkgeom.geometry.attention` (``attn_entropy``, ``attn_entropy_norm`` = mean of
-``H_t / log n_t`` over rows with ``n_t ≥ 2`` visible keys, ``attn_max``).
+Reported means over every (sequence, query position) with ``n_t`` visible keys (causal:
+``t + 1``; bidirectional: ``T``), ``H_t = −Σ_s p_ts log p_ts`` in nats:
+
+- ``attn_entropy``: mean ``H_t`` (0 = one-hot, ``log n_t`` = uniform);
+- ``attn_entropy_norm``: mean of ``H_t / log n_t`` over rows with ``n_t ≥ 2`` (in [0, 1]);
+- ``attn_max``: mean of ``max_s p_ts`` (in [1/n_t, 1]).
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ import math
 import torch
 from torch import Tensor
 
-from qkgeom.geometry.attention import ATTENTION_METRICS
-from qkgeom.pretrained.workspace import Workspace
+from qkgeom.geometry.workspace import Workspace
 
-__all__ = ["StreamingEntropy"]
+__all__ = ["ATTENTION_METRICS", "StreamingEntropy"]
+
+ATTENTION_METRICS = ("attn_entropy", "attn_entropy_norm", "attn_max")
 
 _MAX_BLOCK_ELEMENTS = 2**22  # scores per block: 16 MiB in float32
 _LOG_TINY = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}

@@ -1,8 +1,9 @@
-"""Text for a checkpoint analysis, and its tokens in fixed-length windows.
+"""Raw text read in order, and its tokens (any tokenizer) in fixed-length windows.
 
-``--text`` names a corpus read in order:
+Used where a model brings its own tokenizer: checkpoint analysis (``--text``) and the
+monitor's text probe sets. A text spec names a corpus:
 
-- ``sample`` (default): the embedded Wikipedia text (SPEC §6), its held-out splits first
+- ``sample`` (default): the embedded Wikipedia text, its held-out splits first
   (val, then test, then train), so the first tokens of a character-level run are exactly
   the trainer's probe set. Converted once and cached as UTF-8 text in
   ``$QKGEOM_CACHE/text/sample.txt``;
@@ -18,7 +19,6 @@ the budget.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
+from qkgeom.data.prepare import default_data_dir
 from qkgeom.data.sources import read_utf8, sample_splits, text_files
 from qkgeom.data.vocab import CharVocab
 from qkgeom.errors import QKGeomError
@@ -41,9 +42,7 @@ _WIKITEXT_SPLITS = {"train": "train", "validation": "validation", "valid": "vali
 
 def sample_text_path() -> Path:
     """The cached raw text of the embedded sample (val + test + train), built on first use."""
-    root = os.environ.get("QKGEOM_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "qkgeom"
-    path = base / "text" / "sample.txt"
+    path = default_data_dir().parents[1] / "text" / "sample.txt"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)

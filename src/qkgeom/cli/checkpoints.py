@@ -1,7 +1,4 @@
-"""``qkgeom analyze`` and ``qkgeom export``: pretrained checkpoints (SPEC §5, E4).
-
-Registered on the main app by :func:`register`; parse, validate, call the API, print.
-"""
+"""``qkgeom analyze`` and ``qkgeom export``: checkpoint families (E4) and our runs as HF models."""
 
 from __future__ import annotations
 
@@ -30,23 +27,22 @@ def _default_out(models: list[str]) -> Path:
 
 def _summary(out: Path) -> None:
     """Per-layer table of the last checkpoint in the trends, and the contrast trends."""
-    import pandas as pd
+    from qkgeom.analysis.e4.report import load_analysis
+    from qkgeom.analysis.tables import layer_table
+    from qkgeom.ui import render_layers
 
-    from qkgeom.report_table import layer_table, render
-
-    metrics = pd.read_parquet(out / "metrics.parquet")
-    ckpts = pd.read_parquet(out / "checkpoints.parquet")
+    analysis = load_analysis(out)
+    metrics, ckpts, trends = analysis["metrics"], analysis["checkpoints"], analysis["trends"]
     last = ckpts[ckpts["in_trends"]].sort_values("step").iloc[-1]
     one = metrics[metrics["checkpoint"] == last["checkpoint"]]
     _, table = layer_table(one)
     table = table[[c for c in table.columns if not c.startswith("Δ")]]
-    render(table, f"{out} — {last['checkpoint']} (step {int(last['step'])}), "
+    render_layers(table, f"{out} — {last['checkpoint']} (step {int(last['step'])}), "
                   f"{int(last['tokens']):,} tokens at {last['tokens_per_s']:,.0f} tokens/s")
     dups = ckpts[ckpts["duplicate_of"].notna()]
     for r in dups.itertuples():
         typer.echo(f"duplicate: {r.checkpoint} serves the same Q/K weights as {r.duplicate_of}"
                    + ("" if not r.in_trends else " (kept)"))
-    trends = pd.read_parquet(out / "trends.parquet")
     tok = trends[trends["level"] == "token"]
     if len(tok) and tok["n"].max() >= 3:
         for r in tok.itertuples():
@@ -66,8 +62,9 @@ def register(app: typer.Typer) -> None:
         revisions: Annotated[str | None, typer.Option(
             help="Comma-separated hub revisions (step0,step512,...), sub-folders of a local "
                  "folder, or steps of a run's checkpoints.")] = None,
-        text: Annotated[str, typer.Option(
-            help="sample | wikitext-103[:split] | a UTF-8 file or folder.")] = "sample",
+        text: Annotated[str | None, typer.Option(
+            help="sample | wikitext-103[:split] | a UTF-8 file or folder (default: sample; "
+                 "a qkgeom run folder: the run's own probe set).")] = None,
         tokens: Annotated[int, typer.Option(help="Text tokens analysed per checkpoint.")]
             = 200_000,
         out: Annotated[Path | None, typer.Option(
@@ -91,8 +88,8 @@ def register(app: typer.Typer) -> None:
         quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
     ) -> None:
         """Token-level Q/K geometry of checkpoints (E4): one at a time, cached, resumable."""
-        from qkgeom.pretrained.family import analyze_checkpoints
-        from qkgeom.training.loop import resolve_device
+        from qkgeom.checkpoints.family import analyze_checkpoints
+        from qkgeom.training import resolve_device
 
         resolve_device(device)
         folder = analyze_checkpoints(
@@ -112,8 +109,9 @@ def register(app: typer.Typer) -> None:
             = None,
     ) -> None:
         """Write a run's checkpoint as a Hugging Face GPT2LMHeadModel folder (+ char vocab)."""
-        from qkgeom.pretrained.export import export_run
+        from qkgeom.checkpoints.export import export_run
+        from qkgeom.runs import CONFIG
 
-        if not (run / "config.json").is_file():
+        if not (run / CONFIG).is_file():
             raise QKGeomError(f"{run}: not a qkgeom run folder (no config.json)")
         typer.echo(f"exported: {export_run(run, out, step)}")

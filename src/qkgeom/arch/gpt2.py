@@ -1,0 +1,67 @@
+"""Hugging Face GPT-2: one fused ``c_attn`` per layer, a ``Conv1D`` of weight
+(d_model, 3·d_model) computing ``y = x @ W``, columns ``[q | k | v]``, head ``h`` owning
+columns ``h·hd:(h+1)·hd`` of each part. No rotary; causal."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from qkgeom.arch.base import AttentionSite, ModelAdapter, config_int, layer_list
+from qkgeom.arch.hf import capture_hf
+
+__all__ = ["FusedConv1DSite", "detect", "fuse_qkv"]
+
+_PART = {"q": 0, "k": 1, "v": 2}
+
+
+class FusedConv1DSite(AttentionSite):
+    """q, k and v side by side in the columns of one ``Conv1D`` weight."""
+
+    def _part(self, w: Tensor, which: str) -> Tensor:
+        d_out = self.n_head * self.head_dim
+        start = _PART[which] * d_out
+        return w[:, start:start + d_out].T.unflatten(0, (self.n_head, self.head_dim))
+
+    def q_heads(self, w: Tensor) -> Tensor:
+        return self._part(w, "q")
+
+    def k_heads(self, w: Tensor) -> Tensor:
+        return self._part(w, "k")
+
+    def v_heads(self, w: Tensor) -> Tensor:
+        return self._part(w, "v")
+
+    def bias_heads(self, b: Tensor, which: str) -> Tensor:
+        return b.view(3, self.n_head, self.head_dim)[_PART[which]]
+
+    def split(self, out: Tensor, which: str) -> Tensor:
+        B, T = out.shape[0], out.shape[1]
+        d_out = self.n_head * self.head_dim
+        part = out[..., _PART[which] * d_out:(_PART[which] + 1) * d_out]
+        return part.reshape(B, T, self.n_head, self.head_dim).transpose(1, 2)
+
+
+def fuse_qkv(weights: tuple[Tensor, Tensor, Tensor],
+             biases: tuple[Tensor, Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """``c_attn`` weight (d_model, 3·d) and bias (3·d) from nn.Linear-layout W_Q, W_K, W_V
+    (d, d_model each) and their biases: the inverse of :class:`FusedConv1DSite`'s split."""
+    return torch.cat(weights, dim=0).T, torch.cat(biases)
+
+
+def detect(model: nn.Module) -> ModelAdapter | None:
+    layers = layer_list(model, ("transformer.h", "h"))
+    if layers is None or not hasattr(getattr(layers[0], "attn", None), "c_attn"):
+        return None
+    sites = []
+    for i, block in enumerate(layers):
+        attn = block.attn
+        w = attn.c_attn.weight
+        d = w.shape[0]
+        if type(attn.c_attn).__name__ != "Conv1D" or w.shape[1] != 3 * d:
+            return None
+        sites.append(FusedConv1DSite(i, attn, attn.c_attn, attn.c_attn, attn.c_attn,
+                                     attn.num_heads, attn.num_heads, attn.head_dim, d))
+    return ModelAdapter("gpt2", model, sites, causal=True, rotary=False,
+                        max_positions=config_int(model, "n_positions", "max_position_embeddings"),
+                        capture_fn=capture_hf)

@@ -1,0 +1,212 @@
+"""``measure(model, input_ids)``: every Q/K geometry metric of a model, per layer and head.
+
+The one measurement path of qkgeom: the trainer's probes, the monitor and checkpoint
+analysis all call :func:`measure` / :func:`measure_batches`, so a number means the same
+thing whichever produced it. :func:`~qkgeom.arch.adapter_for` knows where q/k live
+(the project's GPT and the supported Hugging Face families); the adapter captures them
+during forward passes over the given token windows; one
+:class:`~qkgeom.geometry.tokens.LayerGeometry` per layer streams them into the token
+metrics and :func:`~qkgeom.geometry.records.weight_records` reads the weight metrics. The
+forward runs on the base model (no LM head), in eval mode, without gradients or autocast,
+inside :func:`~qkgeom.geometry.state.frozen_training_state`: training computes exactly what
+it would without the measurement.
+
+Input: token ids of equal-length, unpadded windows (n_seq, T) -- a probe set, or batches
+of a corpus. ``precision="float64"`` (default) runs every product of the accumulation in
+float64 (probe-sized inputs: exact); ``"float32"`` runs them in float32 with float64
+running totals (long corpora: about twice as fast).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import Tensor, nn
+
+from qkgeom.arch import ModelAdapter, adapter_for
+from qkgeom.errors import QKGeomError
+from qkgeom.geometry.records import (
+    METRIC_NAMES,
+    TOKEN_METRICS,
+    WEIGHT_METRICS,
+    Record,
+    records_to_frame,
+    weight_records,
+)
+from qkgeom.geometry.state import frozen_training_state
+from qkgeom.geometry.tokens import LayerGeometry
+from qkgeom.geometry.workspace import Workspace
+
+__all__ = ["PRECISIONS", "Measurement", "measure", "measure_batches", "resolve_metrics"]
+
+PRECISIONS = {"float64": torch.float64, "float32": torch.float32}
+_ALIASES = {"contrast": "contrast_token"}
+
+
+def resolve_metrics(metrics: str | Iterable[str]) -> tuple[str, ...]:
+    """Canonical metric names: ``"all"``, or names from ``METRIC_NAMES`` (``"contrast"``
+    means ``contrast_token``). Unknown names are a :class:`QKGeomError`."""
+    if isinstance(metrics, str):
+        metrics = METRIC_NAMES if metrics == "all" else (metrics,)
+    out: list[str] = []
+    for name in metrics:
+        name = _ALIASES.get(name, name)
+        if name not in METRIC_NAMES:
+            raise QKGeomError(f"unknown metric {name!r}; choose from {', '.join(METRIC_NAMES)}, "
+                              "'contrast' or 'all'")
+        if name not in out:
+            out.append(name)
+    if not out:
+        raise QKGeomError("metrics is empty: name at least one metric")
+    return tuple(out)
+
+
+@dataclass
+class Measurement:
+    """What one measurement found.
+
+    ``frame``: long ``layer, head, metric, value`` rows (head −1 = layer) of the requested
+    metrics, with any constant columns in front. ``key_sv_weight`` / ``key_eig_token``: per
+    layer, the singular values of W_K and the eigenvalues of the key covariance (descending)
+    -- the two key spectra, empty unless asked for. ``step``: the training step, where the
+    caller (trainer, monitor) sets it. ``tokens``: query positions measured;
+    ``sequences``; ``seconds``: wall time; ``adapter``: the model as qkgeom saw it.
+    """
+
+    frame: pd.DataFrame
+    adapter: ModelAdapter
+    step: int | None = None  # the training step, when the caller knows it
+    tokens: int = 0
+    sequences: int = 0
+    seconds: float = 0.0
+    key_sv_weight: dict[int, Tensor] = field(default_factory=dict)
+    key_eig_token: dict[int, Tensor] = field(default_factory=dict)
+
+    def layer_values(self, metric: str) -> dict[int, float]:
+        """``{layer: value}`` of a metric at the layer level (head −1)."""
+        rows = self.frame[(self.frame["metric"] == metric) & (self.frame["head"] == -1)]
+        return {int(r.layer): float(r.value) for r in rows.itertuples()}
+
+    def __repr__(self) -> str:
+        return (f"Measurement({self.adapter.arch}, {self.adapter.n_layer} layers, "
+                f"{self.sequences} sequences × {self.tokens // max(self.sequences, 1)} tokens, "
+                f"{self.frame['metric'].nunique()} metrics, {self.seconds:.2f} s)")
+
+
+def _weight_records(adapter: ModelAdapter) -> dict[int, list[Record]]:
+    """Weight-level records of every layer; under GQA each query head is paired with its
+    key head by repeating W_K's heads (which leaves every PR unchanged)."""
+    out = {}
+    for site in adapter.sites:
+        w_q, w_k = site.qk_weights()  # (H·hd, d), (H_kv·hd, d)
+        if site.group > 1:  # key head g serves query heads g·R .. g·R+R-1
+            w_k = site.k_heads(w_k).repeat_interleave(site.group, dim=0).reshape(w_q.shape)
+        out[site.layer] = weight_records(w_q.float(), w_k.float(), site.n_head)
+    return out
+
+
+def measure(model: nn.Module, input_ids: Tensor, *, metrics: str | Iterable[str] = "all",
+            batch_size: int = 8, qk_site: str = "post-rotary", precision: str = "float64",
+            spectra: bool = False, **columns: Any) -> Measurement:
+    """Measure ``model`` on the token windows ``input_ids`` (n_seq, T), ``batch_size`` at a
+    time; see :func:`measure_batches` for the rest."""
+    ids = torch.as_tensor(input_ids)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2 or ids.numel() == 0 or ids.dtype.is_floating_point:
+        raise QKGeomError(f"input_ids must be a non-empty integer (n_seq, T) tensor, got "
+                          f"{ids.dtype} {tuple(ids.shape)}")
+    if batch_size < 1:
+        raise QKGeomError(f"batch_size must be >= 1, got {batch_size}")
+    return measure_batches(model, ids.split(batch_size), metrics=metrics, qk_site=qk_site,
+                           precision=precision, spectra=spectra, **columns)
+
+
+def measure_batches(model: nn.Module, batches: Iterable[Tensor], *,
+                    metrics: str | Iterable[str] = "all", qk_site: str = "post-rotary",
+                    precision: str = "float64", spectra: bool = False,
+                    progress: Callable[[int], None] | None = None,
+                    **columns: Any) -> Measurement:
+    """Every requested metric of ``model`` over token-id batches (B, T) read in turn.
+
+    Args:
+        model: the project's GPT or a supported HF model (task heads are looked through).
+        batches: token ids, one (B, T) LongTensor per forward pass (T may differ between
+            batches; no padding).
+        metrics: names of ``METRIC_NAMES``, ``"contrast"`` or ``"all"``.
+        qk_site: ``post-rotary`` (default: what attention uses) or ``pre-rotary`` q/k for
+            the token PRs; attention statistics always use what the attention computes with.
+        precision: ``float64`` or ``float32`` products (see the module docstring).
+        spectra: also return the key spectra (singular values of W_K, eigenvalues of the
+            key covariance).
+        progress: called with the number of tokens of each finished batch.
+        **columns: constant columns put in front of the frame (``run_id=..., step=...``).
+
+    Raises:
+        QKGeomError: bad arguments, an unsupported architecture, or an attention
+            implementation that bypasses the capture. NonFiniteError: non-finite weights or
+            activations (a diverged model has no geometry).
+    """
+    t0 = time.perf_counter()
+    wanted = resolve_metrics(metrics)
+    if precision not in PRECISIONS:
+        raise QKGeomError(f"unknown precision {precision!r}; choose one of "
+                          f"{', '.join(PRECISIONS)}")
+    dtype = PRECISIONS[precision]
+    adapter = adapter_for(model)
+    want_token = spectra or any(m in TOKEN_METRICS for m in wanted)
+    acc: dict[int, LayerGeometry] = {}
+    n_tokens = n_seq = 0
+    with frozen_training_state(model):
+        device = next(model.parameters()).device
+        if want_token:
+            ws = Workspace()  # scratch buffers shared by every layer and batch
+            acc = {s.layer: LayerGeometry(s.n_head, s.n_kv_head, s.head_dim, adapter.causal,
+                                          "pr_qk_token" in wanted, ws) for s in adapter.sites}
+            seen: set[int] = set()
+
+            def on_qk(layer: int, q_site: Tensor, k_site: Tensor, q_attn: Tensor,
+                      k_attn: Tensor, scale: float) -> None:
+                seen.add(layer)
+                acc[layer].update(q_site.to(dtype), k_site.to(dtype), q_attn.to(dtype),
+                                  k_attn.to(dtype), scale)
+
+            with adapter.capture(on_qk, qk_site), torch.autocast(device.type, enabled=False):
+                for batch in batches:
+                    seen.clear()
+                    adapter.forward(batch.to(device))
+                    missing = sorted(set(acc) - seen)
+                    if missing:
+                        raise QKGeomError(f"no q/k captured for layers {missing}: the attention "
+                                          "implementation bypasses the HF attention interface; "
+                                          "load the model with attn_implementation='sdpa'")
+                    n_tokens += batch.numel()
+                    n_seq += batch.shape[0]
+                    if progress is not None:
+                        progress(batch.numel())
+            if n_seq == 0:
+                raise QKGeomError("no token windows to measure")
+        records: dict[int, list[Record]] = {s.layer: [] for s in adapter.sites}
+        if any(m in WEIGHT_METRICS for m in wanted):
+            for layer, recs in _weight_records(adapter).items():
+                records[layer] += recs
+        for layer, geo in acc.items():
+            records[layer] += geo.records()
+        frame = records_to_frame(records)
+        frame = frame[frame["metric"].isin(wanted)].reset_index(drop=True)
+        for i, (name, value) in enumerate(columns.items()):
+            frame.insert(i, name, [value] * len(frame))
+        out = Measurement(frame, adapter, tokens=n_tokens, sequences=n_seq)
+        if spectra:
+            for site in adapter.sites:
+                w_k = site.weight("k").to(torch.float64)  # (H_kv·hd, d)
+                out.key_sv_weight[site.layer] = torch.linalg.svdvals(w_k).cpu()
+                cov = acc[site.layer].key_covariance()  # (H_kv·hd, H_kv·hd)
+                out.key_eig_token[site.layer] = torch.linalg.eigvalsh(cov).flip(-1).clamp_min(0).cpu()
+    out.seconds = time.perf_counter() - t0
+    return out

@@ -1,0 +1,366 @@
+"""The training loop: AdamW + warm-up/cosine, eval, probes, atomic checkpoints, resume.
+
+Step ``s`` means ``s`` optimiser updates are done. At every step that is a multiple of
+``probe_every`` (and at 0 and the last step) the probe set is measured
+(:func:`qkgeom.geometry.measure`); at multiples of ``eval_every`` the val loss; at
+multiples of ``checkpoint_every`` a checkpoint is written *after* that step's records, so a
+resumed run keeps every record up to its checkpoint and recomputes nothing differently: on
+CPU the same seed gives the same metrics bit for bit, interrupted or not.
+
+The trainer knows no feature: key control, entropy control and your own behaviour are
+:class:`~qkgeom.training.callbacks.Callback` objects passed in (:mod:`qkgeom.launch` builds
+those a config asks for).
+
+Speed (docs/speed.md): ``precision`` autocasts the forward pass (bf16 by default on CUDA,
+opt-in on CPU; weights and AdamW state stay fp32, probes always run in float64 on the
+eager model); ``compile`` wraps the model in ``torch.compile`` for the training step only
+(the wrapper shares the module's parameters, so probes, eval, callbacks and checkpoints see
+the same weights without going through the compiled graph); AdamW is fused on CPU and
+CUDA. On CUDA the hot loop never waits for the device: step losses stay on the GPU and are
+read back once per ``log_every`` steps (or when a record is due), and the next batch is
+gathered from the memmap and copied from pinned memory while the current step runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from qkgeom.config import TrainConfig, with_vocab
+from qkgeom.data import load_data, probe_set, sample_batch
+from qkgeom.data.batches import BatchStream
+from qkgeom.errors import DivergedError, QKGeomError
+from qkgeom.geometry import NonFiniteError, measure
+from qkgeom.model import GPT
+from qkgeom.runs import RunWriter, claim_run_dir, run_record
+from qkgeom.seeding import make_generators
+from qkgeom.training.callbacks import Callback, TrainContext
+from qkgeom.training.checkpoint import load_latest_checkpoint, save_checkpoint
+from qkgeom.training.schedule import lr_at
+
+__all__ = ["RunResult", "Trainer", "evaluate", "make_optimizer", "resolve_device", "train"]
+
+_EVAL_SEED = 1234  # eval windows are the same for every run and every eval
+
+
+@dataclass
+class RunResult:
+    """What :func:`train` returns: the run folder, its final state and its tables."""
+
+    out_dir: Path
+    status: str  # "done" | "diverged"
+    step: int
+    metrics: pd.DataFrame
+    log: pd.DataFrame
+
+
+def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices only (``p.dim() >= 2``, robust to parametrisations)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    fused = device.type in ("cuda", "cpu")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise QKGeomError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise QKGeomError("device 'mps' requested but MPS is not available; use --device cpu")
+    return torch.device(name)
+
+
+def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """Mixed precision for the forward pass: matmuls in bf16/fp16, parameters (and so the
+    optimiser's master weights and state) stay fp32; the loss is computed in fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model: GPT, data: np.ndarray, cfg: TrainConfig, device: torch.device) -> float:
+    """Mean loss over ``eval_batches`` fixed windows of the val split."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(_EVAL_SEED)
+    losses = []
+    for _ in range(cfg.eval_batches):
+        x, y = sample_batch(data, cfg.batch_size, cfg.model.block_size, gen, device=device)
+        with _autocast(device, cfg.effective_precision):
+            _, loss = model(x, y)
+        losses.append(loss)  # read back after the loop: one device sync, not one per batch
+    model.train(was_training)
+    return float(np.mean([float(v) for v in losses]))
+
+
+class Trainer:
+    """One run into one folder: ``Trainer(cfg, out).run()``.
+
+    Everything is checked in the constructor, before any work: the config, the features it
+    enables against the callbacks given, the device, the data and the run folder (a fresh
+    run needs an empty folder; a resume needs the same config and vocabulary).
+    """
+
+    def __init__(self, cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
+                 callbacks: list[Callback] | None = None, progress: bool = False,
+                 run_id: str | None = None) -> None:
+        cfg.validate()
+        self.callbacks = list(callbacks or [])
+        served = {cb.feature for cb in self.callbacks}
+        unserved = [f for f in cfg.active_features() if f not in served]
+        if unserved:
+            raise QKGeomError(f"the config enables {', '.join(unserved)} but no callback serves "
+                              "it; train with qkgeom.train(cfg, out), which builds the "
+                              "callbacks a config asks for")
+        self.out, self.resume, self.progress = Path(out_dir), resume, progress
+        self.run_id = run_id or self.out.name
+        self.device = resolve_device(cfg.device)
+        cfg = dataclasses.replace(cfg, precision=cfg.effective_precision)  # auto -> concrete
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        self.data = load_data(cfg.data)
+        self.data.require_block(cfg.model.block_size)
+        self.cfg = cfg = with_vocab(cfg, self.data.vocab.vocab_size)
+        cfg.validate()
+        self.probe_tokens = probe_set(self.data.val, cfg.probe_sequences, cfg.model.block_size)
+        record = run_record(cfg, self.run_id, data_dir=str(self.data.dir),
+                            data_source=self.data.meta.get("source"),
+                            vocab_size=self.data.vocab.vocab_size,
+                            vocab_sha256=self.data.vocab.digest())
+        claim_run_dir(self.out, record, resume)
+        self.writer = RunWriter(self.out, self.run_id, steps=cfg.steps, resume=resume)
+
+    # ------------------------------------------------------------------ the run
+
+    def run(self) -> RunResult:
+        """Train to ``cfg.steps`` (continuing from the newest checkpoint when resuming)."""
+        self._build()
+        self._restore()
+        for cb in self.callbacks:
+            cb.on_train_start(self.ctx)
+        bar = _Bar(self.cfg.steps, self.step) if self.progress else None
+        self.writer.status("running", self.step)
+        self.model.train()
+        try:
+            while True:
+                last = self.step == self.cfg.steps
+                if self.step != self.resumed_at:  # a resumed step's records exist already
+                    self._boundary(self.step, last, bar)
+                if last:
+                    break
+                self._train_step()
+                if bar is not None:
+                    bar.advance()
+        finally:
+            if bar is not None:
+                bar.close()
+        self.writer.status("done", self.step)
+        for cb in self.callbacks:
+            cb.on_train_end(self.ctx)
+        return RunResult(self.out, "done", self.step, self.writer.metrics, self.writer.log)
+
+    def _build(self) -> None:
+        """Model (seeded init), callbacks' model hook, optimiser, compiled step, batches."""
+        cfg = self.cfg
+        self.gens = make_generators(cfg.seed)
+        torch.manual_seed(self.gens.dropout_seed)
+        self.model = GPT(cfg.model, generator=self.gens.init).to(self.device)
+        self.ctx = TrainContext(config=cfg, model=self.model, resumed=self.resume)
+        for cb in self.callbacks:  # before the optimiser and any checkpoint load
+            cb.on_model_built(self.ctx)
+        self.optimizer = self.ctx.optimizer = make_optimizer(self.model, cfg, self.device)
+        # The compiled wrapper shares every parameter with ``model``; only the training step
+        # calls it. Probes, eval, callbacks and checkpoints use ``model`` itself.
+        self.step_model = torch.compile(self.model) if cfg.compile else self.model
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
+        self.batches = BatchStream(self.data.train, cfg.batch_size, cfg.model.block_size,
+                                   self.gens.data, device=self.device,
+                                   prefetch=self.device.type == "cuda")
+        self.step, self.resumed_at = 0, -1
+        # Step losses not yet read back, as device scalars, and the update they belong to.
+        # On CPU a read-back costs nothing, so every loss is checked before its update (a
+        # non-finite loss stops the run before it touches the weights); on an accelerator
+        # they are read once per log interval, and a non-finite one still names its step.
+        self.pending: list[tuple[int, torch.Tensor]] = []
+        self.acc: dict[str, float] = {"loss_sum": 0.0, "loss_n": 0, "tokens": 0,
+                                      "t": time.perf_counter()}
+
+    def _restore(self) -> None:
+        """Continue from the newest readable checkpoint, when resuming and there is one."""
+        state = load_latest_checkpoint(self.out) if self.resume else None
+        if state is None:
+            return
+        try:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scaler.load_state_dict(state["scaler"])
+        except (KeyError, RuntimeError, ValueError) as err:
+            raise QKGeomError(f"{self.out / 'checkpoints'}: step {state.get('step')} checkpoint "
+                              f"does not fit this run's model ({type(err).__name__}: "
+                              f"{' '.join(str(err).split())[:160]}); train into a new --out"
+                              ) from None
+        self.gens.data.set_state(state["data_rng"])
+        torch.set_rng_state(state["torch_rng"])
+        for cb, cb_state in zip(self.callbacks, state.get("callbacks", []), strict=False):
+            cb.load_state_dict(cb_state)
+        self.step = self.resumed_at = self.ctx.step = int(state["step"])
+        self.writer.restore(upto=self.step)
+        self.acc.update(state.get("loss_acc", {}), t=time.perf_counter())
+
+    # ------------------------------------------------------------------ one update
+
+    def _train_step(self) -> None:
+        cfg = self.cfg
+        lr = lr_at(self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
+                   min_lr_ratio=cfg.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        x, y = self.batches.next()  # (B, T), (B, T)
+        with _autocast(self.device, cfg.precision):
+            _, loss = self.step_model(x, y)
+        self.pending.append((self.step + 1, loss.detach()))
+        if self.device.type == "cpu":
+            self._read_losses()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+        self.batches.prefetch()  # next batch's host gather + copy overlap this step's kernels
+        if cfg.grad_clip > 0:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.step = self.ctx.step = self.step + 1
+        for cb in self.callbacks:
+            cb.on_step_end(self.ctx)
+        self.acc["tokens"] += cfg.batch_size * cfg.model.block_size
+
+    def _read_losses(self) -> None:
+        """Move pending step losses into the log accumulator; stop on a non-finite one."""
+        if not self.pending:
+            return
+        steps = [s for s, _ in self.pending]  # the update each loss belongs to (1-based)
+        values = torch.stack([v for _, v in self.pending]).tolist()  # one host sync
+        self.pending.clear()
+        for bad, value in zip(steps, values, strict=True):
+            if not math.isfinite(value):
+                self._diverge(bad, f"non-finite loss ({value}) at step {bad}")
+            self.acc["loss_sum"] += value
+            self.acc["loss_n"] += 1
+
+    def _diverge(self, bad: int, message: str) -> None:
+        """Record ``diverged`` at update ``bad`` (records so far kept) and stop the run."""
+        self.writer.flush()
+        self.writer.status("diverged", self.step, diverged_step=bad, message=message)
+        raise DivergedError(f"run diverged: {message}; recorded in {self.out / 'status.json'}")
+
+    # ------------------------------------------------------------------ records
+
+    def _boundary(self, s: int, last: bool, bar: _Bar | None) -> None:
+        """Records, logs and checkpoints due at step ``s`` (before update s + 1)."""
+        cfg = self.cfg
+        if last or any(s % every == 0 for every in (
+                cfg.log_every, cfg.probe_every, cfg.eval_every, cfg.checkpoint_every)):
+            self._read_losses()
+        if s % cfg.probe_every == 0 or last:
+            self._probe(s)
+        val_loss = math.nan
+        if s % cfg.eval_every == 0 or last:
+            val_loss = evaluate(self.model, self.data.val, cfg, self.device)
+        if s == 0 and not math.isnan(val_loss):
+            self.writer.add_log({"step": 0, "loss": math.nan, "val_loss": val_loss, "lr": 0.0})
+        elif s > 0 and (s % cfg.log_every == 0 or not math.isnan(val_loss) or last):
+            self._log(s, val_loss, bar)
+        if (s > 0 and s % cfg.checkpoint_every == 0) or last:
+            self.writer.flush()
+            self._checkpoint(s)
+            self.writer.status("done" if last else "running", s)
+        elif s % cfg.probe_every == 0:
+            self.writer.flush()
+            self.writer.status("running", s)
+
+    def _probe(self, s: int) -> None:
+        """Measure the probe set; callbacks may add flat records (layer −1, head −1)."""
+        try:
+            frame = measure(self.model, self.probe_tokens, batch_size=self.cfg.probe_batch).frame
+        except NonFiniteError as err:
+            # Update s left inf/NaN weights or activations while its own loss was finite (a
+            # huge lr): every earlier loss was finite, so the run diverged at step s.
+            self._diverge(s, f"{err} at the probe of step {s}")
+        for cb in self.callbacks:
+            extra = cb.on_probe(self.ctx, frame)
+            if extra:
+                rows = pd.DataFrame([{"layer": -1, "head": -1, "metric": k, "value": float(v)}
+                                     for k, v in extra.items()])
+                frame = pd.concat([frame, rows], ignore_index=True)
+        self.writer.add_metrics(frame, s)
+
+    def _log(self, s: int, val_loss: float, bar: _Bar | None) -> None:
+        cfg, acc = self.cfg, self.acc
+        now = time.perf_counter()
+        row = {"step": s, "loss": acc["loss_sum"] / max(acc["loss_n"], 1), "val_loss": val_loss,
+               "lr": lr_at(s - 1, lr=cfg.lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
+                           min_lr_ratio=cfg.min_lr_ratio),
+               "tokens_per_s": acc["tokens"] / max(now - acc["t"], 1e-9)}
+        self.writer.add_log(row)
+        acc.update(loss_sum=0.0, loss_n=0, tokens=0, t=now)
+        if bar is not None:
+            bar.update(row)
+
+    def _checkpoint(self, s: int) -> None:
+        save_checkpoint(self.out, s, {
+            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(), "data_rng": self.batches.generator_state(),
+            "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict(),
+            "callbacks": [cb.state_dict() for cb in self.callbacks],
+            "loss_acc": {"loss_sum": self.acc["loss_sum"], "loss_n": self.acc["loss_n"]},
+        }, keep=self.cfg.keep_checkpoints)
+
+
+def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
+          callbacks: list[Callback] | None = None, progress: bool = False,
+          run_id: str | None = None) -> RunResult:
+    """Train one run into ``out_dir`` with exactly the ``callbacks`` given (see
+    :class:`Trainer`); :func:`qkgeom.train` adds those the config asks for.
+
+    Raises :class:`QKGeomError` for bad input before any work, and
+    :class:`DivergedError` (after recording ``status: diverged``) on a non-finite loss.
+    """
+    return Trainer(cfg, out_dir, resume=resume, callbacks=callbacks, progress=progress,
+                   run_id=run_id).run()
+
+
+class _Bar:
+    """A rich progress bar with loss, tokens/s and ETA (only when asked for)."""
+
+    def __init__(self, total: int, done: int) -> None:
+        from qkgeom.ui import progress_bar
+
+        self._progress = progress_bar("[bold]train", "loss {task.fields[loss]}",
+                                      "{task.fields[tps]} tok/s")
+        self._task = self._progress.add_task("train", total=total, completed=done,
+                                             loss="-", tps="-")
+        self._progress.start()
+
+    def advance(self) -> None:
+        self._progress.advance(self._task)
+
+    def update(self, row: dict[str, Any]) -> None:
+        self._progress.update(self._task, loss=f"{row['loss']:.3f}",
+                              tps=f"{row['tokens_per_s']:,.0f}")
+
+    def close(self) -> None:
+        self._progress.stop()
