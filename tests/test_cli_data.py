@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-SHARED_WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-raw-sample"
-
 
 def run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "qkgeom.cli", *args],
@@ -24,22 +22,22 @@ def test_prepare_text_file(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "meta.json").is_file()
 
 
-def test_prepare_wikitext_raw_folder(tmp_path: Path) -> None:
-    import pytest
-
-    if not SHARED_WIKITEXT.is_dir():
-        pytest.skip(f"real WikiText raw sample not found at {SHARED_WIKITEXT} "
-                    "(it lives in ../shared beside the project checkout)")
+def test_prepare_wikitext_raw_folder(tmp_path: Path, wikitext_raw: Path) -> None:
+    """The shipped excerpt of the real WikiText raw files, laid out as WikiText-103."""
     raw = tmp_path / "raw"
     raw.mkdir()
-    valid = (SHARED_WIKITEXT / "wiki.valid.raw").read_bytes()
+    valid = (wikitext_raw / "wiki.valid.raw").read_bytes()
+    test = (wikitext_raw / "wiki.test.raw").read_bytes()
     (raw / "wiki.train.raw").write_bytes(valid)
     (raw / "wiki.valid.raw").write_bytes(valid)
-    (raw / "wiki.test.raw").write_bytes((SHARED_WIKITEXT / "wiki.test.raw").read_bytes())
+    (raw / "wiki.test.raw").write_bytes(test)
     res = run("data", "prepare", "--source", "wikitext-103", "--path", str(raw), "--dir",
               str(tmp_path / "wt"))
     assert res.returncode == 0, res.stderr
-    assert "train 1,1" in res.stdout  # ~1.1 M characters in wiki.valid.raw
+    # Tokens are characters, not bytes: 36,862 in the valid excerpt's 36,943 bytes.
+    n_valid, n_test = len(valid.decode("utf-8")), len(test.decode("utf-8"))
+    assert n_valid == 36_862 and n_test == 30_097
+    assert f"vocab 95, tokens train {n_valid:,}, val {n_valid:,}, test {n_test:,}" in res.stdout
 
 
 def test_prepare_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Fixtures for the data layer: the real embedded dump, the real WikiText raw sample."""
+"""Fixtures for the data layer: the real embedded dump (the WikiText raw excerpt shipped in
+``tests/data/wikitext-raw/`` is the session fixture ``wikitext_raw`` of ``tests/conftest.py``)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,6 @@ import pytest
 
 from qkgeom.data import iter_articles
 from qkgeom.data.sources import sample_dump_path
-
-# ../shared from the project root (a user's fresh clone has no ../shared).
-WIKITEXT_SAMPLE = (
-    Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "wikitext-raw-sample"
-)
 
 
 @pytest.fixture(scope="session")
@@ -25,14 +21,3 @@ def sample_dump() -> Path:
 def sample_articles(sample_dump: Path) -> list[tuple[str, str]]:
     """The dump converted once per session (the converter is the thing under test)."""
     return list(iter_articles(sample_dump))
-
-
-@pytest.fixture(scope="session")
-def wikitext_sample() -> Path:
-    """Folder with the real WikiText raw valid/test files, or skip."""
-    folder = WIKITEXT_SAMPLE.resolve()
-    if not (folder / "wiki.valid.raw").is_file() or not (folder / "wiki.test.raw").is_file():
-        pytest.skip(
-            f"real WikiText raw sample not found at {folder} (it lives in ../shared next to the project)"
-        )
-    return folder

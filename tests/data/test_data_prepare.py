@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -13,15 +15,46 @@ import pytest
 from qkgeom.data import CharVocab, load_prepared, prepare_data
 from qkgeom.errors import QKGeomError
 
+#: sha256 of the shipped excerpts, as listed in tests/data/wikitext-raw/README.md.
+VALID_SHA256 = "aefbb9955e3faa377db66bf2422ec6a91458b91291e619e7c368b735a522ae33"
+TEST_SHA256 = "39d4fddb02eeee1b41c458941114f32ce32a3cd2b8bc9850c0eb7eb8b70e0b38"
+
 
 @pytest.fixture(scope="module")
-def wikitext_dir(wikitext_sample: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def wikitext_dir(wikitext_raw: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Real raw files laid out as WikiText-103: valid doubles as train."""
     folder = tmp_path_factory.mktemp("wikitext")
-    shutil.copy(wikitext_sample / "wiki.valid.raw", folder / "wiki.train.raw")
-    shutil.copy(wikitext_sample / "wiki.valid.raw", folder / "wiki.valid.raw")
-    shutil.copy(wikitext_sample / "wiki.test.raw", folder / "wiki.test.raw")
+    shutil.copy(wikitext_raw / "wiki.valid.raw", folder / "wiki.train.raw")
+    shutil.copy(wikitext_raw / "wiki.valid.raw", folder / "wiki.valid.raw")
+    shutil.copy(wikitext_raw / "wiki.test.raw", folder / "wiki.test.raw")
     return folder
+
+
+def test_shipped_excerpt_is_real_wikitext_format(wikitext_raw: Path):
+    """The excerpt keeps the real raw format: whole articles, headings, @-@ tokens, LF only."""
+    readme = (wikitext_raw / "README.md").read_text(encoding="utf-8")
+    titles = {
+        "wiki.valid.raw": ["Homarus gammarus", "Frank Headlam", "M @-@ 82 ( Michigan highway )",
+                           "Shikamaru Nara"],
+        "wiki.test.raw": ["Robert Boulter", "Du Fu"],
+    }
+    for name, sha in (("wiki.valid.raw", VALID_SHA256), ("wiki.test.raw", TEST_SHA256)):
+        raw = (wikitext_raw / name).read_bytes()
+        assert hashlib.sha256(raw).hexdigest() == sha and sha in readme
+        assert f"{len(raw):,}" in readme
+        assert b"\r" not in raw
+        text = raw.decode("utf-8")
+        # Every article opens with a blank line (" ") and a " = Title = " line; the
+        # excerpt stops at an article boundary, so it ends with a paragraph and a blank line.
+        assert re.findall(r"^ = ([^=].*) = $", text, flags=re.M) == titles[name]
+        assert text.startswith(f" \n = {titles[name][0]} = \n \n ")
+        for title in titles[name][1:]:
+            assert f" \n \n = {title} = \n \n " in text
+        assert text.endswith(" . \n \n")
+        assert re.search(r"^ = = [^=].* = = $", text, flags=re.M)  # section headings
+        assert " @-@ " in text and " @.@ " in text  # WikiText's split hyphens and decimals
+        # The raw splits keep every word: <unk> only appears in the tokenised (non-raw) files.
+        assert "<unk>" not in text
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +68,19 @@ def test_wikitext_files(wikitext_dir: Path, wikitext_prepared: Path):
     data = load_prepared(wikitext_prepared)
     vocab = data.vocab
     assert vocab.chars == "".join(sorted(set(train)))
-    # The real WikiText valid split has 284 distinct characters: 285 ids need uint16.
-    assert vocab.vocab_size == len(set(train)) + 1 == 285
-    assert data.train.dtype == np.uint16 and data.meta["dtype"] == "uint16"
+    # The shipped valid excerpt has 94 distinct characters: 95 ids fit uint8 (the whole
+    # valid split has 284, which needs uint16: see test_text_over_256_ids_is_uint16).
+    assert vocab.vocab_size == len(set(train)) + 1 == 95
+    assert data.train.dtype == np.uint8 and data.meta["dtype"] == "uint8"
     assert data.sizes == {"train": len(train), "val": len(train), "test": len(test)}
-    assert (wikitext_prepared / "train.bin").stat().st_size == 2 * len(train)
+    assert len(train) < len(train.encode("utf-8"))  # multi-byte characters (e.g. "–")
+    assert (wikitext_prepared / "train.bin").stat().st_size == len(train)
     assert isinstance(data.train, np.memmap) and not data.train.flags.writeable
     assert vocab.decode(data.train[:1000]) == train[:1000]
     assert np.array_equal(data.val, data.train)
     # Characters of test never seen in train map to the unknown id, and only those.
     unseen = set(test) - set(train)
-    assert unseen, "the real test split has characters the valid split lacks"
+    assert unseen, "the real test excerpt has characters the valid excerpt lacks"
     is_unseen = np.array([c in unseen for c in test])
     assert np.array_equal(np.asarray(data.test) == vocab.unknown_id, is_unseen)
     assert data.meta["unknown_tokens"] == {"train": 0, "val": 0, "test": int(is_unseen.sum())}
@@ -57,14 +92,10 @@ def test_wikitext_meta_provenance(wikitext_dir: Path, wikitext_prepared: Path):
     meta = json.loads((wikitext_prepared / "meta.json").read_text())
     assert meta["source"] == "wikitext-103" and meta["format_version"] == 1
     assert meta["path"] == str(wikitext_dir.resolve())
-    # sha256 of the real files, as published in the sample's README.
-    assert meta["inputs"][str(wikitext_dir / "wiki.valid.raw")] == (
-        "4cd0f6876d07a413aa911261ff6d363c72d757d47f0fdd6015702014c89cb9c7"
-    )
-    assert meta["inputs"][str(wikitext_dir / "wiki.test.raw")] == (
-        "173c87a53759e0201f33e0ccf978e510c2042d7f2cb78229d9a50d79b9e7dd08"
-    )
-    assert CharVocab.from_json(meta["vocab"]).vocab_size == 285
+    # sha256 of the shipped excerpts, as published in their README.
+    assert meta["inputs"][str(wikitext_dir / "wiki.valid.raw")] == VALID_SHA256
+    assert meta["inputs"][str(wikitext_dir / "wiki.test.raw")] == TEST_SHA256
+    assert CharVocab.from_json(meta["vocab"]).vocab_size == 95
 
 
 def test_datasets_route_matches_raw_files(wikitext_dir, wikitext_prepared, tmp_path, monkeypatch):
@@ -163,6 +194,18 @@ def test_text_folder_sorted_and_joined(tmp_path):
             str((folder / "b" / "2.txt").resolve())
         ],
     }
+
+
+def test_text_over_256_ids_is_uint16(tmp_path):
+    chars = "".join(chr(0x100 + i) for i in range(300))  # 300 characters + unknown: uint16
+    text = "".join(f"{chars[i:] + chars[:i]}\n" for i in range(40))
+    (tmp_path / "wide.txt").write_text(text, encoding="utf-8")
+    data = load_prepared(prepare_data("text", tmp_path / "out", path=tmp_path / "wide.txt"))
+    assert data.vocab.vocab_size == 302 and data.meta["dtype"] == "uint16"
+    assert data.train.dtype == np.uint16
+    assert (tmp_path / "out" / "train.bin").stat().st_size == 2 * data.sizes["train"]
+    decoded = "".join(data.vocab.decode(getattr(data, s)) for s in ("train", "val", "test"))
+    assert decoded == text
 
 
 def test_unseen_chars_in_text_val_are_unknown(tmp_path):

@@ -37,14 +37,14 @@ def test_real_dump_article_count_and_no_redirects(sample_dump, sample_articles):
     articles = [t for t, ns, redirect in pages if ns == "0" and not redirect]
     redirects = {t for t, ns, redirect in pages if redirect}
     titles = [title for title, _ in sample_articles]
-    assert 100 <= len(titles) <= 110  # SPEC §6: 106 articles after redirects
+    assert 100 <= len(titles) <= 110  # the shortened dump: 106 articles after redirects
     assert titles == [t.replace("&amp;", "&") for t in articles]  # every prose article, dump order
     assert len(redirects) >= 90 and not redirects & set(titles)
 
 
 def test_real_dump_is_clean_wikitext_layout(sample_articles):
     text = "".join(body for _, body in sample_articles)
-    assert 2_500_000 <= len(text) <= 3_200_000  # SPEC §6: about 2.8 M characters
+    assert 2_500_000 <= len(text) <= 3_200_000  # about 2.8 M characters of prose
     markup = ["{{", "}}", "[[", "]]", "<ref", "</ref", "{|", "|}", "''", "&amp;", "<!--"]
     for residue in [*markup, "http://", "https://"]:
         assert residue not in text, residue
