@@ -8,9 +8,11 @@ import sys
 
 def test_top_level_names_are_the_functions_even_after_submodule_imports() -> None:
     code = (
-        "import qkgeom.training, qkgeom.geometry.probe, qkgeom.analysis, inspect\n"
-        "from qkgeom import GPT, GPTConfig, TrainConfig, train, probe\n"
-        "assert inspect.isfunction(train) and inspect.isfunction(probe), (train, probe)\n"
+        "import qkgeom.training, qkgeom.geometry.measure, qkgeom.launch, qkgeom.analysis\n"
+        "import inspect\n"
+        "from qkgeom import GPT, GPTConfig, TrainConfig, train, measure\n"
+        "assert inspect.isfunction(train) and inspect.isfunction(measure), (train, measure)\n"
+        "import qkgeom.launch; assert train is qkgeom.launch.train\n"
         "assert inspect.isclass(GPT) and inspect.isclass(GPTConfig)\n"
         "import qkgeom; assert qkgeom.train is train\n"
     )
@@ -19,6 +21,8 @@ def test_top_level_names_are_the_functions_even_after_submodule_imports() -> Non
 
 
 def test_analysis_import_does_not_load_torch() -> None:
-    code = "import sys, qkgeom, qkgeom.analysis, qkgeom.stats; assert 'torch' not in sys.modules"
+    code = ("import sys, qkgeom, qkgeom.analysis, qkgeom.analysis.e4.report, qkgeom.runs, "
+            "qkgeom.runs.sweep, qkgeom.runs.family, qkgeom.monitor.watch, qkgeom.config\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr

@@ -38,6 +38,7 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     :class:`~qkgeom.errors.DivergedError` (after recording ``status: diverged``) when the
     loss or the geometry stops being finite.
     """
+    cfg.validate()  # before reading any feature setting
     return _train_with(cfg, out_dir, resume=resume,
                        callbacks=[*callbacks_for(cfg), *(callbacks or [])],
                        progress=progress, run_id=run_id)

@@ -8,8 +8,10 @@ import pandas as pd
 import pytest
 
 from qkgeom import make_config, train
+from qkgeom.config import KeyControlConfig
 from qkgeom.control import KeyControlCallback
 from qkgeom.training import Callback, TrainContext
+from qkgeom.training import train as train_with_callbacks
 
 COLS = ["step", "layer", "head", "metric", "value"]
 
@@ -32,7 +34,8 @@ class _Stop(Callback):
 
 def test_hold_in_the_trainer_records_targets_and_resumes_bit_for_bit(sample_data: Path,
                                                                      tmp_path: Path) -> None:
-    res = train(smoke(sample_data), tmp_path / "ref", callbacks=[KeyControlCallback("hold")])
+    hold = {"key_control": {"mode": "hold"}}
+    res = train(smoke(sample_data, **hold), tmp_path / "ref")
     m = res.metrics
     ctl = m[m["metric"].str.startswith("ctl_")]
     assert set(ctl["step"]) == {0, 10, 20, 30, 40}
@@ -47,8 +50,8 @@ def test_hold_in_the_trainer_records_targets_and_resumes_bit_for_bit(sample_data
 
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
-        train(smoke(sample_data), out, callbacks=[KeyControlCallback("hold"), _Stop(25)])
-    again = train(smoke(sample_data), out, resume=True, callbacks=[KeyControlCallback("hold")])
+        train(smoke(sample_data, **hold), out, callbacks=[_Stop(25)])
+    again = train(smoke(sample_data, **hold), out, resume=True)
     a = m.sort_values(COLS[:4]).reset_index(drop=True)[COLS]
     b = pd.read_parquet(out / "metrics.parquet").sort_values(COLS[:4]).reset_index(drop=True)[COLS]
     assert again.step == 40
@@ -58,6 +61,6 @@ def test_hold_in_the_trainer_records_targets_and_resumes_bit_for_bit(sample_data
 def test_mode_none_in_the_trainer_is_bit_identical_to_no_callback(sample_data: Path,
                                                                   tmp_path: Path) -> None:
     plain = train(smoke(sample_data, steps=20, probe_every=10), tmp_path / "plain").metrics
-    none = train(smoke(sample_data, steps=20, probe_every=10), tmp_path / "none",
-                 callbacks=[KeyControlCallback("none")]).metrics
+    none = train_with_callbacks(smoke(sample_data, steps=20, probe_every=10), tmp_path / "none",
+                                callbacks=[KeyControlCallback(KeyControlConfig("none"))]).metrics
     pd.testing.assert_frame_equal(plain[COLS], none[COLS], check_exact=True)

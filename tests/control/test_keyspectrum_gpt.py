@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qkgeom.config import GPTConfig
+from qkgeom.config import GPTConfig, KeyControlConfig
 from qkgeom.control import KeyControlCallback, KeySpectrumControl, apply_target
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry.spectra import weight_pr
@@ -263,10 +263,11 @@ def ctx_for(model: GPT, step: int = 0) -> TrainContext:
                         step=step)
 
 
-def test_callback_attaches_at_train_start_steps_and_reports_on_probe() -> None:
+def test_callback_attaches_to_the_built_model_steps_and_reports_on_probe() -> None:
     model = make_model()
-    cb = KeyControlCallback("shrink", shrink_to=0.5)
+    cb = KeyControlCallback(KeyControlConfig("shrink", shrink_to=0.5))
     ctx = ctx_for(model)
+    cb.on_model_built(ctx)
     cb.on_train_start(ctx)
     at0 = cb.on_probe(ctx, None)
     assert at0["ctl_target_l0"] == at0["ctl_pr_l0"] == pytest.approx(layer_pr(model)[0])
@@ -283,19 +284,25 @@ def test_callback_attaches_at_train_start_steps_and_reports_on_probe() -> None:
     assert cb.state_dict()["step"] == STEPS
 
 
-def test_callback_resume_takes_pr0_from_the_state_loaded_before_train_start() -> None:
+def test_callback_resume_takes_pr0_from_the_state_not_from_the_weights() -> None:
+    """A resumed run's targets come from the checkpoint's state (loaded after the model is
+    built), never from the trained weights it attaches to."""
+    hold = KeyControlConfig("hold")
     model = make_model()
-    cb = KeyControlCallback("hold")
-    cb.on_train_start(ctx_for(model))
+    cb = KeyControlCallback(hold)
+    cb.on_model_built(ctx_for(model))
     state = cb.state_dict()
     with torch.no_grad():  # the resumed weights differ from step 0
         model.qk_weights(0)[1].mul_(torch.linspace(0.5, 1.5, 32)[:, None])
-    resumed = KeyControlCallback("hold")
-    resumed.load_state_dict(state)  # the trainer loads callback states first
+    resumed = KeyControlCallback(hold)
+    resumed.on_model_built(ctx_for(model, step=7))
+    assert not torch.equal(resumed.control.pr0, cb.control.pr0)  # measured on trained weights
+    resumed.load_state_dict(state)
     resumed.on_train_start(ctx_for(model, step=7))
     assert torch.equal(resumed.control.pr0, cb.control.pr0)
     assert resumed.control.step_count == 0
-    fresh = KeyControlCallback("hold")
+    fresh = KeyControlCallback(hold)
+    fresh.on_model_built(ctx_for(model, step=7))
     with pytest.raises(QKGeomError, match="no key-control state"):
         fresh.on_train_start(ctx_for(model, step=7))
 
@@ -303,10 +310,10 @@ def test_callback_resume_takes_pr0_from_the_state_loaded_before_train_start() ->
 def test_callback_none_does_nothing() -> None:
     model = make_model()
     before = copy.deepcopy(model.state_dict())
-    cb = KeyControlCallback("none")
+    cb = KeyControlCallback(KeyControlConfig("none"))
     ctx = ctx_for(model, step=3)
-    cb.on_train_start(ctx)
+    cb.on_model_built(ctx)
     cb.on_step_end(ctx)
-    assert cb.on_probe(ctx, None) is None and cb.state_dict() == {} and cb.control is None
+    assert cb.on_probe(ctx, None) is None and cb.control.sites == []
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])

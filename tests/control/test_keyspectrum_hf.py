@@ -1,8 +1,8 @@
 """Key-spectrum control on tiny Hugging Face models built from configs (nothing downloaded).
 
-The addressed key slice is checked against the keys the model itself caches (GPT-2: every
-position; GPT-NeoX and Llama apply rotary embeddings after W_K, which is the identity at
-position 0, and GPT-NeoX leaves the dims past ``rotary_ndims`` unrotated everywhere).
+Where W_K lives in each model is :mod:`qkgeom.arch`'s (tests/arch checks it against what
+the models compute); here: the control rewrites that W_K and nothing else, and holds or
+reaches its targets through training.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from qkgeom.control import KeySpectrumControl, apply_target, find_key_sites  # noqa: E402
+from qkgeom.control import KeySpectrumControl, apply_target  # noqa: E402
 from qkgeom.geometry.spectra import weight_pr  # noqa: E402
 
 V, T, STEPS = 50, 12, 20
@@ -39,7 +39,14 @@ def llama() -> torch.nn.Module:
     return transformers.LlamaForCausalLM(cfg)
 
 
-BUILDERS = {"gpt2": gpt2, "gpt_neox": neox, "llama": llama}
+def bert() -> torch.nn.Module:
+    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                                  intermediate_size=64, vocab_size=V, max_position_embeddings=64,
+                                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg)
+
+
+BUILDERS = {"gpt2": gpt2, "gpt_neox": neox, "llama": llama, "bert": bert}
 
 
 def build(arch: str) -> torch.nn.Module:
@@ -47,66 +54,14 @@ def build(arch: str) -> torch.nn.Module:
     return BUILDERS[arch]().float()
 
 
-def attention_modules(model: torch.nn.Module, arch: str) -> list[torch.nn.Module]:
-    if arch == "gpt2":
-        return [b.attn for b in model.transformer.h]
-    if arch == "gpt_neox":
-        return [layer.attention for layer in model.gpt_neox.layers]
-    return [layer.self_attn for layer in model.model.layers]
-
-
-def key_bias(site, arch: str) -> torch.Tensor | None:
-    bias = site.module.bias
-    if bias is None:
-        return None
-    if arch == "gpt2":
-        return bias[site.d_k:2 * site.d_k]
-    if arch == "gpt_neox":
-        return bias.view(site.n_head, 3, site.head_dim)[:, 1].reshape(-1)
-    return bias
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama"])
-def test_the_addressed_key_is_the_key_the_model_computes(arch: str) -> None:
-    model = build(arch).eval()
-    name, sites = find_key_sites(model)
-    assert name == arch and len(sites) == 2
-    inputs: dict[int, torch.Tensor] = {}
-    hooks = [m.register_forward_pre_hook(
-        lambda mod, args, kwargs, i=i: inputs.__setitem__(
-            i, (args[0] if args else kwargs["hidden_states"]).detach()), with_kwargs=True)
-        for i, m in enumerate(attention_modules(model, arch))]
-    x = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        out = model(x, use_cache=True)
-    for h in hooks:
-        h.remove()
-    cache = getattr(out, "cache", None) or out.past_key_values
-    for i, site in enumerate(sites):
-        w_k = site.key()  # (d_k, d_model), nn.Linear layout
-        k = inputs[i] @ w_k.T  # (B, T, d_k)
-        b = key_bias(site, arch)
-        if b is not None:
-            k = k + b
-        k = k.view(2, T, site.n_head, site.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        cached = cache.layers[i].keys  # (B, H, T, hd), after rotary for NeoX / Llama
-        if arch == "gpt2":
-            torch.testing.assert_close(cached, k, rtol=1e-5, atol=1e-6)
-        else:
-            torch.testing.assert_close(cached[:, :, 0], k[:, :, 0], rtol=1e-5, atol=1e-6)
-            assert not torch.allclose(cached[:, :, 1:], k[:, :, 1:])  # rotary really acts
-        if arch == "gpt_neox":
-            r = attention_modules(model, arch)[i].rotary_ndims
-            torch.testing.assert_close(cached[..., r:], k[..., r:], rtol=1e-5, atol=1e-6)
-
-
 def qv_slices(site, arch: str) -> list[torch.Tensor]:
-    w = site.stored().detach().clone()
-    d = site.d_k
+    """The W_Q and W_V parts of a fused stored weight, read by hand (not through the site)."""
+    w = site.key_stored().detach().clone()
+    d = site.n_kv_head * site.head_dim
     if arch == "gpt2":
         return [w[:, :d], w[:, 2 * d:]]
     if arch == "gpt_neox":
-        w4 = w.view(site.n_head, 3, site.head_dim, site.d_model)
+        w4 = w.view(site.n_kv_head, 3, site.head_dim, site.d_model)
         return [w4[:, 0], w4[:, 2]]
     return []
 
@@ -124,16 +79,16 @@ def train_steps(model: torch.nn.Module, ctl: KeySpectrumControl, arch: str,
         loss.backward()
         opt.step()
         before = [qv_slices(site, arch) for site in ctl.sites]
-        k_before = [site.key().detach().clone() for site in ctl.sites]
+        k_before = [site.weight("k").clone() for site in ctl.sites]
         recs.append(ctl.step(s))
         for site, qv, kb in zip(ctl.sites, before, k_before, strict=True):
             for a, b in zip(qv, qv_slices(site, arch), strict=True):
                 assert torch.equal(a, b)  # W_Q, W_V untouched by step()
-            assert not torch.equal(kb, site.key())  # ... while W_K was rewritten
+            assert not torch.equal(kb, site.weight("k"))  # ... while W_K was rewritten
     return recs
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama"])
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "bert"])
 @pytest.mark.parametrize("scope", ["layer", "head"])
 def test_hold_keeps_the_key_pr_on_target_through_training(arch: str, scope: str) -> None:
     model = build(arch)
@@ -144,12 +99,12 @@ def test_hold_keeps_the_key_pr_on_target_through_training(arch: str, scope: str)
     assert (((now - pr0).abs() / pr0) < 1e-3).all()
     # independently: PR of the key slice read straight from the weight
     site = ctl.sites[1]
-    w = site.key().detach()
+    w = site.weight("k")
     if scope == "layer":
         assert float(weight_pr(w)) == pytest.approx(float(pr0[1]), rel=1e-3)
     else:
         head0 = w[:site.head_dim]
-        assert float(weight_pr(head0)) == pytest.approx(float(pr0[site.n_head]), rel=1e-3)
+        assert float(weight_pr(head0)) == pytest.approx(float(pr0[site.n_kv_head]), rel=1e-3)
 
 
 def test_parametrize_on_a_fused_gpt2_weight_changes_only_the_key() -> None:
@@ -157,8 +112,8 @@ def test_parametrize_on_a_fused_gpt2_weight_changes_only_the_key() -> None:
     ctl = KeySpectrumControl.attach(model, "shrink", total_steps=STEPS, how="parametrize")
     recs = train_steps(model, ctl, "gpt2", steps=5)
     for site in ctl.sites:
-        eff, raw = site.weight().detach(), site.stored().detach()
-        d = site.d_k
+        eff, raw = site.key_effective().detach(), site.key_stored().detach()
+        d = site.n_kv_head * site.head_dim
         assert torch.equal(eff[:, :d], raw[:, :d]) and torch.equal(eff[:, 2 * d:], raw[:, 2 * d:])
     for i in range(2):
         assert recs[-1][f"ctl_pr_l{i}"] == pytest.approx(recs[-1][f"ctl_target_l{i}"], rel=1e-3)
@@ -177,7 +132,7 @@ def test_a_tall_key_projection_is_reshaped_like_apply_target() -> None:
     w0 = model.model.layers[0].self_attn.k_proj.weight.detach().clone()
     assert w0.shape == (64, 32)
     ctl = KeySpectrumControl.attach(model, "shrink", shrink_to=0.7, total_steps=2)
-    assert ctl.sites[0].n_head == 4 and ctl.sites[0].head_dim == 16
+    assert ctl.sites[0].n_kv_head == 4 and ctl.sites[0].head_dim == 16
     ctl.step(2)
     want, _ = apply_target(w0, 0.7 * float(ctl.pr0[0]))
     torch.testing.assert_close(model.model.layers[0].self_attn.k_proj.weight.detach(), want,

@@ -24,7 +24,8 @@ import pandas as pd
 import pytest
 from sweep_helpers import attempts, metrics, tiny_grid, write_grid
 
-from qkgeom.experiments.layout import WORKER_LOG, read_status, run_dir
+from qkgeom.runs import read_status
+from qkgeom.runs.sweep import WORKER_LOG, run_dir
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'qkgeom[ray]')")
 

@@ -11,9 +11,10 @@ from sweep_helpers import attempts, metrics, mtimes, run_cli, tiny_grid, write_g
 
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments import Grid, load_grid, run_one, run_sweep, sweep_status
-from qkgeom.experiments.layout import RunLock, lock_is_held, run_dir
 from qkgeom.experiments.runner import available_cpus
 from qkgeom.experiments.worker import record_failure
+from qkgeom.runs import RunLock, lock_is_held
+from qkgeom.runs.sweep import run_dir
 
 
 def test_tiny_sweep_trains_every_run(local_tiny_sweep, sample_data: Path) -> None:

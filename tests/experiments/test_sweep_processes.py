@@ -14,7 +14,8 @@ import pytest
 from sweep_helpers import attempts, metrics, mtimes, sweep_cmd, tiny_grid, write_grid
 
 from qkgeom.experiments import run_sweep, sweep_status
-from qkgeom.experiments.layout import lock_is_held, read_status, run_dir
+from qkgeom.runs import lock_is_held, read_status
+from qkgeom.runs.sweep import run_dir
 
 LOG_COLS = ["step", "loss", "val_loss", "lr"]
 

@@ -95,8 +95,8 @@ def test_data_prepare_fuzz(content: bytes, tmp_path_factory: pytest.TempPathFact
 
 KEYS = st.sampled_from([
     "steps", "batch_size", "lr", "warmup_steps", "probe_every", "eval_every", "log_every",
-    "checkpoint_every", "keep_checkpoints", "shrink_to", "expand_to", "key_control",
-    "key_control_scope", "precision", "seed", "grad_clip", "weight_decay", "min_lr_ratio",
+    "checkpoint_every", "keep_checkpoints", "key_control.shrink_to", "key_control.expand_to",
+    "key_control.mode", "key_control.scope", "key_control", "precision", "seed", "grad_clip", "weight_decay", "min_lr_ratio",
     "beta1", "beta2", "reference_step", "threads", "model.n_layer", "model.n_head",
     "model.n_embd", "model.block_size", "model.dropout", "model.qk_init", "model.bias",
     "model", "nonsense", "model.depth", "data", "device"])
@@ -184,10 +184,11 @@ def test_sweep_grid_fuzz(text: str, sample_data: Path, tmp_path_factory: pytest.
 
 
 def _field_values() -> st.SearchStrategy:
-    from qkgeom.config import GPTConfig, TrainConfig
+    from qkgeom.config import GPTConfig, KeyControlConfig, TrainConfig
 
     fields = [("", f.name) for f in dataclasses.fields(TrainConfig)] + \
-             [("model.", f.name) for f in dataclasses.fields(GPTConfig)]
+             [("model.", f.name) for f in dataclasses.fields(GPTConfig)] + \
+             [("key_control.", f.name) for f in dataclasses.fields(KeyControlConfig)]
     return st.tuples(st.sampled_from(fields), VALUES)
 
 
@@ -197,7 +198,7 @@ def test_python_api_fuzz(change: tuple[tuple[str, str], object], overrides: dict
                          sample_data: Path, tmp_path_factory: pytest.TempPathFactory,
                          monkeypatch: pytest.MonkeyPatch) -> None:
     import qkgeom
-    import qkgeom.training.loop as loop
+    import qkgeom.training.trainer as trainer
     from qkgeom.errors import QKGeomError
 
     nested: dict = {}
@@ -221,7 +222,9 @@ def test_python_api_fuzz(change: tuple[tuple[str, str], object], overrides: dict
     (prefix, name), value = change
     cfg = qkgeom.make_config("smoke", {"data": str(sample_data)})
     if prefix:
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **{name: value}))
+        section = prefix.rstrip(".")
+        inner = dataclasses.replace(getattr(cfg, section), **{name: value})
+        cfg = dataclasses.replace(cfg, **{section: inner})
     else:
         cfg = dataclasses.replace(cfg, **{name: value})
     out = tmp_path_factory.mktemp("api") / "run"
@@ -229,7 +232,7 @@ def test_python_api_fuzz(change: tuple[tuple[str, str], object], overrides: dict
     def accepted(*_a, **_k):
         raise _Accepted
 
-    monkeypatch.setattr(loop, "GPT", accepted)
+    monkeypatch.setattr(trainer, "GPT", accepted)
     try:
         qkgeom.train(cfg, out)
         ok = False

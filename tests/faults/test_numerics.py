@@ -9,14 +9,14 @@ import pytest
 import torch
 from fault_helpers import figure
 
-from qkgeom.geometry import NonFiniteError, TokenGeometry, weight_records
+from qkgeom.geometry import LayerGeometry, NonFiniteError, weight_records
 
 RESULTS: dict[str, str] = {}
 B, H, T, HD = 2, 2, 8, 4
 
 
 def _layer(q: torch.Tensor, k: torch.Tensor) -> dict[str, float]:
-    g = TokenGeometry(q.shape[1], q.shape[3])
+    g = LayerGeometry(q.shape[1], q.shape[1], q.shape[3])
     g.update(q, k)
     recs = g.records()
     assert all(math.isfinite(v) for _, _, v in recs), recs
@@ -52,13 +52,15 @@ def test_single_token() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_inputs_match_float64(dtype: torch.dtype) -> None:
+    """Half inputs run float32 products into float64 totals: float32 round-off of the
+    float64 result on the same (rounded) values (measure() passes float64 by default)."""
     q, k = _qk(dtype=dtype)
     half = _layer(q, k)
     full = _layer(q.double(), k.double())  # the same (rounded) values in float64
     for name in ("pr_q_token", "pr_k_token", "pr_qk_token"):
-        assert half[name] == pytest.approx(full[name], rel=1e-9)
+        assert half[name] == pytest.approx(full[name], rel=1e-6)
     assert half["attn_entropy"] == pytest.approx(full["attn_entropy"], rel=1e-5)
-    RESULTS[f"{dtype}"] = "same PRs as float64 of the same values"
+    RESULTS[f"{dtype}"] = "PRs of float64 to float32 round-off"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -75,7 +77,7 @@ def test_huge_magnitudes(dtype: torch.dtype) -> None:
 
 
 def test_nonfinite_or_overflowing_activations_are_a_clear_error() -> None:
-    g = TokenGeometry(H, HD)
+    g = LayerGeometry(H, H, HD)
     for bad in (float("nan"), float("inf")):
         q, k = _qk()
         q[0, 0, 3, 1] = bad

@@ -129,6 +129,12 @@ class StreamingCovariance:
         self._require(ddof + 1)
         return self._m2 / (self.count - ddof)
 
+    def scatter(self) -> Tensor:
+        """(G, dim, dim) float64 centred scatter ``M2`` (the covariance times count − 1);
+        defined from one sample on (zero), which is all a PR needs: PR is scale free."""
+        self._require(1)
+        return self._m2.clone()
+
     def pr(self) -> Tensor:
         """(G,) float64 participation ratio of each group's covariance.
 

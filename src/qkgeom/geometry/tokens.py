@@ -15,8 +15,9 @@ Per batch of captured q/k (q (B, H, T, hd), k (B, H_kv, T, hd), unpadded windows
 
 Precision: the products of a batch (scatter, Grams, scores) run in the input's float type
 -- float64 input gives float64 throughout (what probes use: exact, small inputs); float32
-input gives float32 products merged into float64 totals (long corpora, fast). Scores that
-could overflow float32 (|q|·|k|·hd·scale beyond 1e37) are computed in float64. Non-finite
+(or half) input gives float32 products merged into float64 totals (long corpora, fast).
+Products that could overflow float32 (scores |q|·|k|·hd·scale beyond 1e37, activations
+beyond 1e14) are computed in float64. Non-finite
 activations, or entries beyond 1e140 (their float64 scatter would overflow), raise
 :class:`~qkgeom.geometry.spectra.NonFiniteError` before anything is accumulated.
 
@@ -44,6 +45,7 @@ __all__ = ["LayerGeometry", "logit_pr"]
 # Largest |activation| whose float64 scatter (sums of squares over ~1e9 tokens) stays finite.
 _MAX_ABS_ACTIVATION = 1e140
 _FLOAT32_SAFE = 1e37  # |score| bound above which float32 scores could overflow (max 3.4e38)
+_FLOAT32_SCATTER_SAFE = 1e14  # |activation| above which a float32 scatter could overflow
 
 
 def logit_pr(q: Tensor, k: Tensor) -> Tensor:
@@ -145,6 +147,8 @@ class LayerGeometry:
         bound = amax[id(q_attn)] * amax[id(k_attn)] * hd * abs(scale)  # |score| bound
         if q_attn.dtype != torch.float64 and bound > _FLOAT32_SAFE:
             q_attn, k_attn = q_attn.double(), k_attn.double()  # float32 scores would overflow
+        if q_site.dtype != torch.float64 and peak > _FLOAT32_SCATTER_SAFE:
+            q_site, k_site = q_site.double(), k_site.double()  # so would a float32 scatter
         ws = self.workspace or Workspace()
         for cov, x, name in ((self.cov_q, q_site, "cov.q"), (self.cov_k, k_site, "cov.k")):
             mean, m2 = centred_scatter(x.transpose(1, 2), ws, name, 2)  # rows (B, T), heads·hd
@@ -161,8 +165,8 @@ class LayerGeometry:
         """Records of the token metrics, query heads 0..H−1 then −1 (layer)."""
         if self.n_sequences == 0:
             raise ValueError("LayerGeometry has no tokens; call update() first")
-        cov_q = self.cov_q.covariance()[0]  # (H·hd, H·hd)
-        cov_k = self.cov_k.covariance()[0]  # (Hk·hd, Hk·hd)
+        cov_q = self.cov_q.scatter()[0]  # (H·hd, H·hd), covariance up to its scale
+        cov_k = self.cov_k.scatter()[0]  # (Hk·hd, Hk·hd)
         pr_q = pr_from_covariance(head_blocks(cov_q, self.n_head)).cpu()  # (H,)
         pr_k = pr_from_covariance(head_blocks(cov_k, self.n_kv_head)).cpu()  # (Hk,)
         R = self.n_head // self.n_kv_head

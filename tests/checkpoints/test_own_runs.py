@@ -1,5 +1,5 @@
-"""The project's own runs: the analysis reproduces the trainer's probes, and an exported
-run is a GPT2LMHeadModel with identical logits."""
+"""The project's own runs: an analysis of the run's text reproduces the trainer's probes,
+and an exported run is a GPT2LMHeadModel with identical logits."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from qkgeom import make_config, train
+from qkgeom.checkpoints import analyze_model, export_run
+from qkgeom.checkpoints.resolve import load_run_model
 from qkgeom.data import load_prepared
 from qkgeom.errors import QKGeomError
-from qkgeom.pretrained import analyze_model, export_run
-from qkgeom.pretrained.checkpoints import load_run_model
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # trains a smoke run (and prepares the sample once)
@@ -34,7 +34,8 @@ def test_token_prs_equal_the_trainers_probes(run: Path, sample_data: Path) -> No
     for step in (10, 20):
         model, vocab, _ = load_run_model(run, step)
         # the val split is where the trainer's probe set comes from (its first n_seq × T)
-        got = analyze_model(model, vocab, val_text, max_tokens=n_seq * T, seq_len=T)
+        got = analyze_model(model, vocab, val_text, max_tokens=n_seq * T, seq_len=T,
+                            precision="float64")
         want = probes[probes["step"] == step]
         merged = got.merge(want, on=["layer", "head", "metric"], suffixes=("", "_trainer"))
         assert len(merged) == len(want) > 0
@@ -42,11 +43,11 @@ def test_token_prs_equal_the_trainers_probes(run: Path, sample_data: Path) -> No
                        "attn_entropy", "pr_q_weight", "pr_qk_weight"):
             sel = merged[merged["metric"] == metric]
             assert sel["value"].to_numpy() == pytest.approx(sel["value_trainer"].to_numpy(),
-                                                            rel=1e-5, abs=1e-6), metric
+                                                            rel=1e-9, abs=1e-12), metric
 
 
 def test_run_folder_checkpoints_are_a_family(run: Path, tmp_path: Path) -> None:
-    from qkgeom.pretrained.family import analyze_checkpoints
+    from qkgeom.checkpoints.family import analyze_checkpoints
 
     (tmp_path / "t.txt").write_text("a short text for the character model.\n" * 20)
     out = analyze_checkpoints([str(run)], tmp_path / "an", text=str(tmp_path / "t.txt"),

@@ -19,7 +19,7 @@ import torch
 from qkgeom import make_config, train
 from qkgeom.config import GPTConfig
 from qkgeom.data.batches import BatchStream, sample_batch
-from qkgeom.geometry.probe import probe
+from qkgeom.geometry import measure
 from qkgeom.model import GPT, tap_qk
 from qkgeom.training.checkpoint import load_latest_checkpoint
 
@@ -41,12 +41,14 @@ def test_auto_precision_resolves_by_device_and_hashes_as_resolved() -> None:
     assert cpu.config_hash() == make_config("smoke", {"compile": True}).config_hash()
 
 
-def test_cli_maps_compile_flag() -> None:
-    from qkgeom.cli import _train_overrides
+def test_cli_maps_flags_onto_config_keys() -> None:
+    from qkgeom.cli.train import train_overrides
 
-    assert _train_overrides(compile=True, precision="bf16") == {"compile": True,
-                                                                "precision": "bf16"}
-    assert _train_overrides(compile=None) == {}
+    assert train_overrides(compile=True, precision="bf16") == {"compile": True,
+                                                               "precision": "bf16"}
+    assert train_overrides(compile=None) == {}
+    assert train_overrides(depth=6, key_control="hold", shrink_to=0.3) == {
+        "model": {"n_layer": 6}, "key_control": {"mode": "hold", "shrink_to": 0.3}}
 
 
 def test_bf16_run_probes_in_fp32_keeps_fp32_master_weights_and_learns(
@@ -85,10 +87,10 @@ def test_probe_disables_an_enclosing_autocast() -> None:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with tap_qk(model, lambda layer, q, k: train_dtypes.append(q.dtype)):
             model(tokens)
-        inside = probe(model, tokens, batch_size=2)
+        inside = measure(model, tokens, batch_size=2).frame
     assert set(train_dtypes) == {torch.bfloat16}  # the training forward is bf16 here
-    outside = probe(model, tokens, batch_size=2)
-    pd.testing.assert_frame_equal(inside, outside, check_exact=True)  # probe: always fp32
+    outside = measure(model, tokens, batch_size=2).frame
+    pd.testing.assert_frame_equal(inside, outside, check_exact=True)  # probe: never autocast
 
 
 def test_batch_stream_prefetch_gives_the_same_batches_and_resumable_state() -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from qkgeom.monitor.state import frozen_training_state
+from qkgeom.geometry import frozen_training_state
 
 
 def model() -> nn.Module:

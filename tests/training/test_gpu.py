@@ -42,7 +42,7 @@ def test_probes_run_in_fp32_during_a_bf16_run(sample_data: Path, tmp_path: Path,
 
 
 def test_key_control_holds_its_target_on_cuda(sample_data: Path, tmp_path: Path) -> None:
-    res = train(smoke(sample_data, key_control="hold", steps=20, compile=True),
+    res = train(smoke(sample_data, key_control={"mode": "hold"}, steps=20, compile=True),
                 tmp_path / "hold")
     m = res.metrics
     last = m[m["step"] == 20]

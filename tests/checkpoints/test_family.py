@@ -7,20 +7,19 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from hf_models import ARCHS, TEXT, ModTokenizer, save_family, write_trainer_state
 
+from qkgeom.analysis.e4.report import load_analysis, write_e4_report
+from qkgeom.checkpoints.family import analyze_checkpoints
+from qkgeom.checkpoints.resolve import resolve_checkpoints
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import METRIC_NAMES
-from qkgeom.pretrained.checkpoints import resolve_checkpoints
-from qkgeom.pretrained.family import analyze_checkpoints
-from qkgeom.pretrained.report import write_e4_report
-
-from .tiny import ARCHS, TEXT, ModTokenizer, save_family, write_trainer_state
 
 
 @pytest.fixture(autouse=True)
 def _mod_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tiny models have no tokenizer files: hand them the character stand-in."""
-    monkeypatch.setattr("qkgeom.pretrained.checkpoints.load_tokenizer",
+    monkeypatch.setattr("qkgeom.checkpoints.resolve.load_tokenizer",
                         lambda *a, **k: ModTokenizer())
 
 
@@ -44,7 +43,9 @@ def test_every_architecture_family_is_analysed_per_checkpoint(arch: str, tmp_pat
     ck = pd.read_parquet(out / "checkpoints.parquet")
     assert ck["tokens"].tolist() == [300] * 4 and ck["duplicate_of"].isna().all()
     assert ck["qk_hash"].nunique() == 4
-    trends = pd.read_parquet(out / "trends.parquet")
+    assert sorted(p.name for p in out.iterdir()) == [
+        "analysis.json", "checkpoints", "checkpoints.parquet", "metrics.parquet"]
+    trends = load_analysis(out)["trends"]  # statistics are the report's, not the folder's
     assert set(trends["layer"]) == {0, 1} and (trends["n"] == 4).all()
     meta = json.loads((out / "analysis.json").read_text())
     assert meta["state"] == "done"
@@ -61,8 +62,7 @@ def test_duplicate_revisions_are_flagged_and_left_out(tmp_path: Path) -> None:
     assert ck.loc["step0", "duplicate_of"] == "step1"  # the later name is kept
     assert ck.loc["step20", "duplicate_of"] == "step30"
     assert ck["in_trends"].tolist() == [False, True, True, False, True]
-    trends = pd.read_parquet(out / "trends.parquet")
-    assert (trends["n"] == 3).all()
+    assert (load_analysis(out)["trends"]["n"] == 3).all()
     md = write_e4_report(out).read_text()
     assert "`step0` = `step1`" in md and "left out of every trend statistic" in md
     assert md.index("## Claims") < md.index("## Setup")
@@ -70,14 +70,14 @@ def test_duplicate_revisions_are_flagged_and_left_out(tmp_path: Path) -> None:
         assert (out / "report" / png).stat().st_size > 1000
     kept = analyze_checkpoints([str(f) for f in folders], tmp_path / "kept", keep_duplicates=True,
                                text=text_file(tmp_path), max_tokens=120, seq_len=40)
-    assert (pd.read_parquet(kept / "trends.parquet")["n"] == 5).all()
+    assert (load_analysis(kept)["trends"]["n"] == 5).all()
 
 
 def test_an_interrupted_analysis_resumes_from_its_cache(tmp_path: Path, monkeypatch) -> None:
     folders = save_family(tmp_path / "c", "llama", [0, 5, 50])
     args = ([str(f) for f in folders], tmp_path / "an")
     kw = {"text": text_file(tmp_path), "max_tokens": 100, "seq_len": 25}
-    import qkgeom.pretrained.analyze as analyze_mod
+    import qkgeom.checkpoints.analyze as analyze_mod
 
     calls: list[str] = []
     original = analyze_mod.analyze_model

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from scipy import stats as sst
-
 from qkgeom.pretrained.claims import e4_claims
 from qkgeom.pretrained.trends import early_regime, head_correlations, mann_kendall, trend_table
+from scipy import stats as sst
 
 
 def test_mann_kendall_by_hand() -> None:

@@ -1,4 +1,5 @@
-"""Attention entropy / max weight: uniform, one-hot, hand-computed and reference cases."""
+"""Attention entropy / max weight (:class:`StreamingEntropy`): uniform, one-hot, hand-computed
+cases and the full-matrix definition, whatever the blocking, GQA grouping or dtype."""
 
 from __future__ import annotations
 
@@ -7,40 +8,28 @@ import math
 import pytest
 import torch
 
-from qkgeom.geometry import AttentionStats
+from qkgeom.geometry import StreamingEntropy
 
 # Hand-computed: p = (3/4, 1/4) -> H = 3/4·ln(4/3) + 1/4·ln 4 nats; in bits it is 0.811278...
 H_34 = 0.5623351446188083
 H_34_BITS = 0.8112781244591328
 
 
-def _reference(q, k, causal, scale=None, mask=None):
-    """Straightforward full-matrix softmax in float64 (the definition, no chunking)."""
-    B, H, T, hd = q.shape
-    scale = 1 / math.sqrt(hd) if scale is None else scale
-    s = q.double() @ k.double().mT * scale  # (B, H, T, T)
-    allowed = torch.ones(B, 1, T, T, dtype=torch.bool)
+def explicit(q, k, causal, scale):
+    """Entropy / max weight of the full (B, H, T, T) pattern, float64, by hand."""
+    R = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(R, dim=1)
+    s = (q.double() @ k.double().mT) * scale
+    T = q.shape[2]
     if causal:
-        allowed &= torch.ones(T, T, dtype=torch.bool).tril()
-    if mask is not None:
-        allowed &= mask.bool()[:, None, None, :]
-    ent, norm, mx = [], [], []
-    for b in range(B):
-        for t in range(T):
-            if mask is not None and not mask[b, t]:
-                continue
-            keys = allowed[b, 0, t]
-            p = torch.softmax(s[b, :, t, keys], dim=-1)  # (H, n)
-            h_t = -(p * p.log()).nan_to_num().sum(-1)  # (H,)
-            ent.append(h_t)
-            mx.append(p.amax(-1))
-            if int(keys.sum()) >= 2:
-                norm.append(h_t / math.log(int(keys.sum())))
-    return {
-        "attn_entropy": torch.stack(ent).mean(0),
-        "attn_entropy_norm": torch.stack(norm).mean(0),
-        "attn_max": torch.stack(mx).mean(0),
-    }
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    p = s.softmax(-1)
+    ent = -(torch.where(p > 0, p * p.log(), torch.zeros((), dtype=p.dtype))).sum(-1)  # (B, H, T)
+    n = (torch.arange(1, T + 1) if causal else torch.full((T,), T)).double()  # visible keys
+    ok = n >= 2
+    norm = (ent / n.clamp_min(2).log() * ok).sum((0, 2)) / (q.shape[0] * int(ok.sum()))
+    return {"attn_entropy": ent.mean((0, 2)), "attn_entropy_norm": norm,
+            "attn_max": p.amax(-1).mean((0, 2))}
 
 
 def _close(a: dict, b: dict, **kw) -> None:
@@ -51,10 +40,9 @@ def _close(a: dict, b: dict, **kw) -> None:
 
 def test_uniform_causal_attention_has_entropy_log_t_plus_one() -> None:
     B, H, T, hd = 2, 3, 6, 4
-    stats = AttentionStats(H, causal=True)
-    stats.update(
-        torch.zeros(B, H, T, hd, dtype=torch.float64), torch.randn(B, H, T, hd, dtype=torch.float64)
-    )
+    stats = StreamingEntropy(H, causal=True)
+    stats.update(torch.zeros(B, H, T, hd, dtype=torch.float64),
+                 torch.randn(B, H, T, hd, dtype=torch.float64))
     res = stats.result()
     logs = [math.log(t + 1) for t in range(T)]
     expected_max = sum(1 / (t + 1) for t in range(T)) / T
@@ -68,12 +56,10 @@ def test_uniform_causal_attention_has_entropy_log_t_plus_one() -> None:
 
 def test_uniform_bidirectional_attention_has_entropy_log_t() -> None:
     B, H, T, hd = 2, 2, 5, 3
-    stats = AttentionStats(H, causal=False)
+    stats = StreamingEntropy(H, causal=False)
     stats.update(torch.zeros(B, H, T, hd), torch.randn(B, H, T, hd))  # float32 path
     res = stats.result()
-    torch.testing.assert_close(
-        res["attn_entropy"], torch.full((H,), math.log(T), dtype=torch.float64)
-    )
+    torch.testing.assert_close(res["attn_entropy"], torch.full((H,), math.log(T), dtype=torch.float64))
     torch.testing.assert_close(res["attn_entropy_norm"], torch.ones(H, dtype=torch.float64))
     torch.testing.assert_close(res["attn_max"], torch.full((H,), 1 / T, dtype=torch.float64))
 
@@ -84,7 +70,7 @@ def test_one_hot_attention_has_zero_entropy_and_max_one(causal: bool) -> None:
     hd = T
     k = torch.eye(T).expand(B, H, T, hd)  # key s = e_s
     q = 100.0 * math.sqrt(hd) * torch.eye(T).expand(B, H, T, hd)  # logit +100 on key t only
-    stats = AttentionStats(H, causal=causal)
+    stats = StreamingEntropy(H, causal=causal)
     stats.update(q, k)
     res = stats.result()
     assert float(res["attn_entropy"].abs().max()) < 1e-6
@@ -96,7 +82,7 @@ def test_hand_computed_two_key_case_causal() -> None:
     # hd = 1, scale 1: query 1 scores key 0 at ln 3 and key 1 at 0 -> p = (3/4, 1/4).
     q = torch.tensor([0.7, math.log(3.0)]).reshape(1, 1, 2, 1)  # (B, H, T, hd)
     k = torch.tensor([1.0, 0.0]).reshape(1, 1, 2, 1)  # (B, H, T, hd)
-    stats = AttentionStats(1, causal=True)
+    stats = StreamingEntropy(1, causal=True)
     stats.update(q, k, scale=1.0)
     res = stats.result()
     # t = 0 sees one key: H = 0, max = 1 (and is left out of the normalised mean).
@@ -109,7 +95,7 @@ def test_hand_computed_two_key_case_bidirectional() -> None:
     # Query 0 (q = 0) is uniform over both keys; query 1 gives (3/4, 1/4).
     q = torch.tensor([0.0, math.log(3.0)], dtype=torch.float64).reshape(1, 1, 2, 1)
     k = torch.tensor([1.0, 0.0], dtype=torch.float64).reshape(1, 1, 2, 1)
-    stats = AttentionStats(1, causal=False)
+    stats = StreamingEntropy(1, causal=False)
     stats.update(q, k, scale=1.0)
     res = stats.result()
     assert float(res["attn_entropy"][0]) == pytest.approx((math.log(2) + H_34) / 2, rel=1e-13)
@@ -118,54 +104,44 @@ def test_hand_computed_two_key_case_bidirectional() -> None:
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_matches_full_matrix_reference_and_chunking_is_invisible(causal: bool) -> None:
+@pytest.mark.parametrize("n_kv", [4, 2, 1])
+@pytest.mark.parametrize("blocks", [None, (5, 7), (16, 16), (3, 64), (1, 1)])
+def test_equals_the_explicit_pattern_whatever_the_blocks(causal, n_kv, blocks) -> None:
+    """Whole rows, the online softmax over key chunks (blocks smaller than a row), GQA."""
     g = torch.Generator().manual_seed(0)
-    q = 2 * torch.randn(2, 3, 17, 4, generator=g, dtype=torch.float64)  # (B, H, T, hd)
-    k = torch.randn(2, 3, 17, 4, generator=g, dtype=torch.float64)  # (B, H, T, hd)
-    ref = _reference(q, k, causal)
-    for chunk in (None, 1, 5, 17, 100):
-        stats = AttentionStats(3, causal=causal)
-        stats.update(q, k, chunk_size=chunk)
-        _close(stats.result(), ref, rtol=1e-12, atol=1e-12)
-    small = AttentionStats(3, causal=causal, max_chunk_elements=50)  # forces 1-row chunks
-    small.update(q, k)
-    _close(small.result(), ref, rtol=1e-12, atol=1e-12)
-    f32 = AttentionStats(3, causal=causal)
-    f32.update(q.float(), k.float())
-    _close(f32.result(), ref, rtol=1e-5, atol=1e-5)
-    bf16 = AttentionStats(3, causal=causal)
-    bf16.update(q.bfloat16(), k.bfloat16())  # computed in float32 from bf16 inputs
-    _close(bf16.result(), ref, rtol=0.05, atol=0.05)
+    B, H, T, hd = 3, 4, 37, 8
+    q = torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) * 3  # peaked rows too
+    k = torch.randn(B, n_kv, T, hd, generator=g, dtype=torch.float64)
+    scale = 0.7
+    acc = StreamingEntropy(H, n_kv, causal)
+    acc.update(q[:2], k[:2], scale, blocks=blocks)
+    acc.update(q[2:], k[2:], scale, blocks=blocks)
+    _close(acc.result(), explicit(q, k, causal, scale), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_padding_mask_equals_unpadded_sequences(causal: bool) -> None:
+def test_low_precision_inputs_against_float64(causal: bool) -> None:
     g = torch.Generator().manual_seed(1)
-    a = torch.randn(2, 1, 2, 5, 3, generator=g, dtype=torch.float64)  # (q|k, B=1, H, T=5, hd)
-    b = torch.randn(2, 1, 2, 3, 3, generator=g, dtype=torch.float64)  # (q|k, B=1, H, T=3, hd)
-    separate = AttentionStats(2, causal=causal)
-    separate.update(a[0], a[1])
-    separate.update(b[0], b[1])
-    # Batch them: b right-padded (bidirectional) or left-padded (causal) with garbage.
-    junk = 50 * torch.randn(2, 1, 2, 2, 3, generator=g, dtype=torch.float64)
-    b_pad = torch.cat([junk, b], dim=3) if causal else torch.cat([b, junk], dim=3)
-    q = torch.cat([a[0], b_pad[0]])  # (2, H, 5, hd)
-    k = torch.cat([a[1], b_pad[1]])  # (2, H, 5, hd)
-    mask = torch.ones(2, 5, dtype=torch.long)
-    mask[1, :2] = 0 if causal else 1
-    mask[1, 3:] = 1 if causal else 0
-    batched = AttentionStats(2, causal=causal)
-    batched.update(q, k, attention_mask=mask, chunk_size=2)
-    assert batched.n_queries == separate.n_queries == 8
-    _close(batched.result(), separate.result(), rtol=1e-12, atol=1e-12)
-    _close(batched.result(), _reference(q, k, causal, mask=mask), rtol=1e-12, atol=1e-12)
+    q = 2 * torch.randn(2, 3, 17, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, 17, 4, generator=g, dtype=torch.float64)
+    ref = explicit(q, k, causal, 0.5)
+    f32 = StreamingEntropy(3, causal=causal)
+    f32.update(q.float(), k.float())
+    _close(f32.result(), ref, rtol=1e-5, atol=1e-5)
+    small = StreamingEntropy(3, causal=causal, max_block_elements=50)  # many tiny blocks
+    small.update(q, k)
+    _close(small.result(), ref, rtol=1e-12, atol=1e-12)
+    bf16 = StreamingEntropy(3, causal=causal)
+    bf16.update(q.bfloat16(), k.bfloat16())  # computed in float32 from the rounded inputs
+    _close(bf16.result(), explicit(q.bfloat16(), k.bfloat16(), causal, 0.5),
+           rtol=1e-5, atol=1e-5)
 
 
 def test_accumulates_across_updates_as_one_mean() -> None:
     g = torch.Generator().manual_seed(2)
     q = torch.randn(4, 2, 6, 3, generator=g, dtype=torch.float64)  # (B, H, T, hd)
     k = torch.randn(4, 2, 6, 3, generator=g, dtype=torch.float64)  # (B, H, T, hd)
-    once, twice = AttentionStats(2), AttentionStats(2)
+    once, twice = StreamingEntropy(2), StreamingEntropy(2)
     once.update(q, k)
     twice.update(q[:1], k[:1])
     twice.update(q[1:], k[1:])
@@ -173,7 +149,7 @@ def test_accumulates_across_updates_as_one_mean() -> None:
 
 
 def test_empty_and_single_token_cases() -> None:
-    stats = AttentionStats(2)
+    stats = StreamingEntropy(2)
     with pytest.raises(ValueError, match="update"):
         stats.result()
     stats.update(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4))

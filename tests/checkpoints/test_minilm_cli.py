@@ -44,7 +44,7 @@ def test_minilm_on_the_wikipedia_sample(tmp_path: Path) -> None:
     (["analyze", "owner/model", "--qk-site", "middle"], "unknown --qk-site"),
     (["analyze", "owner/model", "--text", "nope.txt"], "no such file or folder"),
     (["export", "not-a-run", "--out", "x"], "not a qkgeom run folder"),
-    (["report", "."], "not a sweep folder"),
+    (["report", "."], "not a sweep, run or checkpoint-analysis folder"),
 ])
 def test_cli_errors_exit_2_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
     res = qkgeom(*args, cwd=tmp_path)

@@ -5,15 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qkgeom.geometry.probe as probe_module
+import qkgeom.arch.gpt as gpt_family
 
 
 @pytest.fixture
 def probe_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
     """The raw q/k dtypes (before any cast) every probe of the test sees, in order: the
-    probe's tap is wrapped for the duration of the test."""
+    tap through which the measurement captures our GPT's q/k is wrapped for the test."""
     seen: list[torch.dtype] = []
-    real = probe_module.tap_qk
+    real = gpt_family.tap_qk
 
     def spy(model, fn):
         def wrapped(layer, q, k):
@@ -21,5 +21,5 @@ def probe_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
             fn(layer, q, k)
         return real(model, wrapped)
 
-    monkeypatch.setattr(probe_module, "tap_qk", spy)
+    monkeypatch.setattr(gpt_family, "tap_qk", spy)
     return seen

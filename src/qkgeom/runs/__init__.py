@@ -1,0 +1,42 @@
+"""The run folder: one home for its file names, format, config record, status and tables.
+
+A run folder is what the trainer, a sweep worker and the monitor write and what ``show``,
+``watch``, ``analyze``, collation and ``report`` read (layout: docs/definitions.md#run-folder).
+Nothing here imports torch, so readers stay light.
+"""
+
+from qkgeom.runs.folder import (
+    ALERTS,
+    CHECKPOINTS,
+    CONFIG,
+    FINAL_STATES,
+    FORMAT_VERSION,
+    LOG_COLUMNS,
+    METRIC_COLUMNS,
+    METRICS,
+    STATUS,
+    TRAIN_LOG,
+    checkpoint_dir,
+    checkpoint_path,
+    claim_run_dir,
+    is_run_folder,
+    list_checkpoints,
+    load_config,
+    read_log,
+    read_metrics,
+    read_record,
+    read_status,
+    read_table,
+    remove_stale_temp_files,
+    run_record,
+)
+from qkgeom.runs.lock import RunLock, lock_is_held, lock_path
+from qkgeom.runs.writer import RunWriter
+
+__all__ = [
+    "ALERTS", "CHECKPOINTS", "CONFIG", "FINAL_STATES", "FORMAT_VERSION", "LOG_COLUMNS",
+    "METRICS", "METRIC_COLUMNS", "STATUS", "TRAIN_LOG", "RunLock", "RunWriter",
+    "checkpoint_dir", "checkpoint_path", "claim_run_dir", "is_run_folder", "list_checkpoints",
+    "load_config", "lock_is_held", "lock_path", "read_log", "read_metrics", "read_record",
+    "read_status", "read_table", "remove_stale_temp_files", "run_record",
+]
