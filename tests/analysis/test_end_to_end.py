@@ -11,13 +11,14 @@ import pytest
 
 import qkgeom
 
-ANALYSIS_SOURCES = [*sorted((Path(qkgeom.__file__).parent / "analysis").glob("*.py")),
-                    Path(qkgeom.__file__).parent / "stats.py"]
+ANALYSIS = Path(qkgeom.__file__).parent / "analysis"
+ANALYSIS_SOURCES = sorted(ANALYSIS.rglob("*.py"))  # every module, sub-packages and stats too
 FORBIDDEN = ("torch", "qkgeom.model", "qkgeom.training", "qkgeom.probe", "qkgeom.geometry",
              "qkgeom.data", "transformers")
 
 
-@pytest.mark.parametrize("path", ANALYSIS_SOURCES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", ANALYSIS_SOURCES,
+                         ids=lambda p: p.relative_to(ANALYSIS).as_posix())
 def test_analysis_does_not_import_torch_or_models(path: Path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):

@@ -1,9 +1,9 @@
 """The claims of SPEC §1 (E1, E2), each measured on a collated sweep and given a verdict.
 
-Every claim is a predicted sign of one per-trajectory statistic (:mod:`qkgeom.stats`). It is
+Every claim is a predicted sign of one per-trajectory statistic (:mod:`qkgeom.analysis.stats`). It is
 evaluated at the weight and the token level and from step 0 and from the post-transient
 reference step, side by side (SPEC §2); each row says which. The verdict comes from the
-count and the sign-test p-value by :func:`qkgeom.stats.verdict` (rules in docs/report.md).
+count and the sign-test p-value by :func:`qkgeom.analysis.stats.verdict` (rules in docs/report.md).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 
 TEST_SIGN = "exact one-sided sign test (binomial, H0: p = ½)"
 
@@ -76,12 +76,12 @@ def _fmt(x: float, digits: int = 3) -> str:
 
 
 def evaluate_claims(traj: pd.DataFrame, boot: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The claims table from per-trajectory statistics (:func:`qkgeom.stats.trajectory_stats`,
-    seed-averaged) and optionally their bootstrap CIs (:func:`qkgeom.stats.bootstrap_ci`).
+    """The claims table from per-trajectory statistics (:func:`qkgeom.analysis.stats.trajectory_stats`,
+    seed-averaged) and optionally their bootstrap CIs (:func:`qkgeom.analysis.stats.bootstrap_ci`).
 
     One row per claim × level × origin (claims measured only at the last checkpoint get one
     row per level, origin ``last``). ``k`` of ``n`` trajectories show the predicted sign;
-    ``p_value`` is the exact one-sided sign test; ``verdict`` is :func:`qkgeom.stats.verdict`.
+    ``p_value`` is the exact one-sided sign test; ``verdict`` is :func:`qkgeom.analysis.stats.verdict`.
     """
     rows = []
     for claim in CLAIMS:

@@ -17,7 +17,7 @@ a window is the plain mean of its paired differences at those probes (probes are
 spaced).
 
 Directional confidence per mode × quantity × window: the share of seeds with the predicted
-sign, the exact one-sided sign-test p (``qkgeom.stats.count_test``), and the seed-bootstrap
+sign, the exact one-sided sign-test p (``qkgeom.analysis.stats.count_test``), and the seed-bootstrap
 95 % CI of the mean paired difference (percentile interval, ``N_BOOT`` resamples of the seeds,
 fixed RNG seed). Quantities with no prediction get the share of seeds with Δ > 0 and a
 two-sided sign-test p, and no verdict.
@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 from qkgeom.analysis.collate import runs_of
 
 BASELINE = "none"
@@ -213,7 +213,7 @@ def _fmt(x: float) -> str:
 def evaluate_e3_claims(eff: pd.DataFrame) -> pd.DataFrame:
     """The E3 rows of the claims table, in the columns of the E1/E2 table
     (:data:`qkgeom.analysis.claims.COLUMNS`): one row per claim × quantity × window; ``k`` of
-    ``n`` seeds show the predicted sign; ``verdict`` is :func:`qkgeom.stats.verdict`."""
+    ``n`` seeds show the predicted sign; ``verdict`` is :func:`qkgeom.analysis.stats.verdict`."""
     from qkgeom.analysis.claims import COLUMNS, TEST_SIGN
 
     rows = []

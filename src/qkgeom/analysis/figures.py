@@ -27,8 +27,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from qkgeom.analysis.collate import trajectories
+from qkgeom.analysis.stats import LEVELS, reference_probe
 from qkgeom.io import atomic_write
-from qkgeom.stats import LEVELS, reference_probe
 
 PANEL_W, PANEL_H = 3.4, 2.1  # inches per panel
 STYLE = {

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 from qkgeom.analysis.claims import evaluate_claims
 from qkgeom.analysis.collate import collate, excluded_runs, runs_of, sweep_axes
 from qkgeom.analysis.e3 import e3_analysis, is_e3
@@ -96,7 +96,7 @@ def claims_markdown(claims: pd.DataFrame) -> str:
 
 def _rules_text() -> str:
     return (
-        f"Verdicts are computed by `qkgeom.stats.verdict`: **supported** = the predicted sign "
+        f"Verdicts are computed by `qkgeom.analysis.stats.verdict`: **supported** = the predicted sign "
         f"in ≥ {stats.SUPPORT_SHARE:.0%} of trajectories (in all of them for E1.3, a claim "
         f"about *all* trajectories) and exact one-sided sign-test p < {stats.ALPHA}; "
         f"**not supported** = the predicted sign in ≤ {stats.FAIL_SHARE:.0%}; **mixed** "

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 from qkgeom.analysis.e3 import EARLY_SHARE, QUANTITIES, e3_analysis, run_modes
 from qkgeom.analysis.report import (
     _md_table,
@@ -66,7 +66,7 @@ def _rules_text() -> str:
         f"mean of the paired differences at the probes with 0 < step ≤ {EARLY_SHARE:.0%} of "
         "the run (*first 25 %*) or ≤ the last step (*whole run*); step 0 is left out (the "
         "pair is identical there). Whole-model quantities are the mean over layers. "
-        f"Verdicts (`qkgeom.stats.verdict`): **supported** = the predicted sign in ≥ "
+        f"Verdicts (`qkgeom.analysis.stats.verdict`): **supported** = the predicted sign in ≥ "
         f"{stats.SUPPORT_SHARE:.0%} of seeds and exact one-sided sign-test p < {stats.ALPHA} "
         f"(with 5 seeds that needs 5/5: p = 1/32); **not supported** = ≤ "
         f"{stats.FAIL_SHARE:.0%}; **mixed** otherwise. A zero counts against the claim. CI: "

@@ -2,7 +2,7 @@
 
 Unit: a layer of the model (layer level, head −1), at the token level and, beside it, the
 weight level. Counts, the exact one-sided sign test and the verdict rule are the E1/E2 ones
-(:func:`qkgeom.stats.count_test`, :func:`qkgeom.stats.verdict`), except E4.1, whose claim is
+(:func:`qkgeom.analysis.stats.count_test`, :func:`qkgeom.analysis.stats.verdict`), except E4.1, whose claim is
 that something is *not* universal:
 
 - **E4.1** the monotone contrast trend is not universal — k of n layers show a significant
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 
 __all__ = ["COLUMNS", "e4_claims"]
 

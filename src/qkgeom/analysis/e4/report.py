@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 from qkgeom.analysis.e4.claims import e4_claims
 from qkgeom.analysis.e4.trends import head_correlations, prefix_trends, trend_table
 from qkgeom.analysis.report import _md_table, _p, render_html
@@ -130,7 +130,7 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
         f"# E4: token-level Q/K geometry across checkpoints — {meta['model']}",
         "## Claims",
         claims_markdown(claims),
-        f"Verdicts are computed (`qkgeom.stats.verdict`: supported = predicted outcome in "
+        f"Verdicts are computed (`qkgeom.analysis.stats.verdict`: supported = predicted outcome in "
         f"≥ {stats.SUPPORT_SHARE:.0%} of units and sign-test p < {stats.ALPHA}; not supported "
         f"≤ {stats.FAIL_SHARE:.0%}; mixed otherwise). E4.1 is a claim that the trend is *not* "
         "universal: supported when at least one layer lacks a significant whole-run increase. "

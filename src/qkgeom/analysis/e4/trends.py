@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sst
 
-from qkgeom.stats import ALPHA
+from qkgeom.analysis.stats import ALPHA
 
 __all__ = ["MIN_PREFIX", "TREND_METRICS", "head_correlations", "mann_kendall",
            "prefix_trends", "trend_table"]

@@ -7,8 +7,8 @@ import pandas as pd
 import pytest
 from scipy import stats as sst
 
-from qkgeom.pretrained.claims import e4_claims
-from qkgeom.pretrained.trends import early_regime, head_correlations, mann_kendall, trend_table
+from qkgeom.analysis.e4.claims import e4_claims
+from qkgeom.analysis.e4.trends import early_regime, head_correlations, mann_kendall, trend_table
 
 
 def test_mann_kendall_by_hand() -> None:
