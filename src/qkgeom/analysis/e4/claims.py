@@ -1,4 +1,4 @@
-"""The E4 claims (SPEC §1) on one analysed checkpoint family, with computed verdicts.
+"""The E4 claims (docs/definitions.md) on one analysed checkpoint family, with computed verdicts.
 
 Unit: a layer of the model (layer level, head −1), at the token level and, beside it, the
 weight level. Counts, the exact one-sided sign test and the verdict rule are the E1/E2 ones
@@ -44,8 +44,8 @@ def _mean(x: pd.Series) -> str:
 
 
 def e4_claims(trends: pd.DataFrame, heads: pd.DataFrame) -> pd.DataFrame:
-    """The E4 rows from :func:`~qkgeom.pretrained.trends.trend_table` and
-    :func:`~qkgeom.pretrained.trends.head_correlations` (duplicates already left out)."""
+    """The E4 rows from :func:`~qkgeom.analysis.e4.trends.trend_table` and
+    :func:`~qkgeom.analysis.e4.trends.head_correlations` (duplicates already left out)."""
     rows = []
     for level in ("token", "weight"):
         t = trends[trends["level"] == level] if not trends.empty else trends
