@@ -14,7 +14,7 @@ STEPS = list(range(0, 101, 10))  # probes at 0, 10, ..., 100
 WARMUP = 20  # -> reference probe = step 20
 LEVEL_METRICS = ("pr_q", "pr_k", "contrast", "pr_qk")
 
-# values(layer, step, metric, head) -> float; metric is a SPEC §2 name.
+# values(layer, step, metric, head) -> float; metric is a recorded metric name.
 Values = Callable[[int, int, str, int], float]
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from qkgeom import stats
-from qkgeom.analysis import claims_table
+from qkgeom.analysis import claims_table, stats
 
 from .conftest import make_sweep, monotone_values
 

@@ -165,8 +165,8 @@ def test_a_config_field_missing_from_older_runs_takes_its_default(tmp_path):
     root = tmp_path / "mixed"
     write_run(root, "old", 2, "normal", 0, monotone_values())
     write_run(root, "new", 2, "normal", 1, monotone_values(),
-              extra_cfg={"key_control": TrainConfig().key_control})
+              extra_cfg={"key_control": TrainConfig().to_dict()["key_control"]})
     write_run(root, "other", 2, "normal", 2, monotone_values(), extra_cfg={"key_control": "hold"})
     variants = runs_table(root).set_index("run_id")["variant"]
-    assert variants["old"] == variants["new"] == "key_control=none"
-    assert variants["other"] == "key_control=hold"
+    assert variants["old"] == variants["new"] == "key_control.mode=none"
+    assert variants["other"] == "key_control.mode=hold"

@@ -136,6 +136,6 @@ def test_real_smoke_e3_sweep_is_paired_and_reported(sample_data: Path, tmp_path:
     md = write_report(out, n_boot=200)
     claims = pd.read_csv(md.parent / "claims.csv")
     assert len(claims) == 12 and (claims["n"] == 2).all()
-    from qkgeom.stats import verdict
+    from qkgeom.analysis.stats import verdict
     for r in claims.itertuples():
         assert r.verdict == verdict(r.k, r.n, r.p_value)

@@ -1,23 +1,27 @@
 """A real tiny sweep trained with the Python API, then collated, tested and reported; and
-the rule that the analysis layer never imports torch or the model/trainer."""
+the rules that the analysis layer never imports torch or the model/trainer, and loads
+matplotlib only to draw (bare Figures: no pyplot, no global backend switch)."""
 
 from __future__ import annotations
 
 import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import qkgeom
 
-ANALYSIS_SOURCES = [*sorted((Path(qkgeom.__file__).parent / "analysis").glob("*.py")),
-                    Path(qkgeom.__file__).parent / "stats.py"]
+ANALYSIS = Path(qkgeom.__file__).parent / "analysis"
+ANALYSIS_SOURCES = sorted(ANALYSIS.rglob("*.py"))  # every module, sub-packages and stats too
 FORBIDDEN = ("torch", "qkgeom.model", "qkgeom.training", "qkgeom.probe", "qkgeom.geometry",
              "qkgeom.data", "transformers")
 
 
-@pytest.mark.parametrize("path", ANALYSIS_SOURCES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", ANALYSIS_SOURCES,
+                         ids=lambda p: p.relative_to(ANALYSIS).as_posix())
 def test_analysis_does_not_import_torch_or_models(path: Path):
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
@@ -28,6 +32,31 @@ def test_analysis_does_not_import_torch_or_models(path: Path):
             names = [node.module]
         for name in names:
             assert not name.startswith(FORBIDDEN), f"{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("path", ANALYSIS_SOURCES,
+                         ids=lambda p: p.relative_to(ANALYSIS).as_posix())
+def test_analysis_never_uses_pyplot_or_switches_the_backend(path: Path):
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            assert all(a.name != "matplotlib.pyplot" for a in node.names), path.name
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            assert node.module != "matplotlib.pyplot", path.name
+            assert not (node.module == "matplotlib"
+                        and any(a.name == "pyplot" for a in node.names)), path.name
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            assert not (node.func.attr == "use" and isinstance(node.func.value, ast.Name)
+                        and node.func.value.id == "matplotlib"), f"{path.name}: matplotlib.use"
+
+
+def test_importing_the_analysis_and_its_reports_loads_neither_torch_nor_matplotlib():
+    code = ("import sys, qkgeom.analysis, qkgeom.analysis.report, qkgeom.analysis.kit, "
+            "qkgeom.analysis.e1.report, qkgeom.analysis.e3.report, qkgeom.analysis.e4.report\n"
+            "loaded = [m for m in ('torch', 'matplotlib') if m in sys.modules]\n"
+            "assert not loaded, loaded")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
 
 
 @pytest.mark.slow

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from qkgeom.analysis import collate, write_report
-from qkgeom.analysis.figures import FIGURES, fig_contrast, save_figure
+from qkgeom.analysis.e1.figures import FIGURES, fig_contrast
+from qkgeom.analysis.kit import save_figure
 
 from .conftest import make_sweep, monotone_values, write_run
 

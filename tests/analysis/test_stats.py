@@ -1,4 +1,4 @@
-"""qkgeom.stats on trajectories whose answers are known by hand."""
+"""qkgeom.analysis.stats on trajectories whose answers are known by hand."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sst
 
-from qkgeom import stats
-from qkgeom.analysis import collate
+from qkgeom.analysis import collate, stats
 
 from .conftest import make_sweep, monotone_values, write_run, write_sweep
 

@@ -9,12 +9,19 @@ Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures an
     write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
     write_report("runs/demo")               # one run folder; "ckpt/pythia" an E4 analysis
     e3_analysis(collate("sweeps/e3"))       # E3: paired effects per seed, claims E3.1-E3.4
+
+Layout: ``collate`` (result folders → one long table), ``stats`` (per-trajectory
+statistics, sign tests, bootstrap, the verdict rules), ``kit`` (what every report shares:
+Markdown, claims table, setup sections, HTML page, figure style), one sub-package per
+experiment (``e1`` for E1/E2, ``e3``, ``e4``: claims, figures, report), ``report`` (the one
+dispatcher) and ``tables`` (the per-layer table of ``qkgeom show``).
 """
 
-from qkgeom.analysis.claims import CLAIMS, evaluate_claims
 from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
-from qkgeom.analysis.e3 import e3_analysis
+from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
+from qkgeom.analysis.e3.paired import e3_analysis
 from qkgeom.analysis.report import claims_table, write_report
+from qkgeom.analysis.tables import layer_table
 
 __all__ = ["collate", "trajectories", "write_report", "claims_table", "runs_table",
-           "excluded_runs", "evaluate_claims", "CLAIMS", "e3_analysis"]
+           "excluded_runs", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]

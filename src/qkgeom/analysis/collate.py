@@ -1,14 +1,14 @@
 """Collate a sweep folder into one long table, and seed-average it into trajectories.
 
-A sweep folder holds ``sweep.json`` and ``runs/<run_id>/`` run folders (SPEC §7). Every fact
-the analysis needs (depth, Q/K init, seed, warm-up, reference step) is read from each run's
-own ``config.json``, so the analysis works whatever ``sweep.json`` records, and also on a
-bare folder of runs. Runs that did not finish (``diverged``, ``failed``, still ``running``,
-or with no metrics) are left out of every average and listed, with the reason, in
-``table.attrs["excluded"]``.
+A sweep folder holds ``sweep.json`` and ``runs/<run_id>/`` run folders (layout:
+docs/definitions.md). Every fact the analysis needs (depth, Q/K init, seed, warm-up,
+reference step) is read from each run's own ``config.json``, so the analysis works whatever
+``sweep.json`` records, on a bare folder of runs, and on one run folder. Runs that did not
+finish (``diverged``, ``failed``, still ``running``, or with no metrics) are left out of
+every average and listed, with the reason, in ``table.attrs["excluded"]``.
 
-Trajectory (SPEC §2): a metric against training step for one (run, layer[, head]); a
-seed-averaged trajectory averages runs that differ only by seed. Runs that differ in any
+Trajectory: a metric against training step for one (run, layer[, head]); a seed-averaged
+trajectory averages runs that differ only by seed. Runs that differ in any
 other config value besides depth and Q/K init get a ``variant`` label (e.g.
 ``"lr=0.001"``) so they are never averaged together.
 """
@@ -62,7 +62,7 @@ def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]
     """
     spec: dict[str, Any] = {}
     entries: list[dict[str, Any]] = []
-    if is_run_folder(sweep_dir) and not (sweep_dir / "sweep.json").exists():  # one run
+    if is_single_run(sweep_dir):
         return spec, [{"run_id": sweep_dir.resolve().name, "dir": sweep_dir, "axes": {}}]
     if (sweep_dir / "sweep.json").exists():
         spec = read_json(sweep_dir / "sweep.json")
@@ -92,14 +92,25 @@ def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]
     return spec, entries
 
 
+def is_single_run(folder: str | Path) -> bool:
+    """A run folder given on its own (no ``sweep.json``): collated as a sweep of one run."""
+    folder = Path(folder)
+    return is_run_folder(folder) and not (folder / "sweep.json").exists()
+
+
 def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
     """One row per run of the sweep: identity, config facts, state, and why it is excluded.
 
     Columns: ``run_id, dir, depth, qk_init, variant, seed, state, step, steps, warmup_steps,
     ref_step, batch_size, block_size, n_embd, n_head, lr, probe_every, probe_sequences,
-    vocab_size, data_source, key_control, tokens,
+    vocab_size, data_source, key_control, tokens, source, n_params,
     train_seconds, final_val_loss, excluded`` (``""`` = included, else the reason).
-    ``ref_step`` is the configured post-transient reference (SPEC §2): ``reference_step``,
+    ``source`` is who wrote the run (``"qkgeom.monitor"`` for a
+    :class:`~qkgeom.monitor.GeometryMonitor`, ``""`` for the trainer); ``n_params`` is the
+    parameter count the record states (a monitored model's), else NaN. A record without a
+    training config (a monitored model qkgeom could not map) takes depth, heads and width
+    from the model facts it records.
+    ``ref_step`` is the configured post-transient reference: ``reference_step``,
     or ``warmup_steps`` when it is −1. ``train_seconds`` sums the logged intervals' tokens
     over their throughput (time in training steps; probes and evals not counted).
     """
@@ -133,7 +144,10 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
         # A field a run's config lacks (written by an older qkgeom) has its default value,
         # so adding a config field never splits one setting into two variants.
         flat = {**_DEFAULT_FLAT, **_flatten(cfg)}
-        model = cfg.get("model", {})
+        facts = prov.get("model") if isinstance(prov.get("model"), dict) else {}
+        known = {"n_layer": facts.get("n_layer"), "n_head": facts.get("n_head"),
+                 "n_embd": facts.get("d_model")}
+        model = {**{k: v for k, v in known.items() if v is not None}, **cfg.get("model", {})}
         warmup = int(cfg.get("warmup_steps", 0))
         ref = int(cfg.get("reference_step", -1))
         steps = int(cfg.get("steps", 0))
@@ -150,6 +164,8 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             data_source=str(prov.get("data_source") or cfg.get("data") or "?"),
             config_hash=prov.get("config_hash", ""),
             key_control=str(flat.get("key_control.mode", "none")),
+            source=str(prov.get("source") or ""),
+            n_params=facts.get("n_params", np.nan),
         )
         row["tokens"] = steps * row["batch_size"] * row["block_size"]
         status, problem = _read_status(folder / "status.json")

@@ -1,0 +1,11 @@
+"""E4: token-level Q/K geometry across the checkpoints of a model family.
+
+Reads the analysis folder ``qkgeom analyze`` writes (:mod:`qkgeom.runs.family`):
+``trends`` (Mann–Kendall, early regime, decay, across-head correlations), ``claims``
+(E4.1–E4.4), ``figures`` (matplotlib, imported only to draw) and ``report``.
+"""
+
+from qkgeom.analysis.e4.claims import e4_claims
+from qkgeom.analysis.e4.trends import head_correlations, prefix_trends, trend_table
+
+__all__ = ["e4_claims", "head_correlations", "prefix_trends", "trend_table"]

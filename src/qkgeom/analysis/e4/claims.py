@@ -1,8 +1,8 @@
-"""The E4 claims (SPEC §1) on one analysed checkpoint family, with computed verdicts.
+"""The E4 claims (docs/definitions.md) on one analysed checkpoint family, with computed verdicts.
 
 Unit: a layer of the model (layer level, head −1), at the token level and, beside it, the
 weight level. Counts, the exact one-sided sign test and the verdict rule are the E1/E2 ones
-(:func:`qkgeom.stats.count_test`, :func:`qkgeom.stats.verdict`), except E4.1, whose claim is
+(:func:`qkgeom.analysis.stats.count_test`, :func:`qkgeom.analysis.stats.verdict`), except E4.1, whose claim is
 that something is *not* universal:
 
 - **E4.1** the monotone contrast trend is not universal — k of n layers show a significant
@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 
 __all__ = ["COLUMNS", "e4_claims"]
 
@@ -44,8 +44,8 @@ def _mean(x: pd.Series) -> str:
 
 
 def e4_claims(trends: pd.DataFrame, heads: pd.DataFrame) -> pd.DataFrame:
-    """The E4 rows from :func:`~qkgeom.pretrained.trends.trend_table` and
-    :func:`~qkgeom.pretrained.trends.head_correlations` (duplicates already left out)."""
+    """The E4 rows from :func:`~qkgeom.analysis.e4.trends.trend_table` and
+    :func:`~qkgeom.analysis.e4.trends.head_correlations` (duplicates already left out)."""
     rows = []
     for level in ("token", "weight"):
         t = trends[trends["level"] == level] if not trends.empty else trends

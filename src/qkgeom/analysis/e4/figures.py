@@ -6,6 +6,8 @@
   layer, with the one-sided 5 % line (Z = 1.645) — where it stays above, the early regime;
 - ``qk_entropy_heads``: pr_qk (token level) against attention entropy, one panel per
   checkpoint (at most 12, spread over the run), heads coloured by layer, ρ in the title.
+
+House style of :mod:`qkgeom.analysis.kit`, drawn on bare Figures (no pyplot).
 """
 
 from __future__ import annotations
@@ -13,15 +15,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from scipy import stats as sst
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.axes import Axes  # noqa: E402
-from scipy import stats as sst  # noqa: E402
-
-from qkgeom.analysis.figures import STYLE, layer_colors, save_figure  # noqa: E402
+from qkgeom.analysis.kit import STYLE, layer_colors, new_figure, save_figure
 
 __all__ = ["make_e4_figures"]
 
@@ -37,11 +37,12 @@ def _xscale(ax: Axes, steps: np.ndarray) -> None:
     ax.set_xlabel("step")
 
 
-def fig_contrast(metrics: pd.DataFrame):
+def fig_contrast(metrics: pd.DataFrame) -> Figure:
     layer = metrics[metrics["head"] == -1]
     layers = sorted(layer["layer"].unique())
     colors = layer_colors(len(layers))[: len(layers)]
-    fig, axes = plt.subplots(1, 2, figsize=(7.0, 2.6), layout="constrained")
+    fig = new_figure(7.0, 2.6)
+    axes = fig.subplots(1, 2)
     for ax, level in zip(axes, ("token", "weight"), strict=True):
         sel = layer[layer["metric"] == f"contrast_{level}"]
         for c, lay in zip(colors, layers, strict=True):
@@ -59,8 +60,9 @@ def fig_contrast(metrics: pd.DataFrame):
     return fig
 
 
-def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame):
-    fig, ax = plt.subplots(figsize=(3.6, 2.6), layout="constrained")
+def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame) -> Figure:
+    fig = new_figure(3.6, 2.6)
+    ax = fig.subplots()
     sel = prefix[prefix["level"] == "token"]
     layers = sorted(sel["layer"].unique())
     for c, lay in zip(layer_colors(len(layers))[: len(layers)], layers, strict=True):
@@ -79,7 +81,7 @@ def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame):
     return fig
 
 
-def fig_heads(metrics: pd.DataFrame, heads: pd.DataFrame):
+def fig_heads(metrics: pd.DataFrame, heads: pd.DataFrame) -> Figure:
     h = metrics[(metrics["head"] >= 0) & metrics["metric"].isin(["pr_qk_token", "attn_entropy"])]
     wide = h.pivot_table(index=["checkpoint", "step", "layer", "head"], columns="metric",
                          values="value").reset_index()
@@ -90,8 +92,8 @@ def fig_heads(metrics: pd.DataFrame, heads: pd.DataFrame):
     n = max(1, len(ckpts))
     cols = min(4, n)
     rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(1.9 * cols + 0.4, 1.7 * rows + 0.3),
-                             layout="constrained", squeeze=False)
+    fig = new_figure(1.9 * cols + 0.4, 1.7 * rows + 0.3)
+    axes = fig.subplots(rows, cols, squeeze=False)
     layers = sorted(wide["layer"].unique()) if len(wide) else []
     colors = dict(zip(layers, layer_colors(len(layers))[: len(layers)], strict=True))
     for ax in axes.flat[n:]:
@@ -120,7 +122,5 @@ def make_e4_figures(metrics: pd.DataFrame, trends: pd.DataFrame, prefix: pd.Data
         for name, make in (("contrast_steps", lambda: fig_contrast(metrics)),
                            ("prefix_trend", lambda: fig_prefix(prefix, trends)),
                            ("qk_entropy_heads", lambda: fig_heads(metrics, heads))):
-            fig = make()
-            out[name] = save_figure(fig, out_dir, name)[0]
-            plt.close(fig)
+            out[name] = save_figure(make(), out_dir, name)[0]
     return out

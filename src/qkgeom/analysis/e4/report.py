@@ -12,15 +12,31 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 from qkgeom.analysis.e4.claims import e4_claims
 from qkgeom.analysis.e4.trends import head_correlations, prefix_trends, trend_table
-from qkgeom.analysis.report import _md_table, _p, render_html
+from qkgeom.analysis.kit import (
+    P_CELL,
+    VERDICT_CELL,
+    Cell,
+    claims_markdown,
+    field,
+    fmt_p,
+    md_table,
+    write_csvs,
+    write_pages,
+)
 from qkgeom.errors import QKGeomError
-from qkgeom.io import atomic_write, read_json
+from qkgeom.io import read_json
 from qkgeom.runs.family import CHECKPOINT_TABLE, MARKER
 
-__all__ = ["e4_claims_table", "load_analysis", "write_e4_report"]
+__all__ = ["E4_CLAIM_CELLS", "e4_claims_table", "load_analysis", "write_e4_report"]
+
+#: The E4 claims table in Markdown: what each row measured and its own test.
+E4_CLAIM_CELLS: tuple[Cell, ...] = (
+    ("id", field("claim_id")), ("claim", field("claim")), ("level", field("level")),
+    ("measured", field("measured")), ("estimate", field("estimate")), ("test", field("test")),
+    P_CELL, VERDICT_CELL)
 
 
 def load_analysis(folder: str | Path) -> dict:
@@ -42,20 +58,13 @@ def load_analysis(folder: str | Path) -> dict:
 
 
 def e4_claims_table(folder: str | Path) -> pd.DataFrame:
-    """The E4 claims of an analysis folder (see :mod:`qkgeom.pretrained.claims`)."""
+    """The E4 claims of an analysis folder (see :mod:`qkgeom.analysis.e4.claims`)."""
     a = load_analysis(folder)
     return e4_claims(a["trends"], a["heads"])
 
 
 def _f(x: float, fmt: str = "{:+.3f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) and np.isfinite(x) else "n/a"
-
-
-def claims_markdown(claims: pd.DataFrame) -> str:
-    rows = [[r["claim_id"], r["claim"], r["level"], r["measured"], r["estimate"], r["test"],
-             _p(r["p_value"]), f"**{r['verdict']}**"] for r in claims.to_dict("records")]
-    return _md_table(["id", "claim", "level", "measured", "estimate", "test", "p (one-sided)",
-                      "verdict"], rows)
 
 
 def _setup(meta: dict, ckpts: pd.DataFrame) -> str:
@@ -79,7 +88,7 @@ def _setup(meta: dict, ckpts: pd.DataFrame) -> str:
             f"`{r.checkpoint}` = `{r.duplicate_of}`" for r in dups.itertuples()))
     else:
         lines.append("- **duplicates**: none (every checkpoint has distinct Q/K weights)")
-    table = _md_table(["checkpoint", "step", "Q/K hash", "duplicate of", "in trends",
+    table = md_table(["checkpoint", "step", "Q/K hash", "duplicate of", "in trends",
                        "tokens/s"],
                       [[r.checkpoint, int(r.step), r.qk_hash[:12], r.duplicate_of or "",
                         "yes" if r.in_trends else "no", f"{r.tokens_per_s:,.0f}"]
@@ -91,11 +100,11 @@ def _trend_md(trends: pd.DataFrame) -> str:
     rows = []
     for r in trends.sort_values(["level", "layer"], ascending=[False, True]).itertuples():
         rows.append([r.level, r.layer, r.n, _f(r.first), _f(r.last), _f(r.rho, "{:+.2f}"),
-                     _f(r.mk_z, "{:+.2f}"), _p(r.mk_p_increase),
+                     _f(r.mk_z, "{:+.2f}"), fmt_p(r.mk_p_increase),
                      f"{r.regime_len} (→ step {int(r.regime_end_step)})" if r.has_regime else "none",
                      _f(r.suffix_change) if r.suffix_n else "n/a",
                      "yes" if r.decays else "no"])
-    return _md_table(["level", "layer", "n", "contrast first", "contrast last", "ρ(step)",
+    return md_table(["level", "layer", "n", "contrast first", "contrast last", "ρ(step)",
                       "MK Z", "p increase", "early regime (checkpoints)", "change after",
                       "decays"], rows)
 
@@ -105,7 +114,7 @@ def _heads_md(heads: pd.DataFrame) -> str:
     wide = pooled.pivot_table(index=["step", "checkpoint"], columns="level", values="rho")
     rows = [[ck, int(st), *(_f(wide.loc[(st, ck)].get(lv, np.nan), "{:+.2f}")
                             for lv in ("token", "weight"))] for st, ck in wide.index]
-    return _md_table(["checkpoint", "step", "ρ token level", "ρ weight level"], rows)
+    return md_table(["checkpoint", "step", "ρ token level", "ρ weight level"], rows)
 
 
 def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
@@ -116,10 +125,9 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
     out = folder / "report" if out is None else Path(out)
     out.mkdir(parents=True, exist_ok=True)
     claims = e4_claims(a["trends"], a["heads"])
-    for name, frame in (("claims", claims), ("trends", a["trends"]),
-                        ("prefix_trends", a["prefix"]), ("head_correlations", a["heads"]),
-                        ("checkpoints", a["checkpoints"])):
-        atomic_write(out / f"{name}.csv", lambda p, f=frame: f.to_csv(p, index=False))
+    write_csvs(out, (("claims", claims), ("trends", a["trends"]),
+                     ("prefix_trends", a["prefix"]), ("head_correlations", a["heads"]),
+                     ("checkpoints", a["checkpoints"])))
     figs = {}
     if figures:
         from qkgeom.analysis.e4.figures import make_e4_figures
@@ -129,8 +137,8 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
     parts = [
         f"# E4: token-level Q/K geometry across checkpoints — {meta['model']}",
         "## Claims",
-        claims_markdown(claims),
-        f"Verdicts are computed (`qkgeom.stats.verdict`: supported = predicted outcome in "
+        claims_markdown(claims, E4_CLAIM_CELLS),
+        f"Verdicts are computed (`qkgeom.analysis.stats.verdict`: supported = predicted outcome in "
         f"≥ {stats.SUPPORT_SHARE:.0%} of units and sign-test p < {stats.ALPHA}; not supported "
         f"≤ {stats.FAIL_SHARE:.0%}; mixed otherwise). E4.1 is a claim that the trend is *not* "
         "universal: supported when at least one layer lacks a significant whole-run increase. "
@@ -153,8 +161,4 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
         for name, path in figs.items():
             parts.append(f"![{name}]({path.name})\n\n{captions[name]}")
     text = "\n\n".join(parts) + "\n"
-    md = out / "report.md"
-    atomic_write(md, lambda p: p.write_text(text, encoding="utf-8"))
-    page = render_html(text, out, f"qkgeom E4 report: {meta['model']}")
-    atomic_write(out / "report.html", lambda p: p.write_text(page, encoding="utf-8"))
-    return md
+    return write_pages(out, text, f"qkgeom E4 report: {meta['model']}")

@@ -1,4 +1,4 @@
-"""Trajectory statistics over a family of checkpoints (SPEC §5; pandas + scipy, no torch).
+"""Trajectory statistics over a family of checkpoints (pandas + scipy, no torch).
 
 Unit: one layer of one model (head −1), a metric against checkpoint step. For the paired
 contrast ``PR_Q − PR_K`` (token level, and the weight level beside it):
@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sst
 
-from qkgeom.stats import ALPHA
+from qkgeom.analysis.stats import ALPHA
 
 __all__ = ["MIN_PREFIX", "TREND_METRICS", "head_correlations", "mann_kendall",
            "prefix_trends", "trend_table"]

@@ -1,11 +1,11 @@
 """Statistics of the E1/E2 claims on collated sweep tables (built on scipy.stats).
 
 The unit of analysis is the paper's: a *trajectory* = one (depth, Q/K init, layer) at the
-whole-layer level (head −1), averaged over seeds (SPEC §2); every statistic is also
-available per single run (``by="run"``). Each trend is measured twice (SPEC §2, reference
-point): from step 0 and from the post-transient reference — the first probed step at or
-after the run's ``ref_step`` (``reference_step``, or the end of LR warm-up when it is −1) —
-and at both the weight and the token level.
+whole-layer level (head −1), averaged over seeds; every statistic is also available per
+single run (``by="run"``). Each trend is measured twice (docs/definitions.md, "Reference
+step and the two origins"): from step 0 and from the post-transient reference — the first
+probed step at or after the run's ``ref_step`` (``reference_step``, or the end of LR
+warm-up when it is −1) — and at both the weight and the token level.
 
 Per trajectory, level and origin (``trajectory_stats``):
 
@@ -61,7 +61,7 @@ BOOT_STATS = ("delta_pr_q", "delta_pr_k", "slope_pr_q", "slope_pr_k", "contrast_
 
 
 def level_metrics(level: str) -> dict[str, str]:
-    """Metric names (SPEC §2) of one level: pr_q, pr_k, contrast, pr_qk, attn_entropy."""
+    """Metric names of one level: pr_q, pr_k, contrast, pr_qk, attn_entropy."""
     if level not in LEVELS:
         raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
     return {"pr_q": f"pr_q_{level}", "pr_k": f"pr_k_{level}",
@@ -74,7 +74,7 @@ def level_metrics(level: str) -> dict[str, str]:
 # ---------------------------------------------------------------------------------------
 
 def reference_probe(steps: Iterable[int], ref_step: int) -> int:
-    """The first probed step ≥ ``ref_step`` (the post-transient reference, SPEC §2); the
+    """The first probed step ≥ ``ref_step`` (the post-transient reference); the
     last probed step if the run was never probed that late."""
     steps = sorted(int(s) for s in steps)
     if not steps:

@@ -1,22 +1,25 @@
 """Figures of E1/E2 from a collated sweep table (matplotlib; PNG 300 dpi + SVG).
 
-One panel per depth × Q/K initialisation, ~3.4 in wide (a paper column), 8 pt text,
-colour-blind-safe colours (layers on a truncated viridis ramp, the contrast on the diverging
-RdBu map centred at 0), and a dashed vertical line at the post-transient reference step
-(SPEC §2). Each figure exists at the weight and at the token level:
+One panel per depth × Q/K initialisation in the house style of :mod:`qkgeom.analysis.kit`
+(a paper column per panel, 8 pt text, layers on a truncated viridis ramp, the contrast on
+the diverging RdBu map centred at 0), and a dashed vertical line at the post-transient
+reference step. Each figure exists at the weight and at the token level:
 
 - ``pr_<level>``: PR_Q and PR_K against step, seed mean ± 95 % t-interval, one line per layer;
 - ``contrast_<level>``: PR_Q − PR_K per layer as a layer × step heatmap;
 - ``qk_entropy_<level>``: the interaction PR (pr_qk) and the attention entropy against step;
 - ``heads_<level>``: pr_qk against attention entropy for every head of every run, coloured
   by training step.
+
+A figure whose metrics the runs do not record (e.g. a monitored run that measured only some)
+is not drawn: :func:`missing_for` names what it lacks and the report says so.
 """
 
 from __future__ import annotations
 
-import textwrap
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -24,27 +27,22 @@ import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.colors import Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from qkgeom.analysis.collate import trajectories
-from qkgeom.io import atomic_write
-from qkgeom.stats import LEVELS, reference_probe
+from qkgeom.analysis.kit import (
+    PANEL_H,
+    REF_LINE,
+    STYLE,
+    grid,
+    layer_colors,
+    missing_metrics,
+    save_figure,
+    step_axis,
+    suptitle,
+)
+from qkgeom.analysis.stats import LEVELS, reference_probe
 
-PANEL_W, PANEL_H = 3.4, 2.1  # inches per panel
-STYLE = {
-    "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7,
-    "ytick.labelsize": 7, "legend.fontsize": 7, "legend.title_fontsize": 7,
-    "axes.spines.top": False, "axes.spines.right": False, "svg.fonttype": "none",
-    "figure.dpi": 100, "savefig.dpi": 300, "lines.linewidth": 1.2,
-}
-REF_LINE = {"color": "0.25", "linestyle": "--", "linewidth": 0.8, "zorder": 0}
 LEVEL_TITLE = {"weight": "weight level", "token": "token level (probe set)"}
-
-
-def layer_colors(n: int) -> np.ndarray:
-    """n colours from viridis without its pale yellow end (readable on white, CB-safe)."""
-    return matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, max(n, 1)))
-
 
 def _settings(table: pd.DataFrame) -> tuple[list[int], list[tuple[str, str]]]:
     depths = sorted(int(d) for d in table["depth"].unique())
@@ -70,13 +68,6 @@ def _group_ref(table: pd.DataFrame, sub: pd.DataFrame) -> int | None:
     return reference_probe(sub["step"].unique(), min(known))
 
 
-def _step_axis(ax: Axes, max_step: float) -> None:
-    """At most ~5 step ticks; thousands as "5k" once runs are long (no colliding labels)."""
-    ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
-    if max_step >= 10_000:
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
-
-
 def _empty(ax: Axes) -> None:
     """A panel of the grid with no analysed run (e.g. every seed of it diverged)."""
     ax.text(0.5, 0.5, "no runs", ha="center", va="center", transform=ax.transAxes, color="0.4")
@@ -84,18 +75,6 @@ def _empty(ax: Axes) -> None:
     ax.set_yticks([])
     for spine in ax.spines.values():
         spine.set_visible(False)
-
-
-def _suptitle(fig: Figure, text: str, n_cols: int) -> None:
-    """A figure title wrapped to the figure's width (~60 characters per panel column)."""
-    fig.suptitle(textwrap.fill(text, width=max(60 * n_cols, 60)), fontsize=9)
-
-
-def _grid(n_rows: int, n_cols: int, height: float = PANEL_H, **kw) -> tuple[Figure, np.ndarray]:
-    # A bare Figure (no pyplot): no global backend switch, no figure registry to leak.
-    fig = Figure(figsize=(PANEL_W * n_cols, height * n_rows), layout="constrained")
-    axes = fig.subplots(n_rows, n_cols, squeeze=False, **kw)
-    return fig, axes
 
 
 def _lines(ax: Axes, traj: pd.DataFrame, colors: np.ndarray, layers: list[int]) -> None:
@@ -146,7 +125,7 @@ def _paired_rows(table: pd.DataFrame, level: str, metrics: list[tuple[str, str]]
     ``log_metrics`` get a log y axis."""
     depths, cols = _settings(table)
     n_rows = len(depths) * len(metrics)
-    fig, axes = _grid(n_rows, len(cols))
+    fig, axes = grid(n_rows, len(cols))
     trajs = {m: trajectories(table, m) for m, _ in metrics}
     for di, depth in enumerate(depths):
         shared: dict[int, tuple[list[Axes], list[tuple[float, float]]]] = {}
@@ -169,7 +148,7 @@ def _paired_rows(table: pd.DataFrame, level: str, metrics: list[tuple[str, str]]
                     continue
                 layers = sorted(int(x) for x in tr["layer"].unique())
                 _lines(ax, tr, layer_colors(len(layers)), layers)
-                _step_axis(ax, float(tr["step"].max()))
+                step_axis(ax, float(tr["step"].max()))
                 axs.append(ax)
                 # Axes follow the seed means; a 2-seed t-interval (x12.7 the s.e.) would
                 # otherwise stretch them far past the data (and past log T for entropy).
@@ -190,7 +169,7 @@ def _paired_rows(table: pd.DataFrame, level: str, metrics: list[tuple[str, str]]
         for key, (axs, ranges) in shared.items():
             row_metric = metrics[0][0] if share_depth else metrics[key][0]
             _share_ylim(axs, ranges, log=row_metric in log_metrics)
-    _suptitle(fig, f"{title} — {LEVEL_TITLE[level]}; seed mean ± 95 % CI; "
+    suptitle(fig, f"{title} — {LEVEL_TITLE[level]}; seed mean ± 95 % CI; "
               "dashed line: reference step", len(cols))
     return fig
 
@@ -218,7 +197,7 @@ def fig_contrast(table: pd.DataFrame, level: str = "weight") -> Figure:
     with matplotlib.rc_context(STYLE):
         depths, cols = _settings(table)
         tr = trajectories(table, f"contrast_{level}")
-        fig, axes = _grid(len(depths), len(cols), height=max(1.7, 2.6 / len(depths)))
+        fig, axes = grid(len(depths), len(cols), height=max(1.7, 2.6 / len(depths)))
         vmax = float(np.nanmax(np.abs(tr["mean"]))) if len(tr) else 1.0
         vmax = vmax if np.isfinite(vmax) and vmax > 0 else 1.0
         norm = TwoSlopeNorm(vcenter=0.0, vmin=-vmax, vmax=vmax)
@@ -231,14 +210,14 @@ def fig_contrast(table: pd.DataFrame, level: str = "weight") -> Figure:
                 if t.empty:
                     _empty(ax)
                     continue
-                grid = t.pivot_table(index="layer", columns="step", values="mean")
-                steps = grid.columns.to_numpy(dtype=float)
-                layers = grid.index.to_numpy()
+                cells = t.pivot_table(index="layer", columns="step", values="mean")
+                steps = cells.columns.to_numpy(dtype=float)
+                layers = cells.index.to_numpy()
                 mesh = ax.pcolormesh(_edges(steps), np.arange(len(layers) + 1) - 0.5,
-                                     grid.to_numpy(), cmap="RdBu_r", norm=norm,
+                                     cells.to_numpy(), cmap="RdBu_r", norm=norm,
                                      shading="flat", rasterized=True)
                 ax.set_yticks(np.arange(len(layers)), [str(x) for x in layers])
-                _step_axis(ax, float(steps.max()))
+                step_axis(ax, float(steps.max()))
                 ax.set_ylim(len(layers) - 0.5, -0.5)  # layer 0 on top
                 sel = (table["depth"] == depth) & (table["qk_init"] == init) & \
                     (table["variant"] == variant)
@@ -251,12 +230,19 @@ def fig_contrast(table: pd.DataFrame, level: str = "weight") -> Figure:
                     ax.set_xlabel("training step")
                 for side in ("top", "right"):
                     ax.spines[side].set_visible(True)
-        if mesh is not None:
-            cb = fig.colorbar(mesh, ax=axes, shrink=0.8, aspect=30, pad=0.01)
-            cb.set_label("PR_Q − PR_K (dims)")
-        _suptitle(fig, f"Paired contrast PR_Q − PR_K — {LEVEL_TITLE[level]}; seed mean; "
-                  "red: queries higher-dimensional; dashed: reference step", len(cols))
-        return fig
+        return _finish(fig, axes, mesh, "PR_Q − PR_K (dims)",
+                       f"Paired contrast PR_Q − PR_K — {LEVEL_TITLE[level]}; seed mean; "
+                       "red: queries higher-dimensional; dashed: reference step")
+
+
+def _finish(fig: Figure, axes: np.ndarray, mappable: Any, label: str, title: str) -> Figure:
+    """The colour bar of ``mappable`` (None: no panel drew one) beside ``axes``, and the
+    figure title."""
+    if mappable is not None:
+        cb = fig.colorbar(mappable, ax=axes, shrink=0.8, aspect=30, pad=0.01)
+        cb.set_label(label)
+    suptitle(fig, title, axes.shape[1])
+    return fig
 
 
 def _edges(steps: np.ndarray) -> np.ndarray:
@@ -277,7 +263,7 @@ def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
         wide = heads.pivot_table(index=["depth", "qk_init", "variant", "run_id", "layer",
                                         "head", "step"], columns="metric",
                                  values="value").reset_index()
-        fig, axes = _grid(len(depths), len(cols), height=max(PANEL_H, 2.6 / len(depths)))
+        fig, axes = grid(len(depths), len(cols), height=max(PANEL_H, 2.6 / len(depths)))
         smax = float(table["step"].max()) if len(table) else 1.0
         norm = Normalize(vmin=0.0, vmax=max(smax, 1.0))
         sc = None
@@ -300,54 +286,39 @@ def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
                     ax.set_ylabel("attention entropy (nats)")
                 if r == len(depths) - 1:
                     ax.set_xlabel("PR of QKᵀ spectrum (dimensions)")
-        if sc is not None:
-            cb = fig.colorbar(sc, ax=axes, shrink=0.8, aspect=30, pad=0.01)
-            cb.set_label("training step")
-        _suptitle(fig, f"Heads: interaction PR vs attention entropy — {LEVEL_TITLE[level]}; "
-                  "one point per head, run and probe step", len(cols))
-        return fig
+        return _finish(fig, axes, sc, "training step",
+                       f"Heads: interaction PR vs attention entropy — {LEVEL_TITLE[level]}; "
+                       "one point per head, run and probe step")
 
 
 FIGURES: dict[str, Callable[[pd.DataFrame, str], Figure]] = {
     "pr": fig_pr, "contrast": fig_contrast, "qk_entropy": fig_qk_entropy, "heads": fig_heads,
 }
-FIGURE_TITLES = {
-    "pr": "(a) PR_Q and PR_K", "contrast": "(b) Paired contrast PR_Q − PR_K",
-    "qk_entropy": "(c) Interaction PR and attention entropy",
-    "heads": "(d) Heads: interaction PR vs attention entropy",
-}
-CAPTIONS = {
-    "pr": "PR_Q (top row of each depth) and PR_K (bottom row) against training step; seed "
-          "mean ± 95 % t-interval; one colour per layer; dashed line: reference step.",
-    "contrast": "Paired contrast PR_Q − PR_K per layer (rows) and probe step (columns), "
-                "seed mean; red = queries higher-dimensional than keys.",
-    "qk_entropy": "PR of the interaction spectrum W_Q W_Kᵀ (upper row) and mean attention "
-                  "entropy (lower row) against step; layer level (entropy: mean over heads).",
-    "heads": "Every head of every run at every probe step: interaction PR against attention "
-             "entropy, coloured by step.",
-}
 
 
-def save_figure(fig: Figure, out_dir: str | Path, name: str) -> list[Path]:
-    """Write ``name.png`` (300 dpi) and ``name.svg`` atomically."""
-    out_dir = Path(out_dir)
-    paths = []
-    with matplotlib.rc_context(STYLE):
-        for fmt in ("png", "svg"):
-            path = out_dir / f"{name}.{fmt}"
-            # constrained layout already fits titles, legends and colour bars
-            atomic_write(path, lambda p, fmt=fmt: fig.savefig(p, format=fmt, dpi=300))
-            paths.append(path)
-    return paths
+def figure_metrics(kind: str, level: str) -> tuple[str, ...]:
+    """The metrics figure ``kind`` plots at ``level`` (the heads figure: per head)."""
+    return {"pr": (f"pr_q_{level}", f"pr_k_{level}"), "contrast": (f"contrast_{level}",),
+            "qk_entropy": (f"pr_qk_{level}", "attn_entropy"),
+            "heads": (f"pr_qk_{level}", "attn_entropy")}[kind]
+
+
+def missing_for(table: pd.DataFrame, kind: str, level: str) -> list[str]:
+    """The metrics figure ``kind`` needs at ``level`` that ``table`` does not record."""
+    rows = table[table["head"] >= 0] if kind == "heads" else table
+    return missing_metrics(rows, figure_metrics(kind, level))
 
 
 def make_figures(table: pd.DataFrame, out_dir: str | Path,
                  levels: Iterable[str] = LEVELS,
                  kinds: Iterable[str] = tuple(FIGURES)) -> dict[str, Path]:
-    """Every figure at every level into ``out_dir``; returns {``kind_level``: PNG path}."""
+    """Every figure at every level into ``out_dir``; returns {``kind_level``: PNG path}.
+    A figure whose metrics the table does not record is not drawn (:func:`missing_for`)."""
     out = {}
     for kind in kinds:
         for level in levels:
+            if missing_for(table, kind, level):
+                continue
             name = f"{kind}_{level}"
             out[name] = save_figure(FIGURES[kind](table, level), out_dir, name)[0]
     return out

@@ -1,4 +1,4 @@
-"""E3, the causal experiment (SPEC §4): paired effects of key-spectrum control, and claims.
+"""E3, the causal experiment: paired effects of key-spectrum control, and claims.
 
 For each seed the runs ``key_control`` ∈ {none, hold, shrink} share init and data order, so
 every effect is a **paired difference** ``controlled − none`` within a seed. The unit of
@@ -17,7 +17,7 @@ a window is the plain mean of its paired differences at those probes (probes are
 spaced).
 
 Directional confidence per mode × quantity × window: the share of seeds with the predicted
-sign, the exact one-sided sign-test p (``qkgeom.stats.count_test``), and the seed-bootstrap
+sign, the exact one-sided sign-test p (``qkgeom.analysis.stats.count_test``), and the seed-bootstrap
 95 % CI of the mean paired difference (percentile interval, ``N_BOOT`` resamples of the seeds,
 fixed RNG seed). Quantities with no prediction get the share of seeds with Δ > 0 and a
 two-sided sign-test p, and no verdict.
@@ -31,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 from qkgeom.analysis.collate import runs_of
+from qkgeom.analysis.kit import CLAIM_COLUMNS, TEST_SIGN, signed
 
 BASELINE = "none"
 EARLY_SHARE = 0.25
@@ -204,18 +205,11 @@ def _window_label(eff: pd.DataFrame, window: str) -> str:
     return f"{name} (step {lo})" if lo == hi else f"{name} (steps {lo}–{hi})"
 
 
-def _fmt(x: float) -> str:
-    if not np.isfinite(x):
-        return "n/a"
-    return f"{x:+.3g}" if abs(x) < 1e-2 and x != 0 else f"{x:+.3f}"
-
-
 def evaluate_e3_claims(eff: pd.DataFrame) -> pd.DataFrame:
     """The E3 rows of the claims table, in the columns of the E1/E2 table
-    (:data:`qkgeom.analysis.claims.COLUMNS`): one row per claim × quantity × window; ``k`` of
-    ``n`` seeds show the predicted sign; ``verdict`` is :func:`qkgeom.stats.verdict`."""
-    from qkgeom.analysis.claims import COLUMNS, TEST_SIGN
-
+    (:data:`qkgeom.analysis.kit.CLAIM_COLUMNS`): one row per claim × quantity × window;
+    ``k`` of ``n`` seeds show the predicted sign; ``verdict`` is
+    :func:`qkgeom.analysis.stats.verdict`."""
     rows = []
     for claim in E3_CLAIMS:
         for quantity in claim.quantities:
@@ -228,9 +222,9 @@ def evaluate_e3_claims(eff: pd.DataFrame) -> pd.DataFrame:
                 mean, lo, hi = ((float(r["mean"]), float(r["ci_low"]), float(r["ci_high"]))
                                 if r is not None else (np.nan, np.nan, np.nan))
                 rel = f"Δ {'<' if claim.sign < 0 else '>'} 0"
-                estimate = f"mean Δ {_fmt(mean)}"
+                estimate = f"mean Δ {signed(mean)}"
                 if np.isfinite(lo):
-                    estimate += f" [{_fmt(lo)}, {_fmt(hi)}]"
+                    estimate += f" [{signed(lo)}, {signed(hi)}]"
                 rows.append({
                     "claim_id": claim.id, "claim": claim.text, "level": QUANTITIES[quantity][1],
                     "origin": window, "from": _window_label(sel, window),
@@ -241,7 +235,7 @@ def evaluate_e3_claims(eff: pd.DataFrame) -> pd.DataFrame:
                     "ci_high": hi, "estimate": estimate, "test": TEST_SIGN, "p_value": p,
                     "verdict": stats.verdict(k, n, p),
                 })
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
 
 
 def e3_analysis(table: pd.DataFrame, n_boot: int = stats.N_BOOT,

@@ -1,9 +1,10 @@
-"""The claims of SPEC §1 (E1, E2), each measured on a collated sweep and given a verdict.
+"""The E1 and E2 claims, each measured on a collated sweep (or one run) and given a verdict.
 
-Every claim is a predicted sign of one per-trajectory statistic (:mod:`qkgeom.stats`). It is
-evaluated at the weight and the token level and from step 0 and from the post-transient
-reference step, side by side (SPEC §2); each row says which. The verdict comes from the
-count and the sign-test p-value by :func:`qkgeom.stats.verdict` (rules in docs/report.md).
+Every claim is a predicted sign of one per-trajectory statistic (:mod:`qkgeom.analysis.stats`).
+It is evaluated at the weight and the token level and from step 0 and from the
+post-transient reference step, side by side (docs/definitions.md); each row says which. The
+verdict comes from the count and the sign-test p-value by
+:func:`qkgeom.analysis.stats.verdict` (rules in docs/report.md).
 """
 
 from __future__ import annotations
@@ -13,9 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
-
-TEST_SIGN = "exact one-sided sign test (binomial, H0: p = ½)"
+from qkgeom.analysis import stats
+from qkgeom.analysis.kit import CLAIM_COLUMNS, TEST_SIGN, signed
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,6 @@ CLAIMS = (
           "(last checkpoint, per run, seed-averaged)", mean_label="mean ρ", per_origin=False),
 )
 
-COLUMNS = ["claim_id", "claim", "level", "origin", "from", "criterion", "k", "n", "share",
-           "measured", "mean", "ci_low", "ci_high", "estimate", "test", "p_value", "verdict"]
-
-
 def _origin_label(traj: pd.DataFrame, origin: str) -> str:
     if "start_step" not in traj:
         return "step 0" if origin == "step0" else "reference"
@@ -69,19 +65,13 @@ def _origin_label(traj: pd.DataFrame, origin: str) -> str:
     return span if origin == "step0" else f"reference, {span}"
 
 
-def _fmt(x: float, digits: int = 3) -> str:
-    if not np.isfinite(x):
-        return "n/a"
-    return f"{x:+.{digits}g}" if abs(x) < 1e-2 and x != 0 else f"{x:+.{digits}f}"
-
-
 def evaluate_claims(traj: pd.DataFrame, boot: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The claims table from per-trajectory statistics (:func:`qkgeom.stats.trajectory_stats`,
-    seed-averaged) and optionally their bootstrap CIs (:func:`qkgeom.stats.bootstrap_ci`).
+    """The claims table from per-trajectory statistics (:func:`qkgeom.analysis.stats.trajectory_stats`,
+    seed-averaged) and optionally their bootstrap CIs (:func:`qkgeom.analysis.stats.bootstrap_ci`).
 
     One row per claim × level × origin (claims measured only at the last checkpoint get one
     row per level, origin ``last``). ``k`` of ``n`` trajectories show the predicted sign;
-    ``p_value`` is the exact one-sided sign test; ``verdict`` is :func:`qkgeom.stats.verdict`.
+    ``p_value`` is the exact one-sided sign test; ``verdict`` is :func:`qkgeom.analysis.stats.verdict`.
     """
     rows = []
     for claim in CLAIMS:
@@ -105,9 +95,9 @@ def evaluate_claims(traj: pd.DataFrame, boot: pd.DataFrame | None = None) -> pd.
                         mean, lo, hi = (float(b.iloc[0][c]) for c in ("mean", "ci_low", "ci_high"))
                 elif mean_stat in sel and sel[mean_stat].notna().any():
                     mean = float(sel[mean_stat].mean())
-                estimate = f"{claim.mean_label} {_fmt(mean)}"
+                estimate = f"{claim.mean_label} {signed(mean)}"
                 if np.isfinite(lo):
-                    estimate += f" [{_fmt(lo)}, {_fmt(hi)}]"
+                    estimate += f" [{signed(lo)}, {signed(hi)}]"
                 rows.append({
                     "claim_id": claim.id, "claim": claim.text, "level": level,
                     "origin": origin if claim.per_origin else "last",
@@ -118,4 +108,4 @@ def evaluate_claims(traj: pd.DataFrame, boot: pd.DataFrame | None = None) -> pd.
                     "p_value": ct["p_value"],
                     "verdict": stats.verdict(ct["k"], ct["n"], ct["p_value"], claim.universal),
                 })
-    return pd.DataFrame(rows, columns=COLUMNS)
+    return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
