@@ -1,4 +1,4 @@
-"""Checkpoint-analysis throughput and memory (qkgeom.pretrained.analyze_model).
+"""Checkpoint-analysis throughput and memory (qkgeom.checkpoints.analyze_model).
 
 Claims measured, all in this one run on one small GPT-2-style model built from a config
 (4 layers × 128, 4 heads, context 128, windows of 128, batch 32; the weights do not matter
@@ -61,7 +61,7 @@ def texts():
 
 
 def analysis_run(n_tokens: int) -> dict:
-    from qkgeom.pretrained import analyze_model
+    from qkgeom.checkpoints import analyze_model
 
     m = model()
     t0 = time.perf_counter()
@@ -86,10 +86,10 @@ def forward_run(n_tokens: int) -> dict:
 @torch.inference_mode()
 def naive_run(n_tokens: int) -> dict:
     """Cache every layer's q and k, then PR from an SVD of the centred stack."""
-    from qkgeom.pretrained.adapters import capture_qk, find_attention_sites
+    from qkgeom.arch import adapter_for
 
     m = model()
-    adapter = find_attention_sites(m)
+    adapter = adapter_for(m)
     cache: dict[int, list] = {i: [] for i in range(adapter.n_layer)}
 
     def keep(i, qs, ks, q, k, scale):
@@ -99,7 +99,7 @@ def naive_run(n_tokens: int) -> dict:
     ids = torch.tensor(Chars().encode(TEXT * math.ceil(n_tokens / len(TEXT)))[:n_tokens])
     ids = ids[: (n_tokens // SEQ) * SEQ].view(-1, SEQ)
     t0 = time.perf_counter()
-    with capture_qk(m, adapter, keep):
+    with adapter.capture(keep):
         for b in ids.split(BATCH):
             m(input_ids=b, use_cache=False)
     prs = []
@@ -116,7 +116,7 @@ def naive_run(n_tokens: int) -> dict:
 def speed_run(n_tokens: int, rounds: int) -> dict:
     """Forward and analysis of the same ``n_tokens`` tokens, interleaved ``rounds`` times
     after one untimed warm-up of each; wall seconds per round."""
-    from qkgeom.pretrained import analyze_model
+    from qkgeom.checkpoints import analyze_model
 
     m = model()
     ids = torch.tensor(Chars().encode(TEXT * math.ceil(n_tokens / len(TEXT)))[:n_tokens])

@@ -1,4 +1,4 @@
-"""Time per training step with and without the key-spectrum control (SPEC §4, E3).
+"""Time per training step with and without the key-spectrum control (E3).
 
 The claim it checks: projecting W_K after every optimiser step (float64 SVD of each
 layer's W_K or of each head's slice, the bisection for γ, the in-place write and the

@@ -21,7 +21,7 @@ import time
 import torch
 from _common import matmul_peak, plain_loop, timed_train
 
-from qkgeom import GPT, make_config, probe
+from qkgeom import GPT, make_config, measure
 from qkgeom.config import with_vocab
 from qkgeom.data import ensure_sample_data, load_prepared, probe_set
 from qkgeom.model import flops_per_token
@@ -84,12 +84,12 @@ def main() -> None:
 
     model = GPT(cfg.model).cuda()
     ptoks = probe_set(data.val, cfg.probe_sequences, cfg.model.block_size)
-    probe(model, ptoks, batch_size=cfg.probe_batch)
+    measure(model, ptoks, batch_size=cfg.probe_batch)
     times = []
     for _ in range(3):
         torch.cuda.synchronize()
         t1 = time.perf_counter()
-        probe(model, ptoks, batch_size=cfg.probe_batch)
+        measure(model, ptoks, batch_size=cfg.probe_batch)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t1)
     step_s = tokens_per_step / tps

@@ -1,9 +1,9 @@
 """Probe overhead per training step: one probe's wall time against one training step's.
 
-The claim it checks: measuring the geometry (SPEC §2 probes: the fixed probe set through
-the eager fp32 model with q/k taps, float64 streamed covariances, per-head SVDs of W_Q W_Kᵀ,
-attention entropy) costs a small share of training at the preset's probe cadence. Timed
-here: ``qkgeom.probe`` on the preset's probe set (16 sequences x context) and a training
+The claim it checks: measuring the geometry (the trainer's probes: the fixed probe set
+through the eager fp32 model with q/k taps, float64 streamed covariances, Gram-trace
+interaction spectra, attention entropy) costs a small share of training at the preset's
+probe cadence. Timed here: ``qkgeom.measure`` on the preset's probe set (16 sequences x context) and a training
 step of the same model (fp32, plain eager step, the benchmark sizes' batch), interleaved per
 rep. Share per step = probe time / (probe_every x step time). The key-spectrum control's
 overhead is ``control_overhead.py``. Last line: the share at each size.
@@ -22,7 +22,8 @@ import time
 import torch
 from _common import SIZES, sample_config, summary
 
-from qkgeom import GPT, probe
+from qkgeom import GPT
+from qkgeom import measure as measure_geometry
 from qkgeom.data import load_prepared, probe_set, sample_batch
 
 STEPS = {"demo": 10, "paper": 3}
@@ -53,7 +54,7 @@ def measure(size: str, reps: int, threads: int, precision: str,
         opt.step()
 
     step()
-    probe(model, tokens, batch_size=cfg.probe_batch)  # warm-up, untimed
+    measure_geometry(model, tokens, batch_size=cfg.probe_batch)  # warm-up, untimed
     step_s, probe_s = [], []
     for _ in range(reps):
         sync()
@@ -63,7 +64,7 @@ def measure(size: str, reps: int, threads: int, precision: str,
         sync()
         step_s.append((time.perf_counter() - t0) / STEPS[size])
         t0 = time.perf_counter()
-        probe(model, tokens, batch_size=cfg.probe_batch)
+        measure_geometry(model, tokens, batch_size=cfg.probe_batch)
         sync()
         probe_s.append(time.perf_counter() - t0)
     return step_s, probe_s, tuple(tokens.shape), cfg.batch_size

@@ -15,8 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from qkgeom._lazy import lazy_getattr
-
-__version__ = "0.1.0"
+from qkgeom.version import __version__
 
 _EXPORTS = {
     "GPTConfig": "qkgeom.config", "TrainConfig": "qkgeom.config",

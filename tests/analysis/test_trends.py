@@ -5,16 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-<<<<<<<< HEAD:tests/checkpoints/test_trends.py
-from qkgeom.pretrained.claims import e4_claims
-from qkgeom.pretrained.trends import early_regime, head_correlations, mann_kendall, trend_table
-from scipy import stats as sst
-========
 from scipy import stats as sst
 
 from qkgeom.analysis.e4.claims import e4_claims
 from qkgeom.analysis.e4.trends import early_regime, head_correlations, mann_kendall, trend_table
->>>>>>>> one-house-analysis:tests/analysis/test_trends.py
 
 
 def test_mann_kendall_by_hand() -> None:

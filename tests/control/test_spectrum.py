@@ -66,7 +66,7 @@ def test_random_spectra_hit_the_target_and_keep_the_norm(seed: int, factor: floa
     target = min(max(pr_sq(s) * factor, 1.05), n - 0.5)  # inside the reachable range
     s_new, gamma = reshape_spectrum(s, target)
     assert torch.isfinite(s_new).all() and math.isfinite(gamma) and gamma >= 0
-    assert abs(pr_sq(s_new) - target) / target < 1e-9  # SPEC asks 1e-3
+    assert abs(pr_sq(s_new) - target) / target < 1e-9  # the invariant asks 1e-3
     assert abs(float((s_new ** 2).sum() / (s ** 2).sum()) - 1) < 1e-12
     # order of the singular values is kept (γ >= 0)
     assert bool((s_new[:-1] >= s_new[1:]).all())

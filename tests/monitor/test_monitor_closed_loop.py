@@ -34,7 +34,7 @@ def test_proportional_update_and_projection() -> None:
     assert rec["ctl_setpoint_l0"] == pytest.approx(float(want[0]))
     assert rec["ctl_entropy_l1"] == 3.0 and rec["ctl_entropy_target_l1"] == 2.0
     ctl.after_step(1)
-    assert torch.allclose(control.current_pr(), want.double(), rtol=1e-3)  # SPEC §4 tolerance
+    assert torch.allclose(control.current_pr(), want.double(), rtol=1e-3)  # the control's invariant
     for block, norm in zip(model.blocks, norms, strict=True):
         assert block.attn.k_proj.weight.norm().item() == pytest.approx(norm, rel=1e-6)
     assert ctl.records()["ctl_pr_l1"] == pytest.approx(float(want[1]), rel=1e-3)

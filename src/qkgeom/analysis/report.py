@@ -29,7 +29,9 @@ from qkgeom.analysis.e3.paired import e3_analysis, is_e3
 from qkgeom.analysis.e3.report import write_e3_report
 from qkgeom.analysis.e4.report import e4_claims_table, write_e4_report
 from qkgeom.errors import QKGeomError
-from qkgeom.runs.family import is_analysis_folder
+from qkgeom.runs import is_run_folder
+from qkgeom.runs.family import MARKER, is_analysis_folder
+from qkgeom.runs.sweep import RUNS_DIR, SWEEP_FILE
 
 
 def claims_table(folder: str | Path, n_boot: int = stats.N_BOOT,
@@ -43,7 +45,7 @@ def claims_table(folder: str | Path, n_boot: int = stats.N_BOOT,
     lists the runs left out. An analysis folder gets the E4 claims."""
     if is_analysis_folder(folder):
         return e4_claims_table(folder)
-    table = collate(folder, include_incomplete=include_incomplete)
+    table = collate(_result_folder(folder), include_incomplete=include_incomplete)
     if is_e3(table):
         claims = e3_analysis(table, n_boot, rng_seed)["claims"]
     else:
@@ -65,10 +67,22 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     folder = Path(folder)
     if is_analysis_folder(folder):  # a checkpoint family (qkgeom analyze): E4
         return write_e4_report(folder, out, figures=figures)
-    if not folder.is_dir():
-        raise QKGeomError(f"{folder}: no such folder")
+    table = collate(_result_folder(folder), include_incomplete=include_incomplete)
     out = folder / "report" if out is None else Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    table = collate(folder, include_incomplete=include_incomplete)
     write = write_e3_report if is_e3(table) else write_e1_report
     return write(table, folder, out, n_boot, rng_seed, figures)
+
+
+def _result_folder(folder: str | Path) -> Path:
+    """``folder``, if it is a sweep or a run folder; else a one-line error saying what is."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise QKGeomError(f"{folder}: no such folder")
+    if not ((folder / SWEEP_FILE).is_file() or (folder / RUNS_DIR).is_dir()
+            or is_run_folder(folder)):
+        raise QKGeomError(f"{folder}: not a sweep, run or checkpoint-analysis folder (no "
+                          f"{SWEEP_FILE}, {RUNS_DIR}/, run config.json or {MARKER}); run "
+                          "`qkgeom sweep run`, `qkgeom reproduce`, `qkgeom train` or "
+                          "`qkgeom analyze` first")
+    return folder

@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from qkgeom import __version__
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json, write_json, write_parquet
 from qkgeom.runs.family import CACHE, CHECKPOINT_TABLE, FORMAT_VERSION, MARKER
+from qkgeom.version import __version__
 
 if TYPE_CHECKING:
     from qkgeom.checkpoints.resolve import CheckpointSpec

@@ -1,4 +1,4 @@
-"""Reshaping a singular spectrum to a target participation ratio (SPEC §4), as pure functions.
+"""Reshaping a singular spectrum to a target participation ratio, as pure functions.
 
 The key-spectrum control replaces ``W = U·diag(s)·Vᵀ`` by ``U·diag(s′)·Vᵀ`` with
 ``s′ᵢ = c·sᵢ^γ``: the singular vectors stay, the order of the singular values stays, and
@@ -39,7 +39,7 @@ Edge cases (never a silent NaN):
   not a state to paper over).
 
 Accuracy: the bisection stops when the bracket on γ is 1e-13 wide (relative), so
-``PR(s′²)`` is on target to about 1e-12 relative (the SPEC asks 1e-3). Everything is float64.
+``PR(s′²)`` is on target to about 1e-12 relative (the control's invariant asks 1e-3). Everything is float64.
 
 :func:`spectral_reshape` is the differentiable version used by the ``parametrize``
 variant: a custom autograd function whose backward is the stable derivative of a spectral

@@ -1,6 +1,6 @@
 """Training windows and the fixed probe set, read from memory-mapped token arrays.
 
-Why: the data order must be a pure function of one ``torch.Generator`` (SPEC: one seed
+Why: the data order must be a pure function of one ``torch.Generator`` (one seed
 per concern), so a seeded generator reproduces a run and its saved state resumes it
 exactly; and only the sampled windows are read from the memmap, so memory does not grow
 with the corpus. The probe set is the same held-out tokens for every run and checkpoint,

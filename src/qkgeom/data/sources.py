@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 SPLITS = ("train", "val", "test")
-#: The real (shortened) 2016 enwiki dump the gensim wheel installs (SPEC §6).
+#: The real (shortened) 2016 enwiki dump the gensim wheel installs.
 SAMPLE_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 #: WikiText raw file per split.
 WIKITEXT_FILES = {"train": "wiki.train.raw", "val": "wiki.valid.raw", "test": "wiki.test.raw"}

@@ -1,6 +1,6 @@
 """Character vocabulary: the characters of the training split plus one unknown id.
 
-Why: SPEC §3 makes the model character-level with the vocabulary taken from the training
+Why: the model is character-level, with the vocabulary taken from the training
 split only, so evaluation text may contain characters the model never saw; those map to
 an explicit unknown id (``len(chars)``) instead of failing or silently aliasing another
 character. Encoding goes through a lookup table indexed by Unicode code point and works

@@ -4,7 +4,7 @@
 ids; ``run_sweep`` trains them into a resumable sweep folder (each run in its own process
 through ``run_one``); ``sweep_status`` tabulates a sweep folder; ``e1_grid`` /
 ``reproduce_e1`` are experiment E1 of the paper and ``e3_grid`` / ``reproduce_e3`` experiment
-E3 (SPEC §1, §4).
+E3 (docs/definitions.md).
 """
 
 from qkgeom.experiments.grid import Grid, RunSpec, load_grid

@@ -31,7 +31,6 @@ from typing import Any
 
 import pandas as pd
 
-from qkgeom import __version__
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.backends import BACKENDS, make_backend
 from qkgeom.experiments.grid import Grid, RunSpec
@@ -39,6 +38,7 @@ from qkgeom.experiments.progress import SweepView
 from qkgeom.io import read_json, write_json
 from qkgeom.runs import lock_is_held, read_status
 from qkgeom.runs.sweep import SWEEP_FILE, run_dir
+from qkgeom.version import __version__
 
 STATES = ("done", "diverged", "failed", "locked", "pending")
 _POLL_S = 0.5

@@ -13,7 +13,7 @@ because of one degenerate head), its PR is defined as ``0.0`` -- the only value 
 ``[1, n]``, so a degenerate head is visible in every table and plot.
 
 Weight layout follows ``nn.Linear``: ``w_q``, ``w_k`` are ``(d_out, d_model)`` with
-``d_out = n_head * head_dim`` and head ``h`` owning rows ``h*hd:(h+1)*hd``; in the SPEC's
+``d_out = n_head * head_dim`` and head ``h`` owning rows ``h*hd:(h+1)*hd``; in the paper's
 notation ``W_Q = w_q.T`` and ``W_Q^h = w_q[h*hd:(h+1)*hd].T``.
 """
 
@@ -119,7 +119,7 @@ def pr_from_covariance(cov: Tensor) -> Tensor:
 def weight_pr(w: Tensor) -> Tensor:
     """PR of the squared singular values of ``w`` (..., m, n), float64, batched.
 
-    Why: the SPEC's weight PR (``pr_q_weight``, ``pr_k_weight``). The squared singular
+    Why: the weight PR (``pr_q_weight``, ``pr_k_weight``). The squared singular
     values of W are the eigenvalues of its Gram matrix, so this is
     :func:`pr_from_covariance` of the smaller of ``WᵀW`` / ``WWᵀ`` -- no SVD. Invariant to
     transposition, so ``w_q`` rows (nn.Linear layout) and ``W_Q`` give the same value.
@@ -171,7 +171,7 @@ def split_heads(w: Tensor, n_head: int) -> Tensor:
 def interaction_singular_values(w_q: Tensor, w_k: Tensor, n_head: int) -> Tensor:
     """Singular values of each head's interaction matrix ``M_h = W_Q^h (W_K^h)ᵀ``.
 
-    Why: the SPEC's interaction spectrum; ``pr_qk_weight`` is the PR of their squares.
+    Why: the interaction spectrum; ``pr_qk_weight`` is the PR of their squares.
     Computed through QR of the two d_model × hd factors, never the d_model × d_model
     product (see :func:`product_singular_values`).
 
@@ -199,7 +199,7 @@ def logit_singular_values(q: Tensor, k: Tensor, scale: float | None = None) -> T
 
     Args:
         q, k: (B, H, T, hd) per-head queries and keys, any float dtype.
-        scale: logit scale, default 1/√hd (the SPEC's definition).
+        scale: logit scale, default 1/√hd (the definition).
     Returns:
         (B, H, min(T, hd)) float64, descending.
     """

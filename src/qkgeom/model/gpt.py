@@ -1,7 +1,7 @@
 """A decoder-only GPT you can read in one sitting, with W_Q and W_K kept apart.
 
 Pre-LayerNorm blocks, learned positions, GELU MLP x4, tied input/output embeddings
-(SPEC §3). Queries, keys and values have their own ``nn.Linear`` per layer (no fused
+(docs/definitions.md#model). Queries, keys and values have their own ``nn.Linear`` per layer (no fused
 ``c_attn``) so that probes and the key-spectrum control address W_Q and W_K of every head
 directly. Training attention uses ``scaled_dot_product_attention``; probes tap q and k
 through :func:`qkgeom.model.taps.tap_qk` and compute the explicit softmax themselves.
@@ -134,7 +134,7 @@ class GPT(nn.Module):
 @torch.no_grad()
 def init_qk(w_q: Tensor, w_k: Tensor, mode: str, *, std: float = 0.02,
             generator: torch.Generator | None = None) -> None:
-    """Initialise one layer's W_Q and W_K in place (SPEC §3).
+    """Initialise one layer's W_Q and W_K in place (docs/definitions.md).
 
     ``normal``: N(0, std) each. ``orthogonal``: orthogonal matrices with every singular
     value equal to ``std * sqrt(d_model)``, so ||W||_F matches the expected Frobenius norm of

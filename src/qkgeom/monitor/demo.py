@@ -47,14 +47,15 @@ def _layer_metric(run: Path, metric: str) -> pd.DataFrame:
 def closed_loop(out: Path, *, target: float = 2.0, gain: float = 1.0, max_step: float = 0.25,
                 tolerance: float = 0.1, threads: int = 1) -> pd.DataFrame:
     """Train ``none`` and ``controlled``; per layer: target, entropy reached, baseline."""
-    import qkgeom
+    from qkgeom.config import make_config
     from qkgeom.monitor.closed_loop import EntropyControlCallback, EntropyController
+    from qkgeom.training import train
 
-    cfg = qkgeom.make_config("demo", {**DEMO_OVERRIDES, "threads": threads})
+    cfg = make_config("demo", {**DEMO_OVERRIDES, "threads": threads})
     for name, callbacks in (("none", []), ("controlled", [EntropyControlCallback(
             EntropyController(target, gain=gain, max_step=max_step))])):
         if not (out / name / "status.json").exists():
-            qkgeom.train(cfg, out / name, callbacks=callbacks)
+            train(cfg, out / name, callbacks=callbacks)
     ctl = _layer_metric(out / "controlled", "attn_entropy")
     base = _layer_metric(out / "none", "attn_entropy")
     rows = []

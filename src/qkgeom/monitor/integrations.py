@@ -18,14 +18,25 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from qkgeom.errors import QKGeomError
 
-if TYPE_CHECKING:
-    from qkgeom.monitor.monitor import GeometryMonitor
-
 __all__ = ["hf_callback", "lightning_callback"]
+
+
+class Monitor(Protocol):
+    """What a trainer callback drives (:class:`~qkgeom.monitor.GeometryMonitor`)."""
+
+    def start(self, step: int = 0, *, total_steps: int | None = None,
+              tensorboard: Any = None) -> Any: ...
+
+    def step(self, step: int, *, loss: float | None = None,
+             lr: float | None = None) -> Any: ...
+
+    def log_loss(self, step: int, loss: Any, lr: float | None = None) -> None: ...
+
+    def close(self, state: str = "done", step: int | None = None) -> None: ...
 
 
 def _loss(outputs: Any) -> Any:
@@ -34,7 +45,7 @@ def _loss(outputs: Any) -> Any:
     return outputs if hasattr(outputs, "detach") else None
 
 
-def hf_callback(monitor: GeometryMonitor) -> Any:
+def hf_callback(monitor: Monitor) -> Any:
     """A ``transformers.TrainerCallback`` for ``Trainer(callbacks=[...])``."""
     from transformers import TrainerCallback
 
@@ -74,7 +85,7 @@ def _lightning_base(package: str) -> type:
                       "(pip install lightning)")
 
 
-def lightning_callback(monitor: GeometryMonitor, package: str = "auto") -> Any:
+def lightning_callback(monitor: Monitor, package: str = "auto") -> Any:
     """A Lightning ``Callback`` for ``Trainer(callbacks=[...])``; ``package`` picks
     ``lightning.pytorch`` or ``pytorch_lightning`` (``auto``: the first installed)."""
     base = _lightning_base(package)

@@ -21,9 +21,9 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qkgeom import __version__
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json, write_json
+from qkgeom.version import __version__
 
 if TYPE_CHECKING:
     import pandas as pd
