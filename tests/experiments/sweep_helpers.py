@@ -51,10 +51,10 @@ def write_grid(path: Path, grid: Grid) -> Path:
 
 
 def sweep_cmd(grid_file: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "qkgeom.experiments", "run", str(grid_file), "--out",
-            str(out), "--workers", "1", "--threads-per-run", "1", "--quiet", *extra]
+    return [sys.executable, "-m", "qkgeom.cli", "sweep", "run", str(grid_file), "--out",
+            str(out), "--workers", "1", "--threads", "1", "--quiet", *extra]
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "qkgeom.experiments", *args],
+    return subprocess.run([sys.executable, "-m", "qkgeom.cli", "sweep", *args],
                           capture_output=True, text=True, timeout=timeout)

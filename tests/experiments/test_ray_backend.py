@@ -92,9 +92,9 @@ def test_ray_backend_matches_the_local_backend(ray_head: str, local_tiny_sweep,
     grid_file = write_grid(tmp_path / "tiny.yaml", tiny_grid(sample_data))
     out = tmp_path / "ray-sweep"
     env = dict(os.environ, **LOOPBACK_ENV)
-    res = subprocess.run([sys.executable, "-m", "qkgeom.experiments", "run", str(grid_file),
+    res = subprocess.run([sys.executable, "-m", "qkgeom.cli", "sweep", "run", str(grid_file),
                           "--out", str(out), "--backend", "ray", "--address", ray_head,
-                          "--workers", "2", "--threads-per-run", "1", "--quiet"],
+                          "--workers", "2", "--threads", "1", "--quiet"],
                          capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stdout + res.stderr
     assert "done 2" in res.stdout
@@ -105,7 +105,7 @@ def test_ray_backend_matches_the_local_backend(ray_head: str, local_tiny_sweep,
         pd.testing.assert_frame_equal(metrics(run_dir(local_out, run_id)), metrics(run),
                                       check_exact=True)
     # Rerun through Ray: nothing left to do, nothing retrained.
-    again = subprocess.run([sys.executable, "-m", "qkgeom.experiments", "run", str(grid_file),
+    again = subprocess.run([sys.executable, "-m", "qkgeom.cli", "sweep", "run", str(grid_file),
                             "--out", str(out), "--backend", "ray", "--address", ray_head,
                             "--quiet"], capture_output=True, text=True, timeout=300, env=env)
     assert again.returncode == 0, again.stderr

@@ -51,19 +51,17 @@ class AttentionSite:
         """Query heads per key head, R = H / H_kv."""
         return self.n_head // self.n_kv_head
 
-    # -- layout (override for fused weights) ------------------------------------------
+    # -- layout (fused weights override ``heads``, ``bias_heads`` and ``split``) ----------
 
-    def q_heads(self, w: Tensor) -> Tensor:
-        """(H, hd, d_model) view of W_Q inside a tensor laid out like ``q_module.weight``."""
-        return w.view(self.n_head, self.head_dim, self.d_model)
+    def heads(self, w: Tensor, which: str) -> Tensor:
+        """(heads, hd, d_model) view of W_Q / W_K / W_V (``which`` = q, k, v) inside a
+        tensor laid out like that projection's stored weight; writable in place."""
+        n = self.n_head if which == "q" else self.n_kv_head
+        return w.view(n, self.head_dim, self.d_model)
 
     def k_heads(self, w: Tensor) -> Tensor:
         """(H_kv, hd, d_model) view of W_K inside a tensor laid out like ``k_module.weight``."""
-        return w.view(self.n_kv_head, self.head_dim, self.d_model)
-
-    def v_heads(self, w: Tensor) -> Tensor:
-        """(H_kv, hd, d_model) view of W_V inside a tensor laid out like ``v_module.weight``."""
-        return w.view(self.n_kv_head, self.head_dim, self.d_model)
+        return self.heads(w, "k")
 
     def bias_heads(self, b: Tensor, which: str) -> Tensor:
         """(heads, hd) view of the q / k / v bias inside the module's bias."""
@@ -79,14 +77,10 @@ class AttentionSite:
     def _module(self, which: str) -> nn.Module:
         return {"q": self.q_module, "k": self.k_module, "v": self.v_module}[which]
 
-    def _heads(self, which: str, w: Tensor) -> Tensor:
-        return {"q": self.q_heads, "k": self.k_heads, "v": self.v_heads}[which](w)
-
     def weight(self, which: str) -> Tensor:
         """W_Q / W_K / W_V (``which`` = q, k, v) as the model uses it (a parametrisation
         runs), in nn.Linear layout (heads·hd, d_model), detached; a copy for fused layouts."""
-        heads = self._heads(which, self._module(which).weight.detach())
-        return heads.reshape(-1, self.d_model)
+        return self.heads(self._module(which).weight.detach(), which).reshape(-1, self.d_model)
 
     def bias(self, which: str) -> Tensor | None:
         """The q / k / v bias in the row order of :meth:`weight`, or None."""

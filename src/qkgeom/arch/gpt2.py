@@ -18,19 +18,10 @@ _PART = {"q": 0, "k": 1, "v": 2}
 class FusedConv1DSite(AttentionSite):
     """q, k and v side by side in the columns of one ``Conv1D`` weight."""
 
-    def _part(self, w: Tensor, which: str) -> Tensor:
+    def heads(self, w: Tensor, which: str) -> Tensor:
         d_out = self.n_head * self.head_dim
         start = _PART[which] * d_out
         return w[:, start:start + d_out].T.unflatten(0, (self.n_head, self.head_dim))
-
-    def q_heads(self, w: Tensor) -> Tensor:
-        return self._part(w, "q")
-
-    def k_heads(self, w: Tensor) -> Tensor:
-        return self._part(w, "k")
-
-    def v_heads(self, w: Tensor) -> Tensor:
-        return self._part(w, "v")
 
     def bias_heads(self, b: Tensor, which: str) -> Tensor:
         return b.view(3, self.n_head, self.head_dim)[_PART[which]]

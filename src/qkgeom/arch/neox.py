@@ -18,17 +18,8 @@ _PART = {"q": 0, "k": 1, "v": 2}
 class InterleavedQKVSite(AttentionSite):
     """q_h, k_h, v_h consecutive per head in the rows of one ``nn.Linear`` weight."""
 
-    def _part(self, w: Tensor, which: str) -> Tensor:
+    def heads(self, w: Tensor, which: str) -> Tensor:
         return w.view(self.n_head, 3, self.head_dim, self.d_model)[:, _PART[which]]
-
-    def q_heads(self, w: Tensor) -> Tensor:
-        return self._part(w, "q")
-
-    def k_heads(self, w: Tensor) -> Tensor:
-        return self._part(w, "k")
-
-    def v_heads(self, w: Tensor) -> Tensor:
-        return self._part(w, "v")
 
     def bias_heads(self, b: Tensor, which: str) -> Tensor:
         return b.view(self.n_head, 3, self.head_dim)[:, _PART[which]]

@@ -1,4 +1,4 @@
-"""``qkgeom sweep run|status``, ``qkgeom reproduce e1|e3`` and ``qkgeom report``."""
+"""``qkgeom sweep run|status``, ``qkgeom reproduce EXPERIMENT`` and ``qkgeom report``."""
 
 from __future__ import annotations
 
@@ -42,26 +42,15 @@ def report(folder: Path, out: Path | None) -> None:
     typer.echo(f"report: {path}")
 
 
-def _reproduce(experiment: str, preset: str, data: str, out: Path | None,
-               overrides: dict[str, Any], *, workers: int | None, backend: str,
-               address: str | None, threads: int | None, quiet: bool) -> None:
-    """Run one of the paper's grids (``qkgeom.experiments.reproduce_<experiment>``) into
-    ``out`` (default ``sweeps/<experiment>-<preset>``), then print the summary and report."""
-    import qkgeom.experiments as experiments
-
-    out = out or Path("sweeps") / f"{experiment}-{preset}"
-    run = getattr(experiments, f"reproduce_{experiment}")
-    summary = run(preset, out, data, workers=workers, backend=backend, address=address,
-                  threads_per_run=threads, progress=not quiet, overrides=overrides or None)
-    _print_summary(summary, out)
-    report(out, None)
+def _exit_if_failed(summary: Any) -> None:
+    """Exit 1 when some run of the sweep failed (diverged runs are results, not failures)."""
+    if summary.counts.get("failed"):
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
     sweep_app = typer.Typer(no_args_is_help=True, help="Run and inspect grids of training runs.")
-    reproduce_app = typer.Typer(no_args_is_help=True, help="The paper's experiments, end to end.")
     app.add_typer(sweep_app, name="sweep")
-    app.add_typer(reproduce_app, name="reproduce")
 
     @sweep_app.command("run")
     def sweep_run(
@@ -88,6 +77,7 @@ def register(app: typer.Typer) -> None:
                             threads_per_run=threads, progress=not quiet,
                             retry_failed=retry_failed)
         _print_summary(summary, out)
+        _exit_if_failed(summary)
 
     @sweep_app.command("status")
     def sweep_status_cmd(sweep: Annotated[Path, typer.Argument(help="Sweep folder.")]) -> None:
@@ -108,46 +98,34 @@ def register(app: typer.Typer) -> None:
         """Figures + report.md/report.html opening with the claims table."""
         report(folder, out)
 
-    @reproduce_app.command("e1")
-    def reproduce_e1_cmd(
+    @app.command("reproduce")
+    def reproduce_cmd(
+        experiment: Annotated[str, typer.Argument(
+            help="e1 (E1 + E2: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: seeds x key "
+                 "control {none, hold, shrink}, paired by seed)")],
         preset: Preset = "demo",
         data: Data = "",
         out: Annotated[Path | None, typer.Option(
-            help="Sweep folder (default sweeps/e1-<preset>).")] = None,
+            help="Sweep folder (default sweeps/<experiment>-<preset>).")] = None,
         workers: Workers = None,
         backend: Backend = "local",
         address: Address = None,
         threads: Threads = None,
         device: Device = None,
+        set_: Annotated[list[str] | None, typer.Option(
+            "--set", help="Dotted config override for every run, repeatable: "
+                          "--set key_control.scope=head")] = None,
         quiet: Quiet = False,
     ) -> None:
-        """E1 + E2: depths {4,6,8} x inits {normal,orthogonal,tied} x seeds, then the report."""
-        _reproduce("e1", preset, data, out, {"device": device} if device else {},
-                   workers=workers, backend=backend, address=address, threads=threads,
-                   quiet=quiet)
+        """One of the paper's experiments end to end: its grid, resumable, then the report."""
+        from qkgeom.config import deep_merge, parse_dotted
+        from qkgeom.experiments import reproduce
 
-    @reproduce_app.command("e3")
-    def reproduce_e3_cmd(
-        preset: Preset = "demo",
-        data: Data = "",
-        out: Annotated[Path | None, typer.Option(
-            help="Sweep folder (default sweeps/e3-<preset>).")] = None,
-        shrink_to: Annotated[float | None, typer.Option(
-            help="shrink: final PR_K target as a share of step 0's (default 0.5).")] = None,
-        scope: Annotated[str | None, typer.Option(
-            "--key-control-scope", help="layer | head (default layer).")] = None,
-        workers: Workers = None,
-        backend: Backend = "local",
-        address: Address = None,
-        threads: Threads = None,
-        device: Device = None,
-        quiet: Quiet = False,
-    ) -> None:
-        """E3: seeds x key control {none, hold, shrink}, paired by seed, then the report."""
-        overrides: dict[str, Any] = {"device": device} if device else {}
-        control = {k: v for k, v in (("shrink_to", shrink_to), ("scope", scope))
-                   if v is not None}
-        if control:
-            overrides["key_control"] = control
-        _reproduce("e3", preset, data, out, overrides, workers=workers, backend=backend,
-                   address=address, threads=threads, quiet=quiet)
+        overrides = deep_merge({"device": device} if device else {}, parse_dotted(set_ or []))
+        out = out or Path("sweeps") / f"{experiment}-{preset}"
+        summary = reproduce(experiment, preset, out, data, workers=workers, backend=backend,
+                            address=address, threads_per_run=threads, progress=not quiet,
+                            overrides=overrides or None)
+        _print_summary(summary, out)
+        report(out, None)
+        _exit_if_failed(summary)

@@ -11,8 +11,10 @@ from qkgeom.experiments.grid import Grid, RunSpec, load_grid
 from qkgeom.experiments.presets import (
     E1_PRESETS,
     E3_PRESETS,
+    GRIDS,
     e1_grid,
     e3_grid,
+    reproduce,
     reproduce_e1,
     reproduce_e3,
 )
@@ -21,4 +23,4 @@ from qkgeom.experiments.worker import run_one
 
 __all__ = ["Grid", "RunSpec", "load_grid", "run_sweep", "run_one", "sweep_status",
            "SweepSummary", "e1_grid", "reproduce_e1", "E1_PRESETS", "e3_grid", "reproduce_e3",
-           "E3_PRESETS"]
+           "E3_PRESETS", "GRIDS", "reproduce"]

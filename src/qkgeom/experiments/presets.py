@@ -36,6 +36,7 @@ alone (tokens/s of the 4-, 6- and 8-layer models on one thread), before looking 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,32 +119,6 @@ def e1_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None
     })
 
 
-def reproduce_e1(
-    preset: str,
-    out_dir: str | Path,
-    data: str = "",
-    *,
-    workers: int | None = None,
-    backend: str = "local",
-    address: str | None = None,
-    threads_per_run: int | None = None,
-    progress: bool = True,
-    retry_failed: bool = False,
-    overrides: dict[str, Any] | None = None,
-) -> SweepSummary:
-    """Expand the E1 grid and run it into ``out_dir`` (resumable; see :func:`run_sweep`).
-
-    ``workers=None`` picks the layout measured fastest for each size: for ``smoke`` and
-    ``demo`` (small CPU models that do not scale across threads) one single-threaded run
-    per CPU, at most one per run (benchmarks/sweep_scaling.py: 2 workers x 1 thread was
-    3.5x faster than 1 worker x 2 threads on 2 shared cores); for ``paper`` one run at a
-    time (one GPU).
-    """
-    return _run(e1_grid(preset, data, overrides), preset, out_dir, workers=workers,
-                backend=backend, address=address, threads_per_run=threads_per_run,
-                progress=progress, retry_failed=retry_failed)
-
-
 def e3_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None) -> Grid:
     """The E3 grid at size ``preset``: seeds x ``key_control.mode`` ∈ {none, hold, shrink}.
 
@@ -163,7 +138,11 @@ def e3_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None
     })
 
 
-def reproduce_e3(
+GRIDS: dict[str, Callable[..., Grid]] = {"e1": e1_grid, "e3": e3_grid}
+
+
+def reproduce(
+    experiment: str,
     preset: str,
     out_dir: str | Path,
     data: str = "",
@@ -176,22 +155,33 @@ def reproduce_e3(
     retry_failed: bool = False,
     overrides: dict[str, Any] | None = None,
 ) -> SweepSummary:
-    """Expand the E3 grid and run it into ``out_dir`` (resumable; layout as :func:`reproduce_e1`)."""
-    return _run(e3_grid(preset, data, overrides), preset, out_dir, workers=workers,
-                backend=backend, address=address, threads_per_run=threads_per_run,
-                progress=progress, retry_failed=retry_failed)
+    """Expand the grid of ``experiment`` (``e1`` | ``e3``) at size ``preset`` and run it into
+    ``out_dir`` (resumable; see :func:`~qkgeom.experiments.runner.run_sweep`).
 
-
-def _run(grid: Grid, preset: str, out_dir: str | Path, *, workers: int | None, backend: str,
-         address: str | None, threads_per_run: int | None, progress: bool,
-         retry_failed: bool) -> SweepSummary:
-    """Run a paper grid with the worker layout measured fastest for its size (see
-    :func:`reproduce_e1`)."""
+    ``workers=None`` picks the layout measured fastest for each size: for ``smoke`` and
+    ``demo`` (small CPU models that do not scale across threads) one single-threaded run
+    per CPU, at most one per run (benchmarks/sweep_scaling.py: 2 workers x 1 thread was
+    3.5x faster than 1 worker x 2 threads on 2 shared cores); for ``paper`` one run at a
+    time (one GPU). ``overrides`` (nested or dotted config keys) apply to every run.
+    """
+    if experiment not in GRIDS:
+        raise QKGeomError(f"unknown experiment {experiment!r}; choose one of "
+                          f"{', '.join(GRIDS)}")
+    grid = GRIDS[experiment](preset, data, overrides)
     if workers is None:
-        runs = len(grid.expand())
-        workers = 1 if preset == "paper" else max(1, min(available_cpus(), runs))
+        workers = 1 if preset == "paper" else max(1, min(available_cpus(), len(grid.expand())))
         if preset != "paper" and threads_per_run is None:
             threads_per_run = 1
     return run_sweep(grid, out_dir, workers=workers, backend=backend, address=address,
                      threads_per_run=threads_per_run, progress=progress,
                      retry_failed=retry_failed)
+
+
+def reproduce_e1(preset: str, out_dir: str | Path, data: str = "", **options: Any) -> SweepSummary:
+    """E1 + E2: :func:`reproduce` of the E1 grid (depth x Q/K init x seed)."""
+    return reproduce("e1", preset, out_dir, data, **options)
+
+
+def reproduce_e3(preset: str, out_dir: str | Path, data: str = "", **options: Any) -> SweepSummary:
+    """E3: :func:`reproduce` of the E3 grid (seed x key-control mode, paired by seed)."""
+    return reproduce("e3", preset, out_dir, data, **options)
