@@ -37,12 +37,12 @@ class _Accepted(Exception):
 @pytest.fixture
 def stub_work(monkeypatch: pytest.MonkeyPatch) -> None:
     import qkgeom.experiments
-    import qkgeom.training
+    import qkgeom.launch
 
     def accepted(*_a, **_k):
         raise _Accepted
 
-    monkeypatch.setattr(qkgeom.training, "train", accepted)
+    monkeypatch.setattr(qkgeom.launch, "train", accepted)  # what the CLI trains through
     monkeypatch.setattr(qkgeom.experiments, "run_sweep", accepted)
 
 

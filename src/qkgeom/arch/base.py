@@ -22,7 +22,8 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-__all__ = ["QK_SITES", "AttentionSite", "ModelAdapter", "QKCallback", "config_int", "layer_list"]
+__all__ = ["QK_SITES", "AttentionSite", "ModelAdapter", "QKCallback", "blocks_with", "config_int",
+           "layer_list"]
 
 QK_SITES = ("post-rotary", "pre-rotary")
 # on_qk(layer, q_site, k_site, q_attn, k_attn, scale): q (B, H, T, hd), k (B, H_kv, T, hd).
@@ -157,6 +158,16 @@ def layer_list(model: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None
         if isinstance(mods, nn.ModuleList) and len(mods) > 0:
             return mods
     return None
+
+
+def blocks_with(model: nn.Module, paths: tuple[str, ...], member: str) -> nn.ModuleList | None:
+    """The per-layer blocks (:func:`layer_list`) whose first block has the dotted submodule
+    ``member`` (e.g. ``attn.c_attn``), else None: how a family recognises its models."""
+    layers = layer_list(model, paths)
+    try:
+        return layers if layers is not None and layers[0].get_submodule(member) else None
+    except AttributeError:
+        return None
 
 
 def config_int(model: nn.Module, *names: str) -> int | None:

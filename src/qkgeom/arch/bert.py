@@ -5,22 +5,22 @@ from __future__ import annotations
 
 from torch import nn
 
-from qkgeom.arch.base import AttentionSite, ModelAdapter, config_int, layer_list
+from qkgeom.arch.base import AttentionSite, ModelAdapter, blocks_with, config_int
 from qkgeom.arch.hf import capture_hf
 
 __all__ = ["detect"]
 
 
+def _site(i: int, att: nn.Module) -> AttentionSite:
+    return AttentionSite(i, att, att.query, att.key, att.value, att.num_attention_heads,
+                         att.num_attention_heads, att.attention_head_size, att.query.in_features)
+
+
 def detect(model: nn.Module) -> ModelAdapter | None:
-    layers = layer_list(model, ("encoder.layer", "bert.encoder.layer"))
-    if layers is None or not hasattr(getattr(layers[0], "attention", None), "self"):
+    layers = blocks_with(model, ("encoder.layer", "bert.encoder.layer"), "attention.self")
+    if layers is None:
         return None
-    sites = []
-    for i, layer in enumerate(layers):
-        att = layer.attention.self
-        sites.append(AttentionSite(i, att, att.query, att.key, att.value,
-                                   att.num_attention_heads, att.num_attention_heads,
-                                   att.attention_head_size, att.query.in_features))
+    sites = [_site(i, layer.attention.self) for i, layer in enumerate(layers)]
     causal = bool(getattr(layers[0].attention.self, "is_causal", False))
     return ModelAdapter("bert", model, sites, causal=causal, rotary=False,
                         max_positions=config_int(model, "max_position_embeddings"),

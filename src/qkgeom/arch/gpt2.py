@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from qkgeom.arch.base import AttentionSite, ModelAdapter, config_int, layer_list
+from qkgeom.arch.base import AttentionSite, ModelAdapter, blocks_with, config_int
 from qkgeom.arch.hf import capture_hf
 
 __all__ = ["FusedConv1DSite", "detect", "fuse_qkv"]
@@ -40,19 +40,20 @@ def fuse_qkv(weights: tuple[Tensor, Tensor, Tensor],
     return torch.cat(weights, dim=0).T, torch.cat(biases)
 
 
-def detect(model: nn.Module) -> ModelAdapter | None:
-    layers = layer_list(model, ("transformer.h", "h"))
-    if layers is None or not hasattr(getattr(layers[0], "attn", None), "c_attn"):
+def _site(i: int, attn: nn.Module) -> FusedConv1DSite | None:
+    c_attn = attn.c_attn
+    d = c_attn.weight.shape[0]
+    if type(c_attn).__name__ != "Conv1D" or c_attn.weight.shape[1] != 3 * d:
         return None
-    sites = []
-    for i, block in enumerate(layers):
-        attn = block.attn
-        w = attn.c_attn.weight
-        d = w.shape[0]
-        if type(attn.c_attn).__name__ != "Conv1D" or w.shape[1] != 3 * d:
-            return None
-        sites.append(FusedConv1DSite(i, attn, attn.c_attn, attn.c_attn, attn.c_attn,
-                                     attn.num_heads, attn.num_heads, attn.head_dim, d))
+    return FusedConv1DSite(i, attn, c_attn, c_attn, c_attn, attn.num_heads, attn.num_heads,
+                           attn.head_dim, d)
+
+
+def detect(model: nn.Module) -> ModelAdapter | None:
+    layers = blocks_with(model, ("transformer.h", "h"), "attn.c_attn")
+    sites = [_site(i, block.attn) for i, block in enumerate(layers or [])]
+    if not sites or None in sites:
+        return None
     return ModelAdapter("gpt2", model, sites, causal=True, rotary=False,
                         max_positions=config_int(model, "n_positions", "max_position_embeddings"),
                         capture_fn=capture_hf)

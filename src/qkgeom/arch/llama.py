@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from qkgeom.arch.base import AttentionSite, ModelAdapter, config_int, layer_list
+from qkgeom.arch.base import AttentionSite, ModelAdapter, blocks_with, config_int
 from qkgeom.arch.hf import capture_hf
 from qkgeom.errors import QKGeomError
 
@@ -15,9 +15,9 @@ __all__ = ["detect"]
 
 
 def detect(model: nn.Module) -> ModelAdapter | None:
-    layers = layer_list(model, ("model.layers", "layers", "model.model.layers"))
-    attn0 = getattr(layers[0], "self_attn", None) if layers is not None else None
-    if not isinstance(getattr(attn0, "k_proj", None), nn.Linear):
+    layers = blocks_with(model, ("model.layers", "layers", "model.model.layers"),
+                         "self_attn.k_proj")
+    if layers is None or not isinstance(layers[0].self_attn.k_proj, nn.Linear):
         return None
     cfg = model.config
     sites = []

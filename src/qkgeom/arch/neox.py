@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from qkgeom.arch.base import AttentionSite, ModelAdapter, config_int, layer_list
+from qkgeom.arch.base import AttentionSite, ModelAdapter, blocks_with, config_int
 from qkgeom.arch.hf import capture_hf
 
 __all__ = ["InterleavedQKVSite", "detect"]
@@ -31,18 +31,17 @@ class InterleavedQKVSite(AttentionSite):
         return qkv[..., _PART[which] * hd:(_PART[which] + 1) * hd]  # (B, H, T, hd)
 
 
+def _site(i: int, attn: nn.Module) -> InterleavedQKVSite:
+    qkv, hd = attn.query_key_value, attn.head_size
+    n_head = qkv.weight.shape[0] // (3 * hd)
+    return InterleavedQKVSite(i, attn, qkv, qkv, qkv, n_head, n_head, hd, qkv.weight.shape[1])
+
+
 def detect(model: nn.Module) -> ModelAdapter | None:
-    layers = layer_list(model, ("gpt_neox.layers", "layers"))
-    if layers is None or not hasattr(getattr(layers[0], "attention", None), "query_key_value"):
+    layers = blocks_with(model, ("gpt_neox.layers", "layers"), "attention.query_key_value")
+    if layers is None:
         return None
-    sites = []
-    for i, layer in enumerate(layers):
-        attn = layer.attention
-        w = attn.query_key_value.weight
-        hd = attn.head_size
-        n_head = w.shape[0] // (3 * hd)
-        sites.append(InterleavedQKVSite(i, attn, attn.query_key_value, attn.query_key_value,
-                                        attn.query_key_value, n_head, n_head, hd, w.shape[1]))
+    sites = [_site(i, layer.attention) for i, layer in enumerate(layers)]
     return ModelAdapter("gpt_neox", model, sites, causal=True, rotary=True,
                         max_positions=config_int(model, "max_position_embeddings"),
                         capture_fn=capture_hf)
