@@ -120,7 +120,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     reference_step: int = -1  # -1 = end of LR warm-up (the post-transient reference)
     # auto = bf16 autocast on CUDA, fp32 elsewhere (see effective_precision); bf16 and fp16
-    # are opt-in anywhere. Weights and optimiser state stay fp32; probes always run in fp32.
+    # are opt-in anywhere. Weights and optimiser state stay fp32; probes run the fp32 model, products in float64.
     precision: str = "auto"
     device: str = "cpu"
     threads: int = 0  # 0 = leave torch's default

@@ -82,7 +82,7 @@ def register(app: typer.Typer) -> None:
         tokenizer: Annotated[str | None, typer.Option(
             help="Tokenizer to use (hub id or folder) if the checkpoints have none.")] = None,
         no_logit_spectrum: Annotated[bool, typer.Option(
-            help="Skip pr_qk_token (the per-sequence logit SVD).")] = False,
+            help="Skip pr_qk_token (the per-sequence logit spectrum).")] = False,
         trust_remote_code: Annotated[bool, typer.Option(
             help="Allow models with custom code from the hub.")] = False,
         quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,

@@ -143,7 +143,7 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
         f"≤ {stats.FAIL_SHARE:.0%}; mixed otherwise). E4.1 is a claim that the trend is *not* "
         "universal: supported when at least one layer lacks a significant whole-run increase. "
         "Layers of one model are not independent; read p with that in mind. Definitions: "
-        "`docs/pretrained.md`.",
+        "`docs/checkpoints.md`.",
         "## Setup", _setup(meta, a["checkpoints"]),
         "## Contrast trend per layer", _trend_md(a["trends"]) if len(a["trends"]) else "n/a",
         "## pr_qk ↔ attention entropy across heads, per checkpoint",
