@@ -1,7 +1,11 @@
-"""The run folder: one home for its file names, format, config record, status and tables.
+"""Result folders on disk: one home for their file names, formats and records.
 
-A run folder is what the trainer, a sweep worker and the monitor write and what ``show``,
-``watch``, ``analyze``, collation and ``report`` read (layout: docs/definitions.md#run-folder).
+- the **run folder** (:mod:`.folder`, :mod:`.writer`, :mod:`.lock`): what the trainer, a
+  sweep worker and the monitor write and what ``show``, ``watch``, ``analyze``, collation
+  and ``report`` read (layout: docs/definitions.md#run-folder);
+- the **sweep folder** (:mod:`.sweep`): ``sweep.json`` and ``runs/<run_id>/``;
+- the **checkpoint-family analysis folder** of E4 (:mod:`.family`).
+
 Nothing here imports torch, so readers stay light.
 """
 
