@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "arch": {"model"},
     "geometry": {"arch"},
     "training": {"config", "data", "model", "geometry", "runs", "seeding", "io", "ui"},
-    "control": {"arch", "config", "geometry", "training"},
+    "control": {"arch", "config", "geometry", "io", "runs", "training"},
     "launch": {"config", "training", "control"},
     "monitor": {"arch", "config", "control", "data", "geometry", "io", "runs", "training",
                 "ui"},

@@ -62,34 +62,78 @@ class KeyControlConfig:
 
     The one definition of the control's settings: :mod:`qkgeom.control` reads its allowed
     values from here, so the config stays torch-free and nothing is kept equal by hand.
+
+    ``dose`` 0 means "the mode's default" (:attr:`DEFAULT_DOSE`) and is replaced by it when
+    the config is built, so an explicit default and an omitted one are the same run (one
+    config hash).
     """
 
-    MODES = ("none", "hold", "shrink", "expand")
+    MODES = ("none", "hold", "shrink", "sham", "expand")
+    SCALES = ("data", "frobenius")
     SCOPES = ("layer", "head")
     HOWS = ("post_step", "parametrize")
+    # The dose each mode uses when none is given; hold and none take no dose (kept at 1).
+    DEFAULT_DOSE = {"none": 1.0, "hold": 1.0, "shrink": 0.5, "sham": 1.0, "expand": 2.0}
+    # Modes whose target is a cap relative to base(t): they may follow a reference run.
+    CAPPED = ("shrink", "sham", "expand")
 
-    mode: str = "none"  # none | hold | shrink | expand
+    mode: str = "none"  # none | hold | shrink | sham | expand
+    scale: str = "data"  # data (mean squared key norm on the inputs kept) | frobenius
+    dose: float = 0.0  # r: shrink (0, 1], expand >= 1, sham 1; 0 = the mode's default
+    reference: str = ""  # the paired uncontrolled run folder ("" = base is PR_K at step 0)
+    ramp_steps: int = -1  # steps over which r(t) goes from 1 to dose; -1 = warmup_steps
+    record: bool = False  # write key_pr.parquet (the per-step PR_K of every unit)
     scope: str = "layer"  # layer (whole W_K) | head (each head's slice)
     how: str = "post_step"  # post_step (project after each update) | parametrize
-    shrink_to: float = 0.5  # shrink: final target as a share of PR_K at step 0
-    expand_to: float = 2.0  # expand: final target as a multiple of PR_K at step 0
+
+    def __post_init__(self) -> None:
+        if self.dose == 0 and isinstance(self.mode, str) and self.mode in self.DEFAULT_DOSE:
+            object.__setattr__(self, "dose", self.DEFAULT_DOSE[self.mode])
 
     def validate(self, prefix: str = "key_control.") -> None:
         _check_types(self, prefix)
-        for name, allowed in (("mode", self.MODES), ("scope", self.SCOPES),
-                              ("how", self.HOWS)):
+        for name, allowed in (("mode", self.MODES), ("scale", self.SCALES),
+                              ("scope", self.SCOPES), ("how", self.HOWS)):
             if getattr(self, name) not in allowed:
                 raise QKGeomError(f"unknown {prefix}{name} {getattr(self, name)!r}; choose one "
                                   f"of {', '.join(allowed)}")
-        if not 0.0 < self.shrink_to <= 1.0:
-            raise QKGeomError(f"{prefix}shrink_to must be in (0, 1], got {self.shrink_to}")
-        if not (math.isfinite(self.expand_to) and self.expand_to >= 1.0):
-            raise QKGeomError(f"{prefix}expand_to must be a finite number >= 1, got "
-                              f"{self.expand_to}")
+        mode, dose = self.mode, self.dose
+        if not math.isfinite(dose):
+            raise QKGeomError(f"{prefix}dose must be a finite number, got {dose}")
+        if mode == "shrink" and not 0.0 < dose <= 1.0:
+            raise QKGeomError(f"{prefix}dose must be in (0, 1] for shrink, got {dose}")
+        if mode == "expand" and dose < 1.0:
+            raise QKGeomError(f"{prefix}dose must be >= 1 for expand, got {dose}")
+        if mode in ("sham", "hold", "none") and dose != 1.0:
+            what = "is fixed at 1 for sham" if mode == "sham" else f"is not used by {mode}"
+            raise QKGeomError(f"{prefix}dose {what}; got {dose} (leave it unset)")
+        if self.reference and mode not in self.CAPPED:
+            raise QKGeomError(f"{prefix}reference is for {', '.join(self.CAPPED)} (a cap "
+                              f"relative to a reference run); {mode} takes none")
+        if self.ramp_steps < -1:
+            raise QKGeomError(f"{prefix}ramp_steps must be -1 (= warmup_steps) or >= 0, got "
+                              f"{self.ramp_steps}")
 
     @property
     def active(self) -> bool:
-        return self.mode != "none"
+        """Whether a callback must serve this section: a control, or only the recording."""
+        return self.mode != "none" or self.record
+
+    @staticmethod
+    def upgrade(section: dict[str, Any]) -> dict[str, Any]:
+        """A ``key_control`` mapping written before ``dose`` (with ``shrink_to`` /
+        ``expand_to``) in today's keys: the mode's old share becomes its dose, the other
+        is dropped. Old runs used ‖W_K‖_F as the scale, so ``scale`` is set to frobenius
+        where absent. A current mapping comes back unchanged."""
+        if "shrink_to" not in section and "expand_to" not in section:
+            return dict(section)
+        out = {k: v for k, v in section.items() if k not in ("shrink_to", "expand_to")}
+        mode = out.get("mode", "none")
+        old = {"shrink": "shrink_to", "expand": "expand_to"}.get(mode)
+        if old in section and "dose" not in out:
+            out["dose"] = section[old]
+        out.setdefault("scale", "frobenius")
+        return out
 
 
 @dataclass(frozen=True)
@@ -176,7 +220,7 @@ class TrainConfig:
     def active_features(self) -> list[str]:
         """Config sections that ask for behaviour the trainer does not implement itself:
         each must be served by a callback (built from the config by :mod:`qkgeom.launch`)."""
-        return ["key_control"] if self.key_control.active else []
+        return ["key_control"] if self.key_control.active else []  # a control or its record
 
     @property
     def effective_precision(self) -> str:

@@ -17,13 +17,18 @@ from qkgeom.training import train as _train_with
 __all__ = ["callbacks_for", "train"]
 
 
-def callbacks_for(cfg: TrainConfig) -> list[Callback]:
-    """The callbacks that implement what ``cfg`` enables (``cfg.active_features()``)."""
+def callbacks_for(cfg: TrainConfig, out_dir: str | Path | None = None) -> list[Callback]:
+    """The callbacks that implement what ``cfg`` enables (``cfg.active_features()``).
+
+    ``out_dir`` is the run folder: the key-control callback writes its ``key_pr.parquet``
+    there (``key_control.record``) and resolves a relative ``key_control.reference``
+    against its parent.
+    """
     out: list[Callback] = []
-    if cfg.key_control.active:
+    if cfg.key_control.active:  # a control, or only the per-step key-PR record
         from qkgeom.control import KeyControlCallback
 
-        out.append(KeyControlCallback(cfg.key_control))
+        out.append(KeyControlCallback(cfg.key_control, run_dir=out_dir))
     return out
 
 
@@ -40,5 +45,5 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     """
     cfg.validate()  # before reading any feature setting
     return _train_with(cfg, out_dir, resume=resume,
-                       callbacks=[*callbacks_for(cfg), *(callbacks or [])],
+                       callbacks=[*callbacks_for(cfg, out_dir), *(callbacks or [])],
                        progress=progress, run_id=run_id)

@@ -12,19 +12,36 @@ product of the axes in the order given (the last axis varies fastest)::
       model.qk_init: [normal, orthogonal, tied]
       seed: [0, 1, 2, 3]
 
+**Arms** (optional) are named sets of overrides crossed with the axes, for experiments
+whose conditions are not one config field (E3: a mode, a scale rule and a dose)::
+
+    arms:
+      - {name: none, set: {key_control.mode: none, key_control.record: true}}
+      - name: shrink-0.5-data
+        set: {key_control.mode: shrink, key_control.dose: 0.5}
+        reference: none
+
+An arm with ``reference: <arm>`` depends on the run of that arm with the same axis values:
+the expander sets its ``key_control.reference`` to that run's id (a sibling folder in the
+sweep, resolved against the run folder's parent) and records the dependency
+(:attr:`RunSpec.depends_on`); the sweep runner starts it only after that run is done.
+
 **Run ids** are ``key=value`` pairs joined by commas, one per axis in axis order, e.g.
 ``n_layer=4,qk_init=normal,seed=0``. ``key`` is the last part of the dotted axis name (the
 full dotted name when two axes share a last part); ``value`` is the value *after* config
 validation (so ``4`` and ``4.0`` for an int field are the same run), printed as JSON scalars
 print (``true``, ``0.001``, ``normal``), with every character outside ``[A-Za-z0-9._+-]``
-replaced by ``_`` and values over 40 characters shortened to 32 plus a hash. Ids depend only
-on the axes and their values, never on the order of expansion or the process, so a rerun
-finds its runs again. A grid without axes is one run, ``base``.
+replaced by ``_`` and values over 40 characters shortened to 32 plus a hash, then
+``arm=<name>`` for a grid with arms (``seed=0,arm=shrink-0.5-data``; the last part varies
+fastest). Ids depend only on the axes, arms and their values, never on the order of
+expansion or the process, so a rerun finds its runs again. A grid without axes or arms is
+one run, ``base``.
 
 Everything is checked before any work: a file that is not a mapping, an unknown top-level
 key, an unknown or invalid config value (through :func:`qkgeom.config.make_config`), an
-empty axis, a repeated value, or two runs with the same id is a one-line
-:class:`~qkgeom.errors.QKGeomError`.
+empty axis, a repeated value, two runs with the same id, or an arm that is unnamed,
+repeated, sets an axis, or references an unknown arm, itself, a cycle or an arm whose runs
+do not record their key PR is a one-line :class:`~qkgeom.errors.QKGeomError`.
 """
 
 from __future__ import annotations
@@ -39,10 +56,12 @@ from typing import Any
 
 import yaml
 
-from qkgeom.config import PRESETS, TrainConfig, make_config
+from qkgeom.config import PRESETS, TrainConfig, deep_merge, make_config
 from qkgeom.errors import QKGeomError
 
-GRID_KEYS = ("name", "preset", "base", "axes")
+GRID_KEYS = ("name", "preset", "base", "axes", "arms")
+ARM_KEYS = ("name", "set", "reference")
+ARM_LABEL = "arm"  # the run-id label of the arm (and its key in RunSpec.axes)
 # The sweep runner sets these per run (threads from --workers / --threads-per-run).
 RUNNER_KEYS = ("threads",)
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]")
@@ -51,11 +70,14 @@ _MAX_VALUE_CHARS = 40
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One run of a sweep: its id, full validated config and the axis values that made it."""
+    """One run of a sweep: its id, full validated config and the axis values that made it
+    (with ``"arm"`` for a grid with arms); ``depends_on`` is the id of the run it must wait
+    for (its arm's reference), or ""."""
 
     run_id: str
     config: TrainConfig
     axes: dict[str, Any] = field(default_factory=dict)
+    depends_on: str = ""
 
     @property
     def config_hash(self) -> str:
@@ -63,19 +85,37 @@ class RunSpec:
 
 
 @dataclass(frozen=True)
+class Arm:
+    """A named set of overrides (``set``, nested), crossed with the grid's axes; with
+    ``reference`` the name of the arm whose run (same axis values) it depends on."""
+
+    name: str
+    set: dict[str, Any]
+    reference: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name, "set": self.set}
+        if self.reference:
+            out["reference"] = self.reference
+        return out
+
+
+@dataclass(frozen=True)
 class Grid:
-    """A validated grid: ``base`` nested, ``axes`` flat (dotted key -> values, in order)."""
+    """A validated grid: ``base`` nested, ``axes`` flat (dotted key -> values, in order),
+    ``arms`` in order (empty: a plain product of the axes)."""
 
     name: str
     preset: str
     base: dict[str, Any]
     axes: dict[str, list[Any]]
+    arms: tuple[Arm, ...] = ()
 
     @classmethod
     def from_dict(cls, d: Any, *, default_name: str = "sweep") -> Grid:
         """Build and fully validate a grid (expands it once, so bad values fail here)."""
         if not isinstance(d, dict):
-            raise QKGeomError("a grid must be a mapping with keys name, preset, base, axes")
+            raise QKGeomError("a grid must be a mapping with keys name, preset, base, axes, arms")
         unknown = [k for k in d if k not in GRID_KEYS]
         if unknown:
             raise QKGeomError(f"unknown grid key {unknown[0]!r}; a grid has {', '.join(GRID_KEYS)}")
@@ -92,18 +132,23 @@ class Grid:
         axes_in = d.get("axes") or {}
         if not isinstance(axes_in, dict):
             raise QKGeomError(f"grid {name!r}: axes must be a mapping of config keys to lists")
+        axes = _flat_axes(axes_in, name)
         grid = cls(name=name, preset=preset, base=nest_keys(base, f"grid {name!r}: base"),
-                   axes=_flat_axes(axes_in, name))
+                   axes=axes, arms=_arms(d.get("arms"), name, axes))
         grid.expand()  # validates every run before anyone starts one
         return grid
 
     def to_dict(self) -> dict[str, Any]:
         """The normalised grid (JSON-able); equal dicts mean the same sweep."""
-        return {"name": self.name, "preset": self.preset, "base": self.base,
-                "axes": {k: list(v) for k, v in self.axes.items()}}
+        out = {"name": self.name, "preset": self.preset, "base": self.base,
+               "axes": {k: list(v) for k, v in self.axes.items()}}
+        if self.arms:  # absent for a grid without arms: its record stays as it was
+            out["arms"] = [arm.to_dict() for arm in self.arms]
+        return out
 
     def expand(self) -> list[RunSpec]:
-        """Every run of the grid, in product order, with validated configs and stable ids."""
+        """Every run of the grid, in product order (axes, then arms), with validated configs,
+        stable ids and each arm's dependency on its reference run."""
         where = f"grid {self.name!r}"
         try:
             make_config(self.preset, self.base)
@@ -117,24 +162,48 @@ class Grid:
         labels = _labels(list(self.axes))
         specs: list[RunSpec] = []
         seen: dict[str, dict[str, Any]] = {}
+        arms: tuple[Arm | None, ...] = self.arms or (None,)
         for combo in itertools.product(*self.axes.values()):
             axes = dict(zip(self.axes, combo, strict=True))
             over = self.base
             for key, value in axes.items():
                 over = _with(over, key, value)
             try:
-                cfg = make_config(self.preset, over)
+                resolved = {k: _get(make_config(self.preset, over), k) for k in axes}
             except QKGeomError as err:
                 raise QKGeomError(f"{where}: run {axes}: {err}") from None
-            resolved = {k: _get(cfg, k) for k in axes}
-            run_id = ",".join(f"{labels[k]}={_id_value(v)}" for k, v in resolved.items())
-            run_id = run_id or "base"
-            if run_id in seen:
-                raise QKGeomError(f"{where}: runs {seen[run_id]} and {axes} get the same run id "
-                                  f"{run_id!r}; make the axis values distinct")
-            seen[run_id] = axes
-            specs.append(RunSpec(run_id=run_id, config=cfg, axes=resolved))
+            stem = ",".join(f"{labels[k]}={_id_value(v)}" for k, v in resolved.items())
+            for arm in arms:
+                spec = self._spec(arm, over, stem, resolved, where)
+                if spec.run_id in seen:
+                    raise QKGeomError(f"{where}: runs {seen[spec.run_id]} and {spec.axes} get "
+                                      f"the same run id {spec.run_id!r}; make the axis values "
+                                      "distinct")
+                seen[spec.run_id] = spec.axes
+                specs.append(spec)
+        _check_references(specs, where)
         return specs
+
+    def _spec(self, arm: Arm | None, over: dict[str, Any], stem: str,
+              resolved: dict[str, Any], where: str) -> RunSpec:
+        """The run of ``arm`` (None: no arms) at the axis values ``resolved``."""
+        if arm is None:
+            try:
+                cfg = make_config(self.preset, over)
+            except QKGeomError as err:
+                raise QKGeomError(f"{where}: run {resolved}: {err}") from None
+            return RunSpec(run_id=stem or "base", config=cfg, axes=resolved)
+        run_id = _arm_id(stem, arm.name)
+        depends_on = _arm_id(stem, arm.reference) if arm.reference else ""
+        over = deep_merge(over, arm.set)
+        if depends_on:
+            over = _with(over, "key_control.reference", depends_on)
+        try:
+            cfg = make_config(self.preset, over)
+        except QKGeomError as err:
+            raise QKGeomError(f"{where}: arm {arm.name!r}, run {resolved}: {err}") from None
+        return RunSpec(run_id=run_id, config=cfg, axes={**resolved, ARM_LABEL: arm.name},
+                       depends_on=depends_on)
 
 
 def load_grid(path: str | Path) -> Grid:
@@ -229,6 +298,93 @@ def _flat_axes(axes: dict[str, Any], name: str, prefix: str = "") -> dict[str, l
     return out
 
 
+def _arm_id(stem: str, arm: str) -> str:
+    return f"{stem},{ARM_LABEL}={arm}" if stem else f"{ARM_LABEL}={arm}"
+
+
+def _arms(arms_in: Any, name: str, axes: dict[str, list[Any]]) -> tuple[Arm, ...]:
+    """Validate the ``arms`` list: named, unique, safe names; ``set`` a mapping of config
+    keys that no axis sweeps; ``reference`` another arm, no cycles."""
+    where = f"grid {name!r}"
+    if arms_in is None:
+        return ()
+    if not isinstance(arms_in, list) or not arms_in:
+        raise QKGeomError(f"{where}: arms must be a non-empty list of {{name, set, reference}}")
+    if ARM_LABEL in _labels(list(axes)).values():
+        raise QKGeomError(f"{where}: an axis is labelled {ARM_LABEL!r}, which names the arms "
+                          "in run ids")
+    arms: list[Arm] = []
+    for item in arms_in:
+        if not isinstance(item, dict):
+            raise QKGeomError(f"{where}: each arm must be a mapping with keys "
+                              f"{', '.join(ARM_KEYS)}, got {item!r}")
+        unknown = [k for k in item if k not in ARM_KEYS]
+        if unknown:
+            raise QKGeomError(f"{where}: unknown arm key {unknown[0]!r}; an arm has "
+                              f"{', '.join(ARM_KEYS)}")
+        arm_name = item.get("name")
+        if not isinstance(arm_name, str) or not arm_name or _SAFE.search(arm_name):
+            raise QKGeomError(f"{where}: arm names must be non-empty and use only letters, "
+                              f"digits and . _ + -, got {arm_name!r}")
+        if any(a.name == arm_name for a in arms):
+            raise QKGeomError(f"{where}: arm {arm_name!r} is given twice")
+        sets = item.get("set") or {}
+        if not isinstance(sets, dict):
+            raise QKGeomError(f"{where}: arm {arm_name!r}: set must be a mapping of config "
+                              "keys to values")
+        nested = nest_keys(sets, f"{where}: arm {arm_name!r}")
+        clash = [k for k in axes if _has(nested, k)]
+        if clash:
+            raise QKGeomError(f"{where}: arm {arm_name!r} sets {clash[0]!r}, which an axis "
+                              "sweeps")
+        ref = item.get("reference") or ""
+        if not isinstance(ref, str):
+            raise QKGeomError(f"{where}: arm {arm_name!r}: reference must be an arm name, "
+                              f"got {ref!r}")
+        if ref and _has(nested, "key_control.reference"):
+            raise QKGeomError(f"{where}: arm {arm_name!r} sets key_control.reference and "
+                              "has a reference arm; give one of them")
+        arms.append(Arm(name=arm_name, set=nested, reference=ref))
+    names = {a.name: a for a in arms}
+    for arm in arms:
+        seen, ref = [arm.name], arm.reference
+        while ref:
+            if ref not in names:
+                raise QKGeomError(f"{where}: arm {arm.name!r} references {ref!r}, which is not "
+                                  f"an arm ({', '.join(names)})")
+            if ref in seen:
+                raise QKGeomError(f"{where}: arm references form a cycle "
+                                  f"({' -> '.join([*seen, ref])})")
+            seen.append(ref)
+            ref = names[ref].reference
+    return tuple(arms)
+
+
+def _check_references(specs: list[RunSpec], where: str) -> None:
+    """A reference run must record its key PR and train at least as many steps."""
+    by_id = {s.run_id: s for s in specs}
+    for spec in specs:
+        if not spec.depends_on:
+            continue
+        ref = by_id[spec.depends_on].config
+        if not ref.key_control.record:
+            raise QKGeomError(f"{where}: run {spec.run_id!r} references {spec.depends_on!r}, "
+                              "which does not record its key PR (set key_control.record: "
+                              "true in that arm)")
+        if ref.steps < spec.config.steps:
+            raise QKGeomError(f"{where}: run {spec.run_id!r} trains {spec.config.steps} steps "
+                              f"but its reference {spec.depends_on!r} only {ref.steps}")
+
+
+def _has(nested: dict[str, Any], dotted: str) -> bool:
+    node: Any = nested
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def _with(over: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     """A copy of nested ``over`` with ``dotted`` set to ``value`` (axes win over base)."""
     out = dict(over)
@@ -287,4 +443,4 @@ _GridLoader.add_implicit_resolver(
     list("-+0123456789."),
 )
 
-__all__ = ["Grid", "RunSpec", "load_grid"]
+__all__ = ["Arm", "Grid", "RunSpec", "load_grid"]

@@ -1,4 +1,4 @@
-"""The paper's grids: E1 (depths x Q/K inits x seeds) and E3 (seeds x key control).
+"""The paper's grids: E1 (depths x Q/K inits x seeds) and E3 (seeds x key-control arms).
 
 E1: three sizes of the same structure (depth x ``qk_init`` x seed; every run sees the same
 probe set because probes come from the start of the val split):
@@ -16,18 +16,24 @@ probe set because probes come from the start of the val split):
     depths {4, 6, 8} x 3 inits x 4 seeds = 36 runs of the ``paper`` training preset on the
     prepared corpus ``data`` (WikiText-103, char level).
 
-E3: for each seed, the runs ``key_control.mode`` ∈ {none, hold, shrink} start from the
-same init and see the same batches (the seed fixes both; the control draws no random
-numbers), so they are paired by seed. Sizes:
+E3: seeds × named **arms** (:func:`e3_arm`): ``none`` (no control, records its per-step
+key PR), ``sham-<scale>``, ``hold-<scale>`` and ``shrink-<dose>-<scale>``; sham and shrink
+arms cap PR_K relative to the ``none`` run of the same seed, so they depend on it (the
+sweep runner trains it first). The runs of one seed start from the same init and see the
+same batches (the seed fixes both; the control draws no random numbers), so they are
+paired by seed. Sizes:
 
 ``smoke``
-    2 seeds x 3 modes = 6 runs of the ``smoke`` preset (wiring check).
+    2 seeds x 4 arms (none, sham-data, hold-data, shrink-0.5-data) = 8 runs of the
+    ``smoke`` preset (wiring check).
 ``demo``
-    5 seeds x 3 modes = 15 runs of the E1 demo's 4-layer model (normal init) on the embedded
-    sample, 300 steps, probed every 25 steps and evaluated every 75, so the early phase
-    (first 25 % = 75 steps) has three probes and one validation loss.
+    5 seeds x 6 arms (those 4, hold-frobenius, shrink-0.5-frobenius) = 30 runs of the E1
+    demo's 4-layer model (normal init) on the embedded sample, 300 steps, probed every 25
+    steps and evaluated every 75, so the early phase (first 25 % = 75 steps) has three
+    probes and one validation loss.
 ``paper``
-    5 seeds x 3 modes = 15 runs of the ``paper`` preset (6 layers, normal init) on
+    5 seeds x 11 arms (none, sham and hold at both scales, shrink at doses 0.75, 0.5 and
+    0.25 at both scales) = 55 runs of the ``paper`` preset (6 layers, normal init) on
     WikiText-103.
 
 Nothing here is tuned to make a claim hold: the demo's sizes were chosen from throughput
@@ -70,18 +76,51 @@ E1_PRESETS: dict[str, tuple[str, dict[str, Any], list[int], list[int]]] = {
 
 _DEMO_BASE: dict[str, Any] = E1_PRESETS["demo"][1]
 
-E3_MODES = ["none", "hold", "shrink"]
-# preset -> (training preset, overrides for every run, seeds)
-E3_PRESETS: dict[str, tuple[str, dict[str, Any], list[int]]] = {
-    "smoke": ("smoke", {}, [0, 1]),
-    # 15 runs of the E1 demo's depth-4 model. Probes (every 25 steps) and evals (every 75)
+E3_SCALES = ["data", "frobenius"]
+# preset -> (training preset, overrides for every run, seeds, arm names)
+E3_PRESETS: dict[str, tuple[str, dict[str, Any], list[int], list[str]]] = {
+    "smoke": ("smoke", {}, [0, 1], ["none", "sham-data", "hold-data", "shrink-0.5-data"]),
+    # 30 runs of the E1 demo's depth-4 model. Probes (every 25 steps) and evals (every 75)
     # are denser than E1's so the early phase (first 75 steps) has three probes and one
-    # validation loss.
+    # validation loss. The step count is the E1 demo's (one value, in _DEMO_BASE).
     "demo": ("demo", deep_merge(_DEMO_BASE, {"model": {"n_layer": 4, "qk_init": "normal"},
                                              "probe_every": 25, "eval_every": 75}),
-             [0, 1, 2, 3, 4]),
-    "paper": ("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, [0, 1, 2, 3, 4]),
+             [0, 1, 2, 3, 4],
+             ["none", "sham-data", "hold-data", "shrink-0.5-data", "hold-frobenius",
+              "shrink-0.5-frobenius"]),
+    "paper": ("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, [0, 1, 2, 3, 4],
+              ["none", *(f"{m}-{sc}" for m in ("sham", "hold") for sc in E3_SCALES),
+               *(f"shrink-{d}-{sc}" for d in ("0.75", "0.5", "0.25") for sc in E3_SCALES)]),
 }
+
+
+def e3_arm(name: str) -> dict[str, Any]:
+    """The E3 arm called ``name`` as a grid arm (docs/definitions.md#e3-arms).
+
+    ``none``: no control, ``key_control.record`` on (its per-step PR_K is the reference);
+    ``sham-<scale>`` / ``hold-<scale>``: that mode and scale rule; ``shrink-<dose>-<scale>``:
+    shrink to ``dose`` × the reference. Sham and shrink arms reference ``none``.
+    """
+    parts = name.split("-")
+    if name == "none":
+        return {"name": name, "set": {"key_control.mode": "none", "key_control.record": True}}
+    try:
+        if parts[0] in ("sham", "hold") and len(parts) == 2 and parts[1] in E3_SCALES:
+            arm: dict[str, Any] = {"name": name, "set": {"key_control.mode": parts[0],
+                                                         "key_control.scale": parts[1]}}
+        elif parts[0] == "shrink" and len(parts) == 3 and parts[2] in E3_SCALES:
+            arm = {"name": name, "set": {"key_control.mode": "shrink",
+                                         "key_control.dose": float(parts[1]),
+                                         "key_control.scale": parts[2]}}
+        else:
+            raise ValueError(name)
+    except ValueError:
+        raise QKGeomError(f"unknown E3 arm {name!r}; arms are none, sham-<scale>, "
+                          f"hold-<scale>, shrink-<dose>-<scale> with scale "
+                          f"{' or '.join(E3_SCALES)}") from None
+    if parts[0] in ("sham", "shrink"):
+        arm["reference"] = "none"
+    return arm
 
 
 def _base(name: str, base: dict[str, Any], data: str,
@@ -120,21 +159,23 @@ def e1_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None
 
 
 def e3_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None) -> Grid:
-    """The E3 grid at size ``preset``: seeds x ``key_control.mode`` ∈ {none, hold, shrink}.
+    """The E3 grid at size ``preset``: seeds x the preset's arms (:data:`E3_PRESETS`).
 
-    The seed is the outer axis, so a sweep finishes whole pairs first and a partial sweep
-    already has complete (none, hold, shrink) triples to compare. ``overrides`` as in
-    :func:`e1_grid` (e.g. ``{"key_control": {"shrink_to": 0.3, "scope": "head"}}``).
+    The seed is the outer axis and ``none`` the first arm, so a sweep finishes whole seeds
+    first and a partial sweep already has complete pairs to compare. ``overrides`` as in
+    :func:`e1_grid` (e.g. ``{"key_control": {"scope": "head"}}``); a key an arm sets is
+    the arm's.
     """
     if preset not in E3_PRESETS:
         raise QKGeomError(f"unknown E3 preset {preset!r}; choose one of {', '.join(E3_PRESETS)}")
-    train_preset, base, seeds = E3_PRESETS[preset]
+    train_preset, base, seeds, arms = E3_PRESETS[preset]
     _need_data("E3", preset, data)
     return Grid.from_dict({
         "name": f"e3-{preset}",
         "preset": train_preset,
         "base": _base("e3", base, data, overrides),
-        "axes": {"seed": list(seeds), "key_control.mode": list(E3_MODES)},
+        "axes": {"seed": list(seeds)},
+        "arms": [e3_arm(name) for name in arms],
     })
 
 
@@ -183,5 +224,5 @@ def reproduce_e1(preset: str, out_dir: str | Path, data: str = "", **options: An
 
 
 def reproduce_e3(preset: str, out_dir: str | Path, data: str = "", **options: Any) -> SweepSummary:
-    """E3: :func:`reproduce` of the E3 grid (seed x key-control mode, paired by seed)."""
+    """E3: :func:`reproduce` of the E3 grid (seed x arm, paired by seed)."""
     return reproduce("e3", preset, out_dir, data, **options)

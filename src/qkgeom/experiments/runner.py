@@ -9,7 +9,12 @@
   sweep processes on one folder never train the same run; a process **does not wait** for
   runs another process holds: it counts them ``locked`` and ends when every run is either
   finished or locked by someone else (run it again later, or use :func:`sweep_status`);
-- one exception in one run never stops the others.
+- one exception in one run never stops the others;
+- a run that depends on another (an arm's reference run, :attr:`RunSpec.depends_on`)
+  starts only after that run is ``done``; runs without a pending dependency go first, so
+  workers never idle while something can run. A reference that diverged or failed makes
+  its dependents ``failed`` with a one-line reason ("reference run seed=0,arm=none
+  diverged"); one held by another sweep process leaves them ``pending`` for a later call.
 
 ``workers`` runs train at once (local subprocesses, or Ray tasks in flight), each with
 ``threads_per_run`` torch threads, by default ``max(1, cpus // workers)`` where ``cpus``
@@ -24,7 +29,6 @@ import datetime as dt
 import json
 import os
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +39,7 @@ from qkgeom.errors import QKGeomError
 from qkgeom.experiments.backends import BACKENDS, make_backend
 from qkgeom.experiments.grid import Grid, RunSpec
 from qkgeom.experiments.progress import SweepView
+from qkgeom.experiments.worker import record_failure
 from qkgeom.io import read_json, write_json
 from qkgeom.runs import lock_is_held, read_status
 from qkgeom.runs.sweep import SWEEP_FILE, run_dir
@@ -49,7 +54,8 @@ class SweepSummary:
     """What one :func:`run_sweep` call ended with.
 
     ``counts``: runs per state — done, diverged, failed, locked (held by another sweep
-    process when this one looked), pending (not reached, only after an interruption).
+    process when this one looked), pending (not reached: after an interruption, or waiting
+    for a reference run another process holds).
     ``trained``: ids this call trained or resumed. ``wall_s``: seconds this call took.
     """
 
@@ -148,16 +154,21 @@ def resolve_data(specs: list[RunSpec]) -> list[RunSpec]:
 
 def _schedule(specs: list[RunSpec], out: Path, runner: Any, *, workers: int, threads: int,
               retry_failed: bool, progress: bool, title: str, t0: float) -> SweepSummary:
-    """The loop: keep ``workers`` runs going, collect results, refresh the view."""
-    queue = deque(specs)
+    """The loop: keep ``workers`` runs going (dependencies first), collect results, refresh
+    the view."""
+    waiting = list(specs)  # in grid order; a run leaves when started or settled
     states: dict[str, str] = {}
     in_flight: set[str] = set()
     trained: list[str] = []
     view = SweepView(title, {s.run_id: s.config.steps for s in specs}) if progress else None
     try:
-        while queue or in_flight:
-            while queue and len(in_flight) < workers:
-                spec = queue.popleft()
+        while waiting or in_flight:
+            _settle_blocked(waiting, states, out, retry_failed)
+            while len(in_flight) < workers:
+                spec = next((s for s in waiting if _ready(s, states)), None)
+                if spec is None:
+                    break
+                waiting.remove(spec)
                 folder = run_dir(out, spec.run_id)
                 known = _precheck(folder, retry_failed)
                 if known is not None:
@@ -166,6 +177,11 @@ def _schedule(specs: list[RunSpec], out: Path, runner: Any, *, workers: int, thr
                 config = dataclasses.replace(spec.config, threads=threads).to_dict()
                 runner.submit(folder, config, threads, retry_failed)
                 in_flight.add(spec.run_id)
+            if not in_flight and waiting and not any(_ready(s, states) for s in waiting):
+                _settle_blocked(waiting, states, out, retry_failed)
+                if not any(_ready(s, states) for s in waiting):
+                    break  # everything left waits on runs this process cannot finish
+                continue
             for result in runner.wait(_POLL_S) if in_flight else []:
                 run_id = result["run_id"]
                 in_flight.discard(run_id)
@@ -181,6 +197,37 @@ def _schedule(specs: list[RunSpec], out: Path, runner: Any, *, workers: int, thr
     counts = {k: sum(v == k for v in final.values()) for k in STATES}
     return SweepSummary(out_dir=out, counts=counts, wall_s=time.perf_counter() - t0,
                         states=final, trained=trained)
+
+
+def _ready(spec: RunSpec, states: dict[str, str]) -> bool:
+    """Whether ``spec`` may start: no dependency, or its reference run is done."""
+    return not spec.depends_on or states.get(spec.depends_on) == "done"
+
+
+def _settle_blocked(waiting: list[RunSpec], states: dict[str, str], out: Path,
+                    retry_failed: bool) -> None:
+    """Settle the runs whose reference finished without being done (repeatedly, so a
+    chain of references settles at once): ``failed`` with the reason, recorded in their
+    status.json (unless they already finished); ``pending`` when the reference is held by
+    another process or itself pending. Runs whose reference is still to run stay."""
+    changed = True
+    while changed:
+        changed = False
+        for spec in list(waiting):
+            ref_state = states.get(spec.depends_on) if spec.depends_on else None
+            if ref_state is None or ref_state == "done":
+                continue
+            waiting.remove(spec)
+            changed = True
+            folder = run_dir(out, spec.run_id)
+            known = _precheck(folder, retry_failed)
+            if known is not None:  # finished before, or held by another process
+                states[spec.run_id] = known
+            elif ref_state in ("diverged", "failed"):
+                record_failure(folder, f"reference run {spec.depends_on} {ref_state}")
+                states[spec.run_id] = "failed"
+            else:
+                states[spec.run_id] = "pending"
 
 
 def _precheck(folder: Path, retry_failed: bool) -> str | None:
@@ -219,7 +266,8 @@ def _sweep_record(grid: Grid, specs: list[RunSpec]) -> dict[str, Any]:
     return {
         "grid": json.loads(json.dumps(grid.to_dict())),
         "runs": [{"run_id": s.run_id, "axes": s.axes, "config_hash": s.config_hash,
-                  "steps": s.config.steps} for s in specs],
+                  "steps": s.config.steps, **({"depends_on": s.depends_on}
+                                              if s.depends_on else {})} for s in specs],
     }
 
 
@@ -264,7 +312,8 @@ def write_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
 
 
 def sweep_status(out_dir: str | Path) -> pd.DataFrame:
-    """One row per run: run_id, the axis values, state, step, steps, error, config_hash.
+    """One row per run: run_id, the axis values (and the arm), state, step, steps, error,
+    config_hash.
 
     ``state`` is done | diverged | failed | running (a process holds the run's lock) |
     interrupted (started, not finished, nobody holds it: the next sweep resumes it) |
@@ -274,7 +323,8 @@ def sweep_status(out_dir: str | Path) -> pd.DataFrame:
     record = read_json(out / SWEEP_FILE)
     if not isinstance(record, dict) or "runs" not in record:
         raise QKGeomError(f"{out / SWEEP_FILE}: not a qkgeom sweep record")
-    axes = list(record.get("grid", {}).get("axes", {}))
+    grid = record.get("grid", {})
+    axes = [*grid.get("axes", {}), *(["arm"] if grid.get("arms") else [])]
     rows = []
     for run in record["runs"]:
         folder = run_dir(out, run["run_id"])

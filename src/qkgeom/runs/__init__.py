@@ -15,6 +15,7 @@ from qkgeom.runs.folder import (
     CONFIG,
     FINAL_STATES,
     FORMAT_VERSION,
+    KEY_PR,
     LOG_COLUMNS,
     METRIC_COLUMNS,
     METRICS,
@@ -38,7 +39,7 @@ from qkgeom.runs.lock import RunLock, lock_is_held, lock_path
 from qkgeom.runs.writer import RunWriter
 
 __all__ = [
-    "ALERTS", "CHECKPOINTS", "CONFIG", "FINAL_STATES", "FORMAT_VERSION", "LOG_COLUMNS",
+    "ALERTS", "CHECKPOINTS", "CONFIG", "FINAL_STATES", "FORMAT_VERSION", "KEY_PR", "LOG_COLUMNS",
     "METRICS", "METRIC_COLUMNS", "STATUS", "TRAIN_LOG", "RunLock", "RunWriter",
     "checkpoint_dir", "checkpoint_path", "claim_run_dir", "is_run_folder", "list_checkpoints",
     "load_config", "lock_is_held", "lock_path", "read_log", "read_metrics", "read_record",

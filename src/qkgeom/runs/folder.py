@@ -36,6 +36,7 @@ METRICS = "metrics.parquet"
 TRAIN_LOG = "train_log.parquet"
 STATUS = "status.json"
 ALERTS = "alerts.json"
+KEY_PR = "key_pr.parquet"  # step, unit, pr: per-step key PR (key_control.record)
 CHECKPOINTS = "checkpoints"
 METRIC_COLUMNS = ["run_id", "step", "layer", "head", "metric", "value"]
 LOG_COLUMNS = ["step", "loss", "val_loss", "lr", "tokens_per_s"]
