@@ -63,23 +63,23 @@ class KeyControlConfig:
     The one definition of the control's settings: :mod:`qkgeom.control` reads its allowed
     values from here, so the config stays torch-free and nothing is kept equal by hand.
 
-    ``dose`` 0 means "the mode's default" (:attr:`DEFAULT_DOSE`) and is replaced by it when
-    the config is built, so an explicit default and an omitted one are the same run (one
-    config hash).
+    ``dose`` 0 means "not given": for shrink, sham and expand it is replaced by the mode's
+    default (:attr:`DEFAULT_DOSE`) when the config is built, so an explicit default and an
+    omitted one are the same run (one config hash); none and hold take no dose and keep 0.
     """
 
     MODES = ("none", "hold", "shrink", "sham", "expand")
     SCALES = ("data", "frobenius")
     SCOPES = ("layer", "head")
     HOWS = ("post_step", "parametrize")
-    # The dose each mode uses when none is given; hold and none take no dose (kept at 1).
-    DEFAULT_DOSE = {"none": 1.0, "hold": 1.0, "shrink": 0.5, "sham": 1.0, "expand": 2.0}
+    # The dose of each mode that takes one, when none is given.
+    DEFAULT_DOSE = {"shrink": 0.5, "sham": 1.0, "expand": 2.0}
     # Modes whose target is a cap relative to base(t): they may follow a reference run.
     CAPPED = ("shrink", "sham", "expand")
 
     mode: str = "none"  # none | hold | shrink | sham | expand
     scale: str = "data"  # data (mean squared key norm on the inputs kept) | frobenius
-    dose: float = 0.0  # r: shrink (0, 1], expand >= 1, sham 1; 0 = the mode's default
+    dose: float = 0.0  # r: shrink (0, 1], expand >= 1, sham 1; 0 = not given (default)
     reference: str = ""  # the paired uncontrolled run folder ("" = base is PR_K at step 0)
     ramp_steps: int = -1  # steps over which r(t) goes from 1 to dose; -1 = warmup_steps
     record: bool = False  # write key_pr.parquet (the per-step PR_K of every unit)
@@ -104,9 +104,12 @@ class KeyControlConfig:
             raise QKGeomError(f"{prefix}dose must be in (0, 1] for shrink, got {dose}")
         if mode == "expand" and dose < 1.0:
             raise QKGeomError(f"{prefix}dose must be >= 1 for expand, got {dose}")
-        if mode in ("sham", "hold", "none") and dose != 1.0:
-            what = "is fixed at 1 for sham" if mode == "sham" else f"is not used by {mode}"
-            raise QKGeomError(f"{prefix}dose {what}; got {dose} (leave it unset)")
+        if mode == "sham" and dose != 1.0:
+            raise QKGeomError(f"{prefix}dose is fixed at 1 for sham; got {dose} (leave it "
+                              "unset)")
+        if mode in ("hold", "none") and dose != 0.0:
+            raise QKGeomError(f"{prefix}dose is not used by {mode}; got {dose} (leave it "
+                              "unset)")
         if self.reference and mode not in self.CAPPED:
             raise QKGeomError(f"{prefix}reference is for {', '.join(self.CAPPED)} (a cap "
                               f"relative to a reference run); {mode} takes none")

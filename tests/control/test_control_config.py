@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,8 @@ import pandas as pd
 import pytest
 
 from qkgeom import QKGeomError, make_config, train
+from qkgeom.config import KeyControlConfig
+from qkgeom.launch import callbacks_for
 from qkgeom.training import train as train_with_callbacks
 
 
@@ -17,25 +20,73 @@ from qkgeom.training import train as train_with_callbacks
     ({"key_control": {"mode": "squash"}}, "key_control.mode"),
     ({"key_control": {"scope": "model"}}, "key_control.scope"),
     ({"key_control": {"how": "later"}}, "key_control.how"),
-    ({"key_control": {"shrink_to": 0.0}}, "key_control.shrink_to"),
-    ({"key_control": {"shrink_to": 1.5}}, "key_control.shrink_to"),
-    ({"key_control": {"expand_to": 0.5}}, "key_control.expand_to"),
+    ({"key_control": {"scale": "norm"}}, "key_control.scale"),
+    ({"key_control": {"mode": "shrink", "dose": 1.5}}, "dose must be in (0, 1] for shrink"),
+    ({"key_control": {"mode": "shrink", "dose": -0.5}}, "dose must be in (0, 1] for shrink"),
+    ({"key_control": {"mode": "expand", "dose": 0.5}}, "dose must be >= 1 for expand"),
+    ({"key_control": {"mode": "sham", "dose": 0.5}}, "dose is fixed at 1 for sham"),
+    ({"key_control": {"mode": "hold", "dose": 0.5}}, "dose is not used by hold"),
+    ({"key_control": {"mode": "hold", "reference": "seed=0,arm=none"}}, "hold takes none"),
+    ({"key_control": {"mode": "none", "reference": "x"}}, "none takes none"),
+    ({"key_control": {"mode": "shrink", "ramp_steps": -2}}, "ramp_steps"),
+    ({"key_control": {"record": "yes"}}, "key_control.record"),
+    ({"key_control": {"shrink_to": 0.5}}, "unknown config key 'key_control.shrink_to'"),
     ({"key_control": "hold"}, "must be a mapping"),
 ])
 def test_bad_control_settings_are_clear_errors(over: dict, words: str) -> None:
-    with pytest.raises(QKGeomError, match=words):
+    with pytest.raises(QKGeomError, match=re.escape(words)) as info:
         make_config("smoke", over)
+    assert "\n" not in str(info.value)
+
+
+def test_dose_defaults_per_mode_and_an_explicit_default_is_the_same_run() -> None:
+    doses = {m: make_config("smoke", {"key_control": {"mode": m}}).key_control.dose
+             for m in KeyControlConfig.MODES}
+    assert doses == {"none": 0.0, "hold": 0.0, "shrink": 0.5, "sham": 1.0, "expand": 2.0}
+    implicit = make_config("smoke", {"key_control": {"mode": "shrink"}})
+    explicit = make_config("smoke", {"key_control": {"mode": "shrink", "dose": 0.5}})
+    assert implicit.config_hash() == explicit.config_hash()
+    assert make_config("smoke", {"key_control": {"mode": "sham", "dose": 1}}).key_control.dose == 1
+
+
+def test_record_alone_is_a_feature_the_callback_serves(tmp_path: Path) -> None:
+    cfg = make_config("smoke", {"key_control": {"record": True}})
+    assert cfg.active_features() == ["key_control"]
+    assert make_config("smoke").active_features() == []
+    (cb,) = callbacks_for(cfg, tmp_path / "run")
+    assert cb.feature == "key_control"
+    with pytest.raises(QKGeomError, match="run folder"):
+        callbacks_for(cfg)  # where would key_pr.parquet go?
+
+
+def test_old_key_control_sections_upgrade_to_doses() -> None:
+    up = KeyControlConfig.upgrade
+    assert up({"mode": "shrink", "shrink_to": 0.3, "expand_to": 2.0}) == {
+        "mode": "shrink", "dose": 0.3, "scale": "frobenius"}
+    assert up({"mode": "expand", "shrink_to": 0.5, "expand_to": 3.0}) == {
+        "mode": "expand", "dose": 3.0, "scale": "frobenius"}
+    assert up({"mode": "hold", "shrink_to": 0.5, "expand_to": 2.0}) == {
+        "mode": "hold", "scale": "frobenius"}
+    current = {"mode": "hold", "scale": "data"}
+    assert up(current) == current
+    for old in ({"mode": "shrink", "shrink_to": 0.3}, {"mode": "hold", "expand_to": 2.0}):
+        KeyControlConfig(**up(old)).validate()  # an upgraded section is a valid one
 
 
 def test_shrink_from_the_config_reaches_its_target(sample_data: Path, tmp_path: Path) -> None:
     cfg = make_config("smoke", {"data": str(sample_data), "steps": 30, "probe_every": 10,
-                                "key_control": {"mode": "shrink", "shrink_to": 0.5},
+                                "key_control": {"mode": "shrink", "dose": 0.5},
                                 "threads": 1})
     m = train(cfg, tmp_path / "r").metrics
     pr_k = m[(m["metric"] == "pr_k_weight") & (m["head"] == -1)].pivot_table(
         index="step", columns="layer", values="value")
-    assert (pr_k.loc[30] / pr_k.loc[0]).between(0.5 - 1e-3, 0.5 + 1e-3).all()
-    assert m["metric"].str.startswith("ctl_").any()
+    ctl = m[m["metric"].str.startswith("ctl_")].pivot_table(index="step", columns="metric",
+                                                              values="value")
+    for layer in (0, 1):  # no reference: the cap is 0.5 x PR0 after the ramp (warm-up, 5)
+        assert ctl.loc[30, f"ctl_sched_l{layer}"] == pytest.approx(0.5 * pr_k.loc[0, layer])
+        assert pr_k.loc[30, layer] <= 0.5 * pr_k.loc[0, layer] * (1 + 1e-3)  # at or below
+        assert pr_k.loc[30, layer] == pytest.approx(ctl.loc[30, f"ctl_target_l{layer}"],
+                                                    rel=1e-3)
 
 
 def test_the_bare_trainer_refuses_a_feature_no_callback_serves(sample_data: Path,

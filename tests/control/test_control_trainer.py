@@ -7,9 +7,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from qkgeom import make_config, train
+from qkgeom import QKGeomError, make_config, train
 from qkgeom.config import KeyControlConfig
 from qkgeom.control import KeyControlCallback
+from qkgeom.runs import KEY_PR
 from qkgeom.training import Callback, TrainContext
 from qkgeom.training import train as train_with_callbacks
 
@@ -64,3 +65,77 @@ def test_mode_none_in_the_trainer_is_bit_identical_to_no_callback(sample_data: P
     none = train_with_callbacks(smoke(sample_data, steps=20, probe_every=10), tmp_path / "none",
                                 callbacks=[KeyControlCallback(KeyControlConfig("none"))]).metrics
     pd.testing.assert_frame_equal(plain[COLS], none[COLS], check_exact=True)
+    # recording only: the same metrics bit for bit (it never writes a weight), plus the file
+    rec = train(smoke(sample_data, steps=20, probe_every=10, key_control={"record": True}),
+                tmp_path / "record").metrics
+    pd.testing.assert_frame_equal(plain[COLS], rec[COLS], check_exact=True)
+    kp = pd.read_parquet(tmp_path / "record" / KEY_PR)
+    assert list(kp.columns) == ["step", "unit", "pr"] and len(kp) == 21 * 2
+    assert sorted(set(kp["step"])) == list(range(21)) and set(kp["unit"]) == {"l0", "l1"}
+    probed = plain[(plain["metric"] == "pr_k_weight") & (plain["head"] == -1)]
+    for r in probed.itertuples():  # the record at a probe step is the probe's weight PR_K
+        got = kp[(kp["step"] == r.step) & (kp["unit"] == f"l{r.layer}")]["pr"].item()
+        assert got == pytest.approx(r.value, rel=1e-5)
+
+
+def pr_k(metrics: pd.DataFrame) -> pd.DataFrame:
+    sel = (metrics["metric"] == "pr_k_weight") & (metrics["head"] == -1)
+    return metrics[sel].pivot_table(index="step", columns="layer", values="value")
+
+
+def test_shrink_with_a_reference_binds_at_the_dose(sample_data: Path, tmp_path: Path) -> None:
+    """The E3 pair at smoke size: the none run records its per-step PR_K; the shrink run
+    (dose 0.5, ramp over the warm-up of 5 steps) caps each layer at 0.5 x that run's PR_K at
+    the same step, so the ratio controlled / none is the dose at the last probe, and the cap
+    decided (nearly) every step after the ramp while PR_K is still moving. (Late in the run,
+    with the learning rate decayed, both PRs barely move: whether the cap or training sets
+    the target in a step is then the sign of a tiny difference of drifts, and the share of
+    the last window falls towards chance (0.6 for layer 1 here) while the ratio stays at
+    the dose: the ratio is the check that the intervention happened.)"""
+    train(smoke(sample_data, key_control={"mode": "none", "record": True}), tmp_path / "none")
+    cfg = smoke(sample_data, key_control={"mode": "shrink", "dose": 0.5, "reference": "none"})
+    m = train(cfg, tmp_path / "shrink").metrics
+    ratio = pr_k(m) / pr_k(pd.read_parquet(tmp_path / "none" / "metrics.parquet"))
+    assert ((ratio.loc[40] - 0.5).abs() < 0.02 * 0.5).all()
+    ctl = m[m["metric"].str.startswith("ctl_")].pivot_table(index="step", columns="metric",
+                                                              values="value")
+    kp = pd.read_parquet(tmp_path / "none" / KEY_PR).pivot_table(index="step", columns="unit",
+                                                                 values="pr")
+    for layer in (0, 1):
+        assert (ctl[f"ctl_bound_share_l{layer}"].loc[10:30] > 0.9).all()
+        assert ctl.loc[40, f"ctl_base_l{layer}"] == kp.loc[40, f"l{layer}"]  # base(t), read back
+        assert ctl.loc[40, f"ctl_dose_l{layer}"] == 0.5
+
+
+def test_a_reference_that_stops_short_is_refused_before_training(sample_data: Path,
+                                                                 tmp_path: Path) -> None:
+    train(smoke(sample_data, steps=20, key_control={"record": True}), tmp_path / "none")
+    cfg = smoke(sample_data, key_control={"mode": "sham", "reference": "none"})
+    with pytest.raises(QKGeomError, match="ends at step 20"):
+        train(cfg, tmp_path / "sham")
+    with pytest.raises(QKGeomError, match="not found"):
+        train(smoke(sample_data, key_control={"mode": "sham", "reference": "nowhere"}),
+              tmp_path / "sham2")
+
+
+@pytest.mark.slow
+def test_recorded_and_referencing_runs_resume_bit_for_bit(sample_data: Path,
+                                                          tmp_path: Path) -> None:
+    """Interrupted at step 25 (checkpoint at 20) and resumed: the none run's key_pr.parquet
+    and the shrink run's metrics equal the uninterrupted runs' (S, counters and the record
+    come back from the checkpoint and the file)."""
+    none = {"key_control": {"mode": "none", "record": True}}
+    shrink = {"key_control": {"mode": "shrink", "dose": 0.5, "reference": "none"}}
+    train(smoke(sample_data, **none), tmp_path / "none")
+    full = train(smoke(sample_data, **shrink), tmp_path / "shrink").metrics
+    other = tmp_path / "again"
+    for name, over in (("none", none), ("shrink", shrink)):
+        with pytest.raises(KeyboardInterrupt):
+            train(smoke(sample_data, **over), other / name, callbacks=[_Stop(25)])
+        train(smoke(sample_data, **over), other / name, resume=True)
+    pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "none" / KEY_PR),
+                                  pd.read_parquet(other / "none" / KEY_PR), check_exact=True)
+    a = full.sort_values(COLS[:4]).reset_index(drop=True)[COLS]
+    b = pd.read_parquet(other / "shrink" / "metrics.parquet")
+    b = b.sort_values(COLS[:4]).reset_index(drop=True)[COLS]
+    pd.testing.assert_frame_equal(a, b, check_exact=True)

@@ -59,18 +59,26 @@ def k_name(i: int) -> str:
     return f"blocks.{i}.attn.k_proj.weight"
 
 
-def test_hold_keeps_pr_k_at_step_0_while_the_uncontrolled_run_drifts() -> None:
+def key_scale(w: torch.Tensor, s: torch.Tensor | None) -> float:
+    """tr(W S Wᵀ) (the data rule's kept quantity), or ‖W‖_F² for S = None, in float64."""
+    w = w.detach().double()
+    return float((w * w).sum() if s is None else ((w @ s.double()) * w).sum())
+
+
+@pytest.mark.parametrize("scale", ["frobenius", "data"])
+def test_hold_keeps_pr_k_at_step_0_while_the_uncontrolled_run_drifts(scale: str) -> None:
     model = make_model()
     pr0 = layer_pr(model)
-    ctl = KeySpectrumControl.attach(model, "hold")
+    ctl = KeySpectrumControl.attach(model, "hold", scale=scale)
     assert ctl.pr0.tolist() == pytest.approx(pr0, rel=1e-12)
 
     def check(m: GPT, before: dict, rec: dict) -> None:
         for i, pr in enumerate(layer_pr(m)):
             assert abs(pr - pr0[i]) / pr0[i] < 1e-3
             assert rec[f"ctl_pr_l{i}"] == pytest.approx(pr, rel=1e-9)
-            norm0 = before[k_name(i)].double().norm()
-            assert abs(float(m.qk_weights(i)[1].detach().double().norm() / norm0) - 1) < 1e-6
+            s = ctl.moments.matrix(i) if scale == "data" else None  # S of this step
+            kept = key_scale(m.qk_weights(i)[1], s) / key_scale(before[k_name(i)], s)
+            assert abs(kept - 1) < 1e-6
         for name, p in m.named_parameters():  # only W_K moves: W_Q, W_V, the rest untouched
             if "k_proj" not in name:
                 assert torch.equal(p, before[name]), name
@@ -81,15 +89,17 @@ def test_hold_keeps_pr_k_at_step_0_while_the_uncontrolled_run_drifts() -> None:
     assert max(abs(a - b) / b for a, b in zip(layer_pr(free), pr0, strict=True)) > 1e-2
 
 
-def test_shrink_follows_the_schedule_to_shrink_to_and_never_expands() -> None:
+def test_shrink_follows_the_ramp_to_the_dose_and_never_expands() -> None:
     model = make_model()
-    ctl = KeySpectrumControl.attach(model, "shrink", shrink_to=0.5, total_steps=STEPS)
+    ctl = KeySpectrumControl.attach(model, "shrink", dose=0.5, ramp_steps=STEPS)
     pr0 = ctl.pr0.clone()
     recs = run(model, ctl)
     for s, rec in enumerate(recs, start=1):
         for i in range(2):
             sched = float(pr0[i]) * (1 - 0.5 * s / STEPS)
             assert rec[f"ctl_sched_l{i}"] == pytest.approx(sched, rel=1e-12)
+            assert rec[f"ctl_dose_l{i}"] == pytest.approx(1 - 0.5 * s / STEPS, rel=1e-12)
+            assert rec[f"ctl_base_l{i}"] == float(pr0[i])  # no reference: base = PR0
             assert rec[f"ctl_target_l{i}"] <= rec[f"ctl_pr_before_l{i}"] * (1 + 1e-12)
             assert abs(rec[f"ctl_pr_l{i}"] - rec[f"ctl_target_l{i}"]) / rec[f"ctl_target_l{i}"] < 1e-3
     final = layer_pr(model)
@@ -99,7 +109,8 @@ def test_shrink_follows_the_schedule_to_shrink_to_and_never_expands() -> None:
 
 def test_shrink_leaves_a_matrix_alone_when_training_shrank_it_further() -> None:
     model = make_model()
-    ctl = KeySpectrumControl.attach(model, "shrink", shrink_to=0.9, total_steps=1000)
+    ctl = KeySpectrumControl.attach(model, "shrink", scale="frobenius", dose=0.9,
+                                    ramp_steps=1000)
     with torch.no_grad():  # shrink layer 0 far below any scheduled target
         w = model.qk_weights(0)[1]
         w.copy_(torch.linalg.svd(w)[0][:, :1] @ torch.linalg.svd(w)[2][:1] * w.norm())
@@ -108,11 +119,12 @@ def test_shrink_leaves_a_matrix_alone_when_training_shrank_it_further() -> None:
     assert torch.equal(model.qk_weights(0)[1], w0)  # not expanded back up: not even rewritten
     assert rec["ctl_target_l0"] == pytest.approx(rec["ctl_pr_before_l0"]) == pytest.approx(1.0)
     assert rec["ctl_gamma_l0"] == 1.0
+    assert rec["ctl_bound_share_l0"] == 0.0 and rec["ctl_bound_share_l1"] == 1.0
 
 
 def test_expand_mirrors_and_is_clamped_to_the_largest_pr() -> None:
     model = make_model()
-    ctl = KeySpectrumControl.attach(model, "expand", expand_to=2.0, total_steps=STEPS)
+    ctl = KeySpectrumControl.attach(model, "expand", dose=2.0, ramp_steps=STEPS)
     pr0 = ctl.pr0.clone()
     recs = run(model, ctl)
     for rec in recs:
@@ -130,7 +142,8 @@ def test_the_fast_projection_equals_apply_target(scope: str) -> None:
     """step() uses an eigendecomposition of W·Wᵀ; apply_target uses torch.linalg.svd."""
     model = make_model()
     before = [model.qk_weights(i)[1].detach().clone() for i in range(2)]
-    ctl = KeySpectrumControl.attach(model, "shrink", scope=scope, shrink_to=0.6, total_steps=4)
+    ctl = KeySpectrumControl.attach(model, "shrink", scope=scope, scale="frobenius", dose=0.6,
+                                    ramp_steps=4)
     ctl.step(4)
     for i in range(2):
         units = before[i].view(2, 16, 32) if scope == "head" else before[i][None]
@@ -146,7 +159,7 @@ def test_the_fast_projection_equals_apply_target(scope: str) -> None:
 def test_head_scope_holds_every_head_separately() -> None:
     model = make_model()
     pr0 = head_pr(model)
-    ctl = KeySpectrumControl.attach(model, "hold", scope="head")
+    ctl = KeySpectrumControl.attach(model, "hold", scope="head", scale="frobenius")
     assert ctl.names == ["l0h0", "l0h1", "l1h0", "l1h1"]
 
     def check(m: GPT, before: dict, rec: dict) -> None:
@@ -163,7 +176,8 @@ def test_head_scope_holds_every_head_separately() -> None:
 
 def test_layers_subset_controls_only_those_layers() -> None:
     model = make_model()
-    ctl = KeySpectrumControl.attach(model, "shrink", total_steps=STEPS, layers=[1])
+    ctl = KeySpectrumControl.attach(model, "shrink", scale="frobenius", ramp_steps=STEPS,
+                                    layers=[1])
     assert ctl.names == ["l1"]
     k0 = model.qk_weights(0)[1].detach().clone()
     ctl.step(STEPS)
@@ -171,20 +185,28 @@ def test_layers_subset_controls_only_those_layers() -> None:
     assert layer_pr(model)[1] == pytest.approx(0.5 * float(ctl.pr0[0]), rel=1e-3)
 
 
-def test_mode_none_is_bit_identical_to_no_control() -> None:
+@pytest.mark.parametrize("record", [False, True])
+def test_mode_none_is_bit_identical_to_no_control(record: bool) -> None:
     a, b = make_model(), make_model()
-    ctl = KeySpectrumControl.attach(b, "none")
-    assert ctl.step(1) == {} and ctl.last() == {} and ctl.targets() == {}
+    ctl = KeySpectrumControl.attach(b, "none", record=record)
+    assert ctl.last() == {} and ctl.targets() == {}
     run(a, None)
-    run(b, ctl)
+    recs = run(b, ctl)
+    assert all(r == {} for r in recs)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
+    steps, prs = ctl.trajectory  # with record: PR_K at step 0 and after every update
+    if record:
+        assert steps == list(range(STEPS + 1))
+        assert prs[-1].tolist() == pytest.approx(layer_pr(a), rel=1e-9)
+    else:
+        assert steps == [] and ctl.sites == []  # not even the lookup
 
 
 def test_parametrize_puts_pr_on_target_like_post_step() -> None:
     post, par = make_model(), make_model()
-    c_post = KeySpectrumControl.attach(post, "shrink", total_steps=STEPS)
-    c_par = KeySpectrumControl.attach(par, "shrink", total_steps=STEPS, how="parametrize")
+    c_post = KeySpectrumControl.attach(post, "shrink", ramp_steps=STEPS)
+    c_par = KeySpectrumControl.attach(par, "shrink", ramp_steps=STEPS, how="parametrize")
     assert "blocks.0.attn.k_proj.parametrizations.weight.original" in dict(par.named_parameters())
     run(post, c_post)
     recs = run(par, c_par)
@@ -201,21 +223,32 @@ def test_parametrize_puts_pr_on_target_like_post_step() -> None:
 def test_parametrize_hold_trains_from_an_orthogonal_init_without_nan() -> None:
     model = make_model("orthogonal")  # flat W_K spectra at step 0: SVD autograd would NaN
     ctl = KeySpectrumControl.attach(model, "hold", scope="head", how="parametrize")
-    assert ctl.pr0.tolist() == pytest.approx([16.0] * 4, rel=1e-9)
+    assert ctl.pr0.tolist() == pytest.approx([16.0] * 4, rel=1e-9)  # data scale: S in the graph
     run(model, ctl, steps=5)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert head_pr(model) == pytest.approx([16.0] * 4, rel=1e-3)
 
 
-def test_state_dict_resume_reproduces_the_uninterrupted_run() -> None:
+RESUMABLE = [("hold", "data", "post_step"), ("hold", "frobenius", "post_step"),
+             ("shrink", "data", "post_step"), ("shrink", "frobenius", "post_step"),
+             ("sham", "data", "post_step"), ("expand", "data", "post_step"),
+             ("shrink", "data", "parametrize")]
+
+
+@pytest.mark.parametrize("mode, scale, how", RESUMABLE)
+def test_state_dict_resume_reproduces_the_uninterrupted_run(mode: str, scale: str,
+                                                            how: str) -> None:
+    """Every mode: weights, records, counters and S after a resume equal the uninterrupted
+    run's bit for bit (the state carries PR0, the step, the window counters and S)."""
+    kw = dict(scale=scale, ramp_steps=STEPS, how=how)
     full = make_model()
-    c_full = KeySpectrumControl.attach(full, "shrink", total_steps=STEPS)
+    c_full = KeySpectrumControl.attach(full, mode, **kw)
     opt_full = torch.optim.AdamW(full.parameters(), lr=LR)
     run(full, c_full, steps=10, opt=opt_full)
     run(full, c_full, steps=10, start=10, opt=opt_full)
 
     first = make_model()
-    c_first = KeySpectrumControl.attach(first, "shrink", total_steps=STEPS)
+    c_first = KeySpectrumControl.attach(first, mode, **kw)
     opt_first = torch.optim.AdamW(first.parameters(), lr=LR)
     run(first, c_first, steps=10, opt=opt_first)
     saved = copy.deepcopy({"model": first.state_dict(), "opt": opt_first.state_dict(),
@@ -223,8 +256,8 @@ def test_state_dict_resume_reproduces_the_uninterrupted_run() -> None:
     assert saved["ctl"]["step"] == 10
 
     resumed = make_model()
+    c_res = KeySpectrumControl.attach(resumed, mode, **kw, record_initial=False)
     resumed.load_state_dict(saved["model"])
-    c_res = KeySpectrumControl.attach(resumed, "shrink", total_steps=STEPS, record_initial=False)
     with pytest.raises(QKGeomError, match="step-0"):
         c_res.step(11)  # no PR0 yet
     c_res.load_state_dict(saved["ctl"])
@@ -234,7 +267,12 @@ def test_state_dict_resume_reproduces_the_uninterrupted_run() -> None:
     assert torch.equal(c_res.pr0, c_full.pr0)
     for pa, pb in zip(full.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(pa, pb)
-    other = KeySpectrumControl.attach(make_model(), "hold", record_initial=False)
+    assert c_res.last() == c_full.last() and c_res.reshapes == c_full.reshapes
+    if scale == "data":
+        for j in range(2):
+            assert torch.equal(c_res.moments.matrix(j), c_full.moments.matrix(j))
+    other = KeySpectrumControl.attach(make_model(), "hold" if mode != "hold" else "shrink",
+                                      record_initial=False)
     with pytest.raises(QKGeomError, match="mode"):
         other.load_state_dict(saved["ctl"])
 
@@ -242,8 +280,10 @@ def test_state_dict_resume_reproduces_the_uninterrupted_run() -> None:
 def test_bad_arguments_are_qkgeom_errors() -> None:
     model = make_model()
     cases = [dict(mode="squash"), dict(scope="neuron"), dict(how="hook"),
-             dict(mode="shrink"), dict(mode="expand", total_steps=0),
-             dict(shrink_to=0.0), dict(expand_to=0.5), dict(layers=[2])]
+             dict(scale="norm"), dict(mode="shrink", dose=1.5), dict(mode="expand", dose=0.5),
+             dict(mode="sham", dose=0.5), dict(dose=0.5), dict(reference="elsewhere"),
+             dict(mode="shrink", ramp_steps=-1), dict(layers=[2]),
+             dict(mode="shrink", reference="/no/such/run")]
     for kw in cases:
         args = {"mode": "hold", **kw}
         with pytest.raises(QKGeomError):
@@ -259,13 +299,13 @@ def test_bad_arguments_are_qkgeom_errors() -> None:
 
 
 def ctx_for(model: GPT, step: int = 0) -> TrainContext:
-    return TrainContext(config=SimpleNamespace(steps=STEPS), model=model, optimizer=None,
-                        step=step)
+    return TrainContext(config=SimpleNamespace(steps=STEPS, warmup_steps=STEPS), model=model,
+                        optimizer=None, step=step)
 
 
 def test_callback_attaches_to_the_built_model_steps_and_reports_on_probe() -> None:
     model = make_model()
-    cb = KeyControlCallback(KeyControlConfig("shrink", shrink_to=0.5))
+    cb = KeyControlCallback(KeyControlConfig("shrink", dose=0.5))  # ramp: warmup_steps
     ctx = ctx_for(model)
     cb.on_model_built(ctx)
     cb.on_train_start(ctx)
@@ -281,7 +321,9 @@ def test_callback_attaches_to_the_built_model_steps_and_reports_on_probe() -> No
         cb.on_step_end(ctx)
     out = cb.on_probe(ctx, None)
     assert out["ctl_pr_l1"] == pytest.approx(0.5 * at0["ctl_pr_l1"], rel=1e-3)
+    assert out["ctl_bound_share_l1"] == 1.0  # the cap decided every step since the last probe
     assert cb.state_dict()["step"] == STEPS
+    assert cb.state_dict()["window"] == 0  # the probe started a new window
 
 
 def test_callback_resume_takes_pr0_from_the_state_not_from_the_weights() -> None:

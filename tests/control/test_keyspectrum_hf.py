@@ -107,9 +107,40 @@ def test_hold_keeps_the_key_pr_on_target_through_training(arch: str, scope: str)
         assert float(weight_pr(head0)) == pytest.approx(float(pr0[site.n_kv_head]), rel=1e-3)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "bert"])
+def test_the_data_rule_sees_each_familys_key_inputs_and_keeps_their_key_scale(
+        arch: str) -> None:
+    """The input hook sits on the module holding W_K (fused c_attn / query_key_value too):
+    S is the second moment of what that module receives, and each step keeps
+    tr(W_K S W_Kᵀ) of every layer (GQA: the key heads' rows)."""
+    model = build(arch)
+    ctl = KeySpectrumControl.attach(model, "hold", scope="head")
+    seen: dict[int, torch.Tensor] = {}
+    for j, site in enumerate(ctl.sites):  # our own copy of what the key module receives
+        site.k_module.register_forward_pre_hook(
+            lambda m, args, j=j: seen.__setitem__(j, args[0].detach().reshape(
+                -1, args[0].shape[-1]).double()))
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, V, (4, T), generator=torch.Generator().manual_seed(5))
+    loss = model(input_ids=x, labels=x).loss
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    before = [site.weight("k").double() for site in ctl.sites]
+    ctl.step(1)
+    for j, site in enumerate(ctl.sites):
+        s = ctl.moments.matrix(j)
+        xs = seen[j]  # 48 tokens, under the 512 the hook keeps: S is their mean x xᵀ
+        torch.testing.assert_close(s, xs.mT @ xs / xs.shape[0], rtol=1e-5, atol=1e-7)
+        after = site.weight("k").double()
+        kept = ((after @ s) * after).sum() / ((before[j] @ s) * before[j]).sum()
+        assert abs(float(kept) - 1) < 1e-6
+
+
 def test_parametrize_on_a_fused_gpt2_weight_changes_only_the_key() -> None:
     model = build("gpt2")
-    ctl = KeySpectrumControl.attach(model, "shrink", total_steps=STEPS, how="parametrize")
+    ctl = KeySpectrumControl.attach(model, "shrink", ramp_steps=STEPS, how="parametrize")
     recs = train_steps(model, ctl, "gpt2", steps=5)
     for site in ctl.sites:
         eff, raw = site.key_effective().detach(), site.key_stored().detach()
@@ -131,7 +162,7 @@ def test_a_tall_key_projection_is_reshaped_like_apply_target() -> None:
     model = transformers.LlamaForCausalLM(cfg)
     w0 = model.model.layers[0].self_attn.k_proj.weight.detach().clone()
     assert w0.shape == (64, 32)
-    ctl = KeySpectrumControl.attach(model, "shrink", shrink_to=0.7, total_steps=2)
+    ctl = KeySpectrumControl.attach(model, "shrink", scale="frobenius", dose=0.7, ramp_steps=2)
     assert ctl.sites[0].n_kv_head == 4 and ctl.sites[0].head_dim == 16
     ctl.step(2)
     want, _ = apply_target(w0, 0.7 * float(ctl.pr0[0]))

@@ -51,7 +51,7 @@ from qkgeom.control.moments import InputMoments
 from qkgeom.control.spectrum import default_rtol, fit_spectrum, spectral_reshape
 from qkgeom.control.trajectory import reference_table
 from qkgeom.errors import QKGeomError
-from qkgeom.geometry.spectra import pr_from_covariance, weight_pr
+from qkgeom.geometry.spectra import participation_ratio, pr_from_covariance, weight_pr
 
 __all__ = [
     "HOWS",
@@ -396,7 +396,7 @@ class KeySpectrumControl:
             if bool(need.any()):
                 sub = torch.nonzero(need).flatten()
                 fit, act, new = self._reshape(a[sub.to(a.device)], gram[sub.to(a.device)],
-                                              target[sub], idx[sub], wide,
+                                              target[sub], ~tg["bound"][sub], idx[sub], wide,
                                               sites[0].key_stored().dtype)
                 target[sub] = torch.where(fit.flat, pr_before[sub], fit.target)
                 gamma[sub] = fit.gamma
@@ -420,10 +420,12 @@ class KeySpectrumControl:
             rec["pr"][idx] = pr_after
         return rec
 
-    def _reshape(self, a: Tensor, gram: Tensor, target: Tensor, idx: Tensor, wide: bool,
-                 stored: torch.dtype) -> tuple[Any, Tensor, Tensor]:
+    def _reshape(self, a: Tensor, gram: Tensor, target: Tensor, keep: Tensor, idx: Tensor,
+                 wide: bool, stored: torch.dtype) -> tuple[Any, Tensor, Tensor]:
         """(fit, act, W′) for units ``a`` (U, m, d) float64 with Gram matrices ``gram``:
-        ``act`` marks the units to rewrite (γ ≠ 1, or any sham unit; never a flat one)."""
+        ``act`` marks the units to rewrite (γ ≠ 1, or any sham unit; never a flat one).
+        ``keep`` marks units whose target is their current PR (a sham cap that does not
+        bind): they get γ = 1 exactly, whatever the PR of the computed eigenvalues."""
         r = gram.shape[-1]
         norm = torch.diagonal(gram, dim1=-2, dim2=-1).amax(-1).clamp_min(1e-30)  # (U,)
         lam, vec = torch.linalg.eigh(gram / norm[:, None, None])  # ascending, gram's dtype
@@ -432,6 +434,7 @@ class KeySpectrumControl:
         rtol = default_rtol(r, stored)
         floor = (2 * rtol) ** 2 * lam[:, :1].clamp_min(0)
         s = torch.maximum(lam, floor).sqrt()  # (U, r) singular values, none below the floor
+        target = torch.where(keep, participation_ratio(s * s), target)
         fit = fit_spectrum(s, target, rtol=rtol)
         act = ~fit.flat & ((fit.gamma != 1) | (self.mode == "sham"))
         ratio = torch.where(s > 0, fit.s / torch.where(s > 0, s, torch.ones_like(s)),
