@@ -8,7 +8,7 @@ import pytest
 
 from qkgeom.config import make_config
 from qkgeom.errors import QKGeomError
-from qkgeom.experiments import E1_PRESETS, Grid, e1_grid, load_grid
+from qkgeom.experiments import E1_PRESETS, E3_PRESETS, Grid, e1_grid, e3_arm, e3_grid, load_grid
 from qkgeom.experiments.grid import _id_value, _labels
 
 E1_YAML = """\
@@ -144,3 +144,112 @@ def test_e1_grid_errors() -> None:
         e1_grid("huge")
     with pytest.raises(QKGeomError, match="unknown config key"):
         e1_grid("smoke", overrides={"model.depth": 3})
+
+
+ARMS_YAML = """\
+name: arms
+preset: smoke
+base: {steps: 20}
+axes: {seed: [0, 1]}
+arms:
+  - {name: none, set: {key_control.mode: none, key_control.record: true}}
+  - name: shrink-0.5
+    set: {key_control: {mode: shrink, dose: 0.5}}
+    reference: none
+  - {name: hold, set: {key_control.mode: hold}}
+"""
+
+
+def test_arms_cross_the_axes_with_ids_and_dependencies(tmp_path: Path) -> None:
+    path = tmp_path / "arms.yaml"
+    path.write_text(ARMS_YAML)
+    grid = load_grid(path)
+    specs = grid.expand()
+    assert [s.run_id for s in specs] == [
+        "seed=0,arm=none", "seed=0,arm=shrink-0.5", "seed=0,arm=hold",
+        "seed=1,arm=none", "seed=1,arm=shrink-0.5", "seed=1,arm=hold"]
+    by_id = {s.run_id: s for s in specs}
+    dep = by_id["seed=1,arm=shrink-0.5"]
+    assert dep.depends_on == "seed=1,arm=none" and dep.axes == {"seed": 1, "arm": "shrink-0.5"}
+    assert dep.config.key_control.reference == "seed=1,arm=none"  # the sibling folder
+    assert dep.config.key_control.mode == "shrink" and dep.config.key_control.dose == 0.5
+    assert dep.config.seed == 1 and dep.config.steps == 20
+    assert by_id["seed=0,arm=none"].config.key_control.record
+    assert by_id["seed=0,arm=hold"].depends_on == "" and by_id["seed=0,arm=none"].depends_on == ""
+    again = Grid.from_dict(grid.to_dict())  # the normalised record round-trips
+    assert again == grid and [s.run_id for s in again.expand()] == [s.run_id for s in specs]
+    assert "arms" not in Grid.from_dict({"preset": "smoke", "axes": {"seed": [0]}}).to_dict()
+
+
+def test_arms_without_axes_are_named_by_the_arm_alone() -> None:
+    grid = Grid.from_dict({"preset": "smoke", "arms": [
+        {"name": "a", "set": {"seed": 3}}, {"name": "b", "set": {"seed": 4}}]})
+    assert [(s.run_id, s.config.seed) for s in grid.expand()] == [("arm=a", 3), ("arm=b", 4)]
+
+
+NONE_ARM = "{name: none, set: {key_control.mode: none, key_control.record: true}}"
+
+
+@pytest.mark.parametrize("arms, words", [
+    ("[]", "arms must be a non-empty list"),
+    ("[3]", "each arm must be a mapping"),
+    ("[{name: a, sets: {}}]", "unknown arm key 'sets'"),
+    ("[{set: {}}]", "arm names must be non-empty"),
+    ("[{name: 'a b'}]", "arm names must be non-empty"),
+    ("[{name: a}, {name: a}]", "arm 'a' is given twice"),
+    ("[{name: a, set: 3}]", "set must be a mapping"),
+    ("[{name: a, set: {seed: 2}}]", "arm 'a' sets 'seed', which an axis sweeps"),
+    ("[{name: a, set: {stepz: 2}}]", "arm 'a', run {'seed': 0}: unknown config key 'stepz'"),
+    ("[{name: a, reference: b}]", "references 'b', which is not an arm"),
+    ("[{name: a, reference: a}]", "form a cycle (a -> a)"),
+    ("[{name: a, reference: b}, {name: b, reference: a}]", "form a cycle"),
+    (f"[{NONE_ARM}, {{name: h, set: {{key_control.mode: hold}}, reference: none}}]",
+     "hold takes none"),
+    ("[{name: n, set: {key_control.mode: none}}, "
+     "{name: s, set: {key_control.mode: shrink}, reference: n}]", "does not record its key PR"),
+    (f"[{NONE_ARM}, {{name: s, set: {{key_control.mode: shrink, "
+     "key_control.reference: x}, reference: none}]", "give one of them"),
+    (f"[{{name: none, set: {{key_control.mode: none, key_control.record: true, steps: 10}}}}, "
+     "{name: s, set: {key_control.mode: shrink}, reference: none}]", "only 10"),
+])
+def test_bad_arms_fail_in_one_line(tmp_path: Path, arms: str, words: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(f"preset: smoke\naxes: {{seed: [0]}}\narms: {arms}\n")
+    with pytest.raises(QKGeomError) as info:
+        load_grid(path)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_e3_grids_are_the_protocols_arms() -> None:
+    smoke = e3_grid("smoke")
+    assert [a.name for a in smoke.arms] == ["none", "sham-data", "hold-data", "shrink-0.5-data"]
+    assert len(smoke.expand()) == 8
+    demo = e3_grid("demo")
+    assert [a.name for a in demo.arms] == ["none", "sham-data", "hold-data", "shrink-0.5-data",
+                                           "hold-frobenius", "shrink-0.5-frobenius"]
+    specs = demo.expand()
+    assert len(specs) == 30 and {s.config.seed for s in specs} == {0, 1, 2, 3, 4}
+    cfg = specs[0].config
+    assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.qk_init) == (4, 128, "normal")
+    assert (cfg.steps, cfg.probe_every, cfg.eval_every) == (300, 25, 75)
+    kc = {s.axes["arm"]: s.config.key_control for s in specs if s.config.seed == 2}
+    assert kc["none"].mode == "none" and kc["none"].record
+    assert (kc["sham-data"].mode, kc["sham-data"].scale, kc["sham-data"].dose) == ("sham", "data", 1)
+    assert (kc["hold-frobenius"].mode, kc["hold-frobenius"].scale) == ("hold", "frobenius")
+    shrink = kc["shrink-0.5-frobenius"]
+    assert (shrink.mode, shrink.dose, shrink.scale) == ("shrink", 0.5, "frobenius")
+    assert shrink.reference == "seed=2,arm=none" and shrink.ramp_steps == -1
+    assert kc["hold-data"].reference == "" and not kc["hold-data"].record
+    deps = {s.run_id: s.depends_on for s in specs if s.depends_on}
+    assert set(deps) == {f"seed={k},arm={a}" for k in range(5)
+                         for a in ("sham-data", "shrink-0.5-data", "shrink-0.5-frobenius")}
+    paper = e3_grid("paper", data="/data/wikitext-103")
+    assert len(paper.expand()) == 55 and [a.name for a in paper.arms] == [
+        "none", "sham-data", "sham-frobenius", "hold-data", "hold-frobenius",
+        "shrink-0.75-data", "shrink-0.75-frobenius", "shrink-0.5-data",
+        "shrink-0.5-frobenius", "shrink-0.25-data", "shrink-0.25-frobenius"]
+    assert set(E3_PRESETS) == {"smoke", "demo", "paper"}
+    with pytest.raises(QKGeomError, match="unknown E3 arm"):
+        e3_arm("shrink-half-data")
+    with pytest.raises(QKGeomError, match="WikiText-103"):
+        e3_grid("paper")
