@@ -112,14 +112,14 @@ def test_a_reference_that_diverged_or_failed_fails_its_dependents(
     assert states["seed=1,arm=sham"] == "done" and states["seed=0,arm=sham"] == "failed"
 
 
-def _wait_for(condition, timeout: float, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if proc.poll() is not None:
-            raise AssertionError(f"sweep exited early: {proc.stderr.read() if proc.stderr else ''}")
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the sweep")
+def _until(condition, proc: subprocess.Popen, timeout: float = 240) -> None:
+    """Poll ``condition`` while the sweep process lives (it must not end first)."""
+    for _ in range(int(timeout / 0.02)):
+        if condition():
+            return
+        assert proc.poll() is None, f"sweep exited early: {proc.stderr.read()}"
         time.sleep(0.02)
+    raise AssertionError("timed out waiting for the sweep")
 
 
 @pytest.mark.slow
@@ -135,7 +135,7 @@ def test_a_killed_sweep_with_references_finishes_each_run_once(sample_data: Path
     proc = subprocess.Popen(sweep_cmd(grid_file, out), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        _wait_for(lambda: (dep / "checkpoints" / "ckpt_00000020.pt").exists(), 240, proc)
+        _until(lambda: (dep / "checkpoints" / "ckpt_00000020.pt").exists(), proc)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

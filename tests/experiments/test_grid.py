@@ -209,7 +209,7 @@ NONE_ARM = "{name: none, set: {key_control.mode: none, key_control.record: true}
      "{name: s, set: {key_control.mode: shrink}, reference: n}]", "does not record its key PR"),
     (f"[{NONE_ARM}, {{name: s, set: {{key_control.mode: shrink, "
      "key_control.reference: x}, reference: none}]", "give one of them"),
-    (f"[{{name: none, set: {{key_control.mode: none, key_control.record: true, steps: 10}}}}, "
+    ("[{name: none, set: {key_control.mode: none, key_control.record: true, steps: 10}}, "
      "{name: s, set: {key_control.mode: shrink}, reference: none}]", "only 10"),
 ])
 def test_bad_arms_fail_in_one_line(tmp_path: Path, arms: str, words: str) -> None:

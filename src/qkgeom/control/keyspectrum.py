@@ -383,7 +383,8 @@ class KeySpectrumControl:
             sites = [self.sites[j] for j in group]
             idx = torch.cat([torch.arange(self._slices[j].start, self._slices[j].stop)
                              for j in group])  # unit indices, in stacking order
-            a = torch.cat([self._units(site, site.key_stored()) for site in sites])  # (U, m, d)
+            a_stored = torch.cat([self._raw_units(site) for site in sites])  # (U, m, d)
+            a = a_stored.to(torch.float64)
             wide = a.shape[-2] <= a.shape[-1]
             dtype = _eigh_dtype(a.device, min(a.shape[-2:]))
             gram = _gram(a.to(dtype), wide)  # (U, r, r), r = min(m, d)
@@ -403,10 +404,9 @@ class KeySpectrumControl:
                 clamped[sub] = fit.clamped.to(torch.float64)
                 changed[sub] = act
                 if bool(act.any()):
-                    self._write(group, sub[act].tolist(), new[act.to(new.device)], idx)
-                    written = sub[act]
-                    after = self._stored_units(group, written).to(dtype)
-                    pr_after[written] = pr_from_covariance(_gram(after, wide)).cpu()
+                    stored = new[act.to(new.device)].to(a_stored.dtype)  # what will be stored
+                    self._write(group, sub[act].tolist(), stored, idx)
+                    pr_after[sub[act]] = pr_from_covariance(_gram(stored.to(dtype), wide)).cpu()
                     self.reshapes += int(act.sum())
             hit = changed if self.mode == "hold" else tg["bound"]
             self._bound[idx] += hit.to(torch.float64)
@@ -446,7 +446,9 @@ class KeySpectrumControl:
         s_units = self._moment_units(idx)
         if s_units is not None:
             s_units = s_units.to(a.device)
-        c = torch.sqrt(_quad_trace(a, s_units) / _quad_trace(new, s_units).clamp_min(1e-300))
+        both = _quad_trace(torch.cat([a, new]), None if s_units is None else
+                           torch.cat([s_units, s_units]))  # one batched product: W, then W″
+        c = torch.sqrt(both[:len(a)] / both[len(a):].clamp_min(1e-300))
         return fit, act, new * c[:, None, None]
 
     def _write(self, group: list[int], units: list[int], new: Tensor, idx: Tensor) -> None:
@@ -463,11 +465,10 @@ class KeySpectrumControl:
                     else:
                         view.copy_(new[k].view(view.shape))
 
-    def _stored_units(self, group: list[int], units: Tensor) -> Tensor:
-        """The stored W_K of the given group positions, (U, m, d) float64."""
-        all_units = torch.cat([self._units(self.sites[j], self.sites[j].key_stored())
-                               for j in group])
-        return all_units[units.to(all_units.device)]
+    def _raw_units(self, site: AttentionSite) -> Tensor:
+        """The stored W_K of a site as units, (U, m, d) in the stored dtype (a copy)."""
+        heads = site.k_heads(site.key_stored().detach())  # (H_kv, hd, d)
+        return (heads if self.scope == "head" else heads.reshape(1, -1, site.d_model)).clone()
 
     def _set_param_targets(self) -> dict[str, Tensor]:
         """parametrize: set each parametrisation's targets for the coming forward passes."""
