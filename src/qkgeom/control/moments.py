@@ -56,8 +56,10 @@ class InputMoments:
             x = x.reshape(-1, x.shape[-1])  # (N, d)
             stride = max(1, math.ceil(x.shape[0] / MAX_TOKENS))
             xs = x[::stride].float()  # (n, d)
-            part = (xs.mT @ xs).double()  # (d, d), summed over tokens
-            self._sum[j] = part if self._sum[j] is None else self._sum[j] + part
+            if self._sum[j] is None:
+                self._sum[j] = xs.mT @ xs  # (d, d) float32, summed over tokens
+            else:  # another forward before the step (e.g. gradient accumulation)
+                self._sum[j].addmm_(xs.mT, xs)
             self._count[j] += xs.shape[0]
         return hook
 
@@ -66,7 +68,7 @@ class InputMoments:
         for j, total in enumerate(self._sum):
             if total is None:
                 continue
-            old = self.moments[j]
+            old, total = self.moments[j], total.double()
             if old is None:
                 self.moments[j] = total / self._count[j]
             else:
