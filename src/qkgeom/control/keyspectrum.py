@@ -366,8 +366,9 @@ class KeySpectrumControl:
 
     @torch.no_grad()
     def _project(self) -> dict[str, Tensor]:
-        """post_step: per group of equally shaped units, the float64 Gram matrices, their
-        PR (tr² / ‖·‖², no eigendecomposition), the targets, then -- only for the units that
+        """post_step: per group of equally shaped units, the Gram matrices (in the
+        eigendecomposition's precision, :func:`_eigh_dtype`), their PR (tr² / ‖·‖², no
+        eigendecomposition), the targets, then -- only for the units that
         need it (every unit for hold and sham, those whose cap binds for shrink and expand)
         -- one batched eigendecomposition (:func:`_eigh_dtype`), the fit of γ on the CPU,
         ``W″ = U·diag(s^γ/s)·Uᵀ·W`` (= U·diag(s^γ)·Vᵀ), the scale factor c from W and W″,
@@ -398,7 +399,7 @@ class KeySpectrumControl:
                 sub = torch.nonzero(need).flatten()
                 fit, act, new = self._reshape(a[sub.to(a.device)], gram[sub.to(a.device)],
                                               target[sub], ~tg["bound"][sub], idx[sub], wide,
-                                              sites[0].key_stored().dtype)
+                                              a_stored.dtype)
                 target[sub] = torch.where(fit.flat, pr_before[sub], fit.target)
                 gamma[sub] = fit.gamma
                 clamped[sub] = fit.clamped.to(torch.float64)
@@ -550,7 +551,10 @@ class KeySpectrumControl:
                 "moments": self.moments.state_dict() if self.moments is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore PR0, the step counter, the window counters, S and the last records."""
+        """Restore PR0, the step counter, the window counters, S and the last records.
+
+        The per-step record (:attr:`trajectory`) is not part of the state: the callback
+        keeps it in the run's key_pr.parquet and restores it from there."""
         if not state:
             raise QKGeomError("empty key-control state: the checkpoint was written without "
                               "key control")
