@@ -527,8 +527,12 @@ class KeySpectrumControl:
         rec = dict(self._last)
         rec["bound_share"] = (self._bound / self._window if self._window
                               else torch.full_like(self._bound, math.nan))
-        return {f"ctl_{f}_{name}": float(rec[f][i])
-                for f in _RECORD_FIELDS if f in rec for i, name in enumerate(self.names)}
+        out: dict[str, float] = {}
+        for f in _RECORD_FIELDS:
+            if f in rec:  # one conversion per field, not one per unit
+                out.update(zip((f"ctl_{f}_{name}" for name in self.names),
+                               map(float, rec[f].tolist()), strict=True))
+        return out
 
     def reset_window(self) -> None:
         """Start a new window for ``bound_share`` (call after reading :meth:`last`)."""
