@@ -447,9 +447,7 @@ class KeySpectrumControl:
         s_units = self._moment_units(idx)
         if s_units is not None:
             s_units = s_units.to(a.device)
-        both = _quad_trace(torch.cat([a, new]), None if s_units is None else
-                           torch.cat([s_units, s_units]))  # one batched product: W, then W″
-        c = torch.sqrt(both[:len(a)] / both[len(a):].clamp_min(1e-300))
+        c = torch.sqrt(_quad_trace(a, s_units) / _quad_trace(new, s_units).clamp_min(1e-300))
         return fit, act, new * c[:, None, None]
 
     def _write(self, group: list[int], units: list[int], new: Tensor, idx: Tensor) -> None:
