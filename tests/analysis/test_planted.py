@@ -22,6 +22,7 @@ from qkgeom.analysis import stats
 from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
 from qkgeom.analysis.e1.trajectories import layer_statistics
 from qkgeom.analysis.e3.analysis import e3_tables, e3_verdicts
+from qkgeom.analysis.e3.paired import PREDICTED, in_windows
 
 from .synthetic import Run, table_of
 
@@ -134,7 +135,7 @@ def e3_runs(rng: np.random.Generator, n_seeds: int, entropy_effect: float,
             for m, v in base.items():
                 drift = rng.normal(0.0, 0.5) * t if mode != "none" else 0.0
                 planted = sign * entropy_effect * t if m != "logit_std" else 0.0
-                layers[m] = v + drift + planted + 0.05 * rng.normal(size=v.shape) * (t > 0)
+                layers[m] = v + drift + planted + 0.01 * rng.normal(size=v.shape) * (t > 0)
             extra = {"ctl_dose_l0": 1.0 - 0.5 * np.minimum(t / 0.2, 1.0)} \
                 if mode == "shrink" else {}
             runs.append(Run(f"{sweep}:seed={seed},arm={arm}", seed, layers=layers,
@@ -142,22 +143,35 @@ def e3_runs(rng: np.random.Generator, n_seeds: int, entropy_effect: float,
     return runs
 
 
-def e3_claims(runs: list[Run]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``(claims of every sweep, the manipulation table)`` for the sweeps in ``runs``
-    (pair keys ``<sweep>:<seed>``)."""
+def e3_claims(runs: list[Run]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """``(claims of every sweep, the manipulation table, the paired differences)`` for the
+    sweeps in ``runs`` (pair keys ``<sweep>:<seed>``); ``sweep`` columns say whose."""
     tables = e3_tables(table_of(runs, E3_STEPS, ref_step=25))
     sweep_of = tables["members"].drop_duplicates("group").set_index("group")["pair_key"] \
         .str.split(":").str[0]
-    windows = tables["windows"].assign(sweep=lambda w: w["group"].map(sweep_of))
-    man = tables["manipulation"].assign(sweep=lambda m: m["group"].map(sweep_of))
+    windows, man, paired = (tables[k].assign(sweep=lambda f: f["group"].map(sweep_of))
+                            for k in ("windows", "manipulation", "paired"))
     man_of = dict(tuple(man.groupby("sweep")))
     frames = [e3_verdicts(w, man_of[sweep])["claims"].assign(sweep=sweep)
               for sweep, w in windows.groupby("sweep")]
-    return pd.concat(frames, ignore_index=True), man
+    return pd.concat(frames, ignore_index=True), man, paired
+
+
+def probes_as_units(paired: pd.DataFrame) -> pd.Series:
+    """The share of sweeps a pseudo-replicating analysis would call supported, per arm,
+    quantity and window: every (seed, probe) difference as a unit, exact sign test."""
+    sel = paired[(paired["baseline"] == "none")
+                 & paired["quantity"].isin(["attn_entropy", "pr_qk_weight", "pr_qk_token"])]
+    sel = in_windows(sel, dict.fromkeys(sel["group"].unique(), E3_STEPS[-1]))
+    verdicts = sel.groupby(["sweep", "arm", "quantity", "window"]).apply(
+        lambda g: stats.verdict(**{k: v for k, v in stats.count_test(
+            g["diff"], PREDICTED[(g["mode"].iloc[0], g.name[2])]).items()
+            if k in ("k", "n", "p_value")}), include_groups=False)
+    return (verdicts == "supported").groupby(level=[1, 2, 3]).mean()
 
 
 def test_e3_planted_effect_is_supported_and_its_manipulation_passes():
-    claims, man = e3_claims(e3_runs(np.random.default_rng(21), 6, entropy_effect=2.0))
+    claims, man, _ = e3_claims(e3_runs(np.random.default_rng(21), 5, entropy_effect=2.0))
     assert man.loc[man["mode"].isin(["shrink", "hold"]), "passed"].all()
     sel = claims[claims["claim_id"].isin(E3_ROWS)]
     assert len(sel) == 12 and (sel["verdict"] == "supported").all(), sel[
@@ -165,12 +179,15 @@ def test_e3_planted_effect_is_supported_and_its_manipulation_passes():
 
 
 @pytest.mark.slow
-def test_e3_null_sweeps_are_rarely_supported():
+def test_e3_null_sweeps_are_rarely_supported_and_probe_counts_would_be():
     rng = np.random.default_rng(22)
-    claims, _ = e3_claims([r for i in range(N_SWEEPS) for r in e3_runs(rng, 6, 0.0, sweep=i)])
+    claims, _, paired = e3_claims(
+        [r for i in range(N_SWEEPS) for r in e3_runs(rng, 5, 0.0, sweep=i)])
     sims = claims[claims["claim_id"].isin(E3_ROWS)]
     assert sims["sweep"].nunique() == N_SWEEPS
     assert (sims["verdict"] != "not evaluated").all()  # the manipulation happened
     share = sims.groupby(["claim", "level", "origin"])["verdict"].agg(
         lambda v: float((v == "supported").mean()))
     assert len(share) == 12 and (share <= BOUND).all(), share
+    old = probes_as_units(paired)  # over the whole run, each seed's probes share its drift
+    assert old.xs("whole", level="window").mean() > BOUND, old

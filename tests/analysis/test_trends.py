@@ -28,10 +28,11 @@ STEPS = np.array([0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000, 4000, 80
 PEAK = 9  # step 256
 
 
-def rise_then_fall(top: float = 10.0) -> np.ndarray:
-    """Up to ``top`` at step 256, then down to half of it at the last checkpoint."""
-    up = np.linspace(0.0, top, PEAK + 1)
-    down = np.linspace(top, top / 2, len(STEPS) - PEAK)[1:]
+def rise_then_fall(top: float = 10.0, start: float = 0.0) -> np.ndarray:
+    """From ``start`` up to ``top`` at step 256, then down by half the gain at the last
+    checkpoint."""
+    up = np.linspace(start, top, PEAK + 1)
+    down = np.linspace(top, (top + start) / 2, len(STEPS) - PEAK)[1:]
     return np.concatenate([up, down])
 
 
@@ -66,7 +67,7 @@ def _call(values: np.ndarray) -> dict:
 def test_a_peak_at_256_that_falls_to_half_is_a_rise_then_fall() -> None:
     """The old rule (longest significant increasing prefix) called this a whole-run regime
     that does not decay; the peak-split rule sees the fall and the half of the gain lost."""
-    rc = _call(rise_then_fall())
+    rc = _call(rise_then_fall(start=2.0))  # 2 -> 10 -> 6: half of the gain of 8 lost
     assert rc["call"] == "rise then fall"
     assert STEPS[rc["peak"]] == 256 and rc["share_lost"] == pytest.approx(0.5)
     assert rc["p_rise"] < 0.05 and rc["p_fall"] < 0.05
