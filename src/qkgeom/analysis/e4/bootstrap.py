@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis.e4.trends import CALLS, PRIMARY, TREND_METRICS, regime_calls
+from qkgeom.analysis.e4.trends import CALLS, MONOTONE, PRIMARY, TREND_METRICS, regime_calls
 
 N_BOOT = 2000
 BOOT_SEED = 0
@@ -48,7 +48,10 @@ def block_bootstrap(blocks: pd.DataFrame, steps: np.ndarray, metric: str = PRIMA
     ``steps`` (in order). Per layer: ``metric, level, layer, n_blocks, n_boot``, the share
     of resamples per call (``share_<call>``), ``share_lost_low/high`` and
     ``peak_step_low/high`` (percentile intervals; the share lost over resamples that have a
-    gain). Band: ``layer, step, low, high`` per checkpoint. Empty frames without blocks."""
+    gain), and ``share_any_not_monotone`` (the same on every row: the share of resamples
+    in which at least one layer is not a monotone rise; one resample draws the same blocks
+    for every layer). Band: ``layer, step, low, high`` per checkpoint. Empty frames
+    without blocks."""
     layers, cube = block_cube(blocks, metric, steps)
     if len(layers) == 0 or cube.shape[1] < 2:
         return pd.DataFrame(), pd.DataFrame()
@@ -61,10 +64,12 @@ def block_bootstrap(blocks: pd.DataFrame, steps: np.ndarray, metric: str = PRIMA
     call = calls["call"].reshape(len(layers), n_boot)
     lost = calls["share_lost"].reshape(len(layers), n_boot)
     peak = np.asarray(steps, dtype=float)[calls["peak"]].reshape(len(layers), n_boot)
+    any_not_monotone = float((call != MONOTONE).any(axis=0).mean())
     rows = []
     for i, layer in enumerate(layers):
         row = {"metric": metric, "level": TREND_METRICS.get(metric, metric),
-               "layer": int(layer), "n_blocks": k, "n_boot": n_boot}
+               "layer": int(layer), "n_blocks": k, "n_boot": n_boot,
+               "share_any_not_monotone": any_not_monotone}
         row.update({f"share_{c.replace(' ', '_')}": float((call[i] == c).mean()) for c in CALLS})
         finite = lost[i][np.isfinite(lost[i])]
         lo, hi = np.percentile(finite, CI) if len(finite) else (np.nan, np.nan)

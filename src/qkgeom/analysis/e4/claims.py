@@ -56,13 +56,18 @@ def _calls_text(t: pd.DataFrame) -> str:
     return ", ".join(f"{int(counts[c])} {c}" for c in CALLS if c in counts) or "no layer"
 
 
-def _boot_text(boot: pd.DataFrame, calls: tuple[str, ...], what: str) -> str:
+def _boot_text(boot: pd.DataFrame | None, calls: tuple[str, ...], what: str) -> str:
+    """How often the block bootstrap gives these calls: the mean over layers of each
+    layer's share of resamples (or, for ``calls = ()``, the share of resamples in which
+    some layer is not a monotone rise)."""
     if boot is None or boot.empty:
         return ""
-    share = sum(boot[f"share_{c.replace(' ', '_')}"] for c in calls)
-    return (f"; block bootstrap: {what} in {share.mean():.0%} of resamples (mean over "
-            f"layers, {int(boot['n_boot'].iloc[0])} resamples of {int(boot['n_blocks'].iloc[0])}"
-            " blocks)")
+    share = (boot["share_any_not_monotone"].iloc[0] if not calls else
+             sum(boot[f"share_{c.replace(' ', '_')}"] for c in calls).mean())
+    per = "" if not calls else "mean over layers, "
+    return (f"; block bootstrap: {what} in {share:.0%} of resamples ({per}"
+            f"{int(boot['n_boot'].iloc[0])} resamples of {int(boot['n_blocks'].iloc[0])} "
+            "blocks)")
 
 
 def _trend_rows(t: pd.DataFrame, level: str, boot: pd.DataFrame | None) -> list[dict]:
@@ -75,8 +80,7 @@ def _trend_rows(t: pd.DataFrame, level: str, boot: pd.DataFrame | None) -> list[
                  f"calls: {_calls_text(t) if n else 'n/a'}",
                  "supported when at least one layer is not a monotone rise", np.nan, np.nan,
                  "monotone rise = peak at the last checkpoint and a significant whole-run "
-                 "Mann–Kendall increase" + _boot_text(boot, (RISE_FALL, RISE_FLAT, "none"),
-                                                       "not a monotone rise"),
+                 "Mann–Kendall increase" + _boot_text(boot, (), "some layer not a monotone rise"),
                  v1, reason)]
     regime = t["call"].isin([RISE_FALL, RISE_FLAT]) if n else pd.Series(dtype=bool)
     ct = stats.count_test(np.where(regime, 1.0, -1.0), +1) if n else stats.count_test([], 1)
