@@ -20,7 +20,10 @@ HOLD = {0: 0.002, 1: 0.002, 2: 0.002, 3: 0.002, 4: -0.002}  # ... hold raises it
 ARMS = {"none": {"mode": "none", "record": True},
         "sham-data": {"mode": "sham", "scale": "data", "dose": 1.0},
         "hold-data": {"mode": "hold", "scale": "data"},
-        "shrink-0.5-data": {"mode": "shrink", "scale": "data", "dose": 0.5}}
+        "shrink-0.5-data": {"mode": "shrink", "scale": "data", "dose": 0.5},
+        "shrink-0.25-data": {"mode": "shrink", "scale": "data", "dose": 0.25},
+        "shrink-0.75-data": {"mode": "shrink", "scale": "data", "dose": 0.75}}
+DEFAULT_ARMS = ("none", "sham-data", "hold-data", "shrink-0.5-data")
 
 
 def _dose(step: int, dose: float = 0.5, ramp: int = 20) -> float:
@@ -29,16 +32,18 @@ def _dose(step: int, dose: float = 0.5, ramp: int = 20) -> float:
 
 def _values(arm: str, seed: int, achieved: float = 0.5):
     """``monotone_values`` + a seed offset; the arm acts on PR_K (shrink: ``achieved`` ×
-    none's; hold: its step-0 value) and on the entropy (SHRINK / HOLD per step)."""
+    none's; hold: its step-0 value) and on the entropy (HOLD per step; SHRINK per step at
+    dose 0.5, in proportion to 1 − dose)."""
     base = monotone_values()
     mode = ARMS[arm]["mode"]
+    shrink = SHRINK * (1.0 - ARMS[arm].get("dose", 1.0)) / 0.5
 
     def values(layer: int, step: int, metric: str, head: int) -> float:
         v = base(layer, step, metric, head) + 0.01 * seed
         if metric == "pr_k_weight" and step > 0:
             v = {"shrink": achieved * v, "hold": 8.0 + 0.01 * seed}.get(mode, v)
         if metric == "attn_entropy":
-            v += {"shrink": SHRINK, "hold": HOLD.get(seed, 0.0)}.get(mode, 0.0) * step
+            v += {"shrink": shrink, "hold": HOLD.get(seed, 0.0)}.get(mode, 0.0) * step
             v += 1e-4 * (-1) ** seed * (mode == "sham")  # the sham: noise around 0
         return v
 
@@ -53,7 +58,7 @@ def _records(arm: str):
                          "ctl_bound_share_l0": 1.0, "ctl_bound_share_l1": 0.9}
 
 
-def _e3_sweep(root: Path, arms=tuple(ARMS), seeds=SEEDS, achieved: float = 0.5,
+def _e3_sweep(root: Path, arms=DEFAULT_ARMS, seeds=SEEDS, achieved: float = 0.5,
               extra: tuple[tuple[str, int, dict], ...] = ()) -> Path:
     runs = []
     plan = [(arm, seed, {}) for seed in seeds for arm in arms] + list(extra)
@@ -145,6 +150,18 @@ def test_manipulation_table_and_a_control_that_does_not_bind(e3_sweep: Path, tmp
     assert e31["reason"].str.contains("manipulation check failed in 5/5 seeds").all()
     assert (weak["claims"].loc[weak["claims"]["claim_id"] == "E3.2", "verdict"]
             != "not evaluated").all()  # the hold arm did what it should
+
+
+def test_dose_response_over_the_sham_and_three_shrink_doses(tmp_path: Path):
+    """The entropy effect grows with 1 − r in every seed: ρ(effect, r) = +1 per seed."""
+    a = e3_analysis(collate(_e3_sweep(tmp_path / "dose", arms=(
+        "none", "sham-data", "shrink-0.25-data", "shrink-0.5-data", "shrink-0.75-data"))))
+    e35 = _row(a["claims"], claim_id="E3.5", origin="whole")
+    assert (e35["k"], e35["n"]) == (5, 5) and e35["mean"] == pytest.approx(1.0)
+    assert e35["verdict"] == "supported" and e35["beside"].startswith("doses 0.25, 0.5, 0.75, 1")
+    e31 = a["claims"][(a["claims"]["claim_id"] == "E3.1") & (a["claims"]["origin"] == "whole")]
+    assert list(e31["claim"].str.extract(r"\((.*)\)")[0]) == [
+        "shrink-0.75-data", "shrink-0.5-data", "shrink-0.25-data"]  # one row per dose
 
 
 def test_pairing_never_crosses_configs_and_excludes_ambiguous_groups(tmp_path: Path):

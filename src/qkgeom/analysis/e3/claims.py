@@ -180,7 +180,6 @@ def _dose_rows(windows: pd.DataFrame, gate: dict[tuple[str, str], str]) -> list[
         shrink_arms = sorted(sel.loc[sel["mode"] == "shrink", "arm"].unique())
         doses = sorted(sel["r"].unique())
         u, reason = dict(_EMPTY), ""
-        table = None
         if len(doses) < MIN_DOSES:
             reason = (f"{len(doses)} dose(s) present ({', '.join(f'{d:g}' for d in doses)}"
                       f"); dose-response needs ≥ {MIN_DOSES}")
