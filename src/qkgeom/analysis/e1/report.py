@@ -6,9 +6,8 @@ self-contained ``report.html`` (figures embedded), the figures as PNG (300 dpi) 
 and the numbers behind the table as CSV (``claims.csv``; ``contrast_readings.csv``, E1.3
 read four ways; ``run_stats.csv``, the independent unit, one row per run; ``cell_stats.csv``;
 ``trajectory_stats.csv``, seed-averaged layers; ``trajectory_stats_runs.csv``). A folder
-that records only some metrics
-(a monitored run) gets the claims it can measure; the others read *not evaluated* and the
-figures it cannot draw are listed as skipped. Reached through
+that records only some metrics (a monitored run) gets the claims it can measure; the others
+read *not evaluated* and the figures it cannot draw are listed as skipped. Reached through
 :func:`qkgeom.analysis.report.write_report`.
 """
 
