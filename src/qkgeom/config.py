@@ -165,7 +165,9 @@ class TrainConfig:
     log_every: int = 10
     checkpoint_every: int = 250
     keep_checkpoints: int = 2
-    reference_step: int = -1  # -1 = end of LR warm-up (the post-transient reference)
+    # The post-transient reference (docs/protocols.md): -1 = the first probe at or after 25 %
+    # of the run's steps; an explicit step >= 0 wins.
+    reference_step: int = -1
     # auto = bf16 autocast on CUDA, fp32 elsewhere (see effective_precision); bf16 and fp16
     # are opt-in anywhere. Weights and optimiser state stay fp32; probes run the fp32 model, products in float64.
     precision: str = "auto"
@@ -236,8 +238,14 @@ class TrainConfig:
 
     @property
     def ref_step(self) -> int:
-        """The post-transient reference step: explicit, or the end of warm-up."""
-        return self.warmup_steps if self.reference_step < 0 else self.reference_step
+        """The post-transient reference step: explicit, or 25 % of the run (rounded up, so
+        the first probe at or after it is the first at or after a quarter of the steps).
+
+        Why not the end of warm-up: in small runs the key PR is still collapsing there (demo:
+        weight PR_K 54–56 at step 25, 7–12 at step 50, its minimum at steps 50–125), so an
+        origin at warm-up sits inside the transient. Why not the PR minimum: an origin chosen
+        from the data would bias every "expands after the transient" test."""
+        return math.ceil(self.steps / 4) if self.reference_step < 0 else self.reference_step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

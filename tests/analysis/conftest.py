@@ -30,6 +30,7 @@ def monotone_values(q_sign: Callable[[int], int] = lambda layer: 1) -> Values:
         base["attn_entropy"] = 1.0 + base["pr_qk"] / 10
         base["attn_entropy_norm"] = base["attn_entropy"] / 4
         base["attn_max"] = 1.0 / base["attn_entropy"]
+        base["logit_std"] = 2.0 / base["attn_entropy"]
         name = metric.rsplit("_", 1)[0] if metric.endswith(("_weight", "_token")) else metric
         return base[name]
 
@@ -40,8 +41,11 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
               state: str = "done", n_head: int = 3, steps: list[int] = STEPS,
               warmup: int = WARMUP, reference_step: int = -1, levels=("weight", "token"),
               lr: float = 3e-3, extra_cfg: dict | None = None,
-              val_loss: Callable[[int], float] | None = None) -> Path:
-    """One run folder: config.json, metrics.parquet, train_log.parquet, status.json."""
+              val_loss: Callable[[int], float] | None = None,
+              records: Callable[[int], dict[str, float]] | None = None) -> Path:
+    """One run folder: config.json, metrics.parquet, train_log.parquet, status.json.
+    ``records(step)`` adds flat records (layer −1, head −1) the way a callback's
+    ``on_probe`` does (``ctl_dose_l0``, ...)."""
     out = root / "runs" / run_id
     out.mkdir(parents=True)
     cfg = {
@@ -56,10 +60,12 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
         "data_source": "synthetic", "vocab_size": 50, "versions": {}}))
     names = [f"{m}_{lv}" for lv in levels for m in LEVEL_METRICS]
     if "token" in levels:
-        names += ["attn_entropy", "attn_entropy_norm", "attn_max"]
+        names += ["attn_entropy", "attn_entropy_norm", "attn_max", "logit_std"]
     rows = [(run_id, s, layer, head, name, values(layer, s, name, head))
             for s in steps for layer in range(depth) for head in [*range(n_head), -1]
             for name in names]
+    if records:
+        rows += [(run_id, s, -1, -1, name, v) for s in steps for name, v in records(s).items()]
     pd.DataFrame(rows, columns=["run_id", "step", "layer", "head", "metric", "value"]) \
         .to_parquet(out / "metrics.parquet", index=False)
     log_steps = np.arange(0, steps[-1] + 1, 10)

@@ -1,13 +1,16 @@
-"""The claims table: known counts, p-values and verdicts on synthetic sweeps."""
+"""The E1/E2 claims table: units, counts, p-values and verdicts on synthetic sweeps."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from qkgeom.analysis import claims_table, stats
+from qkgeom.analysis import claims_table, collate
+from qkgeom.analysis.e1.report import e1_claims
 
 from .conftest import make_sweep, monotone_values
+
+LEVELS, ORIGINS = ("weight", "token"), ("step0", "reference")
 
 
 def _row(claims, claim_id, level="weight", origin="step0"):
@@ -17,45 +20,54 @@ def _row(claims, claim_id, level="weight", origin="step0"):
     return sel.iloc[0]
 
 
-def test_all_rise_is_supported_everywhere_and_diverged_run_is_left_out(all_rise):
-    claims = claims_table(all_rise, n_boot=100)
+def test_all_rise_is_supported_over_runs_and_the_diverged_run_is_left_out(all_rise):
+    claims = claims_table(all_rise)
     # 6 claims; E2.3 is measured once per level -> 5*2*2 + 1*2 rows
     assert len(claims) == 22
     assert set(claims["verdict"]) == {"supported"}
-    assert set(claims["n"]) == {12}  # 4 layers x 3 inits; the diverged seed adds nothing
-    assert set(claims["k"]) == {12}
-    assert np.allclose(claims["p_value"], 0.5**12)
+    assert set(claims["unit"]) == {"runs"}
+    assert set(claims["n"]) == {6} and set(claims["k"]) == {6}  # 3 inits x 2 seeds
+    assert np.allclose(claims["p_value"], 1 / 64)  # every run positive: 1 of 2^6 patterns
+    assert np.allclose(claims["p_sign"], 1 / 64)
     row = _row(claims, "E1.1", "token", "reference")
-    assert row["from"] == "reference, step 20"
-    assert row["measured"].startswith("12/12 trajectories")
-    assert row["mean"] == pytest.approx(0.05 * 80)  # ΔPR_Q from step 20 to 100
+    assert row["from"] == "reference, step 30"  # first probe at or after 25 % of 100 steps
+    assert row["measured"] == "6/6 runs"
+    assert row["mean"] == pytest.approx(0.05 * 70)  # ΔPR_Q from step 30 to 100
+    assert row["ci_low"] == pytest.approx(row["mean"])  # identical runs: a zero-width interval
+    assert "cells 3/3" in row["beside"] and "layer trajectories 12/12" in row["beside"]
     assert _row(claims, "E1.1")["mean"] == pytest.approx(0.05 * 100)
     assert [r["run_id"] for r in claims.attrs["excluded"]] == ["n_layer4-qk_init-normal-seed9"]
 
 
-def test_half_rise_is_not_supported(half_rise):
-    claims = claims_table(half_rise, n_boot=50)
-    for level in stats.LEVELS:
-        for origin in stats.ORIGINS:
+def test_half_of_the_layers_rising_is_not_a_layer_count(half_rise):
+    """PR_Q rises in layers 0–1 and falls in 2–3 by as much: each run's whole-model ΔPR_Q
+    (the layer mean) is 0.05·100·(1 + 1 − 1 − 1)/4 + a layer offset of 0 = 0, which counts
+    against the claim; the 6/12 layer trajectories are shown beside, never tested."""
+    claims = claims_table(half_rise)
+    for level in LEVELS:
+        for origin in ORIGINS:
             row = _row(claims, "E1.1", level, origin)
-            assert (row["k"], row["n"]) == (6, 12)
-            assert row["p_value"] == pytest.approx(stats.binomial_p(6, 12))
+            assert (row["k"], row["n"]) == (0, 6)
             assert row["verdict"] == "not supported"
+            assert "layer trajectories 6/12" in row["beside"]
             assert _row(claims, "E1.2", level, origin)["verdict"] == "supported"
 
 
-def test_three_of_four_is_mixed_with_p_five_sixteenths(tmp_path):
-    root = make_sweep(tmp_path / "s", monotone_values(lambda layer: 1 if layer < 3 else -1),
-                      inits=("normal",), seeds=(0, 1))
-    row = _row(claims_table(root, n_boot=50), "E1.1")
-    assert (row["k"], row["n"]) == (3, 4)
-    assert row["p_value"] == pytest.approx(5 / 16, abs=1e-12)
-    assert row["verdict"] == "mixed"
+def test_five_runs_are_the_least_that_can_support_a_claim(tmp_path):
+    four = make_sweep(tmp_path / "four", monotone_values(), inits=("normal", "tied"),
+                      seeds=(0, 1))
+    row = _row(claims_table(four), "E1.1")
+    assert (row["k"], row["n"]) == (4, 4) and row["p_value"] == pytest.approx(1 / 16)
+    assert row["verdict"] == "mixed"  # 4/4 runs, but p = 1/16 > 0.05
+    five = make_sweep(tmp_path / "five", monotone_values(), inits=("normal",),
+                      seeds=(0, 1, 2, 3, 4))
+    row = _row(claims_table(five), "E1.1")
+    assert row["p_value"] == pytest.approx(1 / 32) and row["verdict"] == "supported"
 
 
-def test_transient_flips_the_verdict_between_origins(tmp_path):
-    """PR_Q drops until the reference step (20) and then rises: not supported from step 0,
-    supported from the reference — the table says which is which."""
+def test_a_transient_flips_the_verdict_between_origins(tmp_path):
+    """PR_Q drops until step 20 and then rises: it shrinks from step 0 but expands from the
+    reference (step 30) — the table says which is which."""
     base = monotone_values()
 
     def transient(layer, step, metric, head):
@@ -66,40 +78,46 @@ def test_transient_flips_the_verdict_between_origins(tmp_path):
             return q - base(layer, step, "pr_k_weight", head)
         return base(layer, step, metric, head)
 
-    root = make_sweep(tmp_path / "tr", transient, depths=(2,), inits=("normal", "tied"),
-                      seeds=(0,), n_head=3)
-    claims = claims_table(root, n_boot=20)
+    root = make_sweep(tmp_path / "tr", transient, depths=(2,), inits=("normal",),
+                      seeds=(0, 1, 2, 3, 4), n_head=3)
+    claims = claims_table(root)
     assert _row(claims, "E1.1", "weight", "step0")["verdict"] == "not supported"
     ref = _row(claims, "E1.1", "weight", "reference")
-    assert (ref["k"], ref["n"]) == (4, 4)
-    assert ref["verdict"] == "mixed"  # 4/4 but p = 1/16: too few trajectories for 'supported'
+    assert (ref["k"], ref["n"]) == (5, 5) and ref["verdict"] == "supported"
 
 
-def test_universal_claim_needs_every_trajectory(tmp_path):
-    """Contrast dips below zero once in one layer: E1.3 is not 'supported' even though the
-    time average stays positive everywhere."""
+def test_universal_e13_needs_every_layer_trajectory(tmp_path):
+    """The contrast of layer 0 is below zero for the last 30 % of the run in every seed: every
+    run's time average (the layer mean) stays positive, but one layer trajectory's does not,
+    so "in all trajectories" is not supported; the four readings are reported side by side."""
     base = monotone_values()
 
-    def dip(layer, step, metric, head):
+    def late_dip(layer, step, metric, head):
         v = base(layer, step, metric, head)
-        if layer == 0 and step == 50 and metric.startswith("contrast_"):
-            return -0.5
-        if layer == 0 and step == 50 and metric.startswith("pr_q_"):
-            return base(layer, step, "pr_k_weight", head) - 0.5
+        if layer == 0 and step >= 70 and metric.startswith(("contrast_", "pr_q_")):
+            return v - 30.0
         return v
 
-    root = make_sweep(tmp_path / "dip", dip, depths=(4,), inits=("normal", "tied"), seeds=(0,))
-    row = _row(claims_table(root, n_boot=20), "E1.3")
-    assert (row["k"], row["n"]) == (6, 8)
-    assert "time-averaged contrast > 0: 8/8" in row["measured"]
+    root = make_sweep(tmp_path / "dip", late_dip, depths=(4,), inits=("normal",),
+                      seeds=(0, 1, 2, 3, 4))
+    e1 = e1_claims(collate(root))
+    row = _row(e1["claims"], "E1.3")
+    assert (row["k"], row["n"]) == (5, 5) and row["p_value"] == pytest.approx(1 / 32)
+    assert "layer trajectories 3/4" in row["beside"]
     assert row["verdict"] == "mixed"
+    readings = e1["readings"]
+    sel = readings[(readings["level"] == "weight") & (readings["origin"] == "step0")]
+    by = sel.set_index("reading")
+    assert list(by.index) == ["a", "b", "c", "d"] and by.loc["c", "primary"]
+    assert (by.loc["a", "traj_k"], by.loc["b", "traj_k"], by.loc["c", "traj_k"]) == (3, 3, 3)
+    assert (by.loc["d", "traj_k"], by.loc["d", "traj_n"]) == (3, 4)
 
 
 def test_weight_only_runs_leave_token_claims_not_evaluated(tmp_path):
     root = make_sweep(tmp_path / "w", monotone_values(), inits=("normal",), seeds=(0,),
                       levels=("weight",))
-    claims = claims_table(root, n_boot=10)
+    claims = claims_table(root)
     assert set(claims.loc[claims["level"] == "token", "verdict"]) == {"not evaluated"}
-    assert _row(claims, "E1.1", "weight")["n"] == 4
+    assert _row(claims, "E1.1", "weight")["n"] == 1
     # no attention entropy at all: E2.2 cannot be measured at the weight level either
     assert _row(claims, "E2.2", "weight")["verdict"] == "not evaluated"

@@ -31,7 +31,8 @@ def test_collate_columns_and_excluded_diverged_run(all_rise):
 def test_runs_table_facts(all_rise):
     runs = runs_table(all_rise).set_index("run_id")
     r = runs.loc["n_layer4-qk_init-tied-seed1"]
-    assert (r["depth"], r["qk_init"], r["seed"], r["ref_step"]) == (4, "tied", 1, 20)
+    # the default reference: 25 % of the run's 100 steps (not the end of warm-up, 20)
+    assert (r["depth"], r["qk_init"], r["seed"], r["ref_step"]) == (4, "tied", 1, 25)
     assert r["tokens"] == 100 * 4 * 16
     assert r["train_seconds"] == pytest.approx(100 * 4 * 16 / 640.0)
     assert r["excluded"] == ""
@@ -170,3 +171,21 @@ def test_a_config_field_missing_from_older_runs_takes_its_default(tmp_path):
     variants = runs_table(root).set_index("run_id")["variant"]
     assert variants["old"] == variants["new"] == "key_control.mode=none"
     assert variants["other"] == "key_control.mode=hold"
+
+
+def test_pair_keys_ignore_only_the_key_control_and_how_fast_a_run_went(tmp_path):
+    root = tmp_path / "pairs"
+    write_run(root, "none", 2, "normal", 0, monotone_values(),
+              extra_cfg={"key_control": {"mode": "none", "record": True}})
+    write_run(root, "shrink", 2, "normal", 0, monotone_values(), extra_cfg={
+        "key_control": {"mode": "shrink", "dose": 0.5, "scale": "data"}, "threads": 4})
+    write_run(root, "lr", 2, "normal", 0, monotone_values(), lr=1e-3,
+              extra_cfg={"key_control": {"mode": "shrink", "dose": 0.5}})
+    write_run(root, "seed1", 2, "normal", 1, monotone_values())
+    runs = runs_table(root).set_index("run_id")
+    assert runs.loc["none", "pair_key"] == runs.loc["shrink", "pair_key"]
+    assert runs.loc["lr", "pair_key"] != runs.loc["none", "pair_key"]
+    assert runs.loc["seed1", "pair_key"] != runs.loc["none", "pair_key"]
+    assert runs.loc["seed1", "cell_key"] == runs.loc["none", "cell_key"]  # seed left out
+    assert runs.loc["shrink", "control"] == {"mode": "shrink", "dose": 0.5, "scale": "data"}
+    assert runs.loc["seed1", "control"] == {}

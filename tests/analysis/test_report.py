@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from qkgeom.analysis import collate, write_report
@@ -17,11 +18,11 @@ from .conftest import make_sweep, monotone_values, write_run
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("rep") / "sweep"
-    make_sweep(root, monotone_values(), depths=(3,), inits=("normal", "tied"), seeds=(0, 1),
-               n_head=2)  # 6 trajectories: 6/6 has p = 1/64, enough for 'supported'
+    make_sweep(root, monotone_values(), depths=(3,), inits=("normal", "tied"),
+               seeds=(0, 1, 2), n_head=2)  # 6 runs: 6/6 has p = 1/64, enough for 'supported'
     write_run(root, "n_layer3-qk_init-tied-seed7", 3, "tied", 7, monotone_values(),
               state="failed")
-    return write_report(root, n_boot=100)
+    return write_report(root)
 
 
 def test_report_files(report):
@@ -31,9 +32,12 @@ def test_report_files(report):
         for level in ("weight", "token"):
             assert (out / f"{kind}_{level}.png").stat().st_size > 10_000
             assert (out / f"{kind}_{level}.svg").exists()
-    for name in ("claims.csv", "trajectory_stats.csv", "trajectory_stats_runs.csv",
-                 "bootstrap.csv", "report.html"):
+    for name in ("claims.csv", "contrast_readings.csv", "run_stats.csv", "cell_stats.csv",
+                 "trajectory_stats.csv", "trajectory_stats_runs.csv", "report.html"):
         assert (out / name).exists()
+    assert not (out / "bootstrap.csv").exists()
+    runs = pd.read_csv(out / "run_stats.csv")
+    assert runs["run_id"].nunique() == 6 and (runs["n_layers"] == 3).all()
     assert not list(out.glob(".*.tmp"))  # atomic writes leave no temp files
 
 
@@ -41,11 +45,14 @@ def test_report_md_opens_with_the_claims_table(report):
     lines = report.read_text(encoding="utf-8").splitlines()
     assert lines[0].startswith("# qkgeom report")
     first = next(line for line in lines[1:] if line.strip())
-    assert first.startswith("| id | claim | level | measured from")
+    assert first.startswith("| id | claim | level | measured from | units with the sign")
     table = [line for line in lines[2:40] if line.startswith("| E")]
     assert len(table) == 22
-    assert all("**supported**" in line for line in table)
-    assert any("reference, step 20" in line for line in table)
+    assert all("**supported**" in line and "6/6 runs" in line for line in table)
+    assert any("reference, step 30" in line for line in table)
+    text = report.read_text(encoding="utf-8")
+    assert text.index("## E1.3 read four ways") < text.index("## Setup")
+    assert "| **(c)** |" in text
 
 
 def test_report_lists_excluded_run_and_setup(report):
@@ -54,7 +61,7 @@ def test_report_lists_excluded_run_and_setup(report):
     assert "n_layer3-qk_init-tied-seed7" in excluded and "failed" in excluded
     setup = text.split("## Setup", 1)[1].split("## Excluded", 1)[0]
     assert "6,400 tokens per run" in setup  # 100 steps x 4 x 16
-    assert "5 runs, 4 analysed, 1 excluded" in setup
+    assert "7 runs, 6 analysed, 1 excluded" in setup
     assert "Wall time" in setup and "seeds" in setup
 
 
@@ -77,7 +84,7 @@ def test_single_run_figure_and_missing_init_panel(tmp_path):
 def test_report_without_any_finished_run(tmp_path):
     root = tmp_path / "dead"
     write_run(root, "a", 2, "normal", 0, monotone_values(), state="diverged")
-    md = write_report(root, n_boot=10)
+    md = write_report(root)
     text = md.read_text(encoding="utf-8")
     assert "not evaluated" in text and "diverged at step" in text
     assert "No figures" in text

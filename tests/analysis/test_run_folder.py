@@ -86,7 +86,9 @@ def test_report_of_a_trained_run_folder(trained: Path) -> None:
     assert "Not recorded here" not in text and "Skipped" not in text
     assert _pngs(md) == ALL_FIGURES
     claims = pd.read_csv(md.parent / "claims.csv")
-    assert set(claims.loc[claims["claim_id"].str.startswith("E1"), "n"]) == {2}  # 2 layers
+    assert set(claims.loc[claims["claim_id"].str.startswith("E1"), "n"]) == {1}  # one run
+    e1 = claims[claims["claim_id"].str.startswith("E1")]
+    assert e1["beside"].str.contains(r"layer trajectories \d/2").all()  # its 2 layers
     assert (md.parent / "report.html").stat().st_size > 0
 
 
@@ -96,7 +98,7 @@ def test_report_of_a_monitored_run_folder_with_some_metrics(monitored: Path) -> 
     recorded = set(pd.read_parquet(monitored / "metrics.parquet")["metric"])
     assert recorded == {"pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight",
                         "attn_entropy"}
-    md = write_report(monitored, n_boot=50)
+    md = write_report(monitored)
     text = md.read_text(encoding="utf-8")
     assert len(_claim_rows(md)) == 22
     assert ("**Not recorded here**: `pr_q_weight`, `pr_k_weight`, `contrast_weight`, "
@@ -106,10 +108,11 @@ def test_report_of_a_monitored_run_folder_with_some_metrics(monitored: Path) -> 
     skipped = text.split("Skipped (their metrics are not recorded here): ", 1)[1]
     assert "(a) PR_Q and PR_K — weight level (no `pr_q_weight`, `pr_k_weight`)" in skipped
     assert "(d) Heads: interaction PR vs attention entropy — token level" in skipped
-    claims = claims_table(monitored, n_boot=50).set_index(["claim_id", "level", "origin"])
-    assert claims.loc[("E1.1", "token", "step0"), "n"] == 2
+    claims = claims_table(monitored).set_index(["claim_id", "level", "origin"])
+    assert claims.loc[("E1.1", "token", "step0"), "n"] == 1  # one run
+    assert "/2" in claims.loc[("E1.1", "token", "step0"), "beside"]  # its 2 layers
     assert claims.loc[("E1.1", "weight", "step0"), "verdict"] == "not evaluated"
-    assert claims.loc[("E2.2", "weight", "step0"), "n"] == 2  # pr_qk_weight with entropy
+    assert claims.loc[("E2.2", "weight", "step0"), "n"] == 1  # pr_qk_weight with entropy
 
 
 def test_monitored_run_whose_config_holds_no_training_config(monitored: Path,
@@ -122,14 +125,14 @@ def test_monitored_run_whose_config_holds_no_training_config(monitored: Path,
     record["config"] = {}
     record.pop("config_hash", None)
     (run / "config.json").write_text(json.dumps(record))
-    md = write_report(run, n_boot=50)
+    md = write_report(run)
     text = md.read_text(encoding="utf-8")
     assert len(_claim_rows(md)) == 22
     setup = text.split("## Setup", 1)[1].split("## Excluded", 1)[0]
     assert "**Depths** (n_layer): 2" in setup  # from the monitor's model facts
     assert "n/a steps" in setup and "**Training**" not in setup
     assert _pngs(md) == MONITOR_FIGURES
-    tables_only = write_report(run, tmp_path / "tables", figures=False, n_boot=50)
+    tables_only = write_report(run, tmp_path / "tables", figures=False)
     assert "No figures: not drawn (`figures=False`)." in tables_only.read_text(encoding="utf-8")
     assert not _pngs(tables_only)
 
@@ -137,7 +140,7 @@ def test_monitored_run_whose_config_holds_no_training_config(monitored: Path,
 def test_monitored_run_with_a_single_metric(tmp_path: Path) -> None:
     run = _monitored(tmp_path / "one", metrics=["pr_q_token"])
     assert set(pd.read_parquet(run / "metrics.parquet")["metric"]) == {"pr_q_token"}
-    md = write_report(run, n_boot=20)
+    md = write_report(run)
     text = md.read_text(encoding="utf-8")
     assert len(_claim_rows(md)) == 22
     claims = pd.read_csv(md.parent / "claims.csv")

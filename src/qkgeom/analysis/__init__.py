@@ -1,25 +1,25 @@
-"""Analysis layer: collate a sweep, seed-average trajectories, evaluate the claims, report.
+"""Analysis layer: collate a result folder, test the claims over independent units, report.
 
 Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures and files::
 
     from qkgeom.analysis import collate, trajectories, claims_table, write_report
     table = collate("sweeps/e1")            # long table; table.attrs["excluded"]
-    pr_q = trajectories(table, "pr_q_token")  # seed mean ± 95 % CI per layer and step
-    print(claims_table("sweeps/e1"))        # E1/E2 claims with counts, p-values, verdicts
+    pr_q = trajectories(table, "pr_q_token")  # seed mean ± 95 % t-interval per layer and step
+    print(claims_table("sweeps/e1"))        # claims: units, tests, intervals, verdicts
     write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
     write_report("runs/demo")               # one run folder; "ckpt/pythia" an E4 analysis
-    e3_analysis(collate("sweeps/e3"))       # E3: paired effects per seed, claims E3.1-E3.4
+    e3_analysis(collate("sweeps/e3"))       # E3: manipulation check, paired effects, claims
 
-Layout: ``collate`` (result folders → one long table), ``stats`` (per-trajectory
-statistics, sign tests, bootstrap, the verdict rules), ``kit`` (what every report shares:
-Markdown, claims table, setup sections, HTML page, figure style), one sub-package per
-experiment (``e1`` for E1/E2, ``e3``, ``e4``: claims, figures, report), ``report`` (the one
-dispatcher) and ``tables`` (the per-layer table of ``qkgeom show``).
+Layout: ``collate`` (result folders → one long table), ``stats`` (the t-interval, the
+sign-flip and sign tests, the verdict rule: docs/protocols.md), ``kit`` (what every report
+shares: Markdown, claims table, setup sections, HTML page, figure style), one sub-package
+per experiment (``e1`` for E1/E2, ``e3``, ``e4``), ``report`` (the one dispatcher) and
+``tables`` (the per-layer table of ``qkgeom show``).
 """
 
 from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
 from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
-from qkgeom.analysis.e3.paired import e3_analysis
+from qkgeom.analysis.e3.analysis import e3_analysis
 from qkgeom.analysis.report import claims_table, write_report
 from qkgeom.analysis.tables import layer_table
 

@@ -15,7 +15,8 @@ other config value besides depth and Q/K init get a ``variant`` label (e.g.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ COLUMNS = ["run_id", "depth", "qk_init", "variant", "seed", "state", "step", "la
 _NOT_VARIANT = {"seed", "model.n_layer", "model.qk_init", "device", "threads", "data",
                 "log_every", "eval_every", "eval_batches", "checkpoint_every",
                 "keep_checkpoints", "probe_batch"}
+# How fast, not what (left out of the config hash too): runs differing only in these pair.
+_EXECUTION = {"device", "threads", "compile"}
+CONTROL_PREFIX = "key_control."
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -103,15 +107,19 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
 
     Columns: ``run_id, dir, depth, qk_init, variant, seed, state, step, steps, warmup_steps,
     ref_step, batch_size, block_size, n_embd, n_head, lr, probe_every, probe_sequences,
-    vocab_size, data_source, key_control, tokens, source, n_params,
-    train_seconds, final_val_loss, excluded`` (``""`` = included, else the reason).
+    vocab_size, data_source, key_control, control, pair_key, cell_key, tokens, source,
+    n_params, train_seconds, final_val_loss, excluded`` (``""`` = included, else the reason).
     ``source`` is who wrote the run (``"qkgeom.monitor"`` for a
     :class:`~qkgeom.monitor.GeometryMonitor`, ``""`` for the trainer); ``n_params`` is the
     parameter count the record states (a monitored model's), else NaN. A record without a
     training config (a monitored model qkgeom could not map) takes depth, heads and width
     from the model facts it records.
-    ``ref_step`` is the configured post-transient reference: ``reference_step``,
-    or ``warmup_steps`` when it is −1. ``train_seconds`` sums the logged intervals' tokens
+    ``ref_step`` is the configured post-transient reference (:attr:`TrainConfig.ref_step`:
+    ``reference_step``, or 25 % of the steps when it is −1). ``key_control`` is the control's
+    mode and ``control`` the ``key_control.*`` settings the run's own config.json states
+    (unprefixed; E3 names its arm from them); runs with equal ``pair_key`` differ only in
+    their key control (and in device/threads/compile), runs with equal ``cell_key`` also in
+    their seed. ``train_seconds`` sums the logged intervals' tokens
     over their throughput (time in training steps; probes and evals not counted).
     """
     sweep_dir = Path(sweep_dir)
@@ -149,13 +157,14 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
                  "n_embd": facts.get("d_model")}
         model = {**{k: v for k, v in known.items() if v is not None}, **cfg.get("model", {})}
         warmup = int(cfg.get("warmup_steps", 0))
-        ref = int(cfg.get("reference_step", -1))
         steps = int(cfg.get("steps", 0))
+        # the one rule (TrainConfig.ref_step): explicit reference_step, else 25 % of steps
+        ref = TrainConfig(steps=steps, reference_step=int(cfg.get("reference_step", -1))).ref_step
         row.update(
             run_id=prov.get("run_id", entry["run_id"]),
             depth=int(model.get("n_layer", 0)), qk_init=str(model.get("qk_init", "?")),
             seed=int(cfg.get("seed", 0)), steps=steps, warmup_steps=warmup,
-            ref_step=warmup if ref < 0 else ref, batch_size=int(cfg.get("batch_size", 0)),
+            ref_step=ref, batch_size=int(cfg.get("batch_size", 0)),
             block_size=int(model.get("block_size", 0)), n_embd=int(model.get("n_embd", 0)),
             n_head=int(model.get("n_head", 0)), bias=bool(model.get("bias", False)),
             lr=cfg.get("lr"),
@@ -164,6 +173,9 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             data_source=str(prov.get("data_source") or cfg.get("data") or "?"),
             config_hash=prov.get("config_hash", ""),
             key_control=str(flat.get("key_control.mode", "none")),
+            control={k.removeprefix(CONTROL_PREFIX): v for k, v in _flatten(cfg).items()
+                     if k.startswith(CONTROL_PREFIX)},
+            pair_key=_digest(flat, _EXECUTION), cell_key=_digest(flat, _EXECUTION | {"seed"}),
             source=str(prov.get("source") or ""),
             n_params=facts.get("n_params", np.nan),
         )
@@ -198,6 +210,14 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
     dup = table["run_id"].duplicated(keep="first")
     table.loc[dup, "excluded"] = "duplicate run_id"
     return table
+
+
+def _digest(flat: dict[str, Any], leave_out: set[str]) -> str:
+    """A short hash of the config values except ``key_control.*`` and ``leave_out``: runs
+    with equal digests differ only in their key control (and in what was left out)."""
+    kept = {k: v for k, v in flat.items()
+            if k not in leave_out and not k.startswith(CONTROL_PREFIX)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _read_status(path: Path) -> tuple[dict[str, Any], str]:
@@ -310,6 +330,15 @@ def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
     return out
 
 
+def bare(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a collated ``table`` without its ``attrs``. pandas deep-copies ``attrs``
+    into every frame derived from a table (each filter, merge, groupby), which with a
+    sweep's run records costs more than the statistics themselves: compute on this."""
+    out = table.copy(deep=False)
+    out.attrs = {}
+    return out
+
+
 def runs_of(table: pd.DataFrame) -> pd.DataFrame:
     """The per-run facts :func:`collate` attached to ``table`` (all runs, excluded too)."""
     return pd.DataFrame(table.attrs.get("runs", []))
@@ -319,19 +348,6 @@ def excluded_runs(table: pd.DataFrame) -> pd.DataFrame:
     """The runs :func:`collate` left out, with ``state`` and the reason (``excluded``)."""
     return pd.DataFrame(table.attrs.get("excluded", []),
                         columns=["run_id", "depth", "qk_init", "seed", "state", "excluded"])
-
-
-def t_interval(values: Iterable[float], level: float = 0.95) -> tuple[float, float, float, int]:
-    """Mean and two-sided t-interval over seeds: (mean, low, high, n). NaN bounds if n < 2."""
-    x = np.asarray([v for v in values if np.isfinite(v)], dtype=float)
-    n = len(x)
-    if n == 0:
-        return np.nan, np.nan, np.nan, 0
-    mean = float(x.mean())
-    if n < 2:
-        return mean, np.nan, np.nan, n
-    half = float(sst.t.ppf(0.5 + level / 2, n - 1) * x.std(ddof=1) / np.sqrt(n))
-    return mean, mean - half, mean + half, n
 
 
 def trajectories(table: pd.DataFrame, metric: str, head: int | None = -1,

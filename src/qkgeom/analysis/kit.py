@@ -2,8 +2,8 @@
 
 - **Markdown and numbers**: :func:`md_table`, :func:`fmt_p`, :func:`signed`.
 - **The claims table**: its columns (:data:`CLAIM_COLUMNS`, one row per claim × level ×
-  origin), the sign test's name (:data:`TEST_SIGN`) and :func:`claims_markdown`, which writes
-  it with the cells an experiment's report chooses (:data:`SWEEP_CLAIM_CELLS` by default).
+  origin) and :func:`claims_markdown`, which writes it with the cells an experiment's
+  report chooses (:data:`SWEEP_CLAIM_CELLS` by default).
 - **Sections of a sweep or run report**: :func:`setup_markdown`, :func:`excluded_markdown`,
   :func:`metrics_note` (metrics a folder does not record).
 - **The page**: :func:`render_html` (standalone HTML, figures embedded) and
@@ -73,11 +73,13 @@ def signed(x: float, digits: int = 3) -> str:
 # The claims table
 # ---------------------------------------------------------------------------------------
 
-#: Columns of the E1/E2 and E3 claims tables (``claims.csv``).
-CLAIM_COLUMNS = ["claim_id", "claim", "level", "origin", "from", "criterion", "k", "n",
-                 "share", "measured", "mean", "ci_low", "ci_high", "estimate", "test",
-                 "p_value", "verdict"]
-TEST_SIGN = "exact one-sided sign test (binomial, H0: p = ½)"
+#: Columns of the E1/E2 and E3 claims tables (``claims.csv``): ``k`` of ``n`` independent
+#: units (``unit``: runs, seeds) with the predicted sign; ``mean`` with its t-interval;
+#: ``p_value`` = the sign-flip test (the verdict's), ``p_sign`` = the sign test beside it;
+#: ``beside`` = the secondary evidence in words; ``reason`` = why a row is not evaluated.
+CLAIM_COLUMNS = ["claim_id", "claim", "level", "origin", "from", "criterion", "unit", "k",
+                 "n", "share", "measured", "mean", "ci_low", "ci_high", "estimate", "test",
+                 "p_value", "p_sign", "beside", "verdict", "reason"]
 
 #: A column of a claims table in Markdown: (header, cell of one claims record).
 Cell = tuple[str, Callable[[dict[str, Any]], Any]]
@@ -88,14 +90,22 @@ def field(key: str) -> Callable[[dict[str, Any]], Any]:
     return lambda r: r[key]
 
 
-P_CELL: Cell = ("p (one-sided)", lambda r: fmt_p(r["p_value"]))
-VERDICT_CELL: Cell = ("verdict", lambda r: f"**{r['verdict']}**")
-#: The E1/E2 and E3 layout: where each row measures from, and the seed-bootstrap CI.
+def verdict_text(r: dict[str, Any]) -> str:
+    """The verdict in bold, with the reason when there is one (*not evaluated*)."""
+    reason = r.get("reason")
+    tail = f" ({reason})" if isinstance(reason, str) and reason else ""
+    return f"**{r['verdict']}**{tail}"
+
+
+P_CELL: Cell = ("p (sign-flip, one-sided)", lambda r: fmt_p(r["p_value"]))
+P_SIGN_CELL: Cell = ("p (sign test)", lambda r: fmt_p(r["p_sign"]))
+VERDICT_CELL: Cell = ("verdict", verdict_text)
+#: The E1/E2 and E3 layout: where each row measures from, the units, the t-interval.
 SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
     ("id", field("claim_id")), ("claim", field("claim")), ("level", field("level")),
-    ("measured from", field("from")), ("measured (k/n)", field("measured")),
-    ("estimate [95 % seed-bootstrap CI]", field("estimate")), ("test", lambda r: "sign test"),
-    P_CELL, VERDICT_CELL)
+    ("measured from", field("from")), ("units with the sign (k/n)", field("measured")),
+    ("estimate [95 % t-interval]", field("estimate")), P_CELL, P_SIGN_CELL,
+    ("beside", field("beside")), VERDICT_CELL)
 
 
 def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CELLS) -> str:
@@ -345,7 +355,8 @@ STYLE = {
 }
 REF_LINE = {"color": "0.25", "linestyle": "--", "linewidth": 0.8, "zorder": 0}
 # Key-control modes in Okabe–Ito colours (colour-blind safe); the baseline in grey.
-MODE_COLORS = {"none": "0.35", "hold": "#0072B2", "shrink": "#D55E00", "expand": "#009E73"}
+MODE_COLORS = {"none": "0.35", "hold": "#0072B2", "shrink": "#D55E00", "expand": "#009E73",
+               "sham": "#CC79A7"}
 
 
 def layer_colors(n: int) -> np.ndarray:
@@ -355,9 +366,10 @@ def layer_colors(n: int) -> np.ndarray:
     return matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, max(n, 1)))
 
 
-def mode_color(mode: str) -> str:
-    """The colour of a key-control mode (grey for one without its own)."""
-    return MODE_COLORS.get(mode, "0.6")
+def mode_color(arm: str) -> str:
+    """The colour of a key-control mode or of an arm named after it (``shrink-0.5-data``);
+    grey for one without its own."""
+    return MODE_COLORS.get(arm.split("-", 1)[0], "0.6")
 
 
 def new_figure(width: float, height: float) -> Figure:

@@ -21,7 +21,10 @@ def layer_table(metrics: pd.DataFrame, step: int | None = None,
                 reference_step: int | None = None) -> tuple[int, pd.DataFrame]:
     """Per-layer (head -1) values at ``step`` (default: the last probe), plus the change of
     token-level PR_Q and PR_K since step 0 and since the post-transient reference step
-    (the first probe at or after ``reference_step``). Returns (step, table)."""
+    (the first probe at or after ``reference_step``). Returns (step, table). Rows of token
+    blocks (an analysis folder's ``block`` ≥ 0) are left out: the table is of all tokens."""
+    if "block" in metrics:
+        metrics = metrics[metrics["block"] < 0]
     if metrics.empty:
         raise ValueError("no probe records yet")
     steps = sorted(int(s) for s in metrics["step"].unique())

@@ -1,10 +1,18 @@
-"""The E1 and E2 claims, each measured on a collated sweep (or one run) and given a verdict.
+"""The E1 and E2 claims, each decided over independent runs (docs/protocols.md).
 
-Every claim is a predicted sign of one per-trajectory statistic (:mod:`qkgeom.analysis.stats`).
-It is evaluated at the weight and the token level and from step 0 and from the
-post-transient reference step, side by side (docs/definitions.md); each row says which. The
-verdict comes from the count and the sign-test p-value by
-:func:`qkgeom.analysis.stats.verdict` (rules in docs/report.md).
+Every claim is a predicted sign of one statistic (:mod:`qkgeom.analysis.e1.trajectories`).
+The **unit is the run** (its own seed: independent); a run's value is the mean over its
+layers of the layer statistic. The verdict (:func:`qkgeom.analysis.stats.verdict`) comes
+from k of n runs with the predicted sign and the exact one-sided sign-flip test over runs;
+beside it, the same test over depth × init cells (seed means) and the descriptive count of
+seed-averaged layer trajectories (the paper's unit, 54 on its grid; layers of one run are
+not independent, so that count gets no p-value). Each claim is measured at the weight and
+the token level, from step 0 and from the post-transient reference.
+
+E1.3 ("PR_Q − PR_K > 0 in all trajectories") has four readings, all reported
+(:func:`contrast_readings`); the primary is (c), the time average after the origin, and the
+claim being universal, "supported" also needs every seed-averaged layer trajectory
+positive.
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.kit import CLAIM_COLUMNS, TEST_SIGN, signed
+from qkgeom.analysis.e1.trajectories import LEVELS, ORIGINS, cell_stats, run_stats
+from qkgeom.analysis.kit import CLAIM_COLUMNS, fmt_p, signed
 
 
 @dataclass(frozen=True)
@@ -26,12 +35,11 @@ class Claim:
     text: str
     statistic: str
     sign: int  # predicted sign of ``statistic``
-    criterion: str  # what one trajectory must show, in words
-    secondary: str | None = None  # a second statistic whose count is shown alongside
+    criterion: str  # what one run must show, in words
+    secondary: str | None = None  # a second statistic whose run count is shown beside
     secondary_criterion: str = ""
-    mean_label: str = ""  # the across-trajectory mean shown with its bootstrap CI
-    mean_statistic: str | None = None
-    universal: bool = False  # "in all trajectories": supported only if k = n
+    mean_label: str = "mean"
+    universal: bool = False  # "in all trajectories": every layer trajectory must agree
     per_origin: bool = True  # False: measured at the last checkpoint only
 
 
@@ -40,10 +48,9 @@ CLAIMS = (
           "slope_pr_q", "OLS slope > 0", "mean ΔPR_Q"),
     Claim("E1.2", "PR_K shrinks", "delta_pr_k", -1, "ΔPR_K < 0 (last probe − origin)",
           "slope_pr_k", "OLS slope < 0", "mean ΔPR_K"),
-    Claim("E1.3", "PR_Q − PR_K > 0 in all trajectories", "contrast_min_after", +1,
-          "PR_Q − PR_K > 0 at every probe after the origin", "contrast_time_mean",
-          "time-averaged contrast > 0", "mean time-averaged PR_Q − PR_K",
-          "contrast_time_mean", universal=True),
+    Claim("E1.3", "PR_Q − PR_K > 0 in all trajectories", "contrast_time_mean", +1,
+          "(c) time-averaged PR_Q − PR_K after the origin > 0",
+          mean_label="mean time-averaged PR_Q − PR_K", universal=True),
     Claim("E2.1", "Key shrinkage goes with a narrower QKᵀ spectrum", "rho_k_qk", +1,
           "Spearman ρ over steps of PR_K with pr_qk > 0", mean_label="mean ρ"),
     Claim("E2.2", "A narrower QKᵀ spectrum goes with more peaked attention", "rho_qk_entropy",
@@ -51,61 +58,122 @@ CLAIMS = (
           mean_label="mean ρ"),
     Claim("E2.3", "Across heads, a narrower QKᵀ spectrum goes with more peaked attention",
           "rho_heads_qk_entropy", +1,
-          "Spearman ρ across the layer's heads of pr_qk with attention entropy > 0 "
-          "(last checkpoint, per run, seed-averaged)", mean_label="mean ρ", per_origin=False),
+          "Spearman ρ across the layer's heads of pr_qk with attention entropy > 0 (last "
+          "checkpoint)", mean_label="mean ρ", per_origin=False),
 )
 
-def _origin_label(traj: pd.DataFrame, origin: str) -> str:
-    if "start_step" not in traj:
-        return "step 0" if origin == "step0" else "reference"
-    starts = sorted(int(s) for s in traj["start_step"].dropna().unique())
+#: E1.3's readings: (label, statistic, what a layer must show). (c) is the primary.
+READINGS = (
+    ("a", "contrast_min_after", "positive at every probe after the origin"),
+    ("b", "contrast_end", "positive at the last probe"),
+    ("c", "contrast_time_mean", "positive on average after the origin (time average)"),
+    ("d", "delta_contrast", "ΔPR_Q − ΔPR_K > 0 from the origin"),
+)
+PRIMARY_READING = "c"
+UNIT = "runs"
+
+
+def _origin_label(sel: pd.DataFrame, origin: str) -> str:
+    starts = sorted(int(s) for s in sel["start_step"].dropna().unique()) \
+        if "start_step" in sel else []
     if not starts:
-        return origin
+        return "step 0" if origin == "step0" else "reference"
     span = f"step {starts[0]}" if len(starts) == 1 else f"steps {starts[0]}–{starts[-1]}"
     return span if origin == "step0" else f"reference, {span}"
 
 
-def evaluate_claims(traj: pd.DataFrame, boot: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The claims table from per-trajectory statistics (:func:`qkgeom.analysis.stats.trajectory_stats`,
-    seed-averaged) and optionally their bootstrap CIs (:func:`qkgeom.analysis.stats.bootstrap_ci`).
+class _ByOrigin:
+    """A statistics frame split once by (level, origin): claims read it 22 times."""
 
-    One row per claim × level × origin (claims measured only at the last checkpoint get one
-    row per level, origin ``last``). ``k`` of ``n`` trajectories show the predicted sign;
-    ``p_value`` is the exact one-sided sign test; ``verdict`` is :func:`qkgeom.analysis.stats.verdict`.
-    """
+    def __init__(self, frame: pd.DataFrame):
+        self.empty = frame.iloc[0:0]
+        self.parts = ({} if frame.empty else
+                      {key: g for key, g in frame.groupby(["level", "origin"], sort=False)})
+
+    def __call__(self, level: str, origin: str) -> pd.DataFrame:
+        return self.parts.get((level, origin), self.empty)
+
+
+def _values(frame: pd.DataFrame, statistic: str) -> pd.Series:
+    return frame[statistic] if statistic in frame else pd.Series([], dtype=float)
+
+
+def _three_units(statistic: str, sign: int, runs: pd.DataFrame, cells: pd.DataFrame,
+                 traj: pd.DataFrame) -> dict[str, dict]:
+    """The run test (the verdict's), the cell test and the trajectory count of one
+    statistic on already-selected rows."""
+    return {"runs": stats.unit_test(_values(runs, statistic), sign),
+            "cells": stats.unit_test(_values(cells, statistic), sign),
+            "traj": stats.count_test(_values(traj, statistic), sign)}
+
+
+def _beside(u: dict[str, dict]) -> str:
+    cells, traj = u["cells"], u["traj"]
+    return (f"cells {cells['k']}/{cells['n']} (p {fmt_p(cells['p_value'])}); layer "
+            f"trajectories {traj['k']}/{traj['n']}")
+
+
+def evaluate_claims(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.DataFrame:
+    """The E1/E2 claims table from the per-run-and-layer and the seed-averaged statistics
+    of :func:`qkgeom.analysis.e1.trajectories.layer_statistics`.
+
+    One row per claim × level × origin (E2.3, measured at the last checkpoint only: one row
+    per level, origin ``last``), in :data:`qkgeom.analysis.kit.CLAIM_COLUMNS`."""
+    runs = run_stats(per_layer_runs)
+    frames = [_ByOrigin(f) for f in (runs, cell_stats(runs), traj)]
     rows = []
     for claim in CLAIMS:
-        for level in stats.LEVELS:
-            origins = stats.ORIGINS if claim.per_origin else ("step0",)
-            for origin in origins:
-                sel = traj[(traj["level"] == level) & (traj["origin"] == origin)] \
-                    if not traj.empty else traj
-                values = sel[claim.statistic] if claim.statistic in sel else pd.Series([], dtype=float)
-                ct = stats.count_test(values, claim.sign)
-                text = f"{ct['k']}/{ct['n']} trajectories"
-                if claim.secondary and claim.secondary in sel:
-                    sc = stats.count_test(sel[claim.secondary], claim.sign)
-                    text += f" ({claim.secondary_criterion}: {sc['k']}/{sc['n']})"
-                mean_stat = claim.mean_statistic or claim.statistic
-                mean = lo = hi = np.nan
-                if boot is not None and not boot.empty:
-                    b = boot[(boot["level"] == level) & (boot["origin"] == origin)
-                             & (boot["statistic"] == mean_stat)]
-                    if len(b):
-                        mean, lo, hi = (float(b.iloc[0][c]) for c in ("mean", "ci_low", "ci_high"))
-                elif mean_stat in sel and sel[mean_stat].notna().any():
-                    mean = float(sel[mean_stat].mean())
-                estimate = f"{claim.mean_label} {signed(mean)}"
-                if np.isfinite(lo):
-                    estimate += f" [{signed(lo)}, {signed(hi)}]"
+        for level in LEVELS:
+            for origin in ORIGINS if claim.per_origin else ("step0",):
+                r_sel, c_sel, t_sel = (f(level, origin) for f in frames)
+                u = _three_units(claim.statistic, claim.sign, r_sel, c_sel, t_sel)
+                ru = u["runs"]
+                beside = _beside(u)
+                if claim.secondary:
+                    sc = stats.count_test(_values(r_sel, claim.secondary), claim.sign)
+                    beside += f"; {claim.secondary_criterion}: {sc['k']}/{sc['n']} runs"
+                universal_ok = (u["traj"]["k"] == u["traj"]["n"]) if claim.universal else None
+                estimate = f"{claim.mean_label} {signed(ru['mean'])}"
+                if np.isfinite(ru["ci_low"]):
+                    estimate += f" [{signed(ru['ci_low'])}, {signed(ru['ci_high'])}]"
                 rows.append({
                     "claim_id": claim.id, "claim": claim.text, "level": level,
                     "origin": origin if claim.per_origin else "last",
-                    "from": _origin_label(sel, origin) if claim.per_origin else "last checkpoint",
-                    "criterion": claim.criterion, "k": ct["k"], "n": ct["n"],
-                    "share": ct["share"], "measured": text, "mean": mean, "ci_low": lo,
-                    "ci_high": hi, "estimate": estimate, "test": TEST_SIGN,
-                    "p_value": ct["p_value"],
-                    "verdict": stats.verdict(ct["k"], ct["n"], ct["p_value"], claim.universal),
+                    "from": _origin_label(r_sel, origin) if claim.per_origin
+                    else "last checkpoint",
+                    "criterion": claim.criterion, "unit": UNIT, "k": ru["k"], "n": ru["n"],
+                    "share": ru["share"], "measured": f"{ru['k']}/{ru['n']} {UNIT}",
+                    "mean": ru["mean"], "ci_low": ru["ci_low"], "ci_high": ru["ci_high"],
+                    "estimate": estimate, "test": stats.TEST_FLIP, "p_value": ru["p_value"],
+                    "p_sign": ru["p_sign"], "beside": beside,
+                    "verdict": stats.verdict(ru["k"], ru["n"], ru["p_value"],
+                                             universal_ok=universal_ok),
+                    "reason": "",
                 })
     return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
+
+
+def contrast_readings(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.DataFrame:
+    """E1.3 read four ways, side by side: one row per reading × level × origin with the run
+    test (``k, n, mean, ci_low, ci_high, p_value, p_sign``), the cell test (``cells_k,
+    cells_n, cells_p``), the layer-trajectory count (``traj_k, traj_n``), ``primary`` and
+    the verdict the reading would get as a universal claim."""
+    runs = run_stats(per_layer_runs)
+    frames = [_ByOrigin(f) for f in (runs, cell_stats(runs), traj)]
+    rows = []
+    for label, statistic, text in READINGS:
+        for level in LEVELS:
+            for origin in ORIGINS:
+                u = _three_units(statistic, +1, *(f(level, origin) for f in frames))
+                ru, cu, tu = u["runs"], u["cells"], u["traj"]
+                rows.append({
+                    "reading": label, "statistic": statistic, "criterion": text,
+                    "primary": label == PRIMARY_READING, "level": level, "origin": origin,
+                    **{k: ru[k] for k in ("k", "n", "mean", "ci_low", "ci_high", "p_value",
+                                          "p_sign")},
+                    "cells_k": cu["k"], "cells_n": cu["n"], "cells_p": cu["p_value"],
+                    "traj_k": tu["k"], "traj_n": tu["n"],
+                    "verdict": stats.verdict(ru["k"], ru["n"], ru["p_value"],
+                                             universal_ok=tu["k"] == tu["n"]),
+                })
+    return pd.DataFrame(rows)

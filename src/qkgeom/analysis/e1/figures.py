@@ -29,6 +29,7 @@ from matplotlib.colors import Normalize, TwoSlopeNorm
 from matplotlib.figure import Figure
 
 from qkgeom.analysis.collate import trajectories
+from qkgeom.analysis.e1.trajectories import LEVELS, reference_probe
 from qkgeom.analysis.kit import (
     PANEL_H,
     REF_LINE,
@@ -40,7 +41,6 @@ from qkgeom.analysis.kit import (
     step_axis,
     suptitle,
 )
-from qkgeom.analysis.stats import LEVELS, reference_probe
 
 LEVEL_TITLE = {"weight": "weight level", "token": "token level (probe set)"}
 

@@ -3,10 +3,11 @@ excluded runs, figures.
 
 :func:`write_e1_report` writes ``report.md`` (opens with the claims table), a
 self-contained ``report.html`` (figures embedded), the figures as PNG (300 dpi) and SVG,
-and the numbers behind the table as CSV (``claims.csv``, ``trajectory_stats.csv``,
-``trajectory_stats_runs.csv``, ``bootstrap.csv``). A folder that records only some metrics
-(a monitored run) gets the claims it can measure; the others read *not evaluated* and the
-figures it cannot draw are listed as skipped. Reached through
+and the numbers behind the table as CSV (``claims.csv``; ``contrast_readings.csv``, E1.3
+read four ways; ``run_stats.csv``, the independent unit, one row per run; ``cell_stats.csv``;
+``trajectory_stats.csv``, seed-averaged layers; ``trajectory_stats_runs.csv``). A folder
+that records only some metrics (a monitored run) gets the claims it can measure; the others
+read *not evaluated* and the figures it cannot draw are listed as skipped. Reached through
 :func:`qkgeom.analysis.report.write_report`.
 """
 
@@ -14,16 +15,27 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.e1.claims import evaluate_claims
+from qkgeom.analysis.e1.claims import READINGS, contrast_readings, evaluate_claims
+from qkgeom.analysis.e1.trajectories import (
+    LEVELS,
+    cell_stats,
+    layer_statistics,
+    level_metrics,
+    run_stats,
+)
 from qkgeom.analysis.kit import (
     claims_markdown,
     excluded_markdown,
+    fmt_p,
+    md_table,
     metrics_note,
     missing_metrics,
     setup_markdown,
+    signed,
     write_csvs,
     write_pages,
 )
@@ -45,55 +57,83 @@ CAPTIONS = {
 }
 
 
-def e1_claims(table: pd.DataFrame, n_boot: int = stats.N_BOOT,
-              rng_seed: int = stats.BOOT_SEED) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """``(claims, trajectory statistics, bootstrap CIs)`` of a collated table (see
-    :func:`qkgeom.analysis.e1.claims.evaluate_claims`)."""
+def e1_claims(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Everything the E1/E2 report shows of a collated table: ``claims``, ``readings``
+    (E1.3 four ways), ``runs`` (one row per run, level and origin), ``cells``,
+    ``trajectories`` (seed-averaged layers) and ``run_layers`` (per run and layer)."""
     if table.empty:
-        empty = pd.DataFrame()
-        return evaluate_claims(empty), empty, empty
-    traj = stats.trajectory_stats(table)
-    boot = stats.bootstrap_ci(table, n_boot=n_boot, rng_seed=rng_seed)
-    return evaluate_claims(traj, boot), traj, boot
+        per_layer = traj = pd.DataFrame()
+    else:
+        per_layer, traj = layer_statistics(table)
+    runs = run_stats(per_layer)
+    return {"claims": evaluate_claims(per_layer, traj),
+            "readings": contrast_readings(per_layer, traj), "runs": runs,
+            "cells": cell_stats(runs), "trajectories": traj, "run_layers": per_layer}
 
 
 def _rules_text() -> str:
     return (
-        f"Verdicts are computed by `qkgeom.analysis.stats.verdict`: **supported** = the "
-        f"predicted sign in ≥ {stats.SUPPORT_SHARE:.0%} of trajectories (in all of them for "
-        f"E1.3, a claim about *all* trajectories) and exact one-sided sign-test p < "
-        f"{stats.ALPHA}; **not supported** = the predicted sign in ≤ {stats.FAIL_SHARE:.0%}; "
-        "**mixed** otherwise. A zero counts against the claim. Each row says which origin it "
-        "measures from: *step 0*, or the post-transient *reference* (first probe at or after "
-        "the end of LR warm-up, or the configured `reference_step`; see "
-        "`docs/definitions.md`). The bootstrap resamples "
-        f"seeds with replacement within each depth × init ({stats.N_BOOT} resamples, fixed "
-        "RNG seed) and recomputes the mean over trajectories. Layers of one run are not "
-        "independent, so the sign test's p treats trajectories as more independent than they "
-        "are; read it together with the seed-bootstrap CI."
+        "**Unit: the run** (its own seed, so runs are independent; layers of one run are "
+        "not). A run's value is the mean over its layers of the layer statistic. Verdicts "
+        f"(`qkgeom.analysis.stats.verdict`): **supported** = the predicted sign in ≥ "
+        f"{stats.SUPPORT_SHARE:.0%} of runs and exact one-sided sign-flip p < {stats.ALPHA} "
+        "over runs (for E1.3, a claim about *all* trajectories, also every seed-averaged "
+        f"layer trajectory positive); **not supported** = ≤ {stats.FAIL_SHARE:.0%} of runs; "
+        "**mixed** otherwise; **not evaluated** = no run could be measured. A zero counts "
+        "against the claim. The estimate is the mean over runs with its 95 % t-interval. "
+        "*Beside*: the same test over depth × init cells (seed means) and the count of "
+        "seed-averaged layer trajectories (the paper's unit; descriptive, no p: its layers "
+        "are not independent). Each row says its origin: *step 0*, or the post-transient "
+        "*reference* (first probe at or after 25 % of the run, or the configured "
+        "`reference_step`). Protocol: `docs/protocols.md`."
     )
 
 
-def _caveats(traj: pd.DataFrame) -> list[str]:
+def _caveats(per_layer: pd.DataFrame, runs: pd.DataFrame) -> list[str]:
     out = []
-    if len(traj) and (traj["n_heads"] < 3).any():
+    if len(per_layer) and (per_layer["n_heads"] < 3).any():
         out.append("- Layers with fewer than 3 heads make the across-head Spearman ρ (E2.3) "
                    "±1 by construction; read E2.3 as a sign only.")
-    if len(traj) and (traj["n_seeds"] < 2).any():
-        out.append("- Some depth × init groups have a single seed: no t-interval and a "
-                   "degenerate bootstrap CI there.")
-    if len(traj):
-        short = traj[(traj["origin"] == "reference") & (traj["n_steps"] < 3)]
+    n_runs = runs["run_id"].nunique() if len(runs) else 0
+    if 0 < n_runs < 5:
+        out.append(f"- {n_runs} run(s): the sign-flip p cannot fall below 1/2^{n_runs} = "
+                   f"{0.5 ** n_runs:.3g}, so no claim can be *supported* with fewer than 5 "
+                   "runs.")
+    if len(per_layer):
+        short = per_layer[(per_layer["origin"] == "reference") & (per_layer["n_steps"] < 3)]
         if len(short):
             out.append("- From the reference step some trajectories have fewer than 3 probes; "
                        "their correlations are n/a.")
     return out
 
 
+def readings_markdown(readings: pd.DataFrame) -> str:
+    """E1.3 read four ways, side by side (the primary reading in bold)."""
+    if readings.empty:
+        return ""
+    rows = []
+    for r in readings.sort_values(["level", "origin", "reading"],
+                                  ascending=[False, True, True]).itertuples():
+        label = f"**({r.reading})**" if r.primary else f"({r.reading})"
+        ci = f" [{signed(r.ci_low)}, {signed(r.ci_high)}]" if np.isfinite(r.ci_low) else ""
+        rows.append([label, r.criterion, r.level, r.origin, f"{r.k}/{r.n}",
+                     f"{signed(r.mean)}{ci}", fmt_p(r.p_value), f"{r.cells_k}/{r.cells_n}",
+                     f"{r.traj_k}/{r.traj_n}", r.verdict])
+    return "\n".join([
+        "## E1.3 read four ways", "",
+        "\"PR_Q − PR_K > 0 in all trajectories\" can mean any of these; each is counted over "
+        "runs (a run's value: the mean over its layers), over cells and over seed-averaged "
+        f"layer trajectories. The primary reading is **({READINGS[2][0]})**, fixed in "
+        "`docs/protocols.md`: the claim is about whole trajectories after the transient, and "
+        "a time average is not decided by one noisy probe. File: `contrast_readings.csv`.",
+        "", md_table(["reading", "criterion (per layer)", "level", "origin", "runs",
+                      "mean over runs [95 % t]", "p (sign-flip)", "cells",
+                      "layer trajectories", "verdict as a universal claim"], rows)])
+
+
 def _claim_metrics() -> list[str]:
     """Every metric the E1/E2 claims use, at both levels."""
-    return list(dict.fromkeys(m for level in stats.LEVELS
-                              for m in stats.level_metrics(level).values()))
+    return list(dict.fromkeys(m for level in LEVELS for m in level_metrics(level).values()))
 
 
 def _figures_markdown(figures: dict[str, Path], gaps: dict[str, list[str]],
@@ -116,47 +156,52 @@ def _figures_markdown(figures: dict[str, Path], gaps: dict[str, list[str]],
     return parts
 
 
-def report_markdown(table: pd.DataFrame, claims: pd.DataFrame, traj: pd.DataFrame,
+def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
                     figures: dict[str, Path], sweep_dir: Path,
                     gaps: dict[str, list[str]] | None = None, drawn: bool = True) -> str:
-    """The E1/E2 ``report.md``: ``figures`` are the drawn ones, ``gaps`` the figures not
-    drawn for want of metrics ({name: missing metrics}); ``drawn=False`` when figures were
-    not asked for."""
+    """The E1/E2 ``report.md`` from :func:`e1_claims`'s tables: ``figures`` are the drawn
+    ones, ``gaps`` the figures not drawn for want of metrics ({name: missing metrics});
+    ``drawn=False`` when figures were not asked for."""
     name = table.attrs.get("name") or sweep_dir.name
-    parts = [f"# qkgeom report: {name}", "", claims_markdown(claims), "",
+    parts = [f"# qkgeom report: {name}", "", claims_markdown(e1["claims"]), "",
              _rules_text(), ""]
     note = metrics_note(missing_metrics(table, _claim_metrics()) if len(table) else [],
                         "The claims that need them read *not evaluated* (0/0).")
     if note:
         parts += [note, ""]
-    caveats = _caveats(traj)
+    caveats = _caveats(e1["run_layers"], e1["runs"])
     if caveats:
         parts += [*caveats, ""]
-    parts += ["Claims: E1, E2 (see `docs/definitions.md`). Per-trajectory numbers: "
-              "`trajectory_stats.csv` (seed-averaged) and `trajectory_stats_runs.csv` (per "
-              "run); CIs: `bootstrap.csv`; this table: `claims.csv`.", ""]
-    parts += [setup_markdown(table, sweep_dir, traj), "", excluded_markdown(table), ""]
+    parts += ["Claims: E1, E2 (see `docs/definitions.md`; protocol: `docs/protocols.md`). "
+              "Numbers: `claims.csv` (this table), `run_stats.csv` (one row per run: the "
+              "unit of the tests), `cell_stats.csv`, `trajectory_stats.csv` (seed-averaged "
+              "layers) and `trajectory_stats_runs.csv` (per run and layer).", ""]
+    readings = readings_markdown(e1["readings"])
+    if readings:
+        parts += [readings, ""]
+    parts += [setup_markdown(table, sweep_dir, e1["trajectories"]), "",
+              excluded_markdown(table), ""]
     parts += _figures_markdown(figures, gaps or {}, drawn)
     return "\n".join(parts).rstrip() + "\n"
 
 
 def write_e1_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
-                    n_boot: int = stats.N_BOOT, rng_seed: int = stats.BOOT_SEED,
                     figures: bool = True) -> Path:
     """The E1/E2 report of a collated ``table`` (a sweep or one run folder) into ``out``;
     returns the path of ``report.md``."""
-    claims, traj, boot = e1_claims(table, n_boot, rng_seed)
-    runs_traj = stats.trajectory_stats(table, by="run") if not table.empty else pd.DataFrame()
-    write_csvs(out, (("claims", claims), ("trajectory_stats", traj),
-                     ("trajectory_stats_runs", runs_traj), ("bootstrap", boot)))
+    e1 = e1_claims(table)
+    write_csvs(out, (("claims", e1["claims"]), ("contrast_readings", e1["readings"]),
+                     ("run_stats", e1["runs"]), ("cell_stats", e1["cells"]),
+                     ("trajectory_stats", e1["trajectories"]),
+                     ("trajectory_stats_runs", e1["run_layers"])))
     figs: dict[str, Path] = {}
     gaps: dict[str, list[str]] = {}
     if figures and not table.empty:
         from qkgeom.analysis.e1.figures import FIGURES, make_figures, missing_for
 
-        gaps = {f"{kind}_{level}": missing for kind in FIGURES for level in stats.LEVELS
+        gaps = {f"{kind}_{level}": missing for kind in FIGURES for level in LEVELS
                 if (missing := missing_for(table, kind, level))}
         figs = make_figures(table, out)
-    text = report_markdown(table, claims, traj, figs, sweep_dir, gaps, drawn=figures)
+    text = report_markdown(table, e1, figs, sweep_dir, gaps, drawn=figures)
     name = table.attrs.get("name") or sweep_dir.name
     return write_pages(out, text, f"qkgeom report: {name}")

@@ -1,17 +1,18 @@
 """E3: key-spectrum control during training, runs paired by seed.
 
-``paired`` (paired differences, window means, effects with directional confidence, the
-E3 claims), ``figures`` (matplotlib, imported only to draw) and ``report``.
+``arms`` (arm names, pair groups, whether a folder is E3), ``paired`` (whole-model series,
+paired differences, window means, effects), ``manipulation`` (did the control change PR_K
+as intended: the gate before any verdict), ``claims`` (E3.1–E3.5, the mediation table),
+``analysis`` (:func:`e3_analysis`, all of it from a collated sweep), ``figures``
+(matplotlib, imported only to draw) and ``report``.
 """
 
-from qkgeom.analysis.e3.paired import (
-    E3_CLAIMS,
-    e3_analysis,
-    evaluate_e3_claims,
-    is_e3,
-    paired_differences,
-    seed_bootstrap,
-)
+from qkgeom.analysis.e3.analysis import e3_analysis
+from qkgeom.analysis.e3.arms import arm_name, is_e3, pair_groups, run_arms
+from qkgeom.analysis.e3.claims import E3_CLAIMS, evaluate_e3_claims, mediation_table
+from qkgeom.analysis.e3.manipulation import manipulation_gate, manipulation_table
+from qkgeom.analysis.e3.paired import paired_differences
 
-__all__ = ["E3_CLAIMS", "e3_analysis", "evaluate_e3_claims", "is_e3", "paired_differences",
-           "seed_bootstrap"]
+__all__ = ["E3_CLAIMS", "arm_name", "e3_analysis", "evaluate_e3_claims", "is_e3",
+           "manipulation_gate", "manipulation_table", "mediation_table", "pair_groups",
+           "paired_differences", "run_arms"]

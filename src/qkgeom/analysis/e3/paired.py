@@ -1,47 +1,44 @@
-"""E3, the causal experiment: paired effects of key-spectrum control, and claims.
+"""E3 paired effects: every controlled arm against its seed's ``none`` run (and its sham).
 
-For each seed the runs ``key_control`` ∈ {none, hold, shrink} share init and data order, so
-every effect is a **paired difference** ``controlled − none`` within a seed. The unit of
-analysis is the seed (5 in the paper's protocol): whole-model quantities are the mean over
-layers of each layer's value (head −1), so one number per (seed, mode, step).
+The runs of one pair group (:mod:`qkgeom.analysis.e3.arms`) share init and data order, so
+every effect is a **paired difference within a seed**: arm − none, and arm − sham of the
+same scale rule when the group has one (the sham gets the control's operation every step
+but intends no change, so arm − sham isolates the intended change). The seed is the unit.
 
-Quantities (``QUANTITIES``): attention entropy (and its normalised form and the mean max
-weight), the interaction PR ``pr_qk`` and PR_Q / PR_K at the weight and token levels, and the
-validation loss (from ``train_log.parquet``, at eval steps) — a control that buys sharper
-attention by wrecking the loss must show it.
+Quantities (:data:`QUANTITIES`) are whole-model values, the mean over layers of each
+layer's value (head −1): attention entropy (primary) and its normalised form, the mean
+max weight, the logit scale ``logit_std``, ``pr_qk`` and PR_K / PR_Q at both levels, and
+the validation loss from ``train_log.parquet``. The control's own records (``ctl_dose``,
+``ctl_bound_share``, mean over units) ride along for the manipulation check.
 
-Windows: the **early** phase is the probes with 0 < step ≤ 25 % of the run's steps, the
-**whole** run the probes with 0 < step ≤ steps (step 0 is left out: before the first
-update every pair is identical, so its difference is 0 by construction). A seed's effect in
-a window is the plain mean of its paired differences at those probes (probes are evenly
-spaced).
-
-Directional confidence per mode × quantity × window: the share of seeds with the predicted
-sign, the exact one-sided sign-test p (``qkgeom.analysis.stats.count_test``), and the seed-bootstrap
-95 % CI of the mean paired difference (percentile interval, ``N_BOOT`` resamples of the seeds,
-fixed RNG seed). Quantities with no prediction get the share of seeds with Δ > 0 and a
-two-sided sign-test p, and no verdict.
+Windows: **early** = probes with 0 < step ≤ 25 % of the run's steps, **whole** = 0 < step ≤
+steps (step 0 is left out: a pair is identical there). A seed's effect in a window is the
+plain mean of its paired differences at those probes. Per arm × baseline × quantity ×
+window (:func:`effects`): n seeds, mean Δ with its t-interval, k seeds with the predicted
+sign, the exact sign-flip p (the verdict's) and the exact sign-test p
+(:func:`qkgeom.analysis.stats.unit_test`); quantities without a prediction get two-sided
+p's and the count of Δ > 0.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import runs_of
-from qkgeom.analysis.kit import CLAIM_COLUMNS, TEST_SIGN, signed
+from qkgeom.analysis.collate import bare
+from qkgeom.analysis.e3.arms import BASELINE, SHAM
 
-BASELINE = "none"
 EARLY_SHARE = 0.25
 WINDOWS = ("early", "whole")
 
 # quantity -> (metric in metrics.parquet, or "val_loss"; level; label)
 QUANTITIES: dict[str, tuple[str, str, str]] = {
     "attn_entropy": ("attn_entropy", "token", "attention entropy (nats)"),
+    "logit_std": ("logit_std", "token", "logit scale (std of q·k·scale)"),
     "attn_entropy_norm": ("attn_entropy_norm", "token", "normalised attention entropy"),
     "attn_max": ("attn_max", "token", "mean max attention weight"),
     "pr_qk_weight": ("pr_qk_weight", "weight", "pr_qk (QKᵀ interaction PR)"),
@@ -52,201 +49,146 @@ QUANTITIES: dict[str, tuple[str, str, str]] = {
     "pr_q_token": ("pr_q_token", "token", "PR_Q"),
     "val_loss": ("val_loss", "—", "validation loss (nats/char)"),
 }
+#: The control's flat records (per unit ``l{layer}`` or ``l{layer}h{head}``) kept as
+#: whole-model means for the manipulation check.
+CONTROL_RECORDS = ("ctl_dose", "ctl_bound_share")
+_UNIT_RECORD = re.compile(r"^(ctl_dose|ctl_bound_share)_l\d+(h\d+)?$")
 
-
-@dataclass(frozen=True)
-class E3Claim:
-    """A predicted sign of the paired difference (mode − none) of some quantities."""
-
-    id: str
-    text: str
-    mode: str
-    quantities: tuple[str, ...]
-    sign: int
-
-
-E3_CLAIMS = (
-    E3Claim("E3.1", "Forcing the key spectrum to shrink sharpens attention", "shrink",
-            ("attn_entropy",), -1),
-    E3Claim("E3.2", "Holding the key spectrum at its initial dispersion softens attention",
-            "hold", ("attn_entropy",), +1),
-    E3Claim("E3.3", "Shrinking the key spectrum narrows the QKᵀ spectrum", "shrink",
-            ("pr_qk_weight", "pr_qk_token"), -1),
-    E3Claim("E3.4", "Holding the key spectrum keeps the QKᵀ spectrum wider", "hold",
-            ("pr_qk_weight", "pr_qk_token"), +1),
-)
-# Predicted signs of the effects table (claims above, plus the control's own target).
+#: Predicted sign of arm − baseline per (mode, quantity): the claims, plus the control's own
+#: target (PR_K). Anything else (sham, expand, PR_Q, loss, logit scale) has no prediction.
 PREDICTED: dict[tuple[str, str], int] = {
-    **{(c.mode, q): c.sign for c in E3_CLAIMS for q in c.quantities},
-    ("shrink", "pr_k_weight"): -1,
+    ("shrink", "attn_entropy"): -1, ("shrink", "pr_qk_weight"): -1,
+    ("shrink", "pr_qk_token"): -1, ("shrink", "pr_k_weight"): -1,
+    ("hold", "attn_entropy"): +1, ("hold", "pr_qk_weight"): +1,
+    ("hold", "pr_qk_token"): +1, ("hold", "pr_k_weight"): +1,
 }
+SERIES_COLUMNS = ["run_id", "step", "quantity", "value"]
 
 
-def run_modes(table: pd.DataFrame) -> pd.DataFrame:
-    """``run_id, seed, mode, steps, dir`` of the analysed (not excluded) runs."""
-    runs = runs_of(table)
-    if not runs.empty:
-        runs = runs[runs["excluded"] == ""].copy()
-    if runs.empty:  # e.g. a report while a sweep's first runs have not started
-        return pd.DataFrame(columns=["run_id", "seed", "mode", "steps", "dir"])
-    mode = runs["key_control"] if "key_control" in runs else pd.Series("none", index=runs.index)
-    runs["mode"] = mode.fillna("none").astype(str)
-    return runs[["run_id", "seed", "mode", "steps", "dir"]].reset_index(drop=True)
-
-
-def is_e3(table: pd.DataFrame) -> bool:
-    """True when the analysed runs include uncontrolled and controlled runs of one seed."""
-    modes = run_modes(table)
-    if modes.empty or BASELINE not in set(modes["mode"]):
-        return False
-    paired = modes.groupby("seed")["mode"].agg(lambda m: BASELINE in set(m) and len(set(m)) > 1)
-    return bool(paired.any())
-
-
-def e3_series(table: pd.DataFrame) -> pd.DataFrame:
-    """Whole-model quantities per run and step: ``run_id, seed, mode, step, quantity,
-    value`` (layer mean of each layer's head −1 value; ``val_loss`` at eval steps)."""
-    modes = run_modes(table)
+def e3_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
+    """Whole-model values per run and step of the pair groups' runs: ``run_id, step,
+    quantity, value`` (the quantities above, ``val_loss`` at eval steps, and the control
+    records of :data:`CONTROL_RECORDS`)."""
+    runs = set(members["run_id"])
     metrics = {m for m, _, _ in QUANTITIES.values() if m != "val_loss"}
-    sel = table[(table["head"] == -1) & table["metric"].isin(metrics)]
-    per = (sel.groupby(["run_id", "step", "metric"])["value"].mean().reset_index()
-           .rename(columns={"metric": "quantity"}))
-    logs = []
-    for r in modes.itertuples():
+    table = bare(table)
+    mine = table[table["run_id"].isin(runs) & (table["head"] == -1)]
+    sel = mine[mine["metric"].isin(metrics)]
+    parts = [sel.groupby(["run_id", "step", "metric"])["value"].mean().reset_index()
+             .rename(columns={"metric": "quantity"})]
+    ctl = mine[mine["metric"].str.startswith("ctl_")]
+    ctl = ctl[ctl["metric"].str.match(_UNIT_RECORD)]
+    if len(ctl):
+        ctl = ctl.assign(quantity=ctl["metric"].str.replace(r"_l\d+(h\d+)?$", "", regex=True))
+        parts.append(ctl.groupby(["run_id", "step", "quantity"])["value"].mean().reset_index())
+    for r in members.itertuples():
         path = Path(r.dir) / "train_log.parquet"
         if path.exists():
             log = pd.read_parquet(path, columns=["step", "val_loss"]).dropna()
-            logs.append(pd.DataFrame({"run_id": r.run_id, "step": log["step"].astype("int64"),
-                                      "quantity": "val_loss", "value": log["val_loss"]}))
-    series = pd.concat([per, *logs], ignore_index=True)
-    series = series.merge(modes[["run_id", "seed", "mode"]], on="run_id")
-    return series[["run_id", "seed", "mode", "step", "quantity", "value"]]
+            parts.append(pd.DataFrame({"run_id": r.run_id, "step": log["step"].astype("int64"),
+                                       "quantity": "val_loss", "value": log["val_loss"]}))
+    return pd.concat(parts, ignore_index=True)[SERIES_COLUMNS]
 
 
-def paired_differences(series: pd.DataFrame) -> pd.DataFrame:
-    """``seed, mode, step, quantity, controlled, none, diff`` (diff = controlled − none),
-    for every controlled run with an uncontrolled partner of the same seed at that step."""
-    base = series[series["mode"] == BASELINE][["seed", "step", "quantity", "value"]]
-    ctl = series[series["mode"] != BASELINE]
-    out = ctl.merge(base, on=["seed", "step", "quantity"], suffixes=("", "_none"))
-    out = out.rename(columns={"value": "controlled", "value_none": "none"})
-    out["diff"] = out["controlled"] - out["none"]
-    return out[["seed", "mode", "step", "quantity", "controlled", "none", "diff"]] \
-        .sort_values(["mode", "quantity", "seed", "step"]).reset_index(drop=True)
+PAIR_COLUMNS = ["run_id", "base_run", "baseline", "group", "seed", "arm", "mode", "dose",
+                "scale"]
 
 
-def window_means(diffs: pd.DataFrame, steps: int) -> pd.DataFrame:
-    """Each seed's mean paired difference per window: ``seed, mode, quantity, window,
-    mean_diff, rel_diff, n_points, first_step, last_step`` (``rel_diff`` = mean of
-    diff / none)."""
+def pairs_of(members: pd.DataFrame) -> pd.DataFrame:
+    """The comparisons of the pair groups: one row per controlled run and baseline, with
+    ``run_id, base_run, baseline`` (``none``, or ``sham`` for arms other than the sham when
+    the group has a sham of the same scale rule) and the arm's ``group, seed, arm, mode,
+    dose, scale``."""
+    runs = members.to_dict("records")
+    shams = {(r["group"], r["scale"]): r["run_id"] for r in runs if r["mode"] == SHAM}
     rows = []
-    bounds = {"early": EARLY_SHARE * steps, "whole": steps}
-    for window, hi in bounds.items():
-        sel = diffs[(diffs["step"] > 0) & (diffs["step"] <= hi)]
-        if sel.empty:
+    for r in runs:
+        if r["arm"] == BASELINE:
             continue
-        rel = sel["diff"] / sel["none"].where(sel["none"] != 0)
-        g = sel.assign(rel=rel).groupby(["seed", "mode", "quantity"])
-        agg = g.agg(mean_diff=("diff", "mean"), rel_diff=("rel", "mean"),
-                    n_points=("diff", "size"), first_step=("step", "min"),
-                    last_step=("step", "max")).reset_index()
-        agg["window"] = window
-        rows.append(agg)
-    cols = ["seed", "mode", "quantity", "window", "mean_diff", "rel_diff", "n_points",
-            "first_step", "last_step"]
-    return pd.concat(rows, ignore_index=True)[cols] if rows else pd.DataFrame(columns=cols)
+        rows.append({**r, "base_run": r["baseline"], "baseline": BASELINE})
+        sham = shams.get((r["group"], r["scale"]))
+        if r["mode"] != SHAM and sham is not None:
+            rows.append({**r, "base_run": sham, "baseline": SHAM})
+    return pd.DataFrame(rows, columns=PAIR_COLUMNS)
 
 
-def seed_bootstrap(values: np.ndarray, n_boot: int = stats.N_BOOT,
-                   rng_seed: int = stats.BOOT_SEED, ci: float = 0.95) -> tuple[float, float]:
-    """Percentile CI of the mean of ``values`` (one per seed) over seed resamples; NaN with
-    fewer than 2 finite values (nothing to resample)."""
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    if len(v) < 2:
-        return np.nan, np.nan
-    rng = np.random.default_rng(rng_seed)
-    means = v[rng.integers(0, len(v), size=(n_boot, len(v)))].mean(axis=1)
-    return (float(np.percentile(means, 100 * (1 - ci) / 2)),
-            float(np.percentile(means, 100 * (1 + ci) / 2)))
+def paired_differences(series: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
+    """``group, seed, arm, mode, dose, scale, baseline, step, quantity, arm_value,
+    base_value, diff``: every controlled run minus its group's ``none`` run (baseline
+    ``none``) and, for arms other than the sham, minus the group's sham of the same scale
+    rule (baseline ``sham``), at every step and quantity both have."""
+    cols = ["group", "seed", "arm", "mode", "dose", "scale", "baseline", "step", "quantity",
+            "arm_value", "base_value", "diff"]
+    data = series[series["quantity"].isin(set(QUANTITIES))]
+    pairs = pairs_of(members)
+    if pairs.empty or data.empty:
+        return pd.DataFrame(columns=cols)
+    arm = data.rename(columns={"value": "arm_value"})
+    base = data.rename(columns={"run_id": "base_run", "value": "base_value"})
+    out = pairs.merge(arm, on="run_id").merge(base, on=["base_run", "step", "quantity"])
+    out["diff"] = out["arm_value"] - out["base_value"]
+    return out[cols].sort_values(["arm", "baseline", "quantity", "seed", "step"]) \
+        .reset_index(drop=True)
 
 
-def effects(windows: pd.DataFrame, n_boot: int = stats.N_BOOT,
-            rng_seed: int = stats.BOOT_SEED) -> pd.DataFrame:
-    """Directional confidence per ``mode, quantity, window``: ``n_seeds, mean, ci_low,
-    ci_high, rel_mean, predicted`` (+1/−1/0 = none), ``k`` seeds with the predicted sign
-    (with Δ > 0 when there is no prediction), ``share``, ``p_value`` (one-sided sign test;
-    two-sided when there is no prediction), ``first_step, last_step``."""
+SHARES = {"early": EARLY_SHARE, "whole": 1.0}
+
+
+def in_windows(frame: pd.DataFrame, steps: dict[int, int]) -> pd.DataFrame:
+    """The rows of ``frame`` (with ``group`` and ``step``) inside each window, labelled
+    ``window``: early = 0 < step ≤ 25 % of the group's run, whole = 0 < step ≤ its run
+    (``steps``: each group's run length). A row of the early window is in the whole too."""
+    run_len = frame["group"].map(steps).astype(float)
+    parts = [frame[(frame["step"] > 0) & (frame["step"] <= share * run_len)]
+             .assign(window=window) for window, share in SHARES.items()]
+    return pd.concat(parts, ignore_index=True)
+
+
+def window_means(diffs: pd.DataFrame, steps: dict[int, int]) -> pd.DataFrame:
+    """Each seed's mean paired difference per window: ``group, seed, arm, mode, dose,
+    scale, baseline, quantity, window, mean_diff, rel_diff, n_points, first_step,
+    last_step`` (``rel_diff`` = mean of diff / baseline value). ``steps``: each group's
+    run length."""
+    cols = ["group", "seed", "arm", "mode", "dose", "scale", "baseline", "quantity", "window",
+            "mean_diff", "rel_diff", "n_points", "first_step", "last_step"]
+    if diffs.empty:
+        return pd.DataFrame(columns=cols)
+    sel = in_windows(diffs, steps)
+    sel["rel"] = sel["diff"] / sel["base_value"].where(sel["base_value"] != 0)
+    g = sel.groupby(cols[:9], sort=True)
+    agg = pd.DataFrame({"mean_diff": g["diff"].mean(), "rel_diff": g["rel"].mean(),
+                        "n_points": g["diff"].size(), "first_step": g["step"].min(),
+                        "last_step": g["step"].max()}).reset_index()
+    return agg[cols]
+
+
+def effects(windows: pd.DataFrame) -> pd.DataFrame:
+    """Per ``arm, baseline, quantity, window``: ``mode, dose, scale, n_seeds, k, share,
+    mean, ci_low, ci_high, rel_mean, predicted`` (+1/−1/0 = none), ``p_value`` (sign-flip)
+    and ``p_sign`` (sign test), ``first_step, last_step``."""
     rows = []
-    for (mode, quantity, window), g in windows.groupby(["mode", "quantity", "window"], sort=True):
-        v = g["mean_diff"].to_numpy(dtype=float)
+    keys = ["arm", "baseline", "quantity", "window"]
+    for (arm, baseline, quantity, window), g in windows.groupby(keys, sort=True):
+        mode = str(g["mode"].iloc[0])
         sign = PREDICTED.get((mode, quantity), 0)
-        ct = stats.count_test(v, sign or 1)
-        p = ct["p_value"]
-        if sign == 0:  # no prediction: two-sided, the larger side doubled
-            other = stats.count_test(v, -1)
-            p = min(1.0, 2 * min(ct["p_value"], other["p_value"]))
-        lo, hi = seed_bootstrap(v, n_boot, rng_seed)
-        rows.append({"mode": mode, "quantity": quantity, "window": window,
-                     "n_seeds": ct["n"], "mean": float(np.nanmean(v)) if len(v) else np.nan,
-                     "ci_low": lo, "ci_high": hi,
-                     "rel_mean": float(g["rel_diff"].mean()), "predicted": sign,
-                     "k": ct["k"], "share": ct["share"], "p_value": p,
+        u = stats.unit_test(g["mean_diff"], sign)
+        rows.append({"arm": arm, "baseline": baseline, "quantity": quantity, "window": window,
+                     "mode": mode, "dose": float(g["dose"].iloc[0]),
+                     "scale": str(g["scale"].iloc[0]), "n_seeds": u["n"], "k": u["k"],
+                     "share": u["share"], "mean": u["mean"], "ci_low": u["ci_low"],
+                     "ci_high": u["ci_high"], "rel_mean": float(g["rel_diff"].mean()),
+                     "predicted": sign, "p_value": u["p_value"], "p_sign": u["p_sign"],
                      "first_step": int(g["first_step"].min()),
                      "last_step": int(g["last_step"].max())})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=[*keys, "mode", "dose", "scale", "n_seeds", "k", "share",
+                                       "mean", "ci_low", "ci_high", "rel_mean", "predicted",
+                                       "p_value", "p_sign", "first_step", "last_step"])
 
 
-def _window_label(eff: pd.DataFrame, window: str) -> str:
+def window_label(first: float, last: float, window: str) -> str:
+    """``first 25 % (steps 10–20)`` / ``whole run (steps 10–100)``."""
     name = "first 25 %" if window == "early" else "whole run"
-    if eff.empty:
+    if not (np.isfinite(first) and np.isfinite(last)):
         return name
-    lo, hi = int(eff["first_step"].min()), int(eff["last_step"].max())
+    lo, hi = int(first), int(last)
     return f"{name} (step {lo})" if lo == hi else f"{name} (steps {lo}–{hi})"
-
-
-def evaluate_e3_claims(eff: pd.DataFrame) -> pd.DataFrame:
-    """The E3 rows of the claims table, in the columns of the E1/E2 table
-    (:data:`qkgeom.analysis.kit.CLAIM_COLUMNS`): one row per claim × quantity × window;
-    ``k`` of ``n`` seeds show the predicted sign; ``verdict`` is
-    :func:`qkgeom.analysis.stats.verdict`."""
-    rows = []
-    for claim in E3_CLAIMS:
-        for quantity in claim.quantities:
-            for window in WINDOWS:
-                sel = eff[(eff["mode"] == claim.mode) & (eff["quantity"] == quantity)
-                          & (eff["window"] == window)] if not eff.empty else eff
-                r = sel.iloc[0] if len(sel) else None
-                k, n = (int(r["k"]), int(r["n_seeds"])) if r is not None else (0, 0)
-                p = float(r["p_value"]) if r is not None else np.nan
-                mean, lo, hi = ((float(r["mean"]), float(r["ci_low"]), float(r["ci_high"]))
-                                if r is not None else (np.nan, np.nan, np.nan))
-                rel = f"Δ {'<' if claim.sign < 0 else '>'} 0"
-                estimate = f"mean Δ {signed(mean)}"
-                if np.isfinite(lo):
-                    estimate += f" [{signed(lo)}, {signed(hi)}]"
-                rows.append({
-                    "claim_id": claim.id, "claim": claim.text, "level": QUANTITIES[quantity][1],
-                    "origin": window, "from": _window_label(sel, window),
-                    "criterion": f"{claim.mode} − none: {QUANTITIES[quantity][2]} {rel} "
-                                 "(seed's mean paired difference over the window)",
-                    "k": k, "n": n, "share": k / n if n else np.nan,
-                    "measured": f"{k}/{n} seeds ({rel})", "mean": mean, "ci_low": lo,
-                    "ci_high": hi, "estimate": estimate, "test": TEST_SIGN, "p_value": p,
-                    "verdict": stats.verdict(k, n, p),
-                })
-    return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
-
-
-def e3_analysis(table: pd.DataFrame, n_boot: int = stats.N_BOOT,
-                rng_seed: int = stats.BOOT_SEED) -> dict[str, pd.DataFrame]:
-    """Everything the E3 report shows: ``series``, ``paired``, ``windows``, ``effects``,
-    ``claims`` (see the functions above). The run length is the longest analysed run's."""
-    series = e3_series(table)
-    paired = paired_differences(series)
-    modes = run_modes(table)
-    steps = int(modes["steps"].max()) if len(modes) else 0
-    windows = window_means(paired, steps)
-    eff = effects(windows, n_boot, rng_seed)
-    return {"series": series, "paired": paired, "windows": windows, "effects": eff,
-            "claims": evaluate_e3_claims(eff)}

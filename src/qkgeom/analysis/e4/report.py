@@ -2,7 +2,10 @@
 
 ``write_e4_report(DIR)`` reads only the folder's JSON/Parquet (no torch, no model) and
 writes ``DIR/report/``: ``report.md`` (claims table first), ``report.html`` (figures
-embedded), the figures (PNG 300 dpi + SVG) and the numbers as CSV.
+embedded), the figures (PNG 300 dpi + SVG) and the numbers as CSV (``claims.csv``,
+``trends.csv`` (the regime call per contrast and layer), ``bootstrap.csv`` (the token-block
+bootstrap of the primary contrast per layer), ``prefix_trends.csv``,
+``head_correlations.csv``, ``checkpoints.csv``).
 """
 
 from __future__ import annotations
@@ -13,10 +16,18 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
+from qkgeom.analysis.e4.bootstrap import N_BOOT, block_bootstrap
 from qkgeom.analysis.e4.claims import e4_claims
-from qkgeom.analysis.e4.trends import head_correlations, prefix_trends, trend_table
+from qkgeom.analysis.e4.trends import (
+    PRIMARY,
+    TREND_METRICS,
+    head_correlations,
+    prefix_trends,
+    trend_table,
+)
 from qkgeom.analysis.kit import (
     P_CELL,
+    P_SIGN_CELL,
     VERDICT_CELL,
     Cell,
     claims_markdown,
@@ -30,18 +41,21 @@ from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json
 from qkgeom.runs.family import CHECKPOINT_TABLE, MARKER
 
-__all__ = ["E4_CLAIM_CELLS", "e4_claims_table", "load_analysis", "write_e4_report"]
+__all__ = ["E4_CLAIM_CELLS", "bootstrap", "e4_claims_table", "load_analysis", "write_e4_report"]
 
 #: The E4 claims table in Markdown: what each row measured and its own test.
 E4_CLAIM_CELLS: tuple[Cell, ...] = (
     ("id", field("claim_id")), ("claim", field("claim")), ("level", field("level")),
     ("measured", field("measured")), ("estimate", field("estimate")), ("test", field("test")),
-    P_CELL, VERDICT_CELL)
+    P_CELL, P_SIGN_CELL, ("beside", field("beside")), VERDICT_CELL)
 
 
 def load_analysis(folder: str | Path) -> dict:
-    """The tables of an analysis folder: ``meta``, ``metrics``, ``checkpoints``; the
-    statistics are recomputed from the metrics (duplicates left out unless kept)."""
+    """The tables of an analysis folder: ``meta``, ``metrics`` (measured on all tokens:
+    ``block`` −1, or every row of a folder without blocks), ``blocks`` (the per-block rows,
+    maybe empty), ``checkpoints``; the statistics ``trends``, ``prefix``, ``heads`` are
+    recomputed from the metrics (duplicates left out unless kept). The block bootstrap is
+    not run here (:func:`bootstrap`)."""
     folder = Path(folder)
     if not (folder / MARKER).is_file():
         raise QKGeomError(f"{folder}: not an analysis folder (no {MARKER}); run "
@@ -52,15 +66,33 @@ def load_analysis(folder: str | Path) -> dict:
                           f"{meta.get('state')!r}); run `qkgeom analyze` again to finish it")
     metrics = pd.read_parquet(folder / "metrics.parquet")
     ckpts = pd.read_parquet(folder / CHECKPOINT_TABLE)
+    blocks = metrics.iloc[0:0]
+    if "block" in metrics:
+        blocks = metrics[metrics["block"] >= 0]
+        metrics = metrics[metrics["block"] < 0]
     used = metrics[metrics["in_trends"]]
-    return {"meta": meta, "metrics": metrics, "checkpoints": ckpts, "trends": trend_table(used),
-            "prefix": prefix_trends(used), "heads": head_correlations(used)}
+    return {"meta": meta, "metrics": metrics, "blocks": blocks, "checkpoints": ckpts,
+            "trends": trend_table(used), "prefix": prefix_trends(used),
+            "heads": head_correlations(used)}
 
 
-def e4_claims_table(folder: str | Path) -> pd.DataFrame:
+def bootstrap(analysis: dict, n_boot: int = N_BOOT) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The token-block bootstrap of the primary contrast of :func:`load_analysis`'s
+    tables, on the checkpoints in the trends: ``(per layer, band)`` (empty without
+    blocks)."""
+    blocks = analysis["blocks"]
+    used = analysis["metrics"]
+    used = used[used["in_trends"] & (used["metric"] == PRIMARY) & (used["head"] == -1)]
+    if blocks.empty or used.empty:
+        return pd.DataFrame(), pd.DataFrame()
+    steps = np.sort(used["step"].unique()).astype(float)
+    return block_bootstrap(blocks[blocks["in_trends"]], steps, PRIMARY, n_boot)
+
+
+def e4_claims_table(folder: str | Path, n_boot: int = N_BOOT) -> pd.DataFrame:
     """The E4 claims of an analysis folder (see :mod:`qkgeom.analysis.e4.claims`)."""
     a = load_analysis(folder)
-    return e4_claims(a["trends"], a["heads"])
+    return e4_claims(a["trends"], a["heads"], bootstrap(a, n_boot)[0])
 
 
 def _f(x: float, fmt: str = "{:+.3f}") -> str:
@@ -96,64 +128,109 @@ def _setup(meta: dict, ckpts: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n\n" + table
 
 
-def _trend_md(trends: pd.DataFrame) -> str:
+def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame) -> str:
     rows = []
-    for r in trends.sort_values(["level", "layer"], ascending=[False, True]).itertuples():
-        rows.append([r.level, r.layer, r.n, _f(r.first), _f(r.last), _f(r.rho, "{:+.2f}"),
-                     _f(r.mk_z, "{:+.2f}"), fmt_p(r.mk_p_increase),
-                     f"{r.regime_len} (→ step {int(r.regime_end_step)})" if r.has_regime else "none",
-                     _f(r.suffix_change) if r.suffix_n else "n/a",
-                     "yes" if r.decays else "no"])
-    return md_table(["level", "layer", "n", "contrast first", "contrast last", "ρ(step)",
-                      "MK Z", "p increase", "early regime (checkpoints)", "change after",
-                      "decays"], rows)
+    order = {lv: i for i, lv in enumerate(TREND_METRICS.values())}
+    trends = trends.assign(_o=trends["level"].map(order)).sort_values(["_o", "layer"])
+    for r in trends.itertuples():
+        b = boot[boot["layer"] == r.layer] if len(boot) and r.metric == PRIMARY else boot.iloc[0:0]
+        same = b[f"share_{r.call.replace(' ', '_')}"].iloc[0] if len(b) else np.nan
+        lost = (f"{_f(r.share_lost, '{:.2f}')}" +
+                (f" [{_f(b['share_lost_low'].iloc[0], '{:.2f}')}, "
+                 f"{_f(b['share_lost_high'].iloc[0], '{:.2f}')}]" if len(b) else ""))
+        peak = f"{int(r.peak_step)}" + (f" [{int(b['peak_step_low'].iloc[0])}, "
+                                         f"{int(b['peak_step_high'].iloc[0])}]" if len(b) else "")
+        rows.append([r.level, r.layer, r.n, _f(r.first), f"{_f(r.peak)} @ {peak}", _f(r.last),
+                     f"**{r.call}**", fmt_p(r.p_rise), fmt_p(r.p_fall),
+                     fmt_p(r.mk_p_increase), lost,
+                     f"{same:.0%}" if np.isfinite(same) else "n/a"])
+    return md_table(["level", "layer", "n", "contrast first", "peak @ step [95 % bootstrap]",
+                     "last", "call", "p rise", "p fall", "p whole-run rise",
+                     "share of gain lost [95 % bootstrap]", "resamples with this call"], rows)
 
 
 def _heads_md(heads: pd.DataFrame) -> str:
-    pooled = heads[heads["layer"] == -1]
-    wide = pooled.pivot_table(index=["step", "checkpoint"], columns="level", values="rho")
-    rows = [[ck, int(st), *(_f(wide.loc[(st, ck)].get(lv, np.nan), "{:+.2f}")
-                            for lv in ("token", "weight"))] for st, ck in wide.index]
-    return md_table(["checkpoint", "step", "ρ token level", "ρ weight level"], rows)
+    per_layer = heads[heads["layer"] >= 0]
+    rows = []
+    for (step, ckpt), g in per_layer.groupby(["step", "checkpoint"], sort=True):
+        cells = [ckpt, int(step)]
+        for level in ("token", "weight"):
+            h = g[g["level"] == level]
+            ct = stats.count_test(h["rho"], +1)
+            pooled = heads[(heads["checkpoint"] == ckpt) & (heads["level"] == level)
+                           & (heads["layer"] == -1)]["rho"]
+            cells += [f"{ct['k']}/{ct['n']}" if ct["n"] else "n/a",
+                      _f(h["rho"].mean(), "{:+.2f}") if len(h) else "n/a",
+                      _f(pooled.iloc[0], "{:+.2f}") if len(pooled) else "n/a"]
+        rows.append(cells)
+    return md_table(["checkpoint", "step", "token: layers ρ > 0", "token: mean ρ",
+                     "token: pooled ρ", "weight: layers ρ > 0", "weight: mean ρ",
+                     "weight: pooled ρ"], rows)
+
+
+def _rules_text(boot: pd.DataFrame) -> str:
+    boot_line = (f"The token-block bootstrap ({int(boot['n_boot'].iloc[0])} resamples of the "
+                 f"{int(boot['n_blocks'].iloc[0])} token blocks, fixed seed) recomputes each "
+                 "layer's call on resampled trajectories of the primary contrast; it shows how "
+                 "much a call depends on which tokens were read, and is descriptive (blocks of "
+                 "one text are not independent samples of the model's behaviour)."
+                 if len(boot) else
+                 "No token blocks are recorded in this folder (`qkgeom analyze --blocks K`): no "
+                 "bootstrap of the calls.")
+    return (
+        "**Unit: a layer of one model. Layers of one model are not independent**, so the "
+        "p-values over layers describe rather than infer. Verdicts "
+        f"(`qkgeom.analysis.stats.verdict`): supported = the predicted outcome in ≥ "
+        f"{stats.SUPPORT_SHARE:.0%} of layers and p < {stats.ALPHA}; not supported ≤ "
+        f"{stats.FAIL_SHARE:.0%}; mixed otherwise. E4.1 claims the trend is *not* universal: "
+        "supported when at least one layer is not a monotone rise. Primary contrast: "
+        f"`{PRIMARY}` (the mean over query heads of PR_Q^h − PR_K^g(h), fair under "
+        "grouped-query attention); the other contrasts are shown beside. Regime call per "
+        "layer: peak p = the checkpoint of the largest contrast; *rise then fall* = "
+        "significant Mann–Kendall increase on [first, p] and decrease on [p, last] (α = "
+        f"{stats.ALPHA}, ≥ 4 points each); *rise then flat* = the increase only; *monotone "
+        "rise* = p is the last checkpoint and the whole run rises significantly; *none* "
+        f"otherwise. {boot_line} Protocol: `docs/protocols.md`; definitions: "
+        "`docs/checkpoints.md`."
+    )
 
 
 def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
-                    figures: bool = True) -> Path:
+                    figures: bool = True, n_boot: int = N_BOOT) -> Path:
     """Write the E4 report of an analysis folder; returns the path of ``report.md``."""
     folder = Path(analysis_dir)
     a = load_analysis(folder)
     out = folder / "report" if out is None else Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    claims = e4_claims(a["trends"], a["heads"])
-    write_csvs(out, (("claims", claims), ("trends", a["trends"]),
+    boot, band = bootstrap(a, n_boot)
+    claims = e4_claims(a["trends"], a["heads"], boot)
+    write_csvs(out, (("claims", claims), ("trends", a["trends"]), ("bootstrap", boot),
                      ("prefix_trends", a["prefix"]), ("head_correlations", a["heads"]),
                      ("checkpoints", a["checkpoints"])))
     figs = {}
     if figures:
         from qkgeom.analysis.e4.figures import make_e4_figures
 
-        figs = make_e4_figures(a["metrics"], a["trends"], a["prefix"], a["heads"], out)
+        figs = make_e4_figures(a["metrics"], a["trends"], a["prefix"], a["heads"], band, out)
     meta = a["meta"]
     parts = [
         f"# E4: token-level Q/K geometry across checkpoints — {meta['model']}",
         "## Claims",
         claims_markdown(claims, E4_CLAIM_CELLS),
-        f"Verdicts are computed (`qkgeom.analysis.stats.verdict`: supported = predicted outcome in "
-        f"≥ {stats.SUPPORT_SHARE:.0%} of units and sign-test p < {stats.ALPHA}; not supported "
-        f"≤ {stats.FAIL_SHARE:.0%}; mixed otherwise). E4.1 is a claim that the trend is *not* "
-        "universal: supported when at least one layer lacks a significant whole-run increase. "
-        "Layers of one model are not independent; read p with that in mind. Definitions: "
-        "`docs/checkpoints.md`.",
+        _rules_text(boot),
         "## Setup", _setup(meta, a["checkpoints"]),
-        "## Contrast trend per layer", _trend_md(a["trends"]) if len(a["trends"]) else "n/a",
+        "## Contrast regime per layer", _trend_md(a["trends"], boot) if len(a["trends"]) else "n/a",
         "## pr_qk ↔ attention entropy across heads, per checkpoint",
+        "Per layer: Spearman ρ across the layer's heads (the E4.4 statistic); pooled: over all "
+        "heads of all layers (mixes depths; shown only).",
         _heads_md(a["heads"]) if len(a["heads"]) else "n/a",
     ]
     captions = {"contrast_steps": "PR_Q − PR_K per layer against step (hollow: duplicate "
-                                  "checkpoints, left out of statistics).",
-                "prefix_trend": "Mann–Kendall Z of the first k checkpoints against the k-th "
-                                "step; dashed: one-sided p = 0.05; dotted: end of each layer's "
-                                "early regime.",
+                                  "checkpoints, left out of statistics); primary contrast with "
+                                  "its 95 % token-block bootstrap band; ◆ the peak.",
+                "prefix_trend": "Descriptive: Mann–Kendall Z of the first k checkpoints against "
+                                "the k-th step; dashed: one-sided p = 0.05; dotted: each "
+                                "layer's peak when it has a regime.",
                 "qk_entropy_heads": "Every head at each checkpoint: pr_qk (token level) against "
                                     "attention entropy, coloured by layer."}
     if figs:

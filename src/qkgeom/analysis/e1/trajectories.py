@@ -1,0 +1,291 @@
+"""E1/E2 statistics of each layer trajectory, per run and seed-averaged, and per run.
+
+A *layer trajectory* is one layer's whole-layer value (head −1) of a metric against probe
+step. Each is measured twice (docs/protocols.md): from step 0 and from the post-transient
+**reference**, the first probe at or after the run's ``ref_step`` (``reference_step``, or by
+default 25 % of the run's steps), at the weight and at the token level. One pass over each
+depth × init cell (its runs as a seed axis) gives:
+
+- per run and layer (``by="run"``), and per seed-averaged layer trajectory
+  (``by="trajectory"``, the paper's descriptive unit: 54 on the paper grid), from the
+  origin to the last probe: ``delta_pr_q``/``delta_pr_k`` (last − origin) and OLS slopes;
+  the contrast PR_Q − PR_K read four ways for E1.3 — ``contrast_min_after`` (smallest after
+  the origin: > 0 ⟺ positive at every probe), ``contrast_end`` (at the last probe),
+  ``contrast_time_mean`` (trapezoid time average over [origin, end]: the primary reading)
+  and ``delta_contrast`` (ΔPR_Q − ΔPR_K); Spearman ρ over steps of PR_K with ``pr_qk``
+  (``rho_k_qk``) and of ``pr_qk`` with the entropy (``rho_qk_entropy``); and the Spearman ρ
+  across the layer's heads of ``pr_qk`` with the entropy at the last probe
+  (``rho_heads_qk_entropy``, origin-free). Seed-averaged ρ's are means of per-run ρ's (ρ of
+  a mean trajectory grows with the number of seeds averaged; it is kept as ``*_of_mean``).
+- :func:`run_stats`: the **independent unit**, one row per run, level and origin, each
+  statistic the mean over the run's layers of the layer statistic; and :func:`cell_stats`,
+  the seed means of those per depth × init cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from qkgeom.analysis.collate import GROUP, bare
+from qkgeom.analysis.stats import nanmean, spearman
+
+LEVELS = ("weight", "token")
+ORIGINS = ("step0", "reference")
+QUANTITIES = ("pr_q", "pr_k", "pr_qk", "attn_entropy")
+RHO_STATS = ("rho_k_qk", "rho_qk_entropy")
+#: The per-layer statistics averaged into a run's whole-model value.
+STATISTICS = ("delta_pr_q", "delta_pr_k", "slope_pr_q", "slope_pr_k", "contrast_min_after",
+              "contrast_end", "contrast_time_mean", "delta_contrast", "contrast_pos_share",
+              "rho_k_qk", "rho_qk_entropy", "rho_heads_qk_entropy")
+
+
+def level_metrics(level: str) -> dict[str, str]:
+    """Metric names of one level: pr_q, pr_k, contrast, pr_qk, attn_entropy."""
+    if level not in LEVELS:
+        raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+    return {"pr_q": f"pr_q_{level}", "pr_k": f"pr_k_{level}",
+            "contrast": f"contrast_{level}", "pr_qk": f"pr_qk_{level}",
+            "attn_entropy": "attn_entropy"}
+
+
+def reference_probe(steps: Iterable[int], ref_step: int) -> int:
+    """The first probed step ≥ ``ref_step`` (the post-transient reference); the last
+    probed step if the run was never probed that late."""
+    steps = sorted(int(s) for s in steps)
+    if not steps:
+        raise ValueError("no probe steps")
+    later = [s for s in steps if s >= ref_step]
+    return later[0] if later else steps[-1]
+
+
+def ols_slope(steps: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """OLS slope of ``values`` (…, T) against ``steps`` (T,), along the last axis; NaN if
+    fewer than two steps."""
+    t = np.asarray(steps, dtype=float)
+    x = np.asarray(values, dtype=float)
+    if len(t) < 2:
+        return np.full(x.shape[:-1], np.nan)
+    tc = t - t.mean()
+    return (x * tc).sum(-1) / (tc**2).sum()
+
+
+def trend(steps: Iterable[int], values: Iterable[float], start_step: int = 0) -> dict[str, float]:
+    """Change of one trajectory from the first probe ≥ ``start_step`` to the last probe:
+    ``delta`` (end − start) and ``slope`` (OLS against step, over those probes)."""
+    t = np.asarray(list(steps), dtype=float)
+    x = np.asarray(list(values), dtype=float)
+    order = np.argsort(t)
+    t, x = t[order], x[order]
+    keep = t >= reference_probe(t.astype(int), start_step)
+    t, x = t[keep], x[keep]
+    return {"start_step": int(t[0]), "end_step": int(t[-1]), "delta": float(x[-1] - x[0]),
+            "slope": float(ols_slope(t, x))}
+
+
+_trapezoid = getattr(np, "trapezoid", None) or np.trapz  # numpy < 2 has only trapz
+
+
+def time_mean(steps: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Time average of ``x`` (…, T) over [steps[0], steps[-1]] by the trapezoid rule, so an
+    uneven probe schedule is weighted by time; the first value for a single probe."""
+    t = np.asarray(steps, dtype=float)
+    if len(t) < 2 or t[-1] == t[0]:
+        return x[..., 0].copy()
+    return _trapezoid(x, t, axis=-1) / (t[-1] - t[0])
+
+
+def window_stats(steps: np.ndarray, m: dict[str, np.ndarray], i0: int) -> dict[str, np.ndarray]:
+    """Every per-trajectory statistic of one level from probe index ``i0`` to the end.
+
+    ``m`` maps ``pr_q, pr_k, pr_qk, attn_entropy`` to arrays (…, T) (runs × layers, or a
+    seed-mean); returns arrays (…,)."""
+    t = np.asarray(steps, dtype=float)[i0:]
+    q, k = m["pr_q"][..., i0:], m["pr_k"][..., i0:]
+    c = q - k
+    after = c[..., 1:]
+    with np.errstate(invalid="ignore"):
+        share = (after > 0).mean(-1) if after.shape[-1] else np.full(c.shape[:-1], np.nan)
+        cmin = after.min(-1) if after.shape[-1] else np.full(c.shape[:-1], np.nan)
+    out = {
+        "pr_q_start": q[..., 0], "pr_q_end": q[..., -1],
+        "pr_k_start": k[..., 0], "pr_k_end": k[..., -1],
+        "delta_pr_q": q[..., -1] - q[..., 0], "delta_pr_k": k[..., -1] - k[..., 0],
+        "slope_pr_q": ols_slope(t, q), "slope_pr_k": ols_slope(t, k),
+        "contrast_start": c[..., 0], "contrast_end": c[..., -1],
+        "contrast_pos_share": share, "contrast_min_after": cmin,
+        "contrast_time_mean": time_mean(t, c), "delta_contrast": c[..., -1] - c[..., 0],
+    }
+    out["rho_k_qk"], out["p_k_qk"] = spearman(k, m["pr_qk"][..., i0:])
+    out["rho_qk_entropy"], out["p_qk_entropy"] = spearman(m["pr_qk"][..., i0:],
+                                                          m["attn_entropy"][..., i0:])
+    return out
+
+
+class _Cell:
+    """One depth × init (× variant) cell at one level: arrays over (run, layer, step) on the
+    probe steps every run of the cell has, and (run, layer, head) at the last of them."""
+
+    def __init__(self, key: dict[str, Any], runs: list[str], seeds: list[int],
+                 layers: np.ndarray, steps: np.ndarray, ref: int,
+                 cube: dict[str, np.ndarray], heads: dict[str, np.ndarray]):
+        self.key, self.runs, self.seeds, self.layers = key, runs, seeds, layers
+        self.steps, self.ref, self.cube, self.heads = steps, ref, cube, heads
+
+    def origin_index(self, origin: str) -> int:
+        if origin == "step0":
+            return 0
+        return int(np.searchsorted(self.steps, reference_probe(self.steps, self.ref)))
+
+
+def _ref_steps(table: pd.DataFrame, ref_step: int | None) -> dict[str, int]:
+    if ref_step is not None:
+        return {rid: int(ref_step) for rid in table["run_id"].unique()}
+    runs = table.attrs.get("runs") or []
+    refs = {r["run_id"]: int(r["ref_step"]) for r in runs if r.get("ref_step") is not None}
+    missing = set(table["run_id"].unique()) - set(refs)
+    if missing:
+        raise ValueError(f"no reference step known for runs {sorted(missing)[:3]}; collate the "
+                         "sweep with qkgeom.analysis.collate or pass ref_step=")
+    return refs
+
+
+def _dense(frame: pd.DataFrame, axes: list[tuple[str, Any]]) -> np.ndarray:
+    """``frame["value"]`` as a dense array over the given (column, labels) axes; the mean
+    where a cell has several rows, NaN where it has none; rows off the labels are dropped."""
+    idx = [pd.Index(labels).get_indexer(frame[col].to_numpy()) for col, labels in axes]
+    keep = np.logical_and.reduce([i >= 0 for i in idx])
+    idx = tuple(i[keep] for i in idx)
+    shape = tuple(len(labels) for _, labels in axes)
+    total, count = np.zeros(shape), np.zeros(shape)
+    np.add.at(total, idx, frame["value"].to_numpy(dtype=float)[keep])
+    np.add.at(count, idx, 1.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(count > 0, total / np.maximum(count, 1.0), np.nan)
+
+
+def _cells(table: pd.DataFrame, level: str, ref_step: int | None) -> list[_Cell]:
+    """The cells of ``table`` at ``level`` (see :class:`_Cell`); a cell with no step that
+    every run measured is left out."""
+    names = level_metrics(level)
+    wanted = [names[q] for q in QUANTITIES]
+    refs = _ref_steps(table, ref_step)
+    table = bare(table)
+    sel = table[table["metric"].isin(wanted)]
+    out = []
+    for gkey, g in sel.groupby(GROUP, sort=True):
+        key = dict(zip(GROUP, gkey, strict=True))
+        first_seed = g.groupby("run_id")["seed"].first()
+        runs = sorted(first_seed.index, key=lambda r: (first_seed[r], r))
+        seeds = [int(first_seed[r]) for r in runs]
+        lay = g[g["head"] == -1]
+        layers = np.sort(lay["layer"].unique())
+        steps_all = np.sort(lay["step"].unique())
+        present = [m for m in wanted if (lay["metric"] == m).any()]
+        dense = _dense(lay, [("metric", wanted), ("run_id", runs), ("layer", layers),
+                             ("step", steps_all)])  # (metric, run, layer, step)
+        ok = np.ones(len(steps_all), dtype=bool)
+        for m in present:
+            ok &= np.isfinite(dense[wanted.index(m)]).all(axis=(0, 1))
+        steps = steps_all[ok]
+        if len(steps) == 0:
+            continue
+        cube = {q: dense[wanted.index(names[q])][..., ok] for q in QUANTITIES}
+        hd = g[(g["head"] >= 0) & (g["step"] == int(steps[-1]))]
+        pair = [names["pr_qk"], names["attn_entropy"]]
+        hdense = _dense(hd, [("metric", pair), ("run_id", runs), ("layer", layers),
+                             ("head", np.sort(hd["head"].unique()))])
+        heads = {"pr_qk": hdense[0], "attn_entropy": hdense[1]}
+        ref = min(refs[r] for r in runs)
+        out.append(_Cell(key, runs, seeds, layers, steps, ref, cube, heads))
+    return out
+
+
+def layer_statistics(table: pd.DataFrame, levels: Iterable[str] = LEVELS,
+                     ref_step: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(per run and layer, per seed-averaged layer trajectory)``: one row per layer,
+    level and origin (see the module docstring), in one pass over the cells.
+
+    ``table`` is :func:`qkgeom.analysis.collate`'s output (its ``attrs`` give each run's
+    reference step; else pass ``ref_step``). Both frames have the cell keys, ``layer, level,
+    origin, start_step, end_step, n_steps, n_heads`` and the statistics; the per-run frame
+    adds ``run_id, seed``, the trajectory frame ``n_seeds``, ``*_of_mean`` ρ's with their
+    p-values."""
+    run_rows: list[dict[str, Any]] = []
+    traj_rows: list[dict[str, Any]] = []
+    for level in levels:
+        for cell in _cells(table, level, ref_step):
+            rho_h, _ = spearman(cell.heads["pr_qk"], cell.heads["attn_entropy"])  # (S, L)
+            n_heads = cell.heads["pr_qk"].shape[-1]
+            mean_cube = {q: a.mean(axis=0) for q, a in cell.cube.items()}  # (L, T)
+            for origin in ORIGINS:
+                i0 = cell.origin_index(origin)
+                per_run = window_stats(cell.steps, cell.cube, i0)  # (S, L)
+                per_run["rho_heads_qk_entropy"] = rho_h
+                mean = window_stats(cell.steps, mean_cube, i0)  # (L,)
+                for name in RHO_STATS:
+                    mean[f"{name}_of_mean"] = mean[name]
+                    mean[name] = nanmean(per_run[name], axis=0)
+                mean["rho_heads_qk_entropy"] = nanmean(rho_h, axis=0)
+                common = {"level": level, "origin": origin, "start_step": int(cell.steps[i0]),
+                          "end_step": int(cell.steps[-1]), "n_steps": len(cell.steps) - i0,
+                          "n_heads": n_heads}
+                for j, layer in enumerate(cell.layers):
+                    row = {**cell.key, "layer": int(layer), **common}
+                    traj_rows.append({**row, "n_seeds": len(cell.runs),
+                                      **{n: float(v[j]) for n, v in mean.items()}})
+                    for s, (run, seed) in enumerate(zip(cell.runs, cell.seeds, strict=True)):
+                        run_rows.append({**row, "run_id": run, "seed": seed,
+                                         **{n: float(v[s, j]) for n, v in per_run.items()}})
+    keys = [*GROUP, "layer", "level", "origin"]
+    return (_sorted(pd.DataFrame(run_rows), [*GROUP, "run_id", "seed", "layer", "level",
+                                             "origin"]),
+            _sorted(pd.DataFrame(traj_rows), keys))
+
+
+def _sorted(frame: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
+    if frame.empty:
+        return frame
+    return frame.sort_values(cols, kind="stable").reset_index(drop=True)
+
+
+def trajectory_stats(table: pd.DataFrame, by: str = "trajectory",
+                     levels: Iterable[str] = LEVELS,
+                     ref_step: int | None = None) -> pd.DataFrame:
+    """The per-layer statistics of :func:`layer_statistics`: ``by="trajectory"``
+    seed-averaged (the paper's unit), ``by="run"`` one row per run and layer."""
+    if by not in ("trajectory", "run"):
+        raise ValueError(f"by must be 'trajectory' or 'run', got {by!r}")
+    runs, traj = layer_statistics(table, levels, ref_step)
+    return traj if by == "trajectory" else runs
+
+
+def run_stats(per_layer: pd.DataFrame) -> pd.DataFrame:
+    """The independent unit: one row per run, level and origin, every statistic of
+    :data:`STATISTICS` the mean over the run's layers (NaN layers skipped), with
+    ``n_layers`` and the smallest ``n_heads`` of the run."""
+    keys = [*GROUP, "run_id", "seed", "level", "origin"]
+    if per_layer.empty:
+        return pd.DataFrame(columns=[*keys, *STATISTICS, "n_layers", "n_heads"])
+    g = per_layer.groupby(keys, sort=True, dropna=False)
+    out = g[list(STATISTICS)].mean()
+    out["n_layers"] = g["layer"].nunique()
+    out["n_heads"] = g["n_heads"].min()
+    out["start_step"] = g["start_step"].min()
+    out["end_step"] = g["end_step"].max()
+    return out.reset_index()
+
+
+def cell_stats(runs: pd.DataFrame) -> pd.DataFrame:
+    """Seed means of :func:`run_stats` per depth × init cell (9 on the paper grid), with
+    ``n_runs``: a coarser independent unit shown beside the runs."""
+    keys = [*GROUP, "level", "origin"]
+    if runs.empty:
+        return pd.DataFrame(columns=[*keys, *STATISTICS, "n_runs"])
+    g = runs.groupby(keys, sort=True, dropna=False)
+    out = g[list(STATISTICS)].mean()
+    out["n_runs"] = g["run_id"].nunique()
+    return out.reset_index()

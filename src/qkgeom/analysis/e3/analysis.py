@@ -1,0 +1,48 @@
+"""E3 from a collated sweep: arms and pairs, the manipulation check, effects and claims.
+
+Two stages: :func:`e3_tables` turns the collated rows into per-seed tables (pairs, paired
+differences, window means, the manipulation check), :func:`e3_verdicts` turns the window
+means and the check into effects, the gate and the claims. :func:`e3_analysis` is both.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from qkgeom.analysis.e3.arms import pair_groups, run_arms
+from qkgeom.analysis.e3.claims import evaluate_e3_claims, mediation_table
+from qkgeom.analysis.e3.manipulation import manipulation_gate, manipulation_table
+from qkgeom.analysis.e3.paired import e3_series, effects, paired_differences, window_means
+
+
+def e3_tables(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """``arms`` (every analysed run's arm), ``members`` (the runs of the valid pair groups),
+    ``excluded_pairs`` (runs left out of the pairs, with the reason), ``series``,
+    ``paired``, ``windows`` (each seed's window means) and ``manipulation`` (the check per
+    run and window)."""
+    arms = run_arms(table)
+    members, excluded = pair_groups(arms)
+    series = e3_series(table, members)
+    steps = members.groupby("group")["steps"].max().to_dict() if len(members) else {}
+    paired = paired_differences(series, members)
+    return {"arms": arms, "members": members, "excluded_pairs": excluded, "series": series,
+            "paired": paired, "windows": window_means(paired, steps),
+            "manipulation": manipulation_table(series, paired, members, steps)}
+
+
+def e3_verdicts(windows: pd.DataFrame, manipulation: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """``effects``, ``mediation`` and ``claims`` from the seeds' window means and the
+    manipulation check; ``claims.attrs["gate"]`` maps (arm, window) to why it is not
+    evaluated."""
+    eff = effects(windows)
+    gate = manipulation_gate(manipulation)
+    claims = evaluate_e3_claims(eff, windows, gate)
+    claims.attrs["gate"] = gate
+    return {"effects": eff, "mediation": mediation_table(eff), "claims": claims}
+
+
+def e3_analysis(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+    """Everything the E3 report shows: the tables of :func:`e3_tables` and of
+    :func:`e3_verdicts`."""
+    tables = e3_tables(table)
+    return {**tables, **e3_verdicts(tables["windows"], tables["manipulation"])}

@@ -1,0 +1,108 @@
+"""E3 arms and pair groups: which runs are compared with which (docs/protocols.md).
+
+An **arm** is named from the run's own config: ``none``, ``sham-<scale>``,
+``hold-<scale>``, ``shrink-<dose>-<scale>``, ``expand-<dose>-<scale>`` (mode, dose r and
+scale rule of ``key_control``). Runs **pair** when their configs agree on every key except
+the ``key_control.*`` settings (and device/threads/compile, which change speed, not
+results): such a *pair group* shares init and data order, so it is one independent unit
+(one seed). In each group exactly one ``none`` run is the baseline; a group without one,
+or with two, is left out with the reason, and so are two runs of one arm in a group.
+
+A run written before ``key_control.scale`` and ``dose`` existed kept ‖W_K‖_F (the
+``frobenius`` rule) and took its dose from ``shrink_to``/``expand_to``; it is named so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from qkgeom.analysis.collate import runs_of
+
+BASELINE = "none"
+SHAM = "sham"
+LEGACY_SCALE = "frobenius"
+ARM_COLUMNS = ["run_id", "seed", "arm", "mode", "dose", "scale", "steps", "dir", "pair_key",
+               "cell_key"]
+
+
+def arm_name(mode: str, dose: float, scale: str) -> str:
+    """``none``, ``sham-data``, ``hold-frobenius``, ``shrink-0.5-data``, ..."""
+    if mode == BASELINE:
+        return BASELINE
+    if mode in (SHAM, "hold"):
+        return f"{mode}-{scale}"
+    return f"{mode}-{float(dose):g}-{scale}"
+
+
+def _control(run: dict[str, Any]) -> tuple[str, float, str]:
+    """(mode, dose, scale) of a runs-table record (see the module docstring)."""
+    ctl = run.get("control") if isinstance(run.get("control"), dict) else {}
+    mode = str(ctl.get("mode", run.get("key_control") or BASELINE))
+    scale = str(ctl.get("scale", LEGACY_SCALE))
+    dose = ctl.get("dose")
+    if dose is None:
+        dose = {"shrink": ctl.get("shrink_to"), "expand": ctl.get("expand_to")}.get(mode)
+    return mode, float(1.0 if dose is None else dose), scale
+
+
+def run_arms(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per analysed (not excluded) run: ``run_id, seed, arm, mode, dose, scale,
+    steps, dir, pair_key, cell_key``."""
+    runs = runs_of(table)
+    if runs.empty:
+        return pd.DataFrame(columns=ARM_COLUMNS)
+    runs = runs[runs["excluded"] == ""]
+    rows = []
+    for run in runs.to_dict("records"):
+        mode, dose, scale = _control(run)
+        rows.append({"run_id": run["run_id"], "seed": int(run["seed"]),
+                     "arm": arm_name(mode, dose, scale), "mode": mode, "dose": dose,
+                     "scale": scale, "steps": int(run.get("steps") or 0), "dir": run["dir"],
+                     "pair_key": str(run.get("pair_key") or run["run_id"]),
+                     "cell_key": str(run.get("cell_key") or "")})
+    return pd.DataFrame(rows, columns=ARM_COLUMNS)
+
+
+def pair_groups(arms: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(members, excluded)``. ``members``: the runs of every valid pair group that has a
+    controlled arm, with ``group`` (an int) and ``baseline`` (the group's ``none`` run).
+    ``excluded``: ``run_id, seed, arm, reason`` of the runs of groups (or arms) left out."""
+    cols = [*ARM_COLUMNS, "group", "baseline"]
+    ex_cols = ["run_id", "seed", "arm", "reason"]
+    runs = arms.assign(group=arms.groupby("pair_key", sort=True).ngroup())
+    none = runs["arm"] == BASELINE
+    by_group = runs.groupby("group")
+    n_none = by_group["arm"].transform(lambda a: int((a == BASELINE).sum()))
+    n_ctl = by_group["arm"].transform("size") - n_none
+    runs = runs[n_ctl > 0]  # an uncontrolled run with nothing to compare: not part of E3
+    none, n_none = none[runs.index], n_none[runs.index]
+    nones = runs[none].groupby("group")["run_id"].agg(lambda r: ", ".join(sorted(r)))
+    reason = pd.Series("", index=runs.index, dtype=object)
+    reason[n_none == 0] = "no uncontrolled (none) run with the same config to pair with"
+    many = n_none > 1
+    reason[many] = [f"{n} uncontrolled (none) runs with the same config: ambiguous baseline "
+                    f"({nones[g]})" for n, g in zip(n_none[many], runs.loc[many, "group"],
+                                                    strict=True)]
+    dup = ~none & runs.duplicated(["group", "arm"], keep=False) & (reason == "")
+    n_dup = runs[dup].groupby(["group", "arm"])["run_id"].transform("size")
+    reason[dup] = [f"{n} runs of arm {a} with the same config"
+                   for n, a in zip(n_dup, runs.loc[dup, "arm"], strict=True)]
+    excluded = runs[reason != ""].assign(reason=reason[reason != ""])[ex_cols]
+    valid = runs[(reason == "") & (n_none == 1)]
+    base = valid[valid["arm"] == BASELINE].set_index("group")["run_id"]
+    members = valid.assign(baseline=valid["group"].map(base))
+    members = members[members["group"].isin(members.loc[members["arm"] != BASELINE, "group"])]
+    return members[cols].reset_index(drop=True), excluded.reset_index(drop=True)
+
+
+def is_e3(table: pd.DataFrame) -> bool:
+    """True when some pair group of the analysed runs holds an uncontrolled and a controlled
+    run (whether or not the group is then usable): the folder gets the E3 report."""
+    arms = run_arms(table)
+    if arms.empty:
+        return False
+    has = arms.groupby("pair_key")["arm"].agg(
+        lambda a: BASELINE in set(a) and bool((a != BASELINE).any()))
+    return bool(has.any())
