@@ -247,7 +247,7 @@ def test_real_e3_runs_are_paired_checked_and_reported(sample_data: Path, tmp_pat
         # same init and data order: every probe metric at step 0 is identical across arms
         assert len(cols) == 2 and (step0.loc[seed, cols].nunique(axis=1) == 1).all()
     a = e3_analysis(table)
-    assert sorted(a["members"]["arm"].unique()) == ["hold-frobenius", "none"]
+    assert sorted(a["members"]["arm"].unique()) == ["hold-data", "none"]  # data: the default
     hold = a["manipulation"].set_index(["window", "seed"])
     assert len(hold) == 4 and hold.loc["whole", "achieved"].notna().all()  # 2 seeds x 2 windows
     # probes at 0, 10, 20: none in the early window (step ≤ 5), so nothing to check there

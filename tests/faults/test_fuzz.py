@@ -95,7 +95,8 @@ def test_data_prepare_fuzz(content: bytes, tmp_path_factory: pytest.TempPathFact
 
 KEYS = st.sampled_from([
     "steps", "batch_size", "lr", "warmup_steps", "probe_every", "eval_every", "log_every",
-    "checkpoint_every", "keep_checkpoints", "key_control.shrink_to", "key_control.expand_to",
+    "checkpoint_every", "keep_checkpoints", "key_control.dose", "key_control.scale",
+    "key_control.reference", "key_control.record", "key_control.ramp_steps",
     "key_control.mode", "key_control.scope", "key_control", "precision", "seed", "grad_clip", "weight_decay", "min_lr_ratio",
     "beta1", "beta2", "reference_step", "threads", "model.n_layer", "model.n_head",
     "model.n_embd", "model.block_size", "model.dropout", "model.qk_init", "model.bias",

@@ -47,8 +47,8 @@ def test_cli_maps_flags_onto_config_keys() -> None:
     assert train_overrides(compile=True, precision="bf16") == {"compile": True,
                                                                "precision": "bf16"}
     assert train_overrides(compile=None) == {}
-    assert train_overrides(depth=6, key_control="hold", shrink_to=0.3) == {
-        "model": {"n_layer": 6}, "key_control": {"mode": "hold", "shrink_to": 0.3}}
+    assert train_overrides(depth=6, key_control="shrink", dose=0.3) == {
+        "model": {"n_layer": 6}, "key_control": {"mode": "shrink", "dose": 0.3}}
 
 
 def test_bf16_run_probes_in_fp32_keeps_fp32_master_weights_and_learns(

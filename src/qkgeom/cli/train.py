@@ -12,7 +12,7 @@ from qkgeom.errors import QKGeomError
 # CLI flag -> dotted config key (flags left None keep the preset's value).
 _FLAG_KEYS = {"depth": "model.n_layer", "n_embd": "model.n_embd", "n_head": "model.n_head",
               "block_size": "model.block_size", "qk_init": "model.qk_init",
-              "key_control": "key_control.mode", "shrink_to": "key_control.shrink_to",
+              "key_control": "key_control.mode", "dose": "key_control.dose",
               "key_control_scope": "key_control.scope"}
 
 
@@ -93,9 +93,11 @@ def register(app: typer.Typer) -> None:
         threads: Annotated[int | None, typer.Option(
             help="torch CPU threads (0 = default).")] = None,
         key_control: Annotated[str | None, typer.Option(
-            help="Key-spectrum control: none | hold | shrink | expand.")] = None,
-        shrink_to: Annotated[float | None, typer.Option(
-            help="shrink: final PR_K target as a share of PR_K at step 0.")] = None,
+            help="Key-spectrum control: none | hold | shrink | sham | expand.")] = None,
+        dose: Annotated[float | None, typer.Option(
+            "--dose", "--shrink-to", help="shrink: cap PR_K at this share of the reference "
+            "(the paired --set key_control.reference run, else PR_K at step 0); expand: a "
+            "multiple (>= 1).")] = None,
         key_control_scope: Annotated[str | None, typer.Option(help="layer | head")] = None,
         set_: Annotated[list[str] | None, typer.Option(
             "--set", help="Dotted override, repeatable: --set model.dropout=0.1")] = None,
@@ -112,7 +114,7 @@ def register(app: typer.Typer) -> None:
             data=data, seed=seed, steps=steps, depth=depth, n_embd=n_embd, n_head=n_head,
             block_size=block_size, batch_size=batch_size, lr=lr, qk_init=qk_init,
             probe_every=probe_every, precision=precision, compile=compile_, device=device,
-            threads=threads, key_control=key_control, shrink_to=shrink_to,
+            threads=threads, key_control=key_control, dose=dose,
             key_control_scope=key_control_scope))
         overrides = deep_merge(overrides, parse_dotted(set_ or []))
         cfg = make_config(preset, overrides)
