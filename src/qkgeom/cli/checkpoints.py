@@ -35,6 +35,8 @@ def _summary(out: Path) -> None:
     metrics, ckpts, trends = analysis["metrics"], analysis["checkpoints"], analysis["trends"]
     last = ckpts[ckpts["in_trends"]].sort_values("step").iloc[-1]
     one = metrics[metrics["checkpoint"] == last["checkpoint"]]
+    if "block" in one:
+        one = one[one["block"] == -1]  # all tokens, not the bootstrap's token blocks
     _, table = layer_table(one)
     table = table[[c for c in table.columns if not c.startswith("Δ")]]
     render_layers(table, f"{out} — {last['checkpoint']} (step {int(last['step'])}), "
@@ -73,7 +75,11 @@ def register(app: typer.Typer) -> None:
             help="Window length (default: min(context, 512)).")] = None,
         batch_size: Annotated[int | None, typer.Option(help="Windows per forward.")] = None,
         qk_site: Annotated[str, typer.Option(
-            help="post-rotary | pre-rotary: q/k for the token PRs.")] = "post-rotary",
+            help="pre-rotary | post-rotary: q/k for the token PRs (pre-rotary also records "
+                 "the post-rotary PRs of rotary models as *_post).")] = "pre-rotary",
+        blocks: Annotated[int, typer.Option(
+            help="Contiguous token blocks also measured on their own (the same at every "
+                 "checkpoint; for the E4 bootstrap); 1 = none.")] = 8,
         dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
         device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N | mps")] = "cpu",
         keep_duplicates: Annotated[bool, typer.Option(
@@ -97,7 +103,7 @@ def register(app: typer.Typer) -> None:
             max_tokens=tokens, seq_len=seq_len, batch_size=batch_size, qk_site=qk_site,
             dtype=dtype, device=device, keep_duplicates=keep_duplicates, tokenizer=tokenizer,
             logit_spectrum=not no_logit_spectrum, trust_remote_code=trust_remote_code,
-            progress=not quiet)
+            blocks=blocks, progress=not quiet)
         _summary(folder)
         typer.echo(f"analysis folder: {folder}  (report: qkgeom report {folder})")
 
