@@ -171,13 +171,11 @@ def test_blocked_measurement_holds_the_unblocked_one_and_each_block_alone() -> N
 
 
 def test_pre_rotary_site_records_the_post_rotary_prs_of_a_llama() -> None:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                   num_hidden_layers=2, intermediate_size=64, vocab_size=50,
-                                   max_position_embeddings=32, bos_token_id=0, eos_token_id=0)
-    llama = transformers.LlamaModel(cfg).eval()
-    ids = torch.randint(0, 50, (3, 32), generator=torch.Generator().manual_seed(0))
+    pytest.importorskip("transformers")
+    from hf_models import V, build
+
+    llama = build("llama")  # 2 layers, 4 query heads, 2 key heads (GQA), rotary
+    ids = torch.randint(0, V, (3, 32), generator=torch.Generator().manual_seed(0))
     pre = measure(llama, ids, qk_site="pre-rotary").frame.set_index(["layer", "head", "metric"])
     post = measure(llama, ids).frame.set_index(["layer", "head", "metric"])
     assert not [m for m in post.index.get_level_values("metric") if m.endswith("_post")]

@@ -30,15 +30,15 @@ def test_schedules_by_hand() -> None:
         make_config("smoke", {"keep_checkpoints": -1})
 
 
-class _StopAt(Callback):
-    """Interrupts the run after update ``step`` (like a kill between two checkpoints)."""
+def _stop_after(step: int) -> Callback:
+    """A callback interrupting the run after update ``step`` (a kill between checkpoints)."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    class Stop(Callback):
+        def on_step_end(self, ctx: TrainContext) -> None:
+            if ctx.step == step:
+                raise KeyboardInterrupt
 
-    def on_step_end(self, ctx: TrainContext) -> None:
-        if ctx.step == self.step:
-            raise KeyboardInterrupt
+    return Stop()
 
 
 @pytest.mark.slow
@@ -52,7 +52,7 @@ def test_a_log_schedule_run_resumed_mid_way_is_bit_exact(sample_data: Path,
     assert [s for s, _ in list_checkpoints(ref.out_dir)] == want  # keep 0: all of them
     out = tmp_path / "cut"
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, out, callbacks=[_StopAt(11)])  # after the step-8 checkpoint
+        train(cfg, out, callbacks=[_stop_after(11)])  # after the step-8 checkpoint
     assert [s for s, _ in list_checkpoints(out)] == [0, 1, 2, 4, 8]
     res = train(cfg, out, resume=True)
     assert res.status == "done" and [s for s, _ in list_checkpoints(out)] == want
@@ -66,7 +66,7 @@ def test_a_log_schedule_run_resumed_mid_way_is_bit_exact(sample_data: Path,
     # and a run cut right after its step-0 checkpoint (new with the log schedule)
     zero = tmp_path / "zero"
     with pytest.raises(KeyboardInterrupt):
-        train(cfg, zero, callbacks=[_StopAt(1)])
+        train(cfg, zero, callbacks=[_stop_after(1)])
     assert [s for s, _ in list_checkpoints(zero)] == [0]
     train(cfg, zero, resume=True)
     pd.testing.assert_frame_equal(pd.read_parquet(ref.out_dir / "metrics.parquet")[COLS],
