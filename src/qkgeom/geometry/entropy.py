@@ -27,10 +27,13 @@ Reported means over every (sequence, query position) with ``n_t`` visible keys (
 - ``attn_entropy_norm``: mean of ``H_t / log n_t`` over rows with ``n_t ≥ 2`` (in [0, 1]);
 - ``attn_max``: mean of ``max_s p_ts`` (in [1/n_t, 1]).
 
-The same blocks give ``logit_std`` for free: while a block's scores are in hand, the sum and
-the sum of squares of the visible ones (the (query, key) pairs the softmax uses: causally
-s ≤ t, bidirectionally all) are added to running float64 totals per head, so the standard
-deviation of the scaled logits needs no second pass over the T² scores.
+The same blocks give ``logit_std``: while a block's scores are in hand, the sum and the sum
+of squares of the visible ones (the (query, key) pairs the softmax uses: causally s ≤ t,
+bidirectionally all) go into running float64 totals per head, so the standard deviation of
+the scaled logits needs no second pass over the T² scores. The keys before a causal block
+are seen by all its queries: there Σ s² is one read of the scores and Σ s =
+(Σ_t q_t)·(Σ_s k_s) needs no scores at all; only the block's diagonal square is read with
+its later keys zeroed.
 """
 
 from __future__ import annotations
@@ -206,11 +209,19 @@ class StreamingEntropy:
         self.n_pairs += B * visible_pairs(T, self.causal)
 
     @staticmethod
-    def _add_moments(s: Tensor, moments: Tensor) -> None:
-        """Σ s and Σ s² of visible scores ``s`` (B·Hk, n, R, k), per (B·Hk, R), into
-        ``moments`` (2, B·Hk, R); one read each, no temporary the size of ``s``."""
-        moments[0] += s.sum(dim=(1, 3))
+    def _add_moments(s: Tensor, moments: Tensor, sums: Tensor | None = None) -> None:
+        """Σ s and Σ s² of visible scores ``s`` (B·Hk, n, R, k) per (B·Hk, R) into
+        ``moments`` (2, B·Hk, R), one read each (none for Σ s when the caller has ``sums``
+        from the queries and keys); no temporary the size of ``s``."""
+        moments[0] += s.sum(dim=(1, 3)) if sums is None else sums
         moments[1] += torch.linalg.vector_norm(s, dim=(1, 3)).square_()
+
+    @staticmethod
+    def _pair_sums(qb: Tensor, kb: Tensor, R: int) -> Tensor:
+        """(B·Hk, R) Σ_t Σ_s q_t·k_s over every pair of queries ``qb`` (B·Hk, n·R, hd) and
+        keys ``kb`` (B·Hk, m, hd): (Σ_t q_t)·(Σ_s k_s), without the n × m scores."""
+        q_sum = qb.view(qb.shape[0], -1, R, qb.shape[-1]).sum(dim=1)  # (B·Hk, R, hd)
+        return torch.bmm(q_sum, kb.sum(dim=1)[:, :, None])[..., 0]
 
     def _whole_rows(self, qb: Tensor, kb: Tensor, t0: int, n: int, R: int, out: Tensor,
                     moments: Tensor, ws: Workspace) -> None:
@@ -221,14 +232,14 @@ class StreamingEntropy:
         s = torch.bmm(qb, kb.mT, out=ws.get("entropy.s", shape, qb.dtype, qb.device))
         grid = s.view(-1, n, R, shape[2])  # (B·Hk, n, R, nk)
         if self.causal and n > 1:  # keys after the query, only in the last n columns
-            if t0:
-                self._add_moments(grid[..., :t0], moments)  # keys before the block: all seen
+            if t0:  # keys before the block: seen by every query of it
+                self._add_moments(grid[..., :t0], moments, self._pair_sums(qb, kb[:, :t0], R))
             diag = ws.get("entropy.diag", (shape[0], n, R, n), s.dtype, s.device)
             self._add_moments(torch.mul(grid[..., t0:], _lower(n, s.dtype, s.device), out=diag),
                               moments)  # the diagonal square, later keys zeroed
             grid[..., t0:].add_(_upper(n, s.dtype, s.device))
         else:
-            self._add_moments(grid, moments)
+            self._add_moments(grid, moments, self._pair_sums(qb, kb, R))
         logp = torch.log_softmax(s, dim=-1, out=ws.get("entropy.logp", shape, s.dtype, s.device))
         # log p >= log(smallest normal) + 1: keeps p and p log p out of the subnormal range,
         # where exp and mul run ~100x slower on x86; a weight below ~1e-37 (float32) then
