@@ -1,8 +1,9 @@
 """Checkpoint-analysis throughput and memory (qkgeom.checkpoints.analyze_model).
 
-Claims measured, all in this one run on one small GPT-2-style model built from a config
-(4 layers × 128, 4 heads, context 128, windows of 128, batch 32; the weights do not matter
-for speed):
+Claims measured, all in this one run on one small model built from a config (4 layers ×
+128, 4 heads, context 128, windows of 128, batch 32; the weights do not matter for speed):
+GPT-2 style by default, ``--arch llama`` for a rotary model (Llama layout, 4 query and 2
+key heads), where the default pre-rotary site also keeps the post-rotary covariances:
 
 1. tokens/s of the streaming analysis against a plain ``inference_mode`` forward pass of
    the same model over the same windows (target ≥ 0.8×). Both run in one process,
@@ -13,11 +14,19 @@ for speed):
 2. peak resident memory against the token count (10k → 1M tokens), each size in a fresh
    subprocess (``ru_maxrss``): flat, because only O(L·(H·hd)²) accumulators are kept;
 3. a naive baseline that caches every q/k and then takes an SVD of the stacked, centred
-   activations: its memory grows with the token count (run up to 100k tokens).
+   activations: its memory grows with the token count (run up to 100k tokens);
+4. rotary models only: the cost of the post-rotary covariances (``pr_*_token_post``), as
+   the time of the default analysis (pre-rotary site, both covariances) over that of a
+   post-rotary one (one site), interleaved in the same rounds;
+5. the cost of 8 token blocks (``blocks=8``, E4's bootstrap: a second set of running
+   totals), as the time of a blocked analysis over the plain one, in the same rounds;
+6. the cost of ``logit_std`` (the sums of the visible scores and of their squares, taken
+   in the entropy's score blocks), as the time of the analysis over that of the same
+   analysis with those two sums patched out, in the same rounds.
 
-Run: ``python benchmarks/analysis_throughput.py [--tokens 1000000] [--threads 1,2]
-[--quick]``. The last line printed is the analysis/forward throughput ratio (median, first
-thread count).
+Run: ``python benchmarks/analysis_throughput.py [--arch gpt2|llama] [--tokens 1000000]
+[--threads 1,2] [--quick]``. The last line printed is the analysis/forward throughput ratio
+(median, first thread count).
 """
 
 from __future__ import annotations
@@ -46,10 +55,20 @@ class Chars:
         return [ord(c) % 256 for c in text]
 
 
+ARCH = "gpt2"  # set from --arch
+
+
 def model():
+    torch.manual_seed(0)
+    if ARCH == "llama":
+        from transformers import LlamaConfig, LlamaModel
+
+        cfg = LlamaConfig(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          hidden_size=128, intermediate_size=512, max_position_embeddings=SEQ,
+                          vocab_size=256, attn_implementation="sdpa")
+        return LlamaModel(cfg).eval()
     from transformers import GPT2Config, GPT2Model
 
-    torch.manual_seed(0)
     cfg = GPT2Config(n_layer=4, n_head=4, n_embd=128, n_positions=SEQ, vocab_size=256,
                      attn_implementation="sdpa")
     return GPT2Model(cfg).eval()
@@ -127,12 +146,27 @@ def speed_run(n_tokens: int, rounds: int) -> dict:
             for b in ids.split(BATCH):
                 m(input_ids=b, use_cache=False)
 
-    def analysis() -> None:
-        analyze_model(m, Chars(), texts, max_tokens=ids.numel(), seq_len=SEQ, batch_size=BATCH)
+    def analysis(site: str = "pre-rotary", blocks: int = 1) -> None:
+        analyze_model(m, Chars(), texts, max_tokens=ids.numel(), seq_len=SEQ, batch_size=BATCH,
+                      qk_site=site, blocks=blocks)
 
-    out: dict = {"tokens": ids.numel(), "forward": [], "analysis": []}
+    def without_logit_moments() -> None:
+        from qkgeom.geometry.entropy import StreamingEntropy
+
+        real = StreamingEntropy._add_moments
+        StreamingEntropy._add_moments = staticmethod(lambda s, moments, sums=None: None)
+        try:
+            analysis()
+        finally:
+            StreamingEntropy._add_moments = staticmethod(real)
+
+    runs = [("forward", forward), ("analysis", analysis), ("blocks8", lambda: analysis(blocks=8)),
+            ("no_moments", without_logit_moments)]
+    if ARCH == "llama":  # the same analysis without the post-rotary covariances
+        runs.append(("post_site", lambda: analysis("post-rotary")))
+    out: dict = {"tokens": ids.numel(), **{name: [] for name, _ in runs}}
     for rep in range(rounds + 1):
-        for name, fn in (("forward", forward), ("analysis", analysis)):
+        for name, fn in runs:
             t0 = time.perf_counter()
             fn()
             if rep:  # round 0 is the warm-up
@@ -142,7 +176,7 @@ def speed_run(n_tokens: int, rounds: int) -> dict:
 
 def child(kind: str, n: int, threads: int, rounds: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--child", kind, "--tokens", str(n), "--threads",
-           str(threads), "--rounds", str(rounds)]
+           str(threads), "--rounds", str(rounds), "--arch", ARCH]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
@@ -153,8 +187,11 @@ def main() -> None:
     ap.add_argument("--threads", default="", help="thread counts, e.g. 1,2 (default: torch's)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved speed rounds")
     ap.add_argument("--quick", action="store_true", help="fewer rounds and sizes (≤ 100k)")
+    ap.add_argument("--arch", default="gpt2", choices=("gpt2", "llama"))
     ap.add_argument("--child", default=None)
     args = ap.parse_args()
+    global ARCH
+    ARCH = args.arch
     threads = [int(t) for t in args.threads.split(",") if t] or [torch.get_num_threads()]
     if args.child:
         torch.set_num_threads(threads[0])
@@ -168,7 +205,7 @@ def main() -> None:
     if args.quick:
         args.rounds, args.tokens = min(args.rounds, 3), min(args.tokens, 100_000)
     n_speed = 32 * BATCH * SEQ  # 131,072 tokens: 32 batches per timed run
-    print(f"model: GPT-2 style 4 x 128, 4 heads, windows of {SEQ}, batch {BATCH}; "
+    print(f"model: {ARCH} 4 x 128, 4 heads, windows of {SEQ}, batch {BATCH}; "
           f"{n_speed:,} tokens per timed run, {args.rounds} interleaved rounds")
     ratios = []
     for t in threads:
@@ -182,6 +219,14 @@ def main() -> None:
               f"({min(fwd):,.0f}-{max(fwd):,.0f}); analysis {statistics.median(ana):>9,.0f} "
               f"tokens/s ({min(ana):,.0f}-{max(ana):,.0f}); ratio of medians {ratio:.2f} "
               f"(per round {min(per_round):.2f}-{max(per_round):.2f})")
+        costs = [("8 token blocks", "blocks8", "analysis"),
+                 ("logit_std", "analysis", "no_moments")]
+        if "post_site" in r:
+            costs.append(("post-rotary covariances", "analysis", "post_site"))
+        for what, with_it, without in costs:
+            cost = [a / b for a, b in zip(r[with_it], r[without], strict=True)]
+            print(f"  {what}: analysis time x{statistics.median(cost):.2f} of the analysis "
+                  f"without it (per round {min(cost):.2f}-{max(cost):.2f})")
 
     sizes = [n for n in (10_000, 100_000, 1_000_000) if n <= args.tokens]
     print(f"peak memory (RSS of a fresh process, {threads[0]} thread(s)) against tokens:")

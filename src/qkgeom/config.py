@@ -19,6 +19,8 @@ from qkgeom.errors import QKGeomError
 
 QK_INITS = ("normal", "orthogonal", "tied")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# every: each multiple of checkpoint_every; log: also step 0 and the powers of two below it
+CHECKPOINT_SCHEDULES = ("every", "log")
 
 
 @dataclass(frozen=True)
@@ -164,12 +166,16 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     checkpoint_every: int = 250
-    keep_checkpoints: int = 2
+    # "every": at each multiple of checkpoint_every (and the last step); "log": also at step
+    # 0 and at steps 1, 2, 4, ... below checkpoint_every (Pythia's shape, for E4 families).
+    checkpoint_schedule: str = "every"
+    keep_checkpoints: int = 2  # the newest N are kept; 0 = keep all
     # The post-transient reference (docs/protocols.md): -1 = the first probe at or after 25 %
     # of the run's steps; an explicit step >= 0 wins.
     reference_step: int = -1
     # auto = bf16 autocast on CUDA, fp32 elsewhere (see effective_precision); bf16 and fp16
-    # are opt-in anywhere. Weights and optimiser state stay fp32; probes run the fp32 model, products in float64.
+    # are opt-in anywhere. Weights and optimiser state stay fp32; probes run the fp32 model
+    # and compute in float64.
     precision: str = "auto"
     device: str = "cpu"
     threads: int = 0  # 0 = leave torch's default
@@ -185,11 +191,16 @@ class TrainConfig:
         self.model.validate()
         self.key_control.validate()
         positive = ("steps", "batch_size", "probe_every", "probe_sequences", "probe_batch",
-                    "eval_every", "eval_batches", "log_every", "checkpoint_every",
-                    "keep_checkpoints")
+                    "eval_every", "eval_batches", "log_every", "checkpoint_every")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise QKGeomError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.keep_checkpoints < 0:
+            raise QKGeomError(f"keep_checkpoints must be >= 0 (0 = keep all), got "
+                              f"{self.keep_checkpoints}")
+        if self.checkpoint_schedule not in CHECKPOINT_SCHEDULES:
+            raise QKGeomError(f"unknown checkpoint_schedule {self.checkpoint_schedule!r}; "
+                              f"choose one of {', '.join(CHECKPOINT_SCHEDULES)}")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise QKGeomError(f"lr must be a positive finite number, got {self.lr}")
         if self.seed < 0:

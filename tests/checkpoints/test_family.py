@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
-from hf_models import ARCHS, TEXT, ModTokenizer, save_family, write_trainer_state
+from hf_models import ARCHS, TEXT, ModTokenizer, build, save_family, write_trainer_state
 
 from qkgeom.analysis.e4.report import load_analysis, write_e4_report
+from qkgeom.checkpoints.analyze import analyze_model
 from qkgeom.checkpoints.family import analyze_checkpoints
 from qkgeom.checkpoints.resolve import resolve_checkpoints
 from qkgeom.errors import QKGeomError
-from qkgeom.geometry import METRIC_NAMES
+from qkgeom.geometry import METRIC_NAMES, POST_ROTARY_METRICS
 
 
 @pytest.fixture(autouse=True)
@@ -33,12 +35,14 @@ def text_file(tmp_path: Path) -> str:
 def test_every_architecture_family_is_analysed_per_checkpoint(arch: str, tmp_path: Path) -> None:
     folders = save_family(tmp_path / "ckpts", arch, [0, 10, 100, 1000])
     out = analyze_checkpoints([str(f) for f in reversed(folders)], tmp_path / "an",
-                              text=text_file(tmp_path), max_tokens=300, seq_len=40)
+                              text=text_file(tmp_path), max_tokens=300, seq_len=40, blocks=1)
     m = pd.read_parquet(out / "metrics.parquet")
-    assert list(m.columns[:7]) == ["run_id", "checkpoint", "step", "layer", "head", "metric",
-                                   "value"]
+    assert list(m.columns) == ["run_id", "checkpoint", "step", "layer", "head", "metric",
+                               "value", "block", "duplicate_of", "in_trends"]
     assert sorted(m["step"].unique()) == [0, 10, 100, 1000]  # parsed from the names
-    assert set(m["metric"]) == set(METRIC_NAMES) and m["value"].notna().all()
+    rotary = arch in ("gpt_neox", "llama")  # pre-rotary token PRs, post-rotary ones beside
+    assert set(m["metric"]) == {n for n in METRIC_NAMES if rotary or n not in POST_ROTARY_METRICS}
+    assert m["value"].notna().all() and (m["block"] == -1).all()
     assert set(m["head"]) == {-1, 0, 1, 2, 3}  # query heads (4) under GQA too
     ck = pd.read_parquet(out / "checkpoints.parquet")
     assert ck["tokens"].tolist() == [300] * 4 and ck["duplicate_of"].isna().all()
@@ -57,7 +61,7 @@ def test_duplicate_revisions_are_flagged_and_left_out(tmp_path: Path) -> None:
     folders = save_family(tmp_path / "c", "gpt2", [0, 1, 10, 20, 30],
                           duplicate={1: 0, 20: 30})
     out = analyze_checkpoints([str(f) for f in folders], tmp_path / "an",
-                              text=text_file(tmp_path), max_tokens=120, seq_len=40)
+                              text=text_file(tmp_path), max_tokens=120, seq_len=40, blocks=1)
     ck = pd.read_parquet(out / "checkpoints.parquet").set_index("checkpoint")
     assert ck.loc["step0", "duplicate_of"] == "step1"  # the later name is kept
     assert ck.loc["step20", "duplicate_of"] == "step30"
@@ -69,14 +73,14 @@ def test_duplicate_revisions_are_flagged_and_left_out(tmp_path: Path) -> None:
     for png in ("contrast_steps.png", "prefix_trend.png", "qk_entropy_heads.png"):
         assert (out / "report" / png).stat().st_size > 1000
     kept = analyze_checkpoints([str(f) for f in folders], tmp_path / "kept", keep_duplicates=True,
-                               text=text_file(tmp_path), max_tokens=120, seq_len=40)
+                               text=text_file(tmp_path), max_tokens=120, seq_len=40, blocks=1)
     assert (load_analysis(kept)["trends"]["n"] == 5).all()
 
 
 def test_an_interrupted_analysis_resumes_from_its_cache(tmp_path: Path, monkeypatch) -> None:
     folders = save_family(tmp_path / "c", "llama", [0, 5, 50])
     args = ([str(f) for f in folders], tmp_path / "an")
-    kw = {"text": text_file(tmp_path), "max_tokens": 100, "seq_len": 25}
+    kw = {"text": text_file(tmp_path), "max_tokens": 100, "seq_len": 25, "blocks": 2}
     import qkgeom.checkpoints.analyze as analyze_mod
 
     calls: list[str] = []
@@ -121,3 +125,35 @@ def test_steps_from_trainer_state_or_list_order(tmp_path: Path) -> None:
     save_family(tmp_path / "y", "bert", [40, 3])
     folder = resolve_checkpoints([str(tmp_path / "y")])  # a folder of checkpoint folders
     assert [(s.name, s.step) for s in folder] == [("step3", 3), ("step40", 40)]
+
+
+def test_token_blocks_are_the_same_at_every_checkpoint_and_each_equals_its_tokens_alone(
+        tmp_path: Path) -> None:
+    """blocks=4 over 10 windows of 20 tokens: blocks of 3, 2, 3, 2 windows; block −1 is the
+    unblocked analysis; block k equals analysing block k's own tokens. (A batch never
+    straddles two blocks; one window per batch keeps the batches of all three analyses
+    alike, so the float32 sums agree bit for bit.)"""
+    folders = save_family(tmp_path / "c", "llama", [0, 7])
+    kw = {"text": text_file(tmp_path), "max_tokens": 200, "seq_len": 20, "batch_size": 1}
+    out = analyze_checkpoints([str(f) for f in folders], tmp_path / "an", blocks=4, **kw)
+    m = pd.read_parquet(out / "metrics.parquet")
+    ck = pd.read_parquet(out / "checkpoints.parquet")
+    assert ck["blocks"].tolist() == [4, 4]
+    for name in ("step0", "step7"):
+        assert sorted(m[m["checkpoint"] == name]["block"].unique()) == [-1, 0, 1, 2, 3]
+    plain = analyze_checkpoints([str(f) for f in folders], tmp_path / "plain", blocks=1, **kw)
+    p = pd.read_parquet(plain / "metrics.parquet")
+    cols = ["checkpoint", "layer", "head", "metric", "value"]
+    pd.testing.assert_frame_equal(m[m["block"] == -1][cols].reset_index(drop=True), p[cols],
+                                  check_exact=True)
+    model = build("llama", seed=7)  # step7's weights
+    one = m[m["checkpoint"] == "step7"]
+    start = 0
+    for block, windows in enumerate([3, 2, 3, 2]):
+        alone = analyze_model(model, ModTokenizer(), TEXT[start * 20:(start + windows) * 20],
+                              max_tokens=windows * 20, seq_len=20, batch_size=1)
+        start += windows
+        got = one[one["block"] == block][["layer", "head", "metric", "value"]]
+        np.testing.assert_array_equal(got["value"].to_numpy(), alone["value"].to_numpy())
+        assert got["metric"].tolist() == alone["metric"].tolist()
+    assert {"pr_q_token_post", "contrast_token_post"} <= set(one["metric"])  # rotary: both sites

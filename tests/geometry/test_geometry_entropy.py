@@ -159,3 +159,55 @@ def test_empty_and_single_token_cases() -> None:
     assert torch.isnan(res["attn_entropy_norm"]).all()  # undefined with a single key
     with pytest.raises(ValueError):
         stats.update(torch.randn(1, 3, 2, 4), torch.randn(1, 3, 2, 4))  # wrong head count
+
+
+# --- logit_std: the scaled logits the softmax uses, from the same score blocks -----------
+
+
+def explicit_logit_std(q, k, causal, scale):
+    """Per-head population std of the visible entries of the explicit (B, H, T, T) logits."""
+    R = q.shape[1] // k.shape[1]
+    s = (q.double() @ k.double().repeat_interleave(R, dim=1).mT) * scale  # (B, H, T, T)
+    T = q.shape[2]
+    seen = torch.ones(T, T, dtype=torch.bool).tril() if causal else torch.ones(T, T, dtype=torch.bool)
+    vis = s[:, :, seen]  # (B, H, pairs)
+    return vis.transpose(0, 1).reshape(q.shape[1], -1).std(dim=1, correction=0)
+
+
+def test_logit_std_by_hand() -> None:
+    # hd = 1, scale 1, causal: scores 0.7·1 | ln3·1, ln3·0 -> visible {0.7, ln 3, 0}.
+    q = torch.tensor([0.7, math.log(3.0)], dtype=torch.float64).reshape(1, 1, 2, 1)
+    k = torch.tensor([1.0, 0.0], dtype=torch.float64).reshape(1, 1, 2, 1)
+    vals = [0.7, math.log(3.0), 0.0]
+    mean = sum(vals) / 3
+    want = math.sqrt(sum((v - mean) ** 2 for v in vals) / 3)
+    causal = StreamingEntropy(1, causal=True)
+    causal.update(q, k, scale=1.0)
+    assert float(causal.logit_std()[0]) == pytest.approx(want, rel=1e-14)
+    assert causal.n_pairs == 3
+    both = StreamingEntropy(1, causal=False)  # adds the pair (query 0, key 1): score 0.7·0
+    both.update(q, k, scale=1.0)
+    vals.append(0.0)
+    mean = sum(vals) / 4
+    assert float(both.logit_std()[0]) == pytest.approx(
+        math.sqrt(sum((v - mean) ** 2 for v in vals) / 4), rel=1e-14)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n_kv", [4, 2])
+@pytest.mark.parametrize("blocks", [None, (5, 7), (16, 16), (3, 64), (1, 1)])
+def test_logit_std_equals_the_explicit_masked_scores(causal, n_kv, blocks) -> None:
+    g = torch.Generator().manual_seed(3)
+    B, H, T, hd = 3, 4, 37, 8
+    q = torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) * torch.linspace(0.5, 3, H
+                                                                                   ).view(1, H, 1, 1)
+    k = torch.randn(B, n_kv, T, hd, generator=g, dtype=torch.float64) + 0.3
+    acc = StreamingEntropy(H, n_kv, causal)
+    acc.update(q[:1], k[:1], 0.7, blocks=blocks)
+    acc.update(q[1:], k[1:], 0.7, blocks=blocks)
+    torch.testing.assert_close(acc.logit_std(), explicit_logit_std(q, k, causal, 0.7),
+                               rtol=1e-12, atol=0)
+    f32 = StreamingEntropy(H, n_kv, causal)  # float32 products, float64 totals
+    f32.update(q.float(), k.float(), 0.7, blocks=blocks)
+    torch.testing.assert_close(f32.logit_std(), explicit_logit_std(q.float(), k.float(), causal,
+                                                                   0.7), rtol=1e-5, atol=0)

@@ -8,6 +8,7 @@ import torch
 
 from qkgeom.geometry import (
     LAYER,
+    LAYER_ONLY_METRICS,
     METRIC_NAMES,
     WEIGHT_METRICS,
     participation_ratio,
@@ -35,14 +36,21 @@ def test_metric_names_are_the_documented_names() -> None:
         "pr_k_weight",
         "contrast_weight",
         "pr_qk_weight",
+        "pr_qk_weight_full",
         "pr_q_token",
         "pr_k_token",
         "contrast_token",
+        "contrast_token_heads",
         "pr_qk_token",
+        "logit_std",
         "attn_entropy",
         "attn_entropy_norm",
         "attn_max",
+        "pr_q_token_post",
+        "pr_k_token_post",
+        "contrast_token_post",
     )
+    assert LAYER_ONLY_METRICS == ("pr_qk_weight_full", "contrast_token_heads")
 
 
 # --- weight_records ----------------------------------------------------------------------
@@ -54,7 +62,8 @@ def test_weight_records_match_explicit_svds() -> None:
     w_q = torch.randn(n_head * hd, d_model, generator=g)  # (d_out, d_model)
     w_k = torch.randn(n_head * hd, d_model, generator=g)  # (d_out, d_model)
     rec = _as_dict(weight_records(w_q, w_k, n_head))
-    assert set(rec) == {(h, m) for h in [*range(n_head), LAYER] for m in WEIGHT_METRICS}
+    assert set(rec) == {(h, m) for h in [*range(n_head), LAYER] for m in WEIGHT_METRICS
+                        if h == LAYER or m not in LAYER_ONLY_METRICS}
     for h in range(n_head):
         wq_h = w_q[h * hd : (h + 1) * hd].T  # (d_model, hd) = W_Q^h
         wk_h = w_k[h * hd : (h + 1) * hd].T  # (d_model, hd) = W_K^h
@@ -65,7 +74,12 @@ def test_weight_records_match_explicit_svds() -> None:
         )
     assert rec[(LAYER, "pr_q_weight")] == pytest.approx(_pr_sq_sv(w_q.T), rel=1e-10)
     assert rec[(LAYER, "pr_k_weight")] == pytest.approx(_pr_sq_sv(w_k.T), rel=1e-10)
+    # One rule at both levels: the layer's pr_qk is the mean of its heads' ...
     assert rec[(LAYER, "pr_qk_weight")] == pytest.approx(
+        sum(rec[(h, "pr_qk_weight")] for h in range(n_head)) / n_head, rel=1e-12
+    )
+    # ... and the PR of the whole W_Q W_Kᵀ is kept as pr_qk_weight_full.
+    assert rec[(LAYER, "pr_qk_weight_full")] == pytest.approx(
         _pr_sq_sv(w_q.T.double() @ w_k.double()), rel=1e-9
     )
     for h in [*range(n_head), LAYER]:
@@ -83,8 +97,9 @@ def test_weight_records_orthogonal_tied_init() -> None:
         for m in ("pr_q_weight", "pr_k_weight", "pr_qk_weight"):
             assert rec[(h, m)] == pytest.approx(hd, rel=1e-5)
         assert rec[(h, "contrast_weight")] == pytest.approx(0.0, abs=1e-5)
-    for m in ("pr_q_weight", "pr_k_weight", "pr_qk_weight"):
+    for m in ("pr_q_weight", "pr_k_weight", "pr_qk_weight_full"):
         assert rec[(LAYER, m)] == pytest.approx(n_head * hd, rel=1e-5)
+    assert rec[(LAYER, "pr_qk_weight")] == pytest.approx(hd, rel=1e-5)  # the head mean
 
 
 def test_weight_records_rank_one_key() -> None:

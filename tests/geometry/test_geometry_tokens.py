@@ -11,7 +11,9 @@ import torch
 
 from qkgeom.geometry import (
     LAYER,
+    LAYER_ONLY_METRICS,
     METRIC_NAMES,
+    POST_ROTARY_METRICS,
     TOKEN_METRICS,
     LayerGeometry,
     StreamingCovariance,
@@ -82,7 +84,9 @@ def test_hand_known_covariance_prs() -> None:
     tg.update(q[:1].double(), k[:1].double())  # two updates: streaming must not matter
     tg.update(q[1:].double(), k[1:].double())
     rec = _as_dict(tg.records())
-    assert set(rec) == {(h, m) for h in [*range(n_head), LAYER] for m in TOKEN_METRICS}
+    assert set(rec) == {(h, m) for h in [*range(n_head), LAYER] for m in TOKEN_METRICS
+                        if m not in POST_ROTARY_METRICS
+                        and (h == LAYER or m not in LAYER_ONLY_METRICS)}
     for h in range(n_head):
         assert rec[(h, "pr_q_token")] == pytest.approx(25 / 17, rel=1e-12)
         assert rec[(h, "pr_k_token")] == pytest.approx(hd, rel=1e-12)
@@ -138,8 +142,9 @@ def test_end_to_end_layer_frame() -> None:
     tg = LayerGeometry(n_head, n_head, hd)
     tg.update(q, k)
     frame = records_to_frame({0: weight_records(w_q, w_k, n_head) + tg.records()}, run_id="x")
-    assert len(frame) == (n_head + 1) * len(METRIC_NAMES)
-    assert set(frame["metric"]) == set(METRIC_NAMES)
+    per_layer = [m for m in METRIC_NAMES if m not in POST_ROTARY_METRICS]  # one site: no _post
+    assert len(frame) == (n_head + 1) * len(per_layer) - n_head * len(LAYER_ONLY_METRICS)
+    assert set(frame["metric"]) == set(per_layer)
     assert frame["value"].notna().all()
 
 
@@ -161,3 +166,103 @@ def test_gqa_pairs_each_query_head_with_the_key_head_it_attends_with() -> None:
     same = _as_dict(repeated.records())
     for key, value in rec.items():  # repeating the keys as the attention does changes nothing
         assert same[key] == pytest.approx(value, rel=1e-10), key
+
+
+# --- logit_std, the GQA-fair layer contrast, post-rotary PRs, token blocks ----------------
+
+
+def test_logit_std_per_head_and_pooled_layer_equal_the_masked_score_matrix() -> None:
+    g = torch.Generator().manual_seed(7)
+    B, H, Hk, T, hd = 3, 4, 2, 13, 5
+    q = torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) * torch.tensor(
+        [0.5, 1.0, 2.0, 4.0], dtype=torch.float64).view(1, H, 1, 1)  # heads of unlike spread
+    k = torch.randn(B, Hk, T, hd, generator=g, dtype=torch.float64) + 0.5
+    tg = LayerGeometry(H, Hk, hd)
+    tg.update(q[:2], k[:2], scale=0.3)
+    tg.update(q[2:], k[2:], scale=0.3)
+    rec = _as_dict(tg.records())
+    s = q @ k.repeat_interleave(H // Hk, dim=1).mT * 0.3  # (B, H, T, T)
+    seen = s[:, :, torch.ones(T, T, dtype=torch.bool).tril()]  # (B, H, T(T+1)/2) causal pairs
+    for h in range(H):
+        want = float(seen[:, h].std(correction=0))
+        assert rec[(h, "logit_std")] == pytest.approx(want, rel=1e-12)
+    assert rec[(LAYER, "logit_std")] == pytest.approx(float(seen.std(correction=0)), rel=1e-12)
+    assert rec[(LAYER, "logit_std")] > max(rec[(h, "logit_std")] for h in range(H)) / 4
+
+
+def test_contrast_token_heads_is_fair_under_gqa() -> None:
+    """Isotropic q and k: every head's PR_Q^h = PR_K^g = hd, so the paired contrast is 0;
+    the concatenated layer contrast compares H·hd with H_kv·hd dimensions and is not."""
+    g = torch.Generator().manual_seed(8)
+    B, H, Hk, T, hd = 8, 4, 1, 64, 4
+    q = torch.randn(B, H, T, hd, generator=g, dtype=torch.float64)
+    k = torch.randn(B, Hk, T, hd, generator=g, dtype=torch.float64)
+    tg = LayerGeometry(H, Hk, hd)
+    tg.update(q, k)
+    rec = _as_dict(tg.records())
+    per_head = [rec[(h, "contrast_token")] for h in range(H)]
+    assert rec[(LAYER, "contrast_token_heads")] == pytest.approx(sum(per_head) / H, rel=1e-12)
+    assert abs(rec[(LAYER, "contrast_token_heads")]) < 0.3  # ≈ 0: hd − hd up to sampling
+    assert rec[(LAYER, "contrast_token")] > (H - Hk) * hd - 1.5  # ≈ 16 − 4: the GQA bias
+    assert (0, "contrast_token_heads") not in rec  # a layer-row metric
+
+
+def _rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding (HF's rotate-half layout) of x (B, H, T, hd) at positions 0..T-1."""
+    T, hd = x.shape[-2], x.shape[-1]
+    inv = base ** (-torch.arange(0, hd, 2, dtype=torch.float64) / hd)  # (hd/2,)
+    ang = torch.arange(T, dtype=torch.float64)[:, None] * inv  # (T, hd/2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)  # (T, hd)
+    half = torch.cat([-x[..., hd // 2:], x[..., : hd // 2]], -1)
+    return x * cos + half * sin
+
+
+def test_rotary_inflates_token_pr_and_post_metrics_keep_both() -> None:
+    """A head with a power-law spectrum plus a mean: rotary turns the mean into a
+    position-dependent direction, so the post-rotary PR is far larger (the issue's 4.65 vs
+    17.4 at hd 64, T 512); the pre-rotary site records both."""
+    g = torch.Generator().manual_seed(9)
+    B, T, hd = 4, 64, 16
+    spread = torch.arange(1, hd + 1, dtype=torch.float64) ** -1.0  # power-law std
+    mean = torch.full((hd,), 2.0, dtype=torch.float64)
+    pre = torch.randn(2, B, 1, T, hd, generator=g, dtype=torch.float64) * spread + mean
+    q_pre, k_pre = pre[0], pre[1]  # (B, 1, T, hd)
+    q_post, k_post = _rope(q_pre), _rope(k_pre)
+    site = LayerGeometry(1, 1, hd, with_post=True)
+    site.update(q_pre, k_pre, q_post, k_post)
+    rec = _as_dict(site.records())
+    post_only = LayerGeometry(1, 1, hd)
+    post_only.update(q_post, k_post)
+    ref = _as_dict(post_only.records())
+    assert rec[(0, "pr_q_token")] < rec[(0, "pr_q_token_post")] / 2  # pre < post
+    for h in (0, LAYER):
+        for m in ("pr_q_token", "pr_k_token", "contrast_token"):
+            assert rec[(h, m + "_post")] == pytest.approx(ref[(h, m)], rel=1e-12)
+        for m in ("pr_qk_token", "logit_std", "attn_entropy"):  # always what attention uses
+            assert rec[(h, m)] == pytest.approx(ref[(h, m)], rel=1e-12)
+    assert not [m for _, m, _ in post_only.records() if m.endswith("_post")]
+
+
+def test_token_blocks_equal_separate_measurements_and_leave_the_total_unchanged() -> None:
+    g = torch.Generator().manual_seed(10)
+    B, H, Hk, T, hd = 2, 4, 2, 9, 3
+    batches = [(torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) + 0.1 * i,
+                torch.randn(B, Hk, T, hd, generator=g, dtype=torch.float64)) for i in range(5)]
+    plan = [[0, 1], [2], [3, 4]]  # three contiguous blocks of batches
+    blocked, plain = LayerGeometry(H, Hk, hd), LayerGeometry(H, Hk, hd)
+    got = []
+    for members in plan:
+        blocked.begin_block()
+        for i in members:
+            blocked.update(*batches[i])
+            plain.update(*batches[i])
+        got.append(blocked.end_block())
+    assert blocked.records() == plain.records()  # all tokens: bit for bit
+    for members, recs in zip(plan, got, strict=True):
+        alone = LayerGeometry(H, Hk, hd)
+        for i in members:
+            alone.update(*batches[i])
+        assert recs == alone.records()
+    assert got[0] != got[2]
+    with pytest.raises(ValueError, match="no token block"):
+        blocked.end_block()

@@ -3,12 +3,14 @@ RNG restored, determinism, HF models (key spectra, GQA), metric names."""
 
 from __future__ import annotations
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
 from qkgeom import GPT, GPTConfig, measure
 from qkgeom.errors import QKGeomError
-from qkgeom.geometry import METRIC_NAMES, resolve_metrics
+from qkgeom.geometry import METRIC_NAMES, measure_batches, resolve_metrics
 
 
 def probe(model, ids, **kw):
@@ -139,3 +141,49 @@ def test_grouped_query_attention_pairs_query_heads_with_their_key_head() -> None
     assert pr_k[0] == pr_k[1] and pr_k[2] == pr_k[3] and pr_k[0] != pr_k[2]
     w = frame[(frame["head"] >= 0) & (frame["metric"] == "pr_k_weight")].set_index("head")
     assert w["value"][0] == w["value"][1] and w["value"][2] == w["value"][3]
+
+
+def test_blocked_measurement_holds_the_unblocked_one_and_each_block_alone() -> None:
+    """block −1 equals the unblocked measurement bit for bit; block k equals measuring the
+    windows of block k alone (the engine keeps two sets of totals, never reruns)."""
+    m, ids = model("normal"), tokens()  # 6 windows
+    plan = [(0, ids[:2]), (0, ids[2:3]), (1, ids[3:5]), (2, ids[5:])]
+    got = measure_batches(m, plan, blocked=True, run_id="x")
+    f = got.frame
+    assert list(f.columns) == ["run_id", "layer", "head", "metric", "value", "block"]
+    assert sorted(f["block"].unique()) == [-1, 0, 1, 2]
+    assert got.block_tokens == {0: 3 * CFG.block_size, 1: 2 * CFG.block_size,
+                                2: CFG.block_size}
+    plain = measure_batches(m, [b for _, b in plan], run_id="x").frame
+    pd.testing.assert_frame_equal(f[f["block"] == -1].drop(columns="block"), plain,
+                                  check_exact=True)
+    for block in (0, 1, 2):
+        alone = measure_batches(m, [b for k, b in plan if k == block], run_id="x").frame
+        pd.testing.assert_frame_equal(
+            f[f["block"] == block].drop(columns="block").reset_index(drop=True), alone,
+            check_exact=True)
+    layer = plain[(plain["head"] == -1) & (plain["metric"] == "attn_entropy")]
+    assert got.layer_values("attn_entropy") == dict(zip(layer["layer"], layer["value"], strict=True))
+    with pytest.raises(QKGeomError, match="contiguous"):
+        measure_batches(m, [(1, ids[:2]), (0, ids[2:])], blocked=True)
+    with pytest.raises(QKGeomError, match="pair"):
+        measure_batches(m, [ids[:2]], blocked=True)
+
+
+def test_pre_rotary_site_records_the_post_rotary_prs_of_a_llama() -> None:
+    pytest.importorskip("transformers")
+    from hf_models import V, build
+
+    llama = build("llama")  # 2 layers, 4 query heads, 2 key heads (GQA), rotary
+    ids = torch.randint(0, V, (3, 32), generator=torch.Generator().manual_seed(0))
+    pre = measure(llama, ids, qk_site="pre-rotary").frame.set_index(["layer", "head", "metric"])
+    post = measure(llama, ids).frame.set_index(["layer", "head", "metric"])
+    assert not [m for m in post.index.get_level_values("metric") if m.endswith("_post")]
+    for name in ("pr_q_token", "pr_k_token", "contrast_token"):
+        sel = post.xs(name, level="metric")["value"]
+        got = pre.xs(name + "_post", level="metric")["value"].loc[sel.index]
+        np.testing.assert_allclose(got.to_numpy(), sel.to_numpy(), rtol=1e-12, atol=1e-12)
+        assert not np.allclose(pre.xs(name, level="metric")["value"].loc[sel.index], sel)
+    for name in ("pr_qk_token", "logit_std", "attn_entropy", "pr_qk_weight"):  # not the site's
+        a, b = pre.xs(name, level="metric")["value"], post.xs(name, level="metric")["value"]
+        np.testing.assert_allclose(a.loc[b.index].to_numpy(), b.to_numpy(), rtol=1e-12)

@@ -13,9 +13,9 @@ import torch
 from qkgeom import DivergedError, QKGeomError, make_config, train
 from qkgeom.training import Callback, TrainContext
 
-METRICS = {"pr_q_weight", "pr_k_weight", "contrast_weight", "pr_qk_weight", "pr_q_token",
-           "pr_k_token", "contrast_token", "pr_qk_token", "attn_entropy", "attn_entropy_norm",
-           "attn_max"}
+METRICS = {"pr_q_weight", "pr_k_weight", "contrast_weight", "pr_qk_weight", "pr_qk_weight_full",
+           "pr_q_token", "pr_k_token", "contrast_token", "contrast_token_heads", "pr_qk_token",
+           "logit_std", "attn_entropy", "attn_entropy_norm", "attn_max"}
 
 
 def smoke(data: Path, **over: object) -> object:

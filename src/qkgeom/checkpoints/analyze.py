@@ -4,6 +4,12 @@ The text is tokenized in order (the model's own tokenizer), cut into windows of 
 tokens and streamed through :func:`qkgeom.geometry.measure_batches` in batches, so memory is
 one batch of activations plus O(L·(H·hd)²) float64 accumulators, whatever the token count.
 Encoders (BERT) get ``[CLS] … [SEP]`` around every window; decoders see raw windows.
+
+Token blocks (``blocks=K``, for the bootstrap of docs/checkpoints.md): the windows are cut
+into K contiguous runs of (nearly) equal size, window i in block ⌊i·K/n⌋, so the same
+text and settings give the same blocks for every checkpoint; the metrics are recorded for
+all tokens (``block = -1``) and per block from one pass (the window ids are held in memory
+to count them: 8 bytes per token).
 """
 
 from __future__ import annotations
@@ -42,29 +48,50 @@ def _texts(texts: str | Iterable[str] | Callable[[], Iterable[str]]) -> Iterable
     return texts() if callable(texts) else texts
 
 
-def _batches(windows: Iterable[np.ndarray], before: list[int], after: list[int],
-             batch_size: int, progress: Callable[[int], None] | None) -> Iterator[torch.Tensor]:
-    """Token windows framed by the special ids, stacked ``batch_size`` at a time (a short
-    last window runs alone); ``progress`` hears of each batch's text tokens once the
-    consumer asks for the next one, i.e. once the batch is measured."""
+def _batches(windows: Iterable[tuple[int, np.ndarray]], before: list[int], after: list[int],
+             batch_size: int, progress: Callable[[int], None] | None
+             ) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(block, ids)``: token windows (with their block index) framed by the special ids,
+    stacked ``batch_size`` at a time; a batch never mixes blocks or lengths (a short last
+    window runs alone). ``progress`` hears of each batch's text tokens once the consumer
+    asks for the next one, i.e. once the batch is measured."""
     batch: list[np.ndarray] = []
+    block = -1
 
-    def emit() -> Iterator[torch.Tensor]:
-        yield torch.from_numpy(np.stack([np.concatenate([before, w, after]).astype(np.int64)
-                                         for w in batch]))  # (B, T)
+    def emit() -> Iterator[tuple[int, torch.Tensor]]:
+        yield block, torch.from_numpy(np.stack([np.concatenate([before, w, after]).astype(
+            np.int64) for w in batch]))  # (B, T)
         if progress is not None:
             progress(sum(len(w) for w in batch))
 
-    for window in windows:
-        if batch and len(window) != len(batch[0]):
+    for k, window in windows:
+        if batch and (len(window) != len(batch[0]) or k != block):
             yield from emit()
             batch = []
+        block = k
         batch.append(window)
         if len(batch) == batch_size:
             yield from emit()
             batch = []
     if batch:
         yield from emit()
+
+
+def _block_plan(windows: Iterable[np.ndarray], blocks: int, seq_len: int
+                ) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
+    """Every window with its block (window i of n in block ⌊i·blocks/n⌋: contiguous runs
+    whose sizes differ by at most one window) and the text tokens of each block."""
+    held = list(windows)
+    n = len(held)
+    if n < blocks:
+        raise QKGeomError(f"{blocks} token blocks need at least {blocks} windows; the text gave "
+                          f"{n} window(s) of up to {seq_len} tokens: raise --tokens or lower "
+                          "--blocks (1: no token blocks)")
+    plan = [(i * blocks // n, w) for i, w in enumerate(held)]
+    sizes = [0] * blocks
+    for k, w in plan:
+        sizes[k] += len(w)
+    return plan, sizes
 
 
 def analyze_model(
@@ -75,9 +102,10 @@ def analyze_model(
     max_tokens: int = 200_000,
     seq_len: int | None = None,
     batch_size: int | None = None,
-    qk_site: str = "post-rotary",
+    qk_site: str = "pre-rotary",
     logit_spectrum: bool = True,
     precision: str = "float32",
+    blocks: int = 1,
     progress: Callable[[int], None] | None = None,
     **columns: Any,
 ) -> pd.DataFrame:
@@ -92,17 +120,22 @@ def analyze_model(
         seq_len: window length; default min(model context, 512) (encoders: minus 2 for
             [CLS]/[SEP]).
         batch_size: windows per forward; default about 8192 tokens per batch.
-        qk_site: ``post-rotary`` (default) or ``pre-rotary`` queries/keys for the token PRs.
+        qk_site: ``pre-rotary`` (default) or ``post-rotary`` queries/keys for the token PRs
+            (the same on models without rotary). On a rotary model the pre-rotary site also
+            records the post-rotary PRs (``pr_*_token_post``); attention statistics,
+            ``logit_std`` and ``pr_qk_token`` always use the post-rotary q/k.
         logit_spectrum: compute ``pr_qk_token`` (left out when False).
         precision: ``float32`` (default: long corpora) or ``float64`` products.
+        blocks: K > 1 also records every metric per token block (module docstring).
         progress: called with the number of text tokens of each finished batch.
         **columns: constant columns put in front (e.g. ``checkpoint="step1000"``).
 
     Returns:
-        Long frame ``[*columns], layer, head, metric, value`` (head −1 = layer; heads are
-        query heads) with ``attrs``: ``arch``, ``tokens``, ``positions``, ``seconds``,
-        ``tokens_per_s``, ``seq_len``, ``n_head``, ``n_kv_head``, ``causal``, ``rotary``,
-        ``qk_site``.
+        Long frame ``[*columns], layer, head, metric, value, block`` (head −1 = layer;
+        heads are query heads; block −1 = all tokens, k = token block k) with ``attrs``:
+        ``arch``, ``tokens``, ``positions``, ``seconds``, ``tokens_per_s``, ``seq_len``,
+        ``n_head``, ``n_kv_head``, ``causal``, ``rotary``, ``qk_site``, ``blocks``,
+        ``block_tokens`` (text tokens per block).
     """
     adapter = adapter_for(model)
     before, after = _specials(tokenizer, adapter)
@@ -112,19 +145,30 @@ def analyze_model(
     if seq_len + extra > limit:
         raise QKGeomError(f"sequence length {seq_len} (+{extra} special tokens) exceeds the "
                           f"model's context of {limit} positions")
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
     batch_size = batch_size or max(1, _TOKENS_PER_BATCH // seq_len)
     windows = token_windows(tokenizer, _texts(texts), max_tokens, seq_len)
+    sizes: list[int] = []
+    if blocks > 1:
+        numbered, sizes = _block_plan(windows, blocks, seq_len)
+    else:
+        numbered = ((-1, w) for w in windows)
+    stream = _batches(numbered, before, after, batch_size, progress)
     metrics = "all" if logit_spectrum else [m for m in METRIC_NAMES if m != "pr_qk_token"]
     with torch.inference_mode():
-        result = measure_batches(model, _batches(windows, before, after, batch_size, progress),
+        result = measure_batches(model, stream if blocks > 1 else (ids for _, ids in stream),
                                  metrics=metrics, qk_site=qk_site, precision=precision,
-                                 **columns)
+                                 blocked=blocks > 1, **columns)
     positions = result.tokens
     tokens = positions - extra * result.sequences
     site = adapter.sites[0]
     frame = result.frame
+    if blocks == 1:
+        frame["block"] = pd.Series([-1] * len(frame), dtype="int64")
     frame.attrs.update(arch=adapter.arch, tokens=tokens, positions=positions,
                        seconds=result.seconds, tokens_per_s=tokens / max(result.seconds, 1e-9),
                        seq_len=seq_len, n_head=site.n_head, n_kv_head=site.n_kv_head,
-                       causal=adapter.causal, rotary=adapter.rotary, qk_site=qk_site)
+                       causal=adapter.causal, rotary=adapter.rotary, qk_site=qk_site,
+                       blocks=blocks, block_tokens=sizes)
     return frame

@@ -8,8 +8,10 @@ settings. The folder (``analysis.json`` marks it):
 
 - ``analysis.json``: model, text, tokens, settings, state;
 - ``metrics.parquet``: the run folder's long format ``run_id, checkpoint, step, layer,
-  head, metric, value`` plus ``duplicate_of`` (the checkpoint it duplicates, or None) and
-  ``in_trends`` (False for a duplicate left out of trend statistics);
+  head, metric, value`` plus ``block`` (−1 = all tokens, k = token block k of the
+  ``blocks`` contiguous blocks, the same at every checkpoint), ``duplicate_of`` (the
+  checkpoint it duplicates, or None) and ``in_trends`` (False for a duplicate left out of
+  trend statistics);
 - ``checkpoints.parquet``: per checkpoint its step (and where it came from), Q/K hash,
   ``duplicate_of``, ``in_trends``, tokens and tokens/s.
 
@@ -69,11 +71,11 @@ def flag_duplicates(table: pd.DataFrame, keep_duplicates: bool = False) -> pd.Da
 
 
 def _settings(specs: list[CheckpointSpec], text: str, max_tokens: int, seq_len: int | None,
-              qk_site: str, dtype: str, logit_spectrum: bool, tokenizer: str | None
-              ) -> dict[str, Any]:
+              qk_site: str, dtype: str, logit_spectrum: bool, tokenizer: str | None,
+              blocks: int) -> dict[str, Any]:
     return {"text": text, "max_tokens": int(max_tokens), "seq_len": seq_len, "qk_site": qk_site,
             "dtype": dtype, "logit_spectrum": logit_spectrum, "tokenizer": tokenizer,
-            "sources": sorted({s.source for s in specs})}
+            "blocks": int(blocks), "sources": sorted({s.source for s in specs})}
 
 
 def _hash(settings: dict[str, Any]) -> str:
@@ -89,13 +91,14 @@ def analyze_checkpoints(
     max_tokens: int = 200_000,
     seq_len: int | None = None,
     batch_size: int | None = None,
-    qk_site: str = "post-rotary",
+    qk_site: str = "pre-rotary",
     dtype: str = "float32",
     device: str = "cpu",
     keep_duplicates: bool = False,
     tokenizer: str | None = None,
     logit_spectrum: bool = True,
     trust_remote_code: bool = False,
+    blocks: int = 8,
     progress: bool = False,
 ) -> Path:
     """Analyse every checkpoint of ``models``/``revisions`` into ``out``; returns ``out``.
@@ -105,7 +108,10 @@ def analyze_checkpoints(
     ``text`` (a :func:`qkgeom.data.text.open_text` spec) defaults to ``sample``, except for
     the checkpoints of a qkgeom run folder: they are measured on the run's own probe set in
     float64, exactly as the trainer's probes, so the numbers equal the run's
-    ``metrics.parquet`` (``max_tokens``, ``seq_len`` and ``batch_size`` then do not apply).
+    ``metrics.parquet`` (``max_tokens``, ``seq_len``, ``batch_size`` and ``blocks`` then do
+    not apply). ``qk_site`` defaults to ``pre-rotary`` (rotary models also get the
+    post-rotary PRs, ``pr_*_token_post``); ``blocks`` (default 8) token blocks are recorded
+    beside all tokens for the E4 bootstrap.
     Raises :class:`QKGeomError` for bad input, before any model is loaded where possible.
     """
     from qkgeom.arch import QK_SITES, adapter_for
@@ -123,15 +129,17 @@ def analyze_checkpoints(
         raise QKGeomError(f"unknown --qk-site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
     if max_tokens < 1:
         raise QKGeomError(f"--tokens must be >= 1, got {max_tokens}")
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
     out = Path(out)
     specs = resolve_checkpoints(models, revisions)
     probe_ids = None
     if text is None and specs[0].kind == "run":
         probe_ids, probe_batch = _run_probe_set(Path(specs[0].source))
-        text, max_tokens = PROBE_SET, int(probe_ids.numel())
+        text, max_tokens, blocks = PROBE_SET, int(probe_ids.numel()), 1
     texts = open_text(text or "sample") if probe_ids is None else None
     settings = _settings(specs, text or "sample", max_tokens, seq_len, qk_site, dtype,
-                         logit_spectrum, tokenizer)
+                         logit_spectrum, tokenizer, blocks)
     key = _hash(settings)
     if (out / MARKER).is_file():
         prev = read_json(out / MARKER)
@@ -198,7 +206,7 @@ def analyze_checkpoints(
                     frame = analyze_model(
                         model, tok, texts, max_tokens=max_tokens, seq_len=seq_len,
                         batch_size=batch_size, qk_site=qk_site, logit_spectrum=logit_spectrum,
-                        progress=tick, **columns)
+                        blocks=blocks, progress=tick, **columns)
             finally:
                 free_model(model)
                 model = None
@@ -208,7 +216,8 @@ def analyze_checkpoints(
                    "kind": spec.kind, "source": spec.source, "qk_hash": digest,
                    "arch": frame.attrs["arch"], "n_head": frame.attrs["n_head"],
                    "n_kv_head": frame.attrs["n_kv_head"], "tokens": frame.attrs["tokens"],
-                   "seq_len": frame.attrs["seq_len"], "seconds": frame.attrs["seconds"],
+                   "seq_len": frame.attrs["seq_len"], "blocks": frame.attrs["blocks"],
+                   "seconds": frame.attrs["seconds"],
                    "tokens_per_s": frame.attrs["tokens_per_s"]}
             write_parquet(cache.with_suffix(".parquet"), frame)
             write_json(done_path, {"settings_hash": key, "row": row})
@@ -242,12 +251,14 @@ def _measure_probe_set(model: Any, ids: Any, batch_size: int, logit_spectrum: bo
     result = measure(model, ids, metrics=metrics, batch_size=batch_size, **columns)
     progress(result.tokens)
     frame = result.frame
+    frame["block"] = pd.Series([-1] * len(frame), dtype="int64")  # blocks do not apply
     site = result.adapter.sites[0]
     frame.attrs.update(arch=result.adapter.arch, tokens=result.tokens,
                        positions=result.tokens, seconds=result.seconds,
                        tokens_per_s=result.tokens / max(result.seconds, 1e-9),
                        seq_len=int(ids.shape[1]), n_head=site.n_head, n_kv_head=site.n_kv_head,
-                       causal=True, rotary=False, qk_site="post-rotary")
+                       causal=True, rotary=False, qk_site="post-rotary", blocks=1,
+                       block_tokens=[])
     return frame
 
 

@@ -1,9 +1,10 @@
-"""``qkgeom analyze`` and ``qkgeom export``: checkpoint families (E4) and our runs as HF models."""
+"""``qkgeom analyze`` and ``qkgeom export``: checkpoint families (E4) and our runs as HF models;
+:func:`reproduce_e4`, what ``qkgeom reproduce e4`` runs."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -35,6 +36,8 @@ def _summary(out: Path) -> None:
     metrics, ckpts, trends = analysis["metrics"], analysis["checkpoints"], analysis["trends"]
     last = ckpts[ckpts["in_trends"]].sort_values("step").iloc[-1]
     one = metrics[metrics["checkpoint"] == last["checkpoint"]]
+    if "block" in one:
+        one = one[one["block"] == -1]  # all tokens, not the bootstrap's token blocks
     _, table = layer_table(one)
     table = table[[c for c in table.columns if not c.startswith("Δ")]]
     render_layers(table, f"{out} — {last['checkpoint']} (step {int(last['step'])}), "
@@ -50,6 +53,47 @@ def _summary(out: Path) -> None:
                       else "no early regime")
             typer.echo(f"layer {r.layer}: contrast ρ(step) {r.rho:+.2f}, Mann–Kendall Z "
                        f"{r.mk_z:+.2f}, {regime}" + (", decays after it" if r.decays else ""))
+
+
+def reproduce_e4(preset: str, out: Path | None = None, *, data: str = "",
+                 model: str | None = None, revisions: str | None = None,
+                 text: str | None = None, tokens: int | None = None, device: str | None = None,
+                 overrides: dict[str, Any] | None = None, quiet: bool = False) -> Path:
+    """E4 end to end; returns the analysis folder (its report written and summarised).
+
+    Without ``model``: train the preset's run with the ``log`` checkpoint schedule into
+    ``OUT/run`` (qkgeom.experiments.presets.train_e4), then analyse its checkpoints as a
+    family into ``OUT/analysis``. With ``model`` (a hub id or local HF folders) and
+    ``revisions``: analyse that family into ``OUT/analysis``. Then the E4 report. ``OUT``
+    defaults to ``sweeps/e4-<preset>`` (``sweeps/e4-<model>`` for a family). Resumable:
+    rerunning trains nothing twice and reuses every analysed checkpoint."""
+    from qkgeom.checkpoints.family import analyze_checkpoints
+    from qkgeom.cli.sweeps import report
+    from qkgeom.experiments.presets import E4_ANALYSIS, e4_preset, train_e4
+    from qkgeom.training import resolve_device
+
+    spec = e4_preset(preset)
+    if device:
+        resolve_device(device)
+    if model is None:
+        if revisions is not None:
+            raise QKGeomError("--revisions names checkpoints of --model; pass --model too")
+        out = out or Path("sweeps") / f"e4-{preset}"
+        over = {**({"device": device} if device else {}), **(overrides or {})}
+        models = [str(train_e4(preset, out, data, overrides=over or None,
+                               progress=not quiet))]
+    else:
+        if data or overrides:
+            raise QKGeomError("--data and --set configure the training run; with --model there "
+                              "is none (the family is analysed as it is)")
+        out = out or Path("sweeps") / f"e4-{_default_out([model]).name}"
+        models = [model]
+    folder = analyze_checkpoints(models, out / E4_ANALYSIS, revisions=_split(revisions),
+                                 text=text or spec.text, max_tokens=tokens or spec.tokens,
+                                 blocks=spec.blocks, device=device or "cpu",
+                                 progress=not quiet)
+    report(folder, None)
+    return folder
 
 
 def register(app: typer.Typer) -> None:
@@ -73,7 +117,11 @@ def register(app: typer.Typer) -> None:
             help="Window length (default: min(context, 512)).")] = None,
         batch_size: Annotated[int | None, typer.Option(help="Windows per forward.")] = None,
         qk_site: Annotated[str, typer.Option(
-            help="post-rotary | pre-rotary: q/k for the token PRs.")] = "post-rotary",
+            help="pre-rotary | post-rotary: q/k for the token PRs (pre-rotary also records "
+                 "the post-rotary PRs of rotary models as *_post).")] = "pre-rotary",
+        blocks: Annotated[int, typer.Option(
+            help="Contiguous token blocks also measured on their own (the same at every "
+                 "checkpoint; for the E4 bootstrap); 1 = none.")] = 8,
         dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
         device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N | mps")] = "cpu",
         keep_duplicates: Annotated[bool, typer.Option(
@@ -97,7 +145,7 @@ def register(app: typer.Typer) -> None:
             max_tokens=tokens, seq_len=seq_len, batch_size=batch_size, qk_site=qk_site,
             dtype=dtype, device=device, keep_duplicates=keep_duplicates, tokenizer=tokenizer,
             logit_spectrum=not no_logit_spectrum, trust_remote_code=trust_remote_code,
-            progress=not quiet)
+            blocks=blocks, progress=not quiet)
         _summary(folder)
         typer.echo(f"analysis folder: {folder}  (report: qkgeom report {folder})")
 

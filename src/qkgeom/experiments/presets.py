@@ -43,10 +43,11 @@ alone (tokens/s of the 4-, 6- and 8-layer models on one thread), before looking 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import QK_INITS, deep_merge
+from qkgeom.config import QK_INITS, TrainConfig, deep_merge, make_config
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.grid import Grid, nest_keys
 from qkgeom.experiments.runner import SweepSummary, available_cpus, run_sweep
@@ -226,3 +227,88 @@ def reproduce_e1(preset: str, out_dir: str | Path, data: str = "", **options: An
 def reproduce_e3(preset: str, out_dir: str | Path, data: str = "", **options: Any) -> SweepSummary:
     """E3: :func:`reproduce` of the E3 grid (seed x arm, paired by seed)."""
     return reproduce("e3", preset, out_dir, data, **options)
+
+
+# ------------------------------------------------------------------------------------- E4
+#
+# E4 offline: one run of our GPT trained with the ``log`` checkpoint schedule (step 0, the
+# powers of two below ``checkpoint_every``, then its multiples: the shape of Pythia's
+# suite), whose checkpoints are then analysed as a family on held-out text (the CLI
+# composes the two with qkgeom.checkpoints.analyze_checkpoints and the E4 report). The
+# folder ``OUT`` holds ``run/`` (the training run) and ``analysis/`` (the family).
+#
+# ``smoke``  the ``smoke`` training preset, 40 steps, checkpoints 0, 1, 2, 4, 8, 16, 32, 40;
+#            2 048 tokens in 8 blocks. Seconds: what the tests run.
+# ``demo``   the demo model (4 layers x 128, 4 heads, context 64, normal init, seed 0),
+#            batch 32, 1 024 steps, checkpoint_every 64: 23 checkpoints (0, 1, 2, ..., 32,
+#            64, 128, ..., 1 024); 32 768 tokens of the sample's held-out text in 8 blocks,
+#            windows of the context. One thread (two OpenMP threads stall on a shared
+#            2-core machine). Sized from throughput alone, before any E4 verdict was seen:
+#            measured on the 2-core dev machine (one thread, CPU time) 0.21 s per step
+#            (probes and evals included) and 1.8 s per checkpoint analysed, i.e. about
+#            215 s training + 41 s analysis + 6 s report, about 4.5 min in all.
+# ``paper``  no training run: the paper's E4 is on pretrained suites; pass a hub family
+#            (``model`` + ``revisions``, e.g. EleutherAI/pythia-160m at step0, step512, ...);
+#            200 000 tokens in 8 blocks.
+#
+# With a hub family (``model``) any preset only sets the analysis (text, tokens, blocks).
+
+E4_RUN = "run"  # OUT/run: the training run of the offline E4
+E4_ANALYSIS = "analysis"  # OUT/analysis: the checkpoint-family analysis folder
+
+
+@dataclass(frozen=True)
+class E4Preset:
+    """One size of E4: the training run (None: a hub family is required) and the analysis."""
+
+    train_preset: str | None
+    overrides: dict[str, Any]
+    tokens: int  # text tokens analysed per checkpoint (the same tokens for all)
+    blocks: int = 8  # contiguous token blocks, for the bootstrap
+    text: str = "sample"  # the embedded sample: its held-out (val) split first
+
+
+E4_PRESETS: dict[str, E4Preset] = {
+    "smoke": E4Preset("smoke", {"steps": 40, "checkpoint_every": 16,
+                                "checkpoint_schedule": "log", "keep_checkpoints": 0}, 2048),
+    "demo": E4Preset("demo", {
+        "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64,
+                  "qk_init": "normal"},
+        "seed": 0, "steps": 1024, "batch_size": 32, "probe_every": 64, "eval_every": 128,
+        "checkpoint_every": 64, "checkpoint_schedule": "log", "keep_checkpoints": 0,
+        "threads": 1,
+    }, 32768),
+    "paper": E4Preset(None, {}, 200_000),
+}
+
+
+def e4_preset(preset: str) -> E4Preset:
+    """The E4 preset ``preset`` (smoke | demo | paper); QKGeomError for another name."""
+    if preset not in E4_PRESETS:
+        raise QKGeomError(f"unknown E4 preset {preset!r}; choose one of {', '.join(E4_PRESETS)}")
+    return E4_PRESETS[preset]
+
+
+def e4_config(preset: str, data: str = "", overrides: dict[str, Any] | None = None
+              ) -> TrainConfig:
+    """The training config of the offline E4 run at size ``preset`` (``overrides``: nested
+    or dotted keys on top, e.g. ``{"device": "cuda"}``)."""
+    spec = e4_preset(preset)
+    if spec.train_preset is None:
+        raise QKGeomError(f"the {preset} E4 preset analyses a pretrained family: pass model=<hub "
+                          "id or folder> and revisions (CLI: --model, --revisions)")
+    return make_config(spec.train_preset, _base("e4", spec.overrides, data, overrides))
+
+
+def train_e4(preset: str, out_dir: str | Path, data: str = "", *,
+             overrides: dict[str, Any] | None = None, progress: bool = True) -> Path:
+    """Train the offline E4 run into ``out_dir/run`` and return that folder.
+
+    Resumable: a finished run is left as it is, an interrupted one continues from its
+    newest checkpoint (bit-exact on CPU), a missing one starts."""
+    from qkgeom.launch import train  # torch: only when a run is trained
+
+    cfg = e4_config(preset, data, overrides)
+    run = Path(out_dir) / E4_RUN
+    train(cfg, run, resume=True, progress=progress)
+    return run

@@ -9,11 +9,13 @@ supported model on token windows). Definitions: docs/definitions.md.
 """
 
 from qkgeom.geometry.covariance import StreamingCovariance, centred_scatter, head_blocks
-from qkgeom.geometry.entropy import ATTENTION_METRICS, StreamingEntropy
+from qkgeom.geometry.entropy import ATTENTION_METRICS, StreamingEntropy, visible_pairs
 from qkgeom.geometry.measure import Measurement, measure, measure_batches, resolve_metrics
 from qkgeom.geometry.records import (
     LAYER,
+    LAYER_ONLY_METRICS,
     METRIC_NAMES,
+    POST_ROTARY_METRICS,
     TOKEN_METRICS,
     WEIGHT_METRICS,
     Record,
@@ -36,11 +38,12 @@ from qkgeom.geometry.state import frozen_training_state
 from qkgeom.geometry.tokens import LayerGeometry, logit_pr
 
 __all__ = [
-    "ATTENTION_METRICS", "LAYER", "METRIC_NAMES", "TOKEN_METRICS", "WEIGHT_METRICS",
+    "ATTENTION_METRICS", "LAYER", "LAYER_ONLY_METRICS", "METRIC_NAMES", "POST_ROTARY_METRICS",
+    "TOKEN_METRICS", "WEIGHT_METRICS",
     "LayerGeometry", "Measurement", "NonFiniteError", "Record", "StreamingCovariance",
     "StreamingEntropy", "centred_scatter", "frozen_training_state", "gram_product_pr",
     "head_blocks", "interaction_singular_values", "logit_pr", "logit_singular_values",
     "measure", "measure_batches", "participation_ratio", "pr_from_covariance", "product_pr",
     "product_singular_values", "records_to_frame", "resolve_metrics", "token_records",
-    "weight_pr", "weight_records",
+    "visible_pairs", "weight_pr", "weight_records",
 ]

@@ -26,6 +26,14 @@ Reported means over every (sequence, query position) with ``n_t`` visible keys (
 - ``attn_entropy``: mean ``H_t`` (0 = one-hot, ``log n_t`` = uniform);
 - ``attn_entropy_norm``: mean of ``H_t / log n_t`` over rows with ``n_t ≥ 2`` (in [0, 1]);
 - ``attn_max``: mean of ``max_s p_ts`` (in [1/n_t, 1]).
+
+The same blocks give ``logit_std``: while a block's scores are in hand, the sum and the sum
+of squares of the visible ones (the (query, key) pairs the softmax uses: causally s ≤ t,
+bidirectionally all) go into running float64 totals per head, so the standard deviation of
+the scaled logits needs no second pass over the T² scores. The keys before a causal block
+are seen by all its queries: there Σ s² is one read of the scores and Σ s =
+(Σ_t q_t)·(Σ_s k_s) needs no scores at all; only the block's diagonal square is read with
+its later keys zeroed.
 """
 
 from __future__ import annotations
@@ -38,13 +46,15 @@ from torch import Tensor
 
 from qkgeom.geometry.workspace import Workspace
 
-__all__ = ["ATTENTION_METRICS", "StreamingEntropy"]
+__all__ = ["ATTENTION_METRICS", "StreamingEntropy", "logit_std_from_moments",
+           "visible_pairs"]
 
 ATTENTION_METRICS = ("attn_entropy", "attn_entropy_norm", "attn_max")
 
 _MAX_BLOCK_ELEMENTS = 2**22  # scores per block: 16 MiB in float32
 _LOG_TINY = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}
 _NEG = -1e30  # masked score: exp(−1e30 − m) is exactly 0 and (−1e30 − m)·0 = 0 (no NaN)
+_SUMS = 5  # per head: Σ H_t, Σ H_t / log n_t, Σ max p, Σ s, Σ s² (s = visible scaled logits)
 
 
 @functools.lru_cache(maxsize=64)
@@ -67,8 +77,20 @@ def _upper(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.zeros(n, 1, n, dtype=dtype, device=device).masked_fill_(above, _NEG)
 
 
+@functools.lru_cache(maxsize=64)
+def _lower(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(n, 1, n) 0/1 mask of the keys a query of the diagonal square sees (key ≤ query)."""
+    with torch.inference_mode(False):
+        return torch.ones(n, n, dtype=dtype, device=device).tril_()[:, None, :]
+
+
+def visible_pairs(T: int, causal: bool) -> int:
+    """(query, key) pairs of one window the softmax uses: T(T+1)/2 causally, else T²."""
+    return T * (T + 1) // 2 if causal else T * T
+
+
 class StreamingEntropy:
-    """Per-head attention entropy / max weight, accumulated over batches.
+    """Per-head attention entropy / max weight and logit moments, accumulated over batches.
 
     Args:
         n_head: query heads H.
@@ -84,9 +106,10 @@ class StreamingEntropy:
             raise ValueError(f"n_head={n_head} must be a positive multiple of n_kv_head={n_kv_head}")
         self.n_head, self.n_kv_head, self.causal = n_head, n_kv_head, causal
         self.max_block_elements = max_block_elements
-        self._sums = torch.zeros(3, n_head, dtype=torch.float64)  # entropy, norm, max
+        self._sums = torch.zeros(_SUMS, n_head, dtype=torch.float64)  # see _SUMS
         self.n_queries = 0
         self.n_queries_norm = 0
+        self.n_pairs = 0  # visible (query, key) pairs per head
 
     def blocks(self, B: int, T: int) -> tuple[int, int]:
         """(query rows, key columns) per block.
@@ -141,39 +164,82 @@ class StreamingEntropy:
                      blocks: tuple[int, int] | None = None,
                      workspace: Workspace | None = None) -> None:
         """Add a batch given in the layouts of :meth:`prepare` (``B`` sequences)."""
+        self.add_sums(self.batch_sums(qg, kk, B, blocks, workspace), B, qg.shape[1])
+
+    @torch.no_grad()
+    def batch_sums(self, qg: Tensor, kk: Tensor, B: int,
+                   blocks: tuple[int, int] | None = None,
+                   workspace: Workspace | None = None) -> Tensor:
+        """The (5, H) float64 sums of one batch (layouts of :meth:`prepare`), not yet added:
+        Σ H_t, Σ H_t / log n_t, Σ max p, Σ s and Σ s² over the visible scores s.
+
+        Why separate from :meth:`add_sums`: a caller keeping several totals (all tokens and
+        the current token block, :class:`~qkgeom.geometry.tokens.LayerGeometry`) computes
+        a batch once and adds it to each."""
         ws = workspace or Workspace()
         BHk, T, R, hd = qg.shape
         Hk, H = BHk // B, BHk // B * R
         dtype, dev = qg.dtype, qg.device
         c, kc = blocks or self.blocks(B, T)
         rows = ws.get("entropy.rows", (2, BHk, T * R), dtype, dev)  # Σ p log p, max p
+        moments = ws.get("entropy.moments", (2, BHk, R), dtype, dev).zero_()  # Σ s, Σ s²
         for t0 in range(0, T, c):
             t1 = min(T, t0 + c)
             n, nk = t1 - t0, (t1 if self.causal else T)  # query rows, visible keys
             qb = qg[:, t0:t1].reshape(BHk, n * R, hd)  # (B·Hk, n·R, hd), a view
             out = rows[:, :, t0 * R : t1 * R]  # (2, B·Hk, n·R)
             if nk <= kc:
-                self._whole_rows(qb, kk[:, :nk], t0, n, R, out, ws)
+                self._whole_rows(qb, kk[:, :nk], t0, n, R, out, moments, ws)
             else:
-                self._online_rows(qb, kk, t0, n, R, nk, kc, out)
+                self._online_rows(qb, kk, t0, n, R, nk, kc, out, moments)
         w = _row_weights(T, self.causal, dtype, dev)  # (2, T): −1 and −1/log n_t
         neg_ent = rows[0].view(B, Hk, T, R)
-        sums = torch.einsum("bgtr,wt->wgr", neg_ent, w).reshape(2, H)  # Σ H_t, Σ H_t/log n_t
-        self._sums = self._sums.to(dev)
-        self._sums[:2] += sums
-        self._sums[2] += rows[1].view(B, Hk, T, R).sum(dim=(0, 2)).reshape(H)
+        sums = torch.empty(_SUMS, H, dtype=torch.float64, device=dev)
+        sums[:2] = torch.einsum("bgtr,wt->wgr", neg_ent, w).reshape(2, H)  # Σ H_t, Σ H_t/log n_t
+        sums[2] = rows[1].view(B, Hk, T, R).sum(dim=(0, 2)).reshape(H)
+        sums[3:] = moments.view(2, B, Hk, R).sum(dim=1).reshape(2, H)
+        return sums
+
+    def add_sums(self, sums: Tensor, B: int, T: int) -> None:
+        """Add the :meth:`batch_sums` of ``B`` windows of ``T`` positions."""
+        self._sums = self._sums.to(sums.device)
+        self._sums += sums
         self.n_queries += B * T
         self.n_queries_norm += B * (T - 1 if self.causal else (T if T >= 2 else 0))
+        self.n_pairs += B * visible_pairs(T, self.causal)
+
+    @staticmethod
+    def _add_moments(s: Tensor, moments: Tensor, sums: Tensor | None = None) -> None:
+        """Σ s and Σ s² of visible scores ``s`` (B·Hk, n, R, k) per (B·Hk, R) into
+        ``moments`` (2, B·Hk, R), one read each (none for Σ s when the caller has ``sums``
+        from the queries and keys); no temporary the size of ``s``."""
+        moments[0] += s.sum(dim=(1, 3)) if sums is None else sums
+        moments[1] += torch.linalg.vector_norm(s, dim=(1, 3)).square_()
+
+    @staticmethod
+    def _pair_sums(qb: Tensor, kb: Tensor, R: int) -> Tensor:
+        """(B·Hk, R) Σ_t Σ_s q_t·k_s over every pair of queries ``qb`` (B·Hk, n·R, hd) and
+        keys ``kb`` (B·Hk, m, hd): (Σ_t q_t)·(Σ_s k_s), without the n × m scores."""
+        q_sum = qb.view(qb.shape[0], -1, R, qb.shape[-1]).sum(dim=1)  # (B·Hk, R, hd)
+        return torch.bmm(q_sum, kb.sum(dim=1)[:, :, None])[..., 0]
 
     def _whole_rows(self, qb: Tensor, kb: Tensor, t0: int, n: int, R: int, out: Tensor,
-                    ws: Workspace) -> None:
+                    moments: Tensor, ws: Workspace) -> None:
         """Rows whose visible keys ``kb`` (B·Hk, nk, hd) fit one block: an explicit log
         softmax; ``out`` (2, B·Hk, n·R) gets Σ p log p (non-positive terms: no
-        cancellation) and the max weight."""
+        cancellation) and the max weight; ``moments`` the visible scores' Σ s, Σ s²."""
         shape = (qb.shape[0], qb.shape[1], kb.shape[1])  # (B·Hk, n·R, nk)
         s = torch.bmm(qb, kb.mT, out=ws.get("entropy.s", shape, qb.dtype, qb.device))
+        grid = s.view(-1, n, R, shape[2])  # (B·Hk, n, R, nk)
         if self.causal and n > 1:  # keys after the query, only in the last n columns
-            s.view(-1, n, R, shape[2])[..., t0:].add_(_upper(n, s.dtype, s.device))
+            if t0:  # keys before the block: seen by every query of it
+                self._add_moments(grid[..., :t0], moments, self._pair_sums(qb, kb[:, :t0], R))
+            diag = ws.get("entropy.diag", (shape[0], n, R, n), s.dtype, s.device)
+            self._add_moments(torch.mul(grid[..., t0:], _lower(n, s.dtype, s.device), out=diag),
+                              moments)  # the diagonal square, later keys zeroed
+            grid[..., t0:].add_(_upper(n, s.dtype, s.device))
+        else:
+            self._add_moments(grid, moments, self._pair_sums(qb, kb, R))
         logp = torch.log_softmax(s, dim=-1, out=ws.get("entropy.logp", shape, s.dtype, s.device))
         # log p >= log(smallest normal) + 1: keeps p and p log p out of the subnormal range,
         # where exp and mul run ~100x slower on x86; a weight below ~1e-37 (float32) then
@@ -184,17 +250,22 @@ class StreamingEntropy:
         torch.sum(p.mul_(logp), dim=-1, out=out[0])
 
     def _online_rows(self, qb: Tensor, kk: Tensor, t0: int, n: int, R: int, nk: int, kc: int,
-                     out: Tensor) -> None:
+                     out: Tensor, moments: Tensor) -> None:
         """Rows longer than a block: online softmax over key chunks (the recurrence of the
-        module docstring); ``out`` as in :meth:`_whole_rows`."""
+        module docstring); ``out`` and ``moments`` as in :meth:`_whole_rows`."""
         m = z = a = None
         for s0 in range(0, nk, kc):
             s1 = min(nk, s0 + kc)
             s = torch.bmm(qb, kk[:, s0:s1].mT)  # (B·Hk, n·R, kc)
+            grid = s.view(-1, n, R, s1 - s0)  # (B·Hk, n, R, kc)
             if self.causal and s1 > t0 + 1:  # keys after a query: a finite −∞
                 qpos = torch.arange(t0, t0 + n, device=s.device)[:, None, None]  # (n, 1, 1)
                 kpos = torch.arange(s0, s1, device=s.device)  # (kc,)
-                s.view(-1, n, R, s1 - s0).masked_fill_(kpos > qpos, _NEG)
+                later = kpos > qpos  # (n, 1, kc)
+                self._add_moments(grid.masked_fill(later, 0.0), moments)
+                grid.masked_fill_(later, _NEG)
+            else:
+                self._add_moments(grid, moments)
             m_blk = s.amax(dim=-1)  # (B·Hk, n·R)
             m_new = m_blk if m is None else torch.maximum(m, m_blk)
             d = s.sub_(m_new[..., None])  # (B·Hk, n·R, kc), <= 0 (masked: ≈ −1e30)
@@ -216,9 +287,30 @@ class StreamingEntropy:
         """``{name: (H,) float64}`` means for the three ``ATTENTION_METRICS``."""
         if self.n_queries == 0:
             raise ValueError("StreamingEntropy has no query positions; call update() first")
-        sums = self._sums.cpu()  # (3, H)
+        sums = self._sums.cpu()  # (5, H)
         norm = (sums[1] / self.n_queries_norm if self.n_queries_norm
                 else torch.full((self.n_head,), float("nan"), dtype=torch.float64))
         return dict(zip(ATTENTION_METRICS,
                         (sums[0] / self.n_queries, norm, sums[2] / self.n_queries),
                         strict=True))
+
+    def logit_moments(self) -> tuple[Tensor, Tensor, int]:
+        """(Σ s (H,), Σ s² (H,), visible pairs per head) of the scaled logits, float64."""
+        if self.n_queries == 0:
+            raise ValueError("StreamingEntropy has no query positions; call update() first")
+        sums = self._sums.cpu()
+        return sums[3].clone(), sums[4].clone(), self.n_pairs
+
+    def logit_std(self) -> Tensor:
+        """(H,) float64 population standard deviation of each head's visible scaled logits
+        (``logit_std``); NaN when the sums overflowed (|scores| beyond ~1e150)."""
+        s1, s2, n = self.logit_moments()
+        return logit_std_from_moments(s1, s2, n)
+
+
+def logit_std_from_moments(s1: Tensor, s2: Tensor, n: int) -> Tensor:
+    """√(Σs²/n − (Σs/n)²) (clamped at 0 against round-off), elementwise, float64; NaN where
+    the sums are not finite."""
+    mean = s1 / n
+    var = (s2 / n - mean * mean).clamp_min(0.0)
+    return torch.where(torch.isfinite(s1) & torch.isfinite(s2), var.sqrt(), float("nan"))

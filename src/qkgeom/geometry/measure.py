@@ -15,12 +15,17 @@ Input: token ids of equal-length, unpadded windows (n_seq, T) -- a probe set, or
 of a corpus. ``precision="float64"`` (default) runs every product of the accumulation in
 float64 (probe-sized inputs: exact); ``"float32"`` runs them in float32 with float64
 running totals (long corpora: about twice as fast).
+
+Token blocks (``blocked=True``): each batch comes with the index of the contiguous token
+block it belongs to; the frame then holds every metric over all tokens (``block = -1``,
+the numbers of an unblocked measurement, exactly) and over each block (``block = k``),
+for the token-block bootstrap of checkpoint analysis (docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,7 +80,8 @@ class Measurement:
     layer, the singular values of W_K and the eigenvalues of the key covariance (descending)
     -- the two key spectra, empty unless asked for. ``step``: the training step, where the
     caller (trainer, monitor) sets it. ``tokens``: query positions measured;
-    ``sequences``; ``seconds``: wall time; ``adapter``: the model as qkgeom saw it.
+    ``sequences``; ``seconds``: wall time; ``adapter``: the model as qkgeom saw it;
+    ``block_tokens``: token positions per token block (blocked measurements only).
     """
 
     frame: pd.DataFrame
@@ -86,10 +92,13 @@ class Measurement:
     seconds: float = 0.0
     key_sv_weight: dict[int, Tensor] = field(default_factory=dict)
     key_eig_token: dict[int, Tensor] = field(default_factory=dict)
+    block_tokens: dict[int, int] = field(default_factory=dict)
 
     def layer_values(self, metric: str) -> dict[int, float]:
         """``{layer: value}`` of a metric at the layer level (head −1)."""
         rows = self.frame[(self.frame["metric"] == metric) & (self.frame["head"] == -1)]
+        if "block" in rows:
+            rows = rows[rows["block"] == -1]
         return {int(r.layer): float(r.value) for r in rows.itertuples()}
 
     def __repr__(self) -> str:
@@ -127,24 +136,48 @@ def measure(model: nn.Module, input_ids: Tensor, *, metrics: str | Iterable[str]
                            precision=precision, spectra=spectra, **columns)
 
 
-def measure_batches(model: nn.Module, batches: Iterable[Tensor], *,
+def _blocks_in_order(batches: Iterable[Any], blocked: bool) -> Iterator[tuple[int, Tensor]]:
+    """``(block, ids)`` of each batch (block −1 when not blocked); block indices must be
+    whole numbers that never decrease (a block is contiguous)."""
+    last = -1
+    for item in batches:
+        if not blocked:
+            yield -1, item
+            continue
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise QKGeomError("blocked=True: each batch must be a (block, token ids) pair")
+        block, ids = int(item[0]), item[1]
+        if block < max(last, 0):
+            raise QKGeomError(f"token block {block} after block {last}: blocks must be "
+                              "contiguous, numbered 0, 1, ... in order")
+        last = block
+        yield block, ids
+
+
+def measure_batches(model: nn.Module, batches: Iterable[Any], *,
                     metrics: str | Iterable[str] = "all", qk_site: str = "post-rotary",
                     precision: str = "float64", spectra: bool = False,
                     progress: Callable[[int], None] | None = None,
-                    **columns: Any) -> Measurement:
+                    blocked: bool = False, **columns: Any) -> Measurement:
     """Every requested metric of ``model`` over token-id batches (B, T) read in turn.
 
     Args:
         model: the project's GPT or a supported HF model (task heads are looked through).
         batches: token ids, one (B, T) LongTensor per forward pass (T may differ between
-            batches; no padding).
+            batches; no padding); with ``blocked``, ``(block, ids)`` pairs.
         metrics: names of ``METRIC_NAMES``, ``"contrast"`` or ``"all"``.
         qk_site: ``post-rotary`` (default: what attention uses) or ``pre-rotary`` q/k for
-            the token PRs; attention statistics always use what the attention computes with.
+            the token PRs; attention statistics, ``logit_std`` and ``pr_qk_token`` always
+            use what the attention computes with. On a rotary model ``pre-rotary`` also
+            records the PRs of the post-rotary q/k (``pr_*_token_post``).
         precision: ``float64`` or ``float32`` products (see the module docstring).
         spectra: also return the key spectra (singular values of W_K, eigenvalues of the
-            key covariance).
+            key covariance; all tokens).
         progress: called with the number of tokens of each finished batch.
+        blocked: batches come with the index of their token block (0, 1, ... in order,
+            each block contiguous); the frame gets a ``block`` column (last): −1 for all
+            tokens, k for block k, every metric for each (the weight metrics repeated).
+            Memory: the accumulators of all tokens plus those of one block.
         **columns: constant columns put in front of the frame (``run_id=..., step=...``).
 
     Raises:
@@ -160,14 +193,18 @@ def measure_batches(model: nn.Module, batches: Iterable[Tensor], *,
     dtype = PRECISIONS[precision]
     adapter = adapter_for(model)
     want_token = spectra or any(m in TOKEN_METRICS for m in wanted)
+    with_post = adapter.rotary and qk_site == "pre-rotary"  # site q/k != attention's
     acc: dict[int, LayerGeometry] = {}
+    block_records: dict[int, dict[int, list[Record]]] = {}
+    block_tokens: dict[int, int] = {}
     n_tokens = n_seq = 0
     with frozen_training_state(model):
         device = next(model.parameters()).device
         if want_token:
             ws = Workspace()  # scratch buffers shared by every layer and batch
             acc = {s.layer: LayerGeometry(s.n_head, s.n_kv_head, s.head_dim, adapter.causal,
-                                          "pr_qk_token" in wanted, ws) for s in adapter.sites}
+                                          "pr_qk_token" in wanted, ws, with_post)
+                   for s in adapter.sites}
             seen: set[int] = set()
 
             def on_qk(layer: int, q_site: Tensor, k_site: Tensor, q_attn: Tensor,
@@ -176,8 +213,18 @@ def measure_batches(model: nn.Module, batches: Iterable[Tensor], *,
                 acc[layer].update(q_site.to(dtype), k_site.to(dtype), q_attn.to(dtype),
                                   k_attn.to(dtype), scale)
 
+            def end_block(block: int) -> None:
+                block_records[block] = {layer: geo.end_block() for layer, geo in acc.items()}
+
+            current = -1
             with adapter.capture(on_qk, qk_site), torch.autocast(device.type, enabled=False):
-                for batch in batches:
+                for block, batch in _blocks_in_order(batches, blocked):
+                    if block != current:
+                        if current >= 0:
+                            end_block(current)
+                        for geo in acc.values():
+                            geo.begin_block()
+                        current = block
                     seen.clear()
                     adapter.forward(batch.to(device))
                     missing = sorted(set(acc) - seen)
@@ -187,21 +234,27 @@ def measure_batches(model: nn.Module, batches: Iterable[Tensor], *,
                                           "load the model with attn_implementation='sdpa'")
                     n_tokens += batch.numel()
                     n_seq += batch.shape[0]
+                    if blocked:
+                        block_tokens[block] = block_tokens.get(block, 0) + batch.numel()
                     if progress is not None:
                         progress(batch.numel())
+            if current >= 0:
+                end_block(current)
             if n_seq == 0:
                 raise QKGeomError("no token windows to measure")
-        records: dict[int, list[Record]] = {s.layer: [] for s in adapter.sites}
+        weights: dict[int, list[Record]] = {s.layer: [] for s in adapter.sites}
         if any(m in WEIGHT_METRICS for m in wanted):
-            for layer, recs in _weight_records(adapter).items():
-                records[layer] += recs
-        for layer, geo in acc.items():
-            records[layer] += geo.records()
-        frame = records_to_frame(records)
-        frame = frame[frame["metric"].isin(wanted)].reset_index(drop=True)
-        for i, (name, value) in enumerate(columns.items()):
-            frame.insert(i, name, [value] * len(frame))
-        out = Measurement(frame, adapter, tokens=n_tokens, sequences=n_seq)
+            weights.update(_weight_records(adapter))
+        frame = _frame({layer: weights[layer] + (geo.records() if geo else [])
+                        for layer, geo in ((s.layer, acc.get(s.layer)) for s in adapter.sites)},
+                       wanted, columns, -1 if blocked else None)
+        if blocked:
+            frame = pd.concat([frame] + [
+                _frame({layer: weights[layer] + recs.get(layer, []) for layer in weights},
+                       wanted, columns, block) for block, recs in block_records.items()],
+                ignore_index=True)
+        out = Measurement(frame, adapter, tokens=n_tokens, sequences=n_seq,
+                          block_tokens=block_tokens)
         if spectra:
             for site in adapter.sites:
                 w_k = site.weight("k").to(torch.float64)  # (H_kv·hd, d)
@@ -210,3 +263,16 @@ def measure_batches(model: nn.Module, batches: Iterable[Tensor], *,
                 out.key_eig_token[site.layer] = torch.linalg.eigvalsh(cov).flip(-1).clamp_min(0).cpu()
     out.seconds = time.perf_counter() - t0
     return out
+
+
+def _frame(records: dict[int, list[Record]], wanted: tuple[str, ...], columns: dict[str, Any],
+           block: int | None) -> pd.DataFrame:
+    """The long frame of ``records`` restricted to ``wanted``, constant ``columns`` in
+    front and, for a blocked measurement, the ``block`` column last."""
+    frame = records_to_frame(records)
+    frame = frame[frame["metric"].isin(wanted)].reset_index(drop=True)
+    for i, (name, value) in enumerate(columns.items()):
+        frame.insert(i, name, [value] * len(frame))
+    if block is not None:
+        frame["block"] = pd.Series([block] * len(frame), dtype="int64")
+    return frame

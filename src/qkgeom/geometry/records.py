@@ -10,10 +10,19 @@ Layer-level definitions (head = −1):
 
 - ``pr_q_weight`` / ``pr_k_weight``: PR of the squared singular values of the full
   ``W_Q`` / ``W_K`` (d_model × d_out).
-- ``pr_qk_weight``: PR of the squared singular values of ``W_Q W_Kᵀ`` (d_model × d_model).
+- ``pr_qk_weight``: mean over heads of the head values, the same rule as ``pr_qk_token``;
+  ``pr_qk_weight_full`` (layer row only): PR of the squared singular values of the whole
+  ``W_Q W_Kᵀ`` (d_model × d_model).
 - ``pr_q_token`` / ``pr_k_token``: PR of the covariance of all heads concatenated (d_out;
-  the H_kv distinct key heads under GQA).
+  the H_kv distinct key heads under GQA); ``contrast_token`` their difference (biased
+  upwards under GQA: the key side has fewer dimensions).
+- ``contrast_token_heads`` (layer row only): mean over query heads h of
+  ``pr_q_token[h] − pr_k_token[h]`` (key head h // R), the GQA-fair layer contrast.
 - ``pr_qk_token`` and ``attn_*``: mean over heads of the per-head values.
+- ``logit_std``: standard deviation of the scaled logits over all heads' pairs pooled.
+- ``pr_q_token_post`` / ``pr_k_token_post`` / ``contrast_token_post``: the token PRs of the
+  post-rotary q/k, recorded only when the token PRs come from another site (pre-rotary on
+  a rotary model).
 - ``contrast_*`` = ``pr_q_*`` − ``pr_k_*`` at every level.
 """
 
@@ -31,7 +40,9 @@ from qkgeom.geometry.spectra import product_pr, require_finite, split_heads, wei
 
 __all__ = [
     "LAYER",
+    "LAYER_ONLY_METRICS",
     "METRIC_NAMES",
+    "POST_ROTARY_METRICS",
     "TOKEN_METRICS",
     "WEIGHT_METRICS",
     "Record",
@@ -43,9 +54,14 @@ __all__ = [
 Record = tuple[int, str, float]
 LAYER = -1  # the ``head`` value of a whole-layer record
 
-WEIGHT_METRICS = ("pr_q_weight", "pr_k_weight", "contrast_weight", "pr_qk_weight")
-TOKEN_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "pr_qk_token", *ATTENTION_METRICS)
+WEIGHT_METRICS = ("pr_q_weight", "pr_k_weight", "contrast_weight", "pr_qk_weight",
+                  "pr_qk_weight_full")
+POST_ROTARY_METRICS = ("pr_q_token_post", "pr_k_token_post", "contrast_token_post")
+TOKEN_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "contrast_token_heads",
+                 "pr_qk_token", "logit_std", *ATTENTION_METRICS, *POST_ROTARY_METRICS)
 METRIC_NAMES = WEIGHT_METRICS + TOKEN_METRICS
+#: Metrics with a layer row (head −1) only: they describe the layer as a whole.
+LAYER_ONLY_METRICS = ("pr_qk_weight_full", "contrast_token_heads")
 
 
 
@@ -60,8 +76,9 @@ def weight_records(w_q: Tensor, w_k: Tensor, n_head: int) -> list[Record]:
     Args:
         w_q, w_k: (d_out, d_model) nn.Linear weights, d_out = n_head * head_dim.
     Returns:
-        Records ``(head, metric, value)`` for the four ``WEIGHT_METRICS``, heads 0..H−1
-        then −1 (layer). PR values are dimensionless "numbers of directions".
+        Records ``(head, metric, value)`` of the ``WEIGHT_METRICS``, heads 0..H−1 then −1
+        (layer; ``pr_qk_weight_full`` there only). PR values are dimensionless "numbers of
+        directions".
     Raises:
         NonFiniteError: if a weight is inf or NaN (a diverged model has no geometry).
     """
@@ -79,10 +96,10 @@ def weight_records(w_q: Tensor, w_k: Tensor, n_head: int) -> list[Record]:
     out: list[Record] = []
     for h in range(n_head):
         out += _weight_block(h, float(pr_q[h]), float(pr_k[h]), float(pr_qk[h]))
-    # Layer: W_Q W_Kᵀ = w_q.T @ w_k, d_model × d_model, rank <= d_out.
-    out += _weight_block(
-        LAYER, float(weight_pr(wq)), float(weight_pr(wk)), float(product_pr(wq.mT, wk.mT))
-    )
+    # Layer: pr_qk is the mean of the heads (the rule of pr_qk_token); the full
+    # W_Q W_Kᵀ = w_q.T @ w_k (d_model × d_model, rank <= d_out) is pr_qk_weight_full.
+    out += _weight_block(LAYER, float(weight_pr(wq)), float(weight_pr(wk)), float(pr_qk.mean()))
+    out.append((LAYER, "pr_qk_weight_full", float(product_pr(wq.mT, wk.mT))))
     return out
 
 
@@ -101,16 +118,22 @@ def _weight_block(head: int, pr_q: float, pr_k: float, pr_qk: float) -> list[Rec
     ]
 
 
-def token_records(
-    head: int, pr_q: float, pr_k: float, pr_qk: float, attn: Mapping[str, float]
-) -> list[Record]:
-    """The token records of one head (or the layer). A value that is undefined (NaN:
-    ``pr_qk_token`` not computed, ``attn_entropy_norm`` when no query ever saw two keys) is
-    left out, so a results file never holds a NaN without a reason."""
-    rows = [(head, "pr_q_token", pr_q), (head, "pr_k_token", pr_k),
-            (head, "contrast_token", pr_q - pr_k), (head, "pr_qk_token", pr_qk),
-            *((head, name, attn[name]) for name in ATTENTION_METRICS)]
-    return [r for r in rows if not math.isnan(r[2])]
+def token_records(head: int, values: Mapping[str, float]) -> list[Record]:
+    """The token records of one head (or the layer), in ``TOKEN_METRICS`` order.
+
+    ``values`` holds the measured quantities by metric name; the contrasts
+    ``contrast_token`` and ``contrast_token_post`` are derived here from their PRs (one
+    definition). A value that is missing or undefined (NaN: ``pr_qk_token`` not computed,
+    ``attn_entropy_norm`` when no query ever saw two keys, the ``_post`` metrics of a model
+    without rotary) is left out, so a results file never holds a NaN without a reason.
+    """
+    vals = dict(values)
+    for contrast, q, k in (("contrast_token", "pr_q_token", "pr_k_token"),
+                           ("contrast_token_post", "pr_q_token_post", "pr_k_token_post")):
+        if q in vals and k in vals:
+            vals[contrast] = vals[q] - vals[k]
+    return [(head, name, float(vals[name])) for name in TOKEN_METRICS
+            if name in vals and not math.isnan(vals[name])]
 
 
 def records_to_frame(records_by_layer: Mapping[int, Sequence[Record]], **columns: Any):

@@ -7,24 +7,33 @@ Per batch of captured q/k (q (B, H, T, hd), k (B, H_kv, T, hd), unpadded windows
 - q and k covariances, float64 running totals (:class:`~qkgeom.geometry.StreamingCovariance`,
   Chan's update) of the layer's heads concatenated; each head's covariance is a diagonal
   block of the layer's (:func:`~qkgeom.geometry.covariance.head_blocks`), so per-head PRs
-  cost no second pass. Memory O((H·hd)²) for any token count.
+  cost no second pass. Memory O((H·hd)²) for any token count. When the q/k of the token
+  PRs are not those the attention computes with (pre-rotary q/k of a rotary model), the
+  covariances of the post-rotary q/k are kept too (``pr_*_token_post``).
 - ``pr_qk_token``: PR of the squared singular values of each sequence's logit matrix
   ``Q_h K_hᵀ·scale``, mean over sequences (:func:`logit_pr`: two hd × hd Gram matrices, no
   SVD; equal to :func:`~qkgeom.geometry.spectra.logit_singular_values`' route).
-- ``attn_*``: :class:`~qkgeom.geometry.entropy.StreamingEntropy` (online softmax).
+- ``attn_*`` and ``logit_std``: :class:`~qkgeom.geometry.entropy.StreamingEntropy` (online
+  softmax; the logit moments come from the same score blocks).
+
+Token blocks (the bootstrap of docs/checkpoints.md): between :meth:`LayerGeometry.begin_block`
+and :meth:`LayerGeometry.end_block` each batch is computed once and added both to the
+totals of all tokens and to those of the current block, so the all-token numbers are
+exactly those of an unblocked measurement and memory is at most twice the unblocked one.
 
 Precision: the products of a batch (scatter, Grams, scores) run in the input's float type
 -- float64 input gives float64 throughout (what probes use: exact, small inputs); float32
 (or half) input gives float32 products merged into float64 totals (long corpora, fast).
-Products that could overflow float32 (scores |q|·|k|·hd·scale beyond 1e37, activations
-beyond 1e14) are computed in float64. Non-finite
+Products that could overflow float32 (scores or their squares: |q|·|k|·hd·scale beyond
+1e15; activations beyond 1e14) are computed in float64. Non-finite
 activations, or entries beyond 1e140 (their float64 scatter would overflow), raise
 :class:`~qkgeom.geometry.spectra.NonFiniteError` before anything is accumulated.
 
 GQA: per query head h, ``pr_k_token`` is the PR of key head ``h // R`` (R = H / H_kv) and
 the contrast pairs the two; the layer's ``pr_k_token`` is the PR of the H_kv distinct key
 heads concatenated (equal to that of the keys repeated as the attention uses them: same
-non-zero spectrum, scaled by R).
+non-zero spectrum, scaled by R), and ``contrast_token_heads`` the mean of the per-head
+contrasts (the layer contrast that compares equal dimensions).
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import torch
 from torch import Tensor
 
 from qkgeom.geometry.covariance import StreamingCovariance, centred_scatter, head_blocks
-from qkgeom.geometry.entropy import StreamingEntropy
+from qkgeom.geometry.entropy import StreamingEntropy, logit_std_from_moments
 from qkgeom.geometry.records import LAYER, Record, token_records
 from qkgeom.geometry.spectra import NonFiniteError, gram_product_pr, pr_from_covariance
 from qkgeom.geometry.workspace import Workspace
@@ -44,7 +53,9 @@ __all__ = ["LayerGeometry", "logit_pr"]
 
 # Largest |activation| whose float64 scatter (sums of squares over ~1e9 tokens) stays finite.
 _MAX_ABS_ACTIVATION = 1e140
-_FLOAT32_SAFE = 1e37  # |score| bound above which float32 scores could overflow (max 3.4e38)
+# |score| bound above which float32 scores, or the sums of their squares (logit_std) over a
+# block of up to 2**22 scores, could overflow (float32 max 3.4e38).
+_FLOAT32_SAFE = 1e15
 _FLOAT32_SCATTER_SAFE = 1e14  # |activation| above which a float32 scatter could overflow
 
 
@@ -94,6 +105,33 @@ def _logit_pr_prepared(qg: Tensor, kk: Tensor, B: int) -> Tensor:
     return torch.where(s2 > 0, s1 * s1 / s2, 0.0).flatten(1)  # (B, H)
 
 
+class _Totals:
+    """The additive state of :class:`LayerGeometry` over some tokens (all of them, or one
+    token block): covariances, the entropy/logit sums, the sum of logit PRs, counts."""
+
+    def __init__(self, n_head: int, n_kv_head: int, head_dim: int, causal: bool,
+                 post: bool) -> None:
+        dims = {"q": n_head * head_dim, "k": n_kv_head * head_dim}
+        names = ("q", "k", "q_post", "k_post") if post else ("q", "k")
+        self.cov = {name: StreamingCovariance(1, dims[name[0]]) for name in names}
+        self.entropy = StreamingEntropy(n_head, n_kv_head, causal)
+        self.sum_pr_qk = torch.zeros(n_head, dtype=torch.float64)
+        self.n_sequences = 0
+        self.n_tokens = 0
+
+    def add(self, B: int, T: int, moments: dict[str, tuple[Tensor, Tensor]],
+            pr_qk: Tensor | None, sums: Tensor) -> None:
+        """Fold in one batch of ``B`` windows of ``T`` tokens, computed once by the caller."""
+        for name, (mean, m2) in moments.items():
+            self.cov[name].add_moments(B * T, mean[None], m2[None])  # one group: all heads
+        if pr_qk is not None:
+            self.sum_pr_qk = self.sum_pr_qk.to(pr_qk.device)
+            self.sum_pr_qk += pr_qk
+        self.entropy.add_sums(sums, B, T)
+        self.n_sequences += B
+        self.n_tokens += B * T
+
+
 class LayerGeometry:
     """Streams one layer's q/k into the token metrics (see the module docstring).
 
@@ -104,26 +142,41 @@ class LayerGeometry:
             sequence and head); when False the metric is left out of :meth:`records`.
         workspace: scratch buffers reused across batches, shared by all layers of one
             measurement (default: fresh temporaries per batch).
+        with_post: also keep the covariances of ``q_attn``/``k_attn`` (the post-rotary
+            q/k) and record ``pr_q_token_post``, ``pr_k_token_post``,
+            ``contrast_token_post``; for a site whose q/k differ from the attention's.
     """
 
     def __init__(self, n_head: int, n_kv_head: int, head_dim: int, causal: bool = True,
-                 with_logit_spectrum: bool = True, workspace: Workspace | None = None) -> None:
+                 with_logit_spectrum: bool = True, workspace: Workspace | None = None,
+                 with_post: bool = False) -> None:
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
-        self.cov_q = StreamingCovariance(1, n_head * head_dim)
-        self.cov_k = StreamingCovariance(1, n_kv_head * head_dim)
-        self.entropy = StreamingEntropy(n_head, n_kv_head, causal)
+        self.causal, self.with_post = causal, with_post
         self.with_logit_spectrum = with_logit_spectrum
         self.workspace = workspace
-        self._sum_pr_qk = torch.zeros(n_head, dtype=torch.float64)
-        self.n_sequences = 0
-        self.n_tokens = 0
+        self._all = self._new_totals()
+        self._block: _Totals | None = None
+
+    def _new_totals(self) -> _Totals:
+        return _Totals(self.n_head, self.n_kv_head, self.head_dim, self.causal, self.with_post)
+
+    @property
+    def n_sequences(self) -> int:
+        """Windows measured (all tokens)."""
+        return self._all.n_sequences
+
+    @property
+    def n_tokens(self) -> int:
+        """Token positions measured (all tokens)."""
+        return self._all.n_tokens
 
     @torch.no_grad()
     def update(self, q_site: Tensor, k_site: Tensor, q_attn: Tensor | None = None,
                k_attn: Tensor | None = None, scale: float | None = None) -> None:
-        """Add a batch: covariances from ``q_site``/``k_site``, logit spectrum and entropy
-        from ``q_attn``/``k_attn`` (what the attention computes with; default the same
-        tensors). q (B, H, T, hd), k (B, H_kv, T, hd); ``scale`` defaults to 1/√hd.
+        """Add a batch: covariances from ``q_site``/``k_site``, logit spectrum, logit
+        moments and entropy from ``q_attn``/``k_attn`` (what the attention computes with;
+        default the same tensors; with ``with_post`` their covariances too). q (B, H, T,
+        hd), k (B, H_kv, T, hd); ``scale`` defaults to 1/√hd.
 
         Raises:
             NonFiniteError: non-finite q/k, or entries beyond 1e140 (checked first, so the
@@ -145,43 +198,67 @@ class LayerGeometry:
             raise NonFiniteError(f"queries/keys are non-finite or beyond {_MAX_ABS_ACTIVATION:g} "
                                  f"(max |entry| {peak:g}): their covariance would overflow")
         bound = amax[id(q_attn)] * amax[id(k_attn)] * hd * abs(scale)  # |score| bound
+        post = (q_attn, k_attn)  # the covariances of the post-rotary q/k (with_post)
         if q_attn.dtype != torch.float64 and bound > _FLOAT32_SAFE:
             q_attn, k_attn = q_attn.double(), k_attn.double()  # float32 scores would overflow
         if q_site.dtype != torch.float64 and peak > _FLOAT32_SCATTER_SAFE:
             q_site, k_site = q_site.double(), k_site.double()  # so would a float32 scatter
+            post = (post[0].double(), post[1].double())
         ws = self.workspace or Workspace()
-        for cov, x, name in ((self.cov_q, q_site, "cov.q"), (self.cov_k, k_site, "cov.k")):
-            mean, m2 = centred_scatter(x.transpose(1, 2), ws, name, 2)  # rows (B, T), heads·hd
-            cov.add_moments(B * T, mean[None], m2[None])  # one group: all heads concatenated
-        qg, kk = self.entropy.prepare(q_attn, k_attn, scale, ws)  # (B·Hk, T, R, hd), (B·Hk, T, hd)
-        if self.with_logit_spectrum:
-            self._sum_pr_qk = self._sum_pr_qk.to(qg.device)
-            self._sum_pr_qk += _logit_pr_prepared(qg, kk, B).sum(dim=0)  # (H,)
-        self.entropy.add_prepared(qg, kk, B, workspace=ws)
-        self.n_sequences += B
-        self.n_tokens += B * T
+        sources = {"q": q_site, "k": k_site}
+        if self.with_post:
+            sources.update(q_post=post[0], k_post=post[1])
+        moments = {name: centred_scatter(x.transpose(1, 2), ws, f"cov.{name}", 2)
+                   for name, x in sources.items()}  # rows (B, T), heads·hd
+        qg, kk = self._all.entropy.prepare(q_attn, k_attn, scale, ws)  # (B·Hk, T, R, hd), (B·Hk, T, hd)
+        pr_qk = _logit_pr_prepared(qg, kk, B).sum(dim=0) if self.with_logit_spectrum else None
+        sums = self._all.entropy.batch_sums(qg, kk, B, workspace=ws)  # (5, H)
+        for totals in (self._all, self._block):
+            if totals is not None:
+                totals.add(B, T, moments, pr_qk, sums)
+
+    def begin_block(self) -> None:
+        """Start a token block: the next batches also count towards it, until
+        :meth:`end_block` (blocks do not overlap)."""
+        if self._block is not None:
+            raise ValueError("a token block is open; end_block() it first")
+        self._block = self._new_totals()
+
+    def end_block(self) -> list[Record]:
+        """Records of the token block that is open (as :meth:`records`), which is closed."""
+        if self._block is None:
+            raise ValueError("no token block is open; call begin_block() first")
+        block, self._block = self._block, None
+        return self._records(block)
 
     def records(self) -> list[Record]:
-        """Records of the token metrics, query heads 0..H−1 then −1 (layer)."""
-        if self.n_sequences == 0:
+        """Records of the token metrics over all tokens, query heads 0..H−1 then −1 (layer)."""
+        return self._records(self._all)
+
+    def _records(self, t: _Totals) -> list[Record]:
+        if t.n_sequences == 0:
             raise ValueError("LayerGeometry has no tokens; call update() first")
-        cov_q = self.cov_q.scatter()[0]  # (H·hd, H·hd), covariance up to its scale
-        cov_k = self.cov_k.scatter()[0]  # (Hk·hd, Hk·hd)
-        pr_q = pr_from_covariance(head_blocks(cov_q, self.n_head)).cpu()  # (H,)
-        pr_k = pr_from_covariance(head_blocks(cov_k, self.n_kv_head)).cpu()  # (Hk,)
-        R = self.n_head // self.n_kv_head
-        pr_qk = (self._sum_pr_qk.cpu() / self.n_sequences if self.with_logit_spectrum
-                 else torch.full((self.n_head,), float("nan"), dtype=torch.float64))
-        attn = self.entropy.result()
+        H, R = self.n_head, self.n_head // self.n_kv_head
+        scatter = {name: cov.scatter()[0] for name, cov in t.cov.items()}  # up to a scale
+        heads = {name: pr_from_covariance(head_blocks(m, H if name[0] == "q" else self.n_kv_head))
+                 .cpu().repeat_interleave(1 if name[0] == "q" else R)
+                 for name, m in scatter.items()}  # (H,) per query head: key head h // R
+        layer = {name: float(pr_from_covariance(m)) for name, m in scatter.items()}
+        pr_qk = (t.sum_pr_qk.cpu() / t.n_sequences if self.with_logit_spectrum
+                 else torch.full((H,), float("nan"), dtype=torch.float64))
+        attn = t.entropy.result()
+        s1, s2, pairs = t.entropy.logit_moments()
+        per_head = {"pr_qk_token": pr_qk, "logit_std": logit_std_from_moments(s1, s2, pairs),
+                    **attn, **{f"pr_{name[0]}_token" + name[1:]: v for name, v in heads.items()}}
         out: list[Record] = []
-        for h in range(self.n_head):
-            out += token_records(h, float(pr_q[h]), float(pr_k[h // R]), float(pr_qk[h]),
-                                 {n: float(v[h]) for n, v in attn.items()})
-        out += token_records(LAYER, float(pr_from_covariance(cov_q)),
-                             float(pr_from_covariance(cov_k)), float(pr_qk.mean()),
-                             {n: float(v.mean()) for n, v in attn.items()})
-        return out
+        for h in range(H):
+            out += token_records(h, {name: float(v[h]) for name, v in per_head.items()})
+        whole = {name: float(v.mean()) for name, v in per_head.items()}  # head means...
+        whole.update({f"pr_{name[0]}_token" + name[1:]: v for name, v in layer.items()})
+        whole["contrast_token_heads"] = float((heads["q"] - heads["k"]).mean())
+        whole["logit_std"] = float(logit_std_from_moments(s1.sum(), s2.sum(), pairs * H))
+        return out + token_records(LAYER, whole)
 
     def key_covariance(self) -> Tensor:
-        """(H_kv·hd, H_kv·hd) float64 covariance of the layer's keys."""
-        return self.cov_k.covariance()[0]
+        """(H_kv·hd, H_kv·hd) float64 covariance of the layer's keys (all tokens)."""
+        return self._all.cov["k"].covariance()[0]

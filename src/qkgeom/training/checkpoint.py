@@ -32,14 +32,32 @@ from qkgeom.runs import (
 FORMAT_VERSION = 1
 
 
+def is_checkpoint_step(step: int, every: int, schedule: str = "every") -> bool:
+    """Whether the schedule saves a checkpoint after ``step`` updates (the trainer also
+    saves the last step). ``every``: each positive multiple of ``every``. ``log`` (the shape
+    of Pythia's suite, for checkpoint families): step 0, the powers of two below ``every``
+    (1, 2, 4, ...), then each multiple of ``every``, so the early steps, where the geometry
+    moves fastest, are sampled densely."""
+    if schedule == "log" and step < every:
+        return step == 0 or step & (step - 1) == 0
+    return step > 0 and step % every == 0
+
+
+def checkpoint_steps(steps: int, every: int, schedule: str = "every") -> list[int]:
+    """Every step a run of ``steps`` updates saves a checkpoint at, in order."""
+    return [s for s in range(steps + 1) if s == steps or is_checkpoint_step(s, every, schedule)]
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
-    """Write ``state`` for ``step`` atomically, then drop all but the newest ``keep``."""
+    """Write ``state`` for ``step`` atomically, then drop all but the newest ``keep``
+    (``keep = 0``: keep all)."""
     buf = io.BytesIO()
     torch.save({"format_version": FORMAT_VERSION, "step": step, **state}, buf)
     path = checkpoint_path(run_dir, step)
     write_bytes(path, buf.getvalue())
-    for _, old in list_checkpoints(run_dir)[:-keep]:
-        old.unlink(missing_ok=True)
+    if keep > 0:
+        for _, old in list_checkpoints(run_dir)[:-keep]:
+            old.unlink(missing_ok=True)
     return path
 
 

@@ -2,8 +2,10 @@
 
 Step ``s`` means ``s`` optimiser updates are done. At every step that is a multiple of
 ``probe_every`` (and at 0 and the last step) the probe set is measured
-(:func:`qkgeom.geometry.measure`); at multiples of ``eval_every`` the val loss; at
-multiples of ``checkpoint_every`` a checkpoint is written *after* that step's records, so a
+(:func:`qkgeom.geometry.measure`); at multiples of ``eval_every`` the val loss; at the
+steps of the checkpoint schedule (multiples of ``checkpoint_every``; with ``log`` also step
+0 and the powers of two below it: :func:`~qkgeom.training.checkpoint.is_checkpoint_step`)
+and the last step a checkpoint is written *after* that step's records, so a
 resumed run keeps every record up to its checkpoint and recomputes nothing differently: on
 CPU the same seed gives the same metrics bit for bit, interrupted or not.
 
@@ -44,7 +46,7 @@ from qkgeom.model import GPT
 from qkgeom.runs import RunWriter, claim_run_dir, run_record
 from qkgeom.seeding import make_generators
 from qkgeom.training.callbacks import Callback, TrainContext
-from qkgeom.training.checkpoint import load_latest_checkpoint, save_checkpoint
+from qkgeom.training.checkpoint import is_checkpoint_step, load_latest_checkpoint, save_checkpoint
 from qkgeom.training.schedule import lr_at
 
 __all__ = ["RunResult", "Trainer", "evaluate", "make_optimizer", "resolve_device", "train"]
@@ -272,8 +274,9 @@ class Trainer:
     def _boundary(self, s: int, last: bool, bar: _Bar | None) -> None:
         """Records, logs and checkpoints due at step ``s`` (before update s + 1)."""
         cfg = self.cfg
-        if last or any(s % every == 0 for every in (
-                cfg.log_every, cfg.probe_every, cfg.eval_every, cfg.checkpoint_every)):
+        ckpt = last or is_checkpoint_step(s, cfg.checkpoint_every, cfg.checkpoint_schedule)
+        if ckpt or any(s % every == 0 for every in (cfg.log_every, cfg.probe_every,
+                                                     cfg.eval_every)):
             self._read_losses()
         if s % cfg.probe_every == 0 or last:
             self._probe(s)
@@ -284,7 +287,7 @@ class Trainer:
             self.writer.add_log({"step": 0, "loss": math.nan, "val_loss": val_loss, "lr": 0.0})
         elif s > 0 and (s % cfg.log_every == 0 or not math.isnan(val_loss) or last):
             self._log(s, val_loss, bar)
-        if (s > 0 and s % cfg.checkpoint_every == 0) or last:
+        if ckpt:
             self.writer.flush()
             self._checkpoint(s)
             self.writer.status("done" if last else "running", s)

@@ -1,0 +1,84 @@
+"""E4 end to end (what ``qkgeom reproduce e4`` runs), smoke size: a run trained with the log
+checkpoint schedule, its checkpoints analysed as a family in token blocks, the report;
+rerunning finishes only what is missing. And a local family given as ``model``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from hf_models import ModTokenizer, save_family
+
+from qkgeom.cli.checkpoints import reproduce_e4
+from qkgeom.errors import QKGeomError
+from qkgeom.experiments.presets import E4_PRESETS, e4_config
+from qkgeom.runs import list_checkpoints
+from qkgeom.training.checkpoint import checkpoint_steps
+
+
+def test_the_demo_preset_is_the_documented_one() -> None:
+    cfg = e4_config("demo")
+    m = cfg.model
+    assert (m.n_layer, m.n_embd, m.n_head, m.block_size, m.qk_init) == (4, 128, 4, 64, "normal")
+    assert (cfg.batch_size, cfg.seed, cfg.steps, cfg.keep_checkpoints) == (32, 0, 1024, 0)
+    steps = checkpoint_steps(cfg.steps, cfg.checkpoint_every, cfg.checkpoint_schedule)
+    assert steps[:8] == [0, 1, 2, 4, 8, 16, 32, 64] and steps[-1] == 1024
+    assert len(steps) == 23 >= 12
+    demo = E4_PRESETS["demo"]
+    assert (demo.tokens, demo.blocks, demo.text) == (32768, 8, "sample")
+    with pytest.raises(QKGeomError, match="--model"):
+        e4_config("paper")
+    with pytest.raises(QKGeomError, match="unknown E4 preset"):
+        e4_config("huge")
+
+
+@pytest.mark.slow
+def test_smoke_e4_trains_analyses_reports_and_resumes(sample_data: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "e4"
+    import qkgeom.checkpoints.analyze as analyze_mod
+
+    original, seen = analyze_mod.analyze_model, []
+
+    def interrupted(model, tok, texts, **kw):  # stop the first attempt after 3 checkpoints
+        seen.append(kw["checkpoint"])
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+        return original(model, tok, texts, **kw)
+
+    monkeypatch.setattr(analyze_mod, "analyze_model", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        reproduce_e4("smoke", out, data=str(sample_data), quiet=True)
+    run = out / "run"
+    want = [0, 1, 2, 4, 8, 16, 32, 40]
+    assert [s for s, _ in list_checkpoints(run)] == want
+    trained = {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(run)}
+    folder = reproduce_e4("smoke", out, data=str(sample_data), quiet=True)
+    assert {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(run)} == trained  # kept
+    assert len(seen) == 4 + 5  # the 3 cached checkpoints were not analysed again
+    assert folder == out / "analysis" and (folder / "report" / "report.md").is_file()
+    m = pd.read_parquet(folder / "metrics.parquet")
+    assert sorted(m["step"].unique()) == want
+    assert set(m["block"]) == {-1, *range(8)}
+    ck = pd.read_parquet(folder / "checkpoints.parquet")
+    assert (ck["tokens"] == 2048).all() and (ck["seq_len"] == 32).all()  # the model's context
+    assert {"contrast_token_heads", "logit_std"} <= set(m["metric"])
+
+
+@pytest.mark.slow
+def test_a_local_family_as_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("qkgeom.checkpoints.resolve.load_tokenizer",
+                        lambda *a, **k: ModTokenizer())
+    save_family(tmp_path / "fam", "gpt_neox", [0, 4, 16, 64])
+    folder = reproduce_e4("smoke", tmp_path / "e4", model=str(tmp_path / "fam"),
+                          revisions="step0,step4,step16,step64", tokens=1024, quiet=True)
+    assert not (tmp_path / "e4" / "run").exists()
+    m = pd.read_parquet(folder / "metrics.parquet")
+    assert sorted(m["step"].unique()) == [0, 4, 16, 64] and set(m["block"]) == {-1, *range(8)}
+    assert "pr_q_token_post" in set(m["metric"])  # rotary: pre-rotary PRs, post beside
+    assert (folder / "report" / "report.md").is_file()
+    with pytest.raises(QKGeomError, match="--model"):
+        reproduce_e4("smoke", tmp_path / "x", revisions="step0")
+    with pytest.raises(QKGeomError, match="training run"):
+        reproduce_e4("smoke", tmp_path / "x", model=str(tmp_path / "fam"), data="d")
