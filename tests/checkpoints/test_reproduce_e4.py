@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from hf_models import ModTokenizer, save_family
 
-from qkgeom.cli.checkpoints import reproduce_e4
+from qkgeom.experiments import reproduce_e4
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.presets import E4_PRESETS, e4_config
 from qkgeom.runs import list_checkpoints
@@ -49,12 +49,12 @@ def test_smoke_e4_trains_analyses_reports_and_resumes(sample_data: Path, tmp_pat
 
     monkeypatch.setattr(analyze_mod, "analyze_model", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        reproduce_e4("smoke", out, data=str(sample_data), quiet=True)
+        reproduce_e4("smoke", out, data=str(sample_data), progress=False)
     run = out / "run"
     want = [0, 1, 2, 4, 8, 16, 32, 40]
     assert [s for s, _ in list_checkpoints(run)] == want
     trained = {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(run)}
-    folder = reproduce_e4("smoke", out, data=str(sample_data), quiet=True)
+    folder = reproduce_e4("smoke", out, data=str(sample_data), progress=False)
     assert {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(run)} == trained  # kept
     assert len(seen) == 4 + 5  # the 3 cached checkpoints were not analysed again
     assert folder == out / "analysis" and (folder / "report" / "report.md").is_file()
@@ -72,13 +72,30 @@ def test_a_local_family_as_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                         lambda *a, **k: ModTokenizer())
     save_family(tmp_path / "fam", "gpt_neox", [0, 4, 16, 64])
     folder = reproduce_e4("smoke", tmp_path / "e4", model=str(tmp_path / "fam"),
-                          revisions="step0,step4,step16,step64", tokens=1024, quiet=True)
+                          revisions=["step0", "step4", "step16", "step64"], tokens=1024,
+                          progress=False)
     assert not (tmp_path / "e4" / "run").exists()
     m = pd.read_parquet(folder / "metrics.parquet")
     assert sorted(m["step"].unique()) == [0, 4, 16, 64] and set(m["block"]) == {-1, *range(8)}
     assert "pr_q_token_post" in set(m["metric"])  # rotary: pre-rotary PRs, post beside
     assert (folder / "report" / "report.md").is_file()
     with pytest.raises(QKGeomError, match="--model"):
-        reproduce_e4("smoke", tmp_path / "x", revisions="step0")
+        reproduce_e4("smoke", tmp_path / "x", revisions=["step0"])
     with pytest.raises(QKGeomError, match="training run"):
         reproduce_e4("smoke", tmp_path / "x", model=str(tmp_path / "fam"), data="d")
+
+
+@pytest.mark.slow
+def test_reproduce_e4_through_the_cli(sample_data: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-m", "qkgeom.cli", "reproduce", "e4", "--preset",
+                          "smoke", "--data", str(sample_data), "--out", str(tmp_path / "e4"),
+                          "--quiet"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr
+    assert "contrast_token_heads" in res.stdout and "E4.1" in res.stdout
+    assert (tmp_path / "e4" / "analysis" / "report" / "report.md").is_file()
+    bad = subprocess.run([sys.executable, "-m", "qkgeom.cli", "reproduce", "e1", "--model",
+                          "x"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "are for e4" in bad.stderr and "Traceback" not in bad.stderr

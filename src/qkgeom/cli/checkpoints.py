@@ -1,17 +1,16 @@
-"""``qkgeom analyze`` and ``qkgeom export``: checkpoint families (E4) and our runs as HF models;
-:func:`reproduce_e4`, what ``qkgeom reproduce e4`` runs."""
+"""``qkgeom analyze`` and ``qkgeom export``: checkpoint families (E4) and our runs as HF models."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from qkgeom.errors import QKGeomError
 
 
-def _split(revisions: str | None) -> list[str] | None:
+def split_revisions(revisions: str | None) -> list[str] | None:
     if revisions is None:
         return None
     items = [r.strip() for r in revisions.split(",") if r.strip()]
@@ -26,9 +25,10 @@ def _default_out(models: list[str]) -> Path:
     return Path("ckpt") / name
 
 
-def _summary(out: Path) -> None:
+def summarise(out: Path) -> None:
     """Per-layer table of the last checkpoint in the trends, and the contrast trends."""
     from qkgeom.analysis.e4.report import load_analysis
+    from qkgeom.analysis.e4.trends import PRIMARY
     from qkgeom.analysis.tables import layer_table
     from qkgeom.ui import render_layers
 
@@ -46,54 +46,12 @@ def _summary(out: Path) -> None:
     for r in dups.itertuples():
         typer.echo(f"duplicate: {r.checkpoint} serves the same Q/K weights as {r.duplicate_of}"
                    + ("" if not r.in_trends else " (kept)"))
-    tok = trends[trends["level"] == "token"]
-    if len(tok) and tok["n"].max() >= 3:
-        for r in tok.itertuples():
-            regime = (f"early regime to step {int(r.regime_end_step)}" if r.has_regime
-                      else "no early regime")
-            typer.echo(f"layer {r.layer}: contrast ρ(step) {r.rho:+.2f}, Mann–Kendall Z "
-                       f"{r.mk_z:+.2f}, {regime}" + (", decays after it" if r.decays else ""))
-
-
-def reproduce_e4(preset: str, out: Path | None = None, *, data: str = "",
-                 model: str | None = None, revisions: str | None = None,
-                 text: str | None = None, tokens: int | None = None, device: str | None = None,
-                 overrides: dict[str, Any] | None = None, quiet: bool = False) -> Path:
-    """E4 end to end; returns the analysis folder (its report written and summarised).
-
-    Without ``model``: train the preset's run with the ``log`` checkpoint schedule into
-    ``OUT/run`` (qkgeom.experiments.presets.train_e4), then analyse its checkpoints as a
-    family into ``OUT/analysis``. With ``model`` (a hub id or local HF folders) and
-    ``revisions``: analyse that family into ``OUT/analysis``. Then the E4 report. ``OUT``
-    defaults to ``sweeps/e4-<preset>`` (``sweeps/e4-<model>`` for a family). Resumable:
-    rerunning trains nothing twice and reuses every analysed checkpoint."""
-    from qkgeom.checkpoints.family import analyze_checkpoints
-    from qkgeom.cli.sweeps import report
-    from qkgeom.experiments.presets import E4_ANALYSIS, e4_preset, train_e4
-    from qkgeom.training import resolve_device
-
-    spec = e4_preset(preset)
-    if device:
-        resolve_device(device)
-    if model is None:
-        if revisions is not None:
-            raise QKGeomError("--revisions names checkpoints of --model; pass --model too")
-        out = out or Path("sweeps") / f"e4-{preset}"
-        over = {**({"device": device} if device else {}), **(overrides or {})}
-        models = [str(train_e4(preset, out, data, overrides=over or None,
-                               progress=not quiet))]
-    else:
-        if data or overrides:
-            raise QKGeomError("--data and --set configure the training run; with --model there "
-                              "is none (the family is analysed as it is)")
-        out = out or Path("sweeps") / f"e4-{_default_out([model]).name}"
-        models = [model]
-    folder = analyze_checkpoints(models, out / E4_ANALYSIS, revisions=_split(revisions),
-                                 text=text or spec.text, max_tokens=tokens or spec.tokens,
-                                 blocks=spec.blocks, device=device or "cpu",
-                                 progress=not quiet)
-    report(folder, None)
-    return folder
+    primary = trends[trends["metric"] == PRIMARY] if len(trends) else trends
+    for r in primary.itertuples():
+        lost = (f", {100 * r.share_lost:.0f} % of the gain lost"
+                if r.call == "rise then fall" else "")
+        typer.echo(f"layer {r.layer}: {PRIMARY} {r.call} (peak at step {int(r.peak_step)}"
+                   f"{lost}; ρ(step) {r.rho:+.2f})")
 
 
 def register(app: typer.Typer) -> None:
@@ -141,12 +99,12 @@ def register(app: typer.Typer) -> None:
 
         resolve_device(device)
         folder = analyze_checkpoints(
-            models, out or _default_out(models), revisions=_split(revisions), text=text,
+            models, out or _default_out(models), revisions=split_revisions(revisions), text=text,
             max_tokens=tokens, seq_len=seq_len, batch_size=batch_size, qk_site=qk_site,
             dtype=dtype, device=device, keep_duplicates=keep_duplicates, tokenizer=tokenizer,
             logit_spectrum=not no_logit_spectrum, trust_remote_code=trust_remote_code,
             blocks=blocks, progress=not quiet)
-        _summary(folder)
+        summarise(folder)
         typer.echo(f"analysis folder: {folder}  (report: qkgeom report {folder})")
 
     @app.command("export")

@@ -7,6 +7,8 @@ from typing import Annotated, Any
 
 import typer
 
+from qkgeom.errors import QKGeomError
+
 Workers = Annotated[int | None, typer.Option(
     help="Runs trained at once (default: one single-threaded run per CPU on CPU grids, "
          "one at a time on GPU).")]
@@ -101,8 +103,9 @@ def register(app: typer.Typer) -> None:
     @app.command("reproduce")
     def reproduce_cmd(
         experiment: Annotated[str, typer.Argument(
-            help="e1 (E1 + E2: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: seeds x key "
-                 "control {none, hold, shrink}, paired by seed)")],
+            help="e1 (E1 + E2: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: seeds x "
+                 "key-control arms, paired by seed) | e4 (E4: a run with log-spaced "
+                 "checkpoints, or --model, analysed as a checkpoint family)")],
         preset: Preset = "demo",
         data: Data = "",
         out: Annotated[Path | None, typer.Option(
@@ -115,13 +118,33 @@ def register(app: typer.Typer) -> None:
         set_: Annotated[list[str] | None, typer.Option(
             "--set", help="Dotted config override for every run, repeatable: "
                           "--set key_control.scope=head")] = None,
+        model: Annotated[str | None, typer.Option(
+            help="e4: a hub id or local HF folders analysed instead of training a run.")] = None,
+        revisions: Annotated[str | None, typer.Option(
+            help="e4 with --model: comma-separated revisions (step0,step512,...).")] = None,
+        text: Annotated[str | None, typer.Option(
+            help="e4: the text analysed (default: sample, its held-out split first).")] = None,
+        tokens: Annotated[int | None, typer.Option(
+            help="e4: text tokens analysed per checkpoint (default: the preset's).")] = None,
         quiet: Quiet = False,
     ) -> None:
-        """One of the paper's experiments end to end: its grid, resumable, then the report."""
+        """One of the paper's experiments end to end (resumable), then the report."""
         from qkgeom.config import deep_merge, parse_dotted
-        from qkgeom.experiments import reproduce
+        from qkgeom.experiments import reproduce, reproduce_e4
 
         overrides = deep_merge({"device": device} if device else {}, parse_dotted(set_ or []))
+        if experiment == "e4":
+            from qkgeom.cli.checkpoints import split_revisions, summarise
+
+            folder = reproduce_e4(preset, out, data=data, model=model,
+                                  revisions=split_revisions(revisions), text=text,
+                                  tokens=tokens, device=device, progress=not quiet,
+                                  overrides=parse_dotted(set_ or []) or None)
+            summarise(folder)
+            report(folder, None)
+            return
+        if any(v is not None for v in (model, revisions, text, tokens)):
+            raise QKGeomError("--model, --revisions, --text and --tokens are for e4")
         out = out or Path("sweeps") / f"{experiment}-{preset}"
         summary = reproduce(experiment, preset, out, data, workers=workers, backend=backend,
                             address=address, threads_per_run=threads, progress=not quiet,

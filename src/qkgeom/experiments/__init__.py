@@ -19,10 +19,11 @@ from qkgeom.experiments.presets import (
     reproduce,
     reproduce_e1,
     reproduce_e3,
+    reproduce_e4,
 )
 from qkgeom.experiments.runner import SweepSummary, run_sweep, sweep_status
 from qkgeom.experiments.worker import run_one
 
 __all__ = ["Arm", "Grid", "RunSpec", "load_grid", "run_sweep", "run_one", "sweep_status",
            "SweepSummary", "e1_grid", "reproduce_e1", "E1_PRESETS", "e3_grid", "reproduce_e3",
-           "E3_PRESETS", "GRIDS", "e3_arm", "reproduce"]
+           "E3_PRESETS", "GRIDS", "e3_arm", "reproduce", "reproduce_e4"]

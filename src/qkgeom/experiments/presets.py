@@ -312,3 +312,43 @@ def train_e4(preset: str, out_dir: str | Path, data: str = "", *,
     run = Path(out_dir) / E4_RUN
     train(cfg, run, resume=True, progress=progress)
     return run
+
+
+def reproduce_e4(preset: str, out: str | Path | None = None, *, data: str = "",
+                 model: str | None = None, revisions: list[str] | None = None,
+                 text: str | None = None, tokens: int | None = None, device: str | None = None,
+                 overrides: dict[str, Any] | None = None, progress: bool = True) -> Path:
+    """E4 end to end; returns the analysis folder (its report written).
+
+    Without ``model``: train the preset's run with the ``log`` checkpoint schedule into
+    ``OUT/run`` (qkgeom.experiments.presets.train_e4), then analyse its checkpoints as a
+    family into ``OUT/analysis``. With ``model`` (a hub id or local HF folders) and
+    ``revisions``: analyse that family into ``OUT/analysis``. Then the E4 report. ``OUT``
+    defaults to ``sweeps/e4-<preset>`` (``sweeps/e4-<model>`` for a family). Resumable:
+    rerunning trains nothing twice and reuses every analysed checkpoint."""
+    from qkgeom.analysis import write_report
+    from qkgeom.checkpoints.family import analyze_checkpoints
+    from qkgeom.training import resolve_device
+
+    spec = e4_preset(preset)
+    if device:
+        resolve_device(device)
+    if model is None:
+        if revisions is not None:
+            raise QKGeomError("--revisions names checkpoints of --model; pass --model too")
+        out = Path(out or Path("sweeps") / f"e4-{preset}")
+        over = {**({"device": device} if device else {}), **(overrides or {})}
+        models = [str(train_e4(preset, out, data, overrides=over or None,
+                               progress=progress))]
+    else:
+        if data or overrides:
+            raise QKGeomError("--data and --set configure the training run; with --model there "
+                              "is none (the family is analysed as it is)")
+        out = Path(out or Path("sweeps") / f"e4-{model.rstrip('/').replace('/', '_')}")
+        models = [model]
+    folder = analyze_checkpoints(models, out / E4_ANALYSIS, revisions=revisions,
+                                 text=text or spec.text, max_tokens=tokens or spec.tokens,
+                                 blocks=spec.blocks, device=device or "cpu",
+                                 progress=progress)
+    write_report(folder)
+    return folder
