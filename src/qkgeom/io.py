@@ -16,6 +16,13 @@ half-way with ``OSError(ENOSPC)`` (a disk that stays full), ``erofs:GLOB:N`` lik
 with ``OSError(EROFS)`` (a folder that turned read-only); ``kill:GLOB:N`` SIGKILLs the
 process half-way through the Nth matching write (the temp file is torn, the target is
 untouched). ``n`` defaults to 1. Unset (the normal case), it costs one dict lookup.
+``QKGEOM_FAULT_ONCE`` (a file path) makes the faults fire only while that file does not
+exist, and creates it when one fires: a fault that takes down one process and not the one
+that retries it (a Ray task's retry, a resumed run).
+
+Temp files are named ``.<name>.<8 random characters>.tmp`` beside their target
+(:func:`temp_name_pattern`): the only files a resumed run may delete as leftovers of a
+killed write, so a user's own ``*.tmp`` files are never touched.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import errno
 import fnmatch
 import json
 import os
+import re
 import signal
 import tempfile
 from collections.abc import Callable
@@ -42,13 +50,42 @@ def _umask() -> int:
 
 _UMASK = _umask()
 _FAULT_ENV = "QKGEOM_FAULT"
+_FAULT_ONCE_ENV = "QKGEOM_FAULT_ONCE"
 _fault_counts: dict[str, int] = {}
+_TMP_SUFFIX_CHARS = 8  # tempfile.mkstemp's random part: [a-z0-9_]{8}
+
+
+def temp_name_pattern(names: str) -> re.Pattern[str]:
+    """The names :func:`atomic_write` gives its temp files for a target whose name matches
+    the regular expression ``names`` (e.g. ``r"ckpt_\\d{8}\\.pt"``)."""
+    return re.compile(rf"\.(?:{names})\.[a-z0-9_]{{{_TMP_SUFFIX_CHARS}}}\.tmp")
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename or unlink in ``folder`` durable (POSIX: fsync the directory).
+
+    Without it a power cut right after ``os.replace`` can bring back the old file (or
+    none), although the new one's data was synced. Filesystems or platforms that cannot
+    open or sync a directory are skipped silently: there is nothing more to do there."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _inject_fault(path: Path, tmp_path: Path) -> None:
     """Apply ``QKGEOM_FAULT`` (see the module doc) to this write of ``path``, if it matches."""
     spec = os.environ.get(_FAULT_ENV)
     if not spec:
+        return
+    once = os.environ.get(_FAULT_ONCE_ENV)
+    if once and os.path.exists(once):
         return
     for entry in spec.split(","):
         action, _, rest = entry.strip().partition(":")
@@ -60,6 +97,8 @@ def _inject_fault(path: Path, tmp_path: Path) -> None:
             continue
         size = tmp_path.stat().st_size
         os.truncate(tmp_path, size // 2)  # a torn temp file, as a real failure leaves
+        if once:
+            Path(once).touch()
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action in ("enospc", "erofs"):
@@ -71,7 +110,9 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp_path)`` then atomically move ``tmp_path`` onto ``path``.
 
     The file gets the permissions a plain ``open(path, "w")`` would (0666 minus the umask),
-    not ``mkstemp``'s owner-only 0600, so results stay readable by collaborators.
+    not ``mkstemp``'s owner-only 0600, so results stay readable by collaborators. The file's
+    data is fsynced before the rename and the folder after it, so a completed write
+    survives a power cut.
     """
     path = Path(path)
     try:
@@ -88,6 +129,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
             os.fsync(fh.fileno())
         os.chmod(tmp_path, 0o666 & ~_UMASK)
         os.replace(tmp_path, path)
+        fsync_dir(path.parent)
     except BaseException as err:
         with contextlib.suppress(OSError):
             tmp_path.unlink(missing_ok=True)
