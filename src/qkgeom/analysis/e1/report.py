@@ -21,6 +21,7 @@ from qkgeom.analysis.e1.claims import evaluate_claims
 from qkgeom.analysis.kit import (
     claims_markdown,
     excluded_markdown,
+    md_text,
     metrics_note,
     missing_metrics,
     setup_markdown,
@@ -123,7 +124,7 @@ def report_markdown(table: pd.DataFrame, claims: pd.DataFrame, traj: pd.DataFram
     drawn for want of metrics ({name: missing metrics}); ``drawn=False`` when figures were
     not asked for."""
     name = table.attrs.get("name") or sweep_dir.name
-    parts = [f"# qkgeom report: {name}", "", claims_markdown(claims), "",
+    parts = [f"# qkgeom report: {md_text(name)}", "", claims_markdown(claims), "",
              _rules_text(), ""]
     note = metrics_note(missing_metrics(table, _claim_metrics()) if len(table) else [],
                         "The claims that need them read *not evaluated* (0/0).")

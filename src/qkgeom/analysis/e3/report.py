@@ -21,6 +21,7 @@ from qkgeom.analysis.kit import (
     excluded_markdown,
     fmt_p,
     md_table,
+    md_text,
     setup_markdown,
     signed,
     write_csvs,
@@ -84,7 +85,7 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
     name = table.attrs.get("name") or sweep_dir.name
     modes = run_modes(table)
     per_mode = modes.groupby("mode")["seed"].nunique().to_dict() if len(modes) else {}
-    parts = [f"# qkgeom report: {name}", "",
+    parts = [f"# qkgeom report: {md_text(name)}", "",
              "E3 (see `docs/definitions.md`): key-spectrum control during training, paired by "
              "seed against the uncontrolled run. Seeds per mode: "
              + (", ".join(f"{m} {n}" for m, n in sorted(per_mode.items())) or "none") + ".", "",
