@@ -32,8 +32,8 @@ import re
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
-from urllib.parse import urlsplit
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import pandas as pd

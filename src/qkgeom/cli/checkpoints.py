@@ -89,15 +89,23 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Token-level Q/K geometry of checkpoints (E4): one at a time, cached, resumable."""
         from qkgeom.checkpoints.family import analyze_checkpoints
+        from qkgeom.checkpoints.resolve import check_analysis_fits, resolve_checkpoints
+        from qkgeom.runs.family import record_text_shortfall
         from qkgeom.training import resolve_device
 
         resolve_device(device)
+        check_analysis_fits(resolve_checkpoints(models, _split(revisions)), text=text,
+                            max_tokens=tokens, seq_len=seq_len, batch_size=batch_size,
+                            dtype=dtype, device=device)
         folder = analyze_checkpoints(
             models, out or _default_out(models), revisions=_split(revisions), text=text,
             max_tokens=tokens, seq_len=seq_len, batch_size=batch_size, qk_site=qk_site,
             dtype=dtype, device=device, keep_duplicates=keep_duplicates, tokenizer=tokenizer,
             logit_spectrum=not no_logit_spectrum, trust_remote_code=trust_remote_code,
             progress=not quiet)
+        short = record_text_shortfall(folder)
+        if short:
+            typer.echo(f"qkgeom: warning: {short}", err=True)
         _summary(folder)
         typer.echo(f"analysis folder: {folder}  (report: qkgeom report {folder})")
 

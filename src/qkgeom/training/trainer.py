@@ -53,8 +53,7 @@ from qkgeom.runs import RunLock, RunWriter, claim_run_dir, run_record
 from qkgeom.seeding import make_generators
 from qkgeom.training.callbacks import Callback, TrainContext
 from qkgeom.training.checkpoint import load_latest_checkpoint, save_checkpoint
-from qkgeom.training.resources import check_training_fits, gib, is_out_of_memory, \
-    training_memory
+from qkgeom.training.resources import check_training_fits, gib, is_out_of_memory, training_memory
 from qkgeom.training.schedule import lr_at
 
 __all__ = ["RunResult", "Trainer", "evaluate", "make_optimizer", "resolve_device", "train"]
