@@ -16,9 +16,12 @@ half-way with ``OSError(ENOSPC)`` (a disk that stays full), ``erofs:GLOB:N`` lik
 with ``OSError(EROFS)`` (a folder that turned read-only); ``kill:GLOB:N`` SIGKILLs the
 process half-way through the Nth matching write (the temp file is torn, the target is
 untouched). ``n`` defaults to 1. Unset (the normal case), it costs one dict lookup.
-``QKGEOM_FAULT_ONCE`` (a file path) makes the faults fire only while that file does not
-exist, and creates it when one fires: a fault that takes down one process and not the one
-that retries it (a Ray task's retry, a resumed run).
+``pause:GLOB:N`` holds the Nth matching write (the temp file written, the target not yet
+replaced) until a file flag says go: it creates ``$QKGEOM_FAULT_PAUSE.waiting`` and waits
+for ``$QKGEOM_FAULT_PAUSE.go`` (a second writer can then be tried while the first is
+mid-run). ``QKGEOM_FAULT_ONCE`` (a file path) makes the faults fire only while that file
+does not exist, and creates it when one fires: a fault that takes down one process and not
+the one that retries it (a Ray task's retry, a resumed run).
 
 Temp files are named ``.<name>.<8 random characters>.tmp`` beside their target
 (:func:`temp_name_pattern`): the only files a resumed run may delete as leftovers of a
@@ -51,6 +54,7 @@ def _umask() -> int:
 _UMASK = _umask()
 _FAULT_ENV = "QKGEOM_FAULT"
 _FAULT_ONCE_ENV = "QKGEOM_FAULT_ONCE"
+_FAULT_PAUSE_ENV = "QKGEOM_FAULT_PAUSE"
 _fault_counts: dict[str, int] = {}
 _TMP_SUFFIX_CHARS = 8  # tempfile.mkstemp's random part: [a-z0-9_]{8}
 
@@ -93,7 +97,10 @@ def _inject_fault(path: Path, tmp_path: Path) -> None:
         if not fnmatch.fnmatch(path.name, pattern):
             continue
         _fault_counts[entry] = count = _fault_counts.get(entry, 0) + 1
-        if count < int(nth or 1) or (action == "kill" and count > int(nth or 1)):
+        if count < int(nth or 1) or (action in ("kill", "pause") and count > int(nth or 1)):
+            continue
+        if action == "pause":
+            _pause(os.environ[_FAULT_PAUSE_ENV])
             continue
         size = tmp_path.stat().st_size
         os.truncate(tmp_path, size // 2)  # a torn temp file, as a real failure leaves
@@ -104,6 +111,16 @@ def _inject_fault(path: Path, tmp_path: Path) -> None:
         if action in ("enospc", "erofs"):
             code = errno.ENOSPC if action == "enospc" else errno.EROFS
             raise OSError(code, os.strerror(code), str(path))
+
+
+def _pause(flag: str, timeout: float = 600.0) -> None:
+    """Say ``flag.waiting``, then wait for ``flag.go`` (tests only: ``pause`` faults)."""
+    import time
+
+    Path(f"{flag}.waiting").touch()
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(f"{flag}.go") and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:

@@ -72,7 +72,8 @@ def _read_file(file: Path, columns: tuple[str, ...]) -> pd.DataFrame:
 
 
 def overlay(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    """``frames`` applied in order: each one's rows replace earlier rows of its steps."""
+    """``frames`` applied in order: each one's rows replace earlier rows of its steps.
+    Rows come out in step order (a stable sort: within a step, as written)."""
     import pandas as pd
 
     out = frames[0]
@@ -81,6 +82,8 @@ def overlay(frames: list[pd.DataFrame]) -> pd.DataFrame:
             continue
         kept = out[~out["step"].isin(frame["step"].unique())]
         out = pd.concat([kept, frame], ignore_index=True) if len(kept) else frame
+    if len(frames) > 1:
+        out = out.sort_values("step", kind="stable")
     return out.reset_index(drop=True)
 
 

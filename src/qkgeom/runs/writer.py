@@ -99,13 +99,15 @@ class RunWriter:
 
     @property
     def metrics(self) -> pd.DataFrame:
+        """Every metric row so far, in step order."""
         if not self._metrics:
             return pd.DataFrame(columns=METRIC_COLUMNS)
-        return pd.concat(list(self._metrics.values()), ignore_index=True)
+        return pd.concat([self._metrics[s] for s in sorted(self._metrics)], ignore_index=True)
 
     @property
     def log(self) -> pd.DataFrame:
-        return self._log_frame([r for rows in self._log.values() for r in rows])
+        """Every log row so far, in step order."""
+        return self._log_frame([r for s in sorted(self._log) for r in self._log[s]])
 
     @staticmethod
     def _log_frame(rows: list[dict[str, float]]) -> pd.DataFrame:

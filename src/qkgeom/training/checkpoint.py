@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 import warnings
-from collections.abc import Mapping
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,9 @@ from qkgeom.runs import (
 )
 
 FORMAT_VERSION = 1
-_PLAIN = (bool, int, float, str, bytes, type(None), torch.Tensor, torch.Size, torch.dtype)
+# Exact types (numpy.float64 is a float subclass, yet weights_only refuses it).
+_PLAIN = (bool, int, float, str, bytes, type(None), torch.Size, torch.dtype)
+_MAPPINGS = (dict, OrderedDict)
 
 
 class UnsafeCheckpointError(QKGeomError):
@@ -65,14 +67,14 @@ def read_checkpoint(path: Path) -> Any:
 
 def _check_plain(value: Any, where: str) -> None:
     """QKGeomError unless ``value`` is made of what ``weights_only`` loading rebuilds."""
-    if isinstance(value, _PLAIN):
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
         return
-    if isinstance(value, Mapping):
+    if type(value) in _MAPPINGS:
         for key, item in value.items():
             _check_plain(key, where)
             _check_plain(item, f"{where}[{key!r}]")
         return
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         for i, item in enumerate(value):
             _check_plain(item, f"{where}[{i}]")
         return
