@@ -214,6 +214,19 @@ def test_injections_in_an_e4_report_stay_text(base_run: Path, tmp_path: Path) ->
     RESULTS["injections in E4 model id, text, checkpoint names"] = True
 
 
+def test_escaped_values_render_as_exactly_themselves(tmp_path: Path) -> None:
+    """md_code keeps a value whole in one code span (backticks and all), md_text shows it
+    verbatim as text."""
+    from qkgeom.analysis.kit import md_code, md_table, md_text, render_html
+
+    for value in (*INJECTIONS, "``x``", "`", "| pipe | &amp; *star* _u_ #h"):
+        page = _Page(render_html(f"{md_code(value)}\n\n{md_text(value)}\n\n"
+                                 + md_table(["v"], [[md_text(value)]]), tmp_path, "t"))
+        assert [t for t, _ in page.tags if t == "code"] == ["code"]
+        shown = [x for x in page.text if x.strip()][2:]  # after the <title> and <style>
+        assert shown == [value, value, "v", value], (value, shown)
+
+
 def _png(path: Path) -> Path:
     from PIL import Image
 
