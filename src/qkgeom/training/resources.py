@@ -121,7 +121,7 @@ def check_training_fits(cfg: TrainConfig, device: torch.device) -> None:
         raise QKGeomError(
             f"model.block_size {m.block_size} makes each probe absurdly long: about "
             f"{seconds:,.0f} s on {device.type} (probe_sequences {cfg.probe_sequences} × "
-            f"{m.n_layer} layers × {m.n_head} heads × {m.block_size}² causal attention scores "
+            f"{m.n_layer} layers × {m.n_head} heads × {m.block_size}²/2 causal attention scores "
             f"in float64; limit {PROBE_LIMIT_S:.0f} s); lower block_size or probe_sequences")
     require_memory(training_memory(cfg), device,
                    "lower batch_size, block_size or the model size, or use a larger device")
