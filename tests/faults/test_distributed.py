@@ -97,8 +97,9 @@ def test_local_ray_listens_on_loopback_and_retries_resume(sample_data: Path,
     run = tmp_path / "runs" / "base"
     once = tmp_path / "fault-fired"
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # HOME: Ray keeps the token of a local instance in ~/.ray; never the user's own one.
     env.update(QKGEOM_FAULT="kill:ckpt_*.pt:2", QKGEOM_FAULT_ONCE=str(once),
-               RAY_USAGE_STATS_ENABLED="0")
+               RAY_USAGE_STATS_ENABLED="0", HOME=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", _RAY_SCRIPT, str(run), json.dumps(grid)],
                          capture_output=True, text=True, env=env, timeout=600,
                          cwd=tmp_path)

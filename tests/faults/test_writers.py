@@ -149,12 +149,15 @@ def test_monitor_takes_the_same_lock(tmp_path: Path) -> None:
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0  # released at close
     second = GeometryMonitor(model, ids, out=tmp_path / "mon", resume=True, tensorboard=None,
                              wandb=False)
-    assert holder.acquire()  # this process: re-entrant
-    holder.release()
     with pytest.raises(QKGeomError, match="already holds a run"):
         GeometryMonitor(model, ids, out=tmp_path / "mon", tensorboard=None, wandb=False)
     second.start(1)
+    assert not holder.acquire()  # exclusive, also within one process ...
+    assert holder.acquire(reentrant=True)  # ... unless a holder joins its process's hold
+    holder.release()
     second.close()
+    assert holder.acquire()
+    holder.release()
     RESULTS["monitor folder lock"] = True
     figure("one writer per run", f"{sum(RESULTS.values())}/{len(RESULTS)} cases handled "
            f"cleanly ({'; '.join(RESULTS)})")

@@ -172,7 +172,11 @@ class GeometryMonitor:
             self.tensorboard, self._wandb_mode, self._tb_auto = None, False, False
         elif self._out is not None:
             self._lock = RunLock(self._out).require("start the monitor")
-            self.folder = _open_folder(self._out, self.run_id, self._resume)
+            try:
+                self.folder = _open_folder(self._out, self.run_id, self._resume)
+            except BaseException:
+                self._lock.release()
+                raise
         if self._tb_auto and tensorboard is not None and self.tensorboard is None:
             self.tensorboard = TensorBoardSink(tensorboard)
         if self.control is not None:

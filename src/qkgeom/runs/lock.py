@@ -9,8 +9,9 @@ killed run leaves no stale lock behind. The holder writes its pid, host and star
 into the lock file, so a refused writer can say who holds the run. On a cluster the folder
 must be on a filesystem that supports ``flock`` across nodes (NFSv4, Lustre, GPFS, CephFS).
 
-The lock is re-entrant within one process (a sweep worker holds it and the trainer it
-calls takes it again); between processes it is exclusive.
+The lock is exclusive, also between two holders in one process; a holder that works for
+the one already holding it joins it instead (``acquire(reentrant=True)``: the trainer a
+sweep worker calls, inside the worker's lock).
 """
 
 from __future__ import annotations
@@ -93,11 +94,15 @@ class RunLock:
         self._key = _key(self.path)
         self._mine = False
 
-    def acquire(self) -> bool:
+    def acquire(self, reentrant: bool = False) -> bool:
+        """Take the lock; False when it is held elsewhere (by another process, or by another
+        holder in this one unless ``reentrant``, which joins this process's hold)."""
         with _GUARD:
             if self._mine:
                 return True
             entry = _HELD.get(self._key)
+            if entry is not None and not reentrant:
+                return False
             if entry is None:
                 handle = _try_lock(self.path)
                 if handle is None:
@@ -118,9 +123,9 @@ class RunLock:
                 del _HELD[self._key]
                 _unlock(entry[0])
 
-    def require(self, action: str = "write") -> RunLock:
+    def require(self, action: str = "write", reentrant: bool = False) -> RunLock:
         """Acquire, or raise a one-line QKGeomError naming the process that holds the run."""
-        if not self.acquire():
+        if not self.acquire(reentrant):
             raise QKGeomError(f"{self.run}: another process is writing this run "
                               f"({holder(self.run)}); wait for it to finish or stop it, then "
                               f"{action} again")
@@ -145,13 +150,11 @@ def holder(run: str | Path) -> str:
 
 
 def lock_is_held(run: str | Path) -> bool:
-    """Whether another process holds the run's lock right now (it is writing the run)."""
+    """Whether a process (this one included) holds the run's lock right now (it is
+    writing the run)."""
     if not lock_path(run).exists():
         return False
     lock = RunLock(run)
-    with _GUARD:
-        if lock._key in _HELD:  # this process holds it
-            return False
     try:
         if lock.acquire():
             lock.release()

@@ -154,7 +154,8 @@ class Trainer:
                             vocab_size=self.data.vocab.vocab_size,
                             vocab_sha256=self.data.vocab.digest(),
                             corpus_sha256=self.data.corpus_sha256)
-        self.lock = RunLock(self.out).require("train or resume")
+        # reentrant: a sweep worker calls the trainer inside its own hold of the run's lock
+        self.lock = RunLock(self.out).require("train or resume", reentrant=True)
         try:
             claim_run_dir(self.out, record, resume)
             self.writer = RunWriter(self.out, self.run_id, steps=cfg.steps, resume=resume,
