@@ -77,6 +77,23 @@ def test_resume_compacts_and_finishes_bit_exact(sample_data: Path, killed: Path,
     assert_same_results(train_in_process(sample_data, tmp_path / "ref", 16, 4), run)
 
 
+def test_a_run_is_never_done_before_its_tables_are_compacted(sample_data: Path,
+                                                            tmp_path: Path) -> None:
+    """SIGKILL in the middle of the final compaction: the status must not say ``done``
+    yet (a sweep skips done runs, and readers of plain Parquet would miss rows); the
+    resume finishes it bit-exact, with complete plain files."""
+    from fault_helpers import assert_same_results, train_in_process
+
+    run = tmp_path / "run"
+    res = cli(*train_args(sample_data, run, 16, 4), fault="kill:metrics.parquet:1")
+    assert res.returncode == -9, res.stderr  # killed while compacting, at the very end
+    assert status(run)["state"] == "running" and status(run)["step"] == 12
+    res = cli(*train_args(sample_data, run, 16, 4), "--resume")
+    assert res.returncode == 0, res.stderr
+    assert_same_results(train_in_process(sample_data, tmp_path / "ref", 16, 4), run)
+    RESULTS["killed during the final compaction"] = True
+
+
 def test_a_flush_writes_only_the_new_rows_and_parts_stay_few(tmp_path: Path) -> None:
     writer = RunWriter(tmp_path, "r")
     sizes, counts = [], []

@@ -244,8 +244,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-        self.writer.compact()
-        self.writer.status("done", self.step)
+        self.writer.status("done", self.step)  # compacted: at the last step, or on restore
         for cb in self.callbacks:
             cb.on_train_end(self.ctx)
         return RunResult(self.out, "done", self.step, self.writer.metrics, self.writer.log)
@@ -367,7 +366,12 @@ class Trainer:
         elif s > 0 and (s % cfg.log_every == 0 or not math.isnan(val_loss) or last):
             self._log(s, val_loss, bar)
         if (s > 0 and s % cfg.checkpoint_every == 0) or last:
-            self.writer.flush()
+            # At the end the tables are compacted before the status says done: a finished
+            # run's metrics.parquet / train_log.parquet hold every row, whenever it is killed.
+            if last:
+                self.writer.compact()
+            else:
+                self.writer.flush()
             self._checkpoint(s)
             self.writer.status("done" if last else "running", s)
         elif s % cfg.probe_every == 0:
