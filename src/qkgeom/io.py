@@ -16,6 +16,16 @@ half-way with ``OSError(ENOSPC)`` (a disk that stays full), ``erofs:GLOB:N`` lik
 with ``OSError(EROFS)`` (a folder that turned read-only); ``kill:GLOB:N`` SIGKILLs the
 process half-way through the Nth matching write (the temp file is torn, the target is
 untouched). ``n`` defaults to 1. Unset (the normal case), it costs one dict lookup.
+``pause:GLOB:N`` holds the Nth matching write (the temp file written, the target not yet
+replaced) until a file flag says go: it creates ``$QKGEOM_FAULT_PAUSE.waiting`` and waits
+for ``$QKGEOM_FAULT_PAUSE.go`` (a second writer can then be tried while the first is
+mid-run). ``QKGEOM_FAULT_ONCE`` (a file path) makes the faults fire only while that file
+does not exist, and creates it when one fires: a fault that takes down one process and not
+the one that retries it (a Ray task's retry, a resumed run).
+
+Temp files are named ``.<name>.<8 random characters>.tmp`` beside their target
+(:func:`temp_name_pattern`): the only files a resumed run may delete as leftovers of a
+killed write, so a user's own ``*.tmp`` files are never touched.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ import errno
 import fnmatch
 import json
 import os
+import re
 import signal
 import tempfile
 from collections.abc import Callable
@@ -42,7 +53,34 @@ def _umask() -> int:
 
 _UMASK = _umask()
 _FAULT_ENV = "QKGEOM_FAULT"
+_FAULT_ONCE_ENV = "QKGEOM_FAULT_ONCE"
+_FAULT_PAUSE_ENV = "QKGEOM_FAULT_PAUSE"
 _fault_counts: dict[str, int] = {}
+_TMP_SUFFIX_CHARS = 8  # tempfile.mkstemp's random part: [a-z0-9_]{8}
+
+
+def temp_name_pattern(names: str) -> re.Pattern[str]:
+    """The names :func:`atomic_write` gives its temp files for a target whose name matches
+    the regular expression ``names`` (e.g. ``r"ckpt_\\d{8}\\.pt"``)."""
+    return re.compile(rf"\.(?:{names})\.[a-z0-9_]{{{_TMP_SUFFIX_CHARS}}}\.tmp")
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename or unlink in ``folder`` durable (POSIX: fsync the directory).
+
+    Without it a power cut right after ``os.replace`` can bring back the old file (or
+    none), although the new one's data was synced. Filesystems or platforms that cannot
+    open or sync a directory are skipped silently: there is nothing more to do there."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _inject_fault(path: Path, tmp_path: Path) -> None:
@@ -50,16 +88,24 @@ def _inject_fault(path: Path, tmp_path: Path) -> None:
     spec = os.environ.get(_FAULT_ENV)
     if not spec:
         return
+    once = os.environ.get(_FAULT_ONCE_ENV)
+    if once and os.path.exists(once):
+        return
     for entry in spec.split(","):
         action, _, rest = entry.strip().partition(":")
         pattern, _, nth = rest.partition(":")
         if not fnmatch.fnmatch(path.name, pattern):
             continue
         _fault_counts[entry] = count = _fault_counts.get(entry, 0) + 1
-        if count < int(nth or 1) or (action == "kill" and count > int(nth or 1)):
+        if count < int(nth or 1) or (action in ("kill", "pause") and count > int(nth or 1)):
+            continue
+        if action == "pause":
+            _pause(os.environ[_FAULT_PAUSE_ENV])
             continue
         size = tmp_path.stat().st_size
         os.truncate(tmp_path, size // 2)  # a torn temp file, as a real failure leaves
+        if once:
+            Path(once).touch()
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if action in ("enospc", "erofs"):
@@ -67,11 +113,23 @@ def _inject_fault(path: Path, tmp_path: Path) -> None:
             raise OSError(code, os.strerror(code), str(path))
 
 
+def _pause(flag: str, timeout: float = 600.0) -> None:
+    """Say ``flag.waiting``, then wait for ``flag.go`` (tests only: ``pause`` faults)."""
+    import time
+
+    Path(f"{flag}.waiting").touch()
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(f"{flag}.go") and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp_path)`` then atomically move ``tmp_path`` onto ``path``.
 
     The file gets the permissions a plain ``open(path, "w")`` would (0666 minus the umask),
-    not ``mkstemp``'s owner-only 0600, so results stay readable by collaborators.
+    not ``mkstemp``'s owner-only 0600, so results stay readable by collaborators. The file's
+    data is fsynced before the rename and the folder after it, so a completed write
+    survives a power cut.
     """
     path = Path(path)
     try:
@@ -88,6 +146,7 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
             os.fsync(fh.fileno())
         os.chmod(tmp_path, 0o666 & ~_UMASK)
         os.replace(tmp_path, path)
+        fsync_dir(path.parent)
     except BaseException as err:
         with contextlib.suppress(OSError):
             tmp_path.unlink(missing_ok=True)

@@ -314,7 +314,10 @@ def test_load_prepared_missing_folder(tmp_path):
 
 def test_reprepare_overwrites(prepared_text, tmp_path):
     (tmp_path / "d.txt").write_text(_lines(300, "other"), encoding="utf-8")
-    data = load_prepared(prepare_data("text", prepared_text, path=tmp_path / "d.txt"))
+    with pytest.raises(QKGeomError, match="other inputs.*--force"):  # another corpus
+        prepare_data("text", prepared_text, path=tmp_path / "d.txt")
+    data = load_prepared(prepare_data("text", prepared_text, path=tmp_path / "d.txt",
+                                      force=True))
     assert data.vocab.decode(data.train[:10]) == "other 0000"
     assert sorted(p.name for p in prepared_text.iterdir()) == [
         "meta.json",

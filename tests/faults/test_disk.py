@@ -38,7 +38,8 @@ def reference(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
 @pytest.mark.slow
 @pytest.mark.parametrize("fault, words", [
     ("enospc:ckpt_*.pt:2", ("ckpt_00000008.pt", "No space left")),
-    ("enospc:metrics.parquet:3", ("metrics.parquet", "No space left")),
+    ("enospc:p*-L0.parquet:5", ("metrics.parts", "No space left")),  # the step-8 probe
+    ("enospc:metrics.parquet:1", ("metrics.parquet", "No space left")),  # the compaction
     ("erofs:*:10", ("Read-only file system",)),
 ])
 def test_disk_full_stops_cleanly_and_the_last_checkpoint_resumes(

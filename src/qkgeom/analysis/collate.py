@@ -27,7 +27,7 @@ from scipy import stats as sst
 from qkgeom.config import TrainConfig
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json
-from qkgeom.runs import is_run_folder, read_record
+from qkgeom.runs import has_metrics, is_run_folder, read_metrics, read_record
 
 # Group keys of a seed-averaged trajectory (one per layer).
 GROUP = ["depth", "qk_init", "variant"]
@@ -192,7 +192,7 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
         elif state != "done":
             row["excluded"] = (f"incomplete ({state}, step {status.get('step', '?')}/{steps})"
                                if status else "incomplete (no status.json)")
-        elif not (folder / "metrics.parquet").exists():
+        elif not has_metrics(folder):
             row["excluded"] = "no metrics.parquet"
         log_path = folder / "train_log.parquet"
         if log_path.exists():
@@ -276,11 +276,11 @@ def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> pd.DataF
         runs.loc[partial, "excluded"] = ""
     frames = []
     for row in runs[runs["excluded"] == ""].itertuples():
-        try:
-            m = pd.read_parquet(Path(row.dir) / "metrics.parquet")
-            missing = {"step", "layer", "head", "metric", "value"} - set(m.columns)
-        except Exception as err:
-            m, missing = None, {type(err).__name__}
+        try:  # metrics.parquet with the probes written since its last compaction
+            m = read_metrics(row.dir)
+            missing = set() if m is not None else {"no file"}
+        except QKGeomError as err:  # names the torn file and why
+            m, missing = None, {str(err).split(";")[0].split(": ", 1)[-1]}
         if m is None or missing:
             runs.loc[row.Index, "excluded"] = f"unreadable metrics.parquet ({', '.join(missing)})"
             continue

@@ -1,13 +1,17 @@
 """The one kit every report shares (E1/E2, E3, E4 and a single run folder).
 
-- **Markdown and numbers**: :func:`md_table`, :func:`fmt_p`, :func:`signed`.
+- **Markdown and numbers**: :func:`md_table`, :func:`fmt_p`, :func:`signed`, and the two
+  escapes every value from a file goes through before it enters a report (:func:`md_text`,
+  :func:`md_code`): grid and folder names, run ids, error texts, model and checkpoint names
+  are data, never Markdown or HTML.
 - **The claims table**: its columns (:data:`CLAIM_COLUMNS`, one row per claim × level ×
   origin) and :func:`claims_markdown`, which writes it with the cells an experiment's
   report chooses (:data:`SWEEP_CLAIM_CELLS` by default).
 - **Sections of a sweep or run report**: :func:`setup_markdown`, :func:`excluded_markdown`,
   :func:`metrics_note` (metrics a folder does not record).
-- **The page**: :func:`render_html` (standalone HTML, figures embedded) and
-  :func:`write_pages` (``report.md`` + ``report.html``, atomically).
+- **The page**: :func:`render_html` (standalone HTML, figures embedded; raw HTML never
+  passes, links only to web or relative addresses, only PNGs inside the report folder
+  embedded) and :func:`write_pages` (``report.md`` + ``report.html``, atomically).
 - **Figure house style**: paper-column panels (:data:`PANEL_W` × :data:`PANEL_H` inches),
   8 pt text (:data:`STYLE`), colour-blind-safe colours (:func:`layer_colors`,
   :data:`MODE_COLORS`), :data:`REF_LINE`, :func:`new_figure`, :func:`grid`,
@@ -27,8 +31,9 @@ import io
 import re
 import textwrap
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import pandas as pd
@@ -52,6 +57,28 @@ def md_table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]#!])")
+
+
+def md_text(value: Any) -> str:
+    """``value`` as literal Markdown text on one line: Markdown syntax characters
+    backslash-escaped, ``&``, ``<`` and ``>`` as entities (so neither Markdown nor HTML in a
+    name, run id or error message does anything). ``|`` is left to :func:`md_table`, which
+    escapes it in cells (elsewhere a one-line value cannot start a table)."""
+    text = " ".join(str(value).split())
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    return _MD_SPECIAL.sub(r"\\\1", text)
+
+
+def md_code(value: Any) -> str:
+    """``value`` as an inline code span on one line, whatever backticks it holds (the fence
+    is longer than any run of backticks inside)."""
+    text = " ".join(str(value).split())
+    ticks = "`" * (max((len(r) for r in re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") or not text else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
 def fmt_p(p: float) -> str:
@@ -134,7 +161,7 @@ def _range(values: pd.Series, fmt: str = "{}") -> str:
     vals = sorted({v for v in values.dropna().tolist()}, key=lambda v: (str(type(v)), v))
     if not vals:
         return "n/a"
-    return ", ".join(fmt.format(v) for v in vals)
+    return md_text(", ".join(fmt.format(v) for v in vals))
 
 
 def _duration(seconds: float) -> str:
@@ -160,9 +187,9 @@ def _folder_line(table: pd.DataFrame, folder: Path, runs: pd.DataFrame,
     name = table.attrs.get("name") or folder.name
     if is_single_run(folder):
         state = "analysed" if len(inc) else "left out (below)"
-        return f"- **Run folder**: `{name}` ({folder}); {state}."
-    return (f"- **Sweep**: `{name}` ({folder}); {len(runs)} runs, {len(inc)} analysed, "
-            f"{len(runs) - len(inc)} excluded (below).")
+        return f"- **Run folder**: {md_code(name)} ({md_text(folder)}); {state}."
+    return (f"- **Sweep**: {md_code(name)} ({md_text(folder)}); {len(runs)} runs, {len(inc)} "
+            f"analysed, {len(runs) - len(inc)} excluded (below).")
 
 
 def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
@@ -181,9 +208,9 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
     axes = sweep_axes(spec)
     if axes:
         grid = spec.get("grid", {})
-        preset = f" on preset `{grid['preset']}`" if grid.get("preset") else ""
+        preset = f" on preset {md_code(grid['preset'])}" if grid.get("preset") else ""
         lines.append(f"- **Grid** (sweep.json){preset}: " + "; ".join(
-            f"`{k}` ∈ {{{', '.join(map(str, v))}}}" for k, v in axes.items()))
+            f"{md_code(k)} ∈ {{{md_text(', '.join(map(str, v)))}}}" for k, v in axes.items()))
     if len(inc):
         monitored = inc[inc["source"] == MONITOR_SOURCE] if "source" in inc else inc.iloc[:0]
         trained = inc.drop(monitored.index)
@@ -197,7 +224,8 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
                          f"{int(inc.drop_duplicates(['depth', 'qk_init', 'variant'])['depth'].sum())}")
         variants = [v for v in inc["variant"].unique() if v]
         if variants:
-            lines.append(f"- **Other varying settings** (kept apart): {', '.join(variants)}")
+            lines.append(f"- **Other varying settings** (kept apart): "
+                         f"{md_text(', '.join(variants))}")
         if len(trained):
             lines.append(f"- **Data**: {_range(trained['data_source'])}; vocabulary "
                          f"{_range(trained['vocab_size'])} characters")
@@ -236,7 +264,7 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
             lines += ["", "Final validation loss (nats/char), mean ± sd over seeds:", ""]
             lines.append(md_table(
                 ["depth", "qk_init", *(["variant"] if variants else []), "val loss"],
-                [[d, i, *([v] if variants else []),
+                [[d, md_text(i), *([md_text(v)] if variants else []),
                   f"{m:.3f}" + (f" ± {s:.3f}" if np.isfinite(s) else "")]
                  for (d, i, v), (m, s) in vl.iterrows()]))
     return "\n".join(lines)
@@ -252,7 +280,8 @@ def excluded_markdown(table: pd.DataFrame) -> str:
     lines.append(f"{len(ex)} run(s) are left out of every average, count and figure:")
     lines.append("")
     lines.append(md_table(["run", "depth", "qk_init", "seed", "state", "reason"],
-                          [[f"`{r.run_id}`", r.depth, r.qk_init, r.seed, r.state, r.excluded]
+                          [[md_code(r.run_id), md_text(r.depth), md_text(r.qk_init),
+                            md_text(r.seed), md_text(r.state), md_text(r.excluded)]
                            for r in ex.itertuples()]))
     return "\n".join(lines)
 
@@ -303,24 +332,84 @@ def _web_png(path: Path, max_width: int = 1400) -> bytes:
         return buf.getvalue()
 
 
+_SAFE_SCHEMES = ("http", "https", "mailto")
+_URL_NOISE = re.compile(r"[\x00-\x20\x7f]+")  # what browsers drop from a URL's scheme
+
+
+def _safe_link(href: str) -> bool:
+    """A web, mail or relative address (after undoing entities and the control characters
+    a browser ignores): never ``javascript:`` or ``data:``."""
+    url = _URL_NOISE.sub("", html.unescape(href))
+    scheme = urlsplit(url).scheme.lower() if ":" in url else ""
+    return scheme in ("", *_SAFE_SCHEMES)
+
+
+def _local_png(folder: Path, src: str) -> Path | None:
+    """The PNG file ``src`` names inside ``folder`` (a relative path without ``..``), or
+    None: nothing outside the report folder is ever read into the page."""
+    src = html.unescape(src)
+    if _URL_NOISE.search(src) or ":" in src or "\\" in src:
+        return None
+    rel = PurePosixPath(src)
+    if rel.is_absolute() or ".." in rel.parts or rel.suffix.lower() != ".png":
+        return None
+    root = folder.resolve()
+    path = (root / rel).resolve()
+    return path if path.is_file() and path.is_relative_to(root) else None
+
+
+def _page_extension(folder: Path) -> Any:
+    """A Python-Markdown extension: raw HTML off (it is shown as text), unsafe links
+    dropped, images embedded when they are PNGs inside ``folder`` and else replaced by
+    their alt text."""
+    from markdown.extensions import Extension
+    from markdown.treeprocessors import Treeprocessor
+
+    class Guard(Treeprocessor):
+        def run(self, root: Any) -> None:
+            parents = {child: parent for parent in root.iter() for child in parent}
+            for el in list(root.iter()):
+                if el.tag == "a" and not _safe_link(el.get("href", "")):
+                    del el.attrib["href"]
+                elif el.tag == "img":
+                    self._image(el, parents.get(el))
+
+        def _image(self, el: Any, parent: Any) -> None:
+            path = _local_png(folder, el.get("src", ""))
+            if path is not None:
+                el.set("src", "data:image/png;base64,"
+                       + base64.b64encode(_web_png(path)).decode("ascii"))
+                return
+            if parent is not None:  # the alt text in place of the image
+                alt = el.get("alt", "")
+                index = list(parent).index(el)
+                if index == 0:
+                    parent.text = (parent.text or "") + alt + (el.tail or "")
+                else:
+                    prev = parent[index - 1]
+                    prev.tail = (prev.tail or "") + alt + (el.tail or "")
+                parent.remove(el)
+
+    class Page(Extension):
+        def extendMarkdown(self, md: Any) -> None:  # noqa: N802 - Markdown's API
+            md.preprocessors.deregister("html_block")
+            md.inlinePatterns.deregister("html")
+            md.treeprocessors.register(Guard(md), "qkgeom_guard", 15)  # after inline (20)
+
+    return Page()
+
+
 def render_html(markdown_text: str, folder: Path, title: str) -> str:
-    """Markdown → standalone HTML; every local PNG is embedded (as a data URI, at most
-    1400 px wide) and links to its full-resolution file."""
+    """Markdown → standalone HTML. Raw HTML in the Markdown is shown as text, never passed
+    through; links keep only web, mail and relative addresses; every PNG inside ``folder``
+    (a relative path without ``..``) is embedded (as a data URI, at most 1400 px wide) and
+    links to its full-resolution file, and any other image is left out (its alt text
+    stays), so the page never carries a script or a file from elsewhere on the machine."""
     try:
         import markdown
     except ImportError as err:  # declared dependency; a clear message if it is missing
         raise ImportError("report.html needs the 'markdown' package: pip install markdown") from err
-    body = markdown.markdown(markdown_text, extensions=["tables"])
-
-    def embed(match: re.Match[str]) -> str:
-        head, src = match.group(1), match.group(2)
-        path = folder / src
-        if src.endswith(".png") and path.exists():
-            data = base64.b64encode(_web_png(path)).decode("ascii")
-            return f'{head}src="data:image/png;base64,{data}"'
-        return match.group(0)
-
-    body = re.sub(r'(<img [^>]*?)src="([^"]+)"', embed, body)
+    body = markdown.markdown(markdown_text, extensions=["tables", _page_extension(folder)])
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n"
             f"<body>\n{body}\n</body></html>\n")

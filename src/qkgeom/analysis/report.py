@@ -12,12 +12,16 @@ experiment's report:
 
 The report goes to ``<folder>/report/`` (layout: docs/report.md): ``report.md`` opening with
 the claims table, a self-contained ``report.html``, the figures as PNG (300 dpi) and SVG,
-and the numbers as CSV; every file is written atomically. Nothing here imports torch;
-matplotlib is imported only to draw.
+and the numbers as CSV; every file is written atomically. ``report.json`` marks the folder
+as a qkgeom report folder: a report is written only into a new or empty folder or one so
+marked (or a report folder of an earlier qkgeom, recognised by its ``report.md``), never
+over files qkgeom did not write. Nothing here imports torch; matplotlib is imported only
+to draw.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -30,9 +34,16 @@ from qkgeom.analysis.e3.report import write_e3_report
 from qkgeom.analysis.e4.bootstrap import N_BOOT
 from qkgeom.analysis.e4.report import e4_claims_table, write_e4_report
 from qkgeom.errors import QKGeomError
+from qkgeom.io import read_json, write_json
 from qkgeom.runs import is_run_folder
 from qkgeom.runs.family import MARKER, is_analysis_folder
 from qkgeom.runs.sweep import RUNS_DIR, SWEEP_FILE
+from qkgeom.version import __version__
+
+REPORT_MARKER = "report.json"
+_REPORT_KIND = "qkgeom-report"
+# The first line of report.md as qkgeom versions before the marker wrote it.
+_LEGACY_HEADINGS = ("# qkgeom report: ", "# E4: token-level Q/K geometry across checkpoints")
 
 
 def claims_table(folder: str | Path, include_incomplete: bool = False,
@@ -65,13 +76,46 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     resamples of E4's token-block bootstrap (an analysis folder only).
     """
     folder = Path(folder)
+    out = folder / "report" if out is None else Path(out)
     if is_analysis_folder(folder):  # a checkpoint family (qkgeom analyze): E4
+        claim_report_dir(out, folder)
         return write_e4_report(folder, out, figures=figures, n_boot=n_boot)
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)
-    out = folder / "report" if out is None else Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    claim_report_dir(out, folder)
     write = write_e3_report if is_e3(table) else write_e1_report
     return write(table, folder, out, figures)
+
+
+def _is_report_folder(out: Path) -> bool:
+    """Marked by ``report.json``, or a report folder an earlier qkgeom wrote (its
+    ``report.md`` opens with qkgeom's heading and ``report.html`` is beside it)."""
+    marker = out / REPORT_MARKER
+    if marker.is_file():
+        try:
+            record = read_json(marker)
+        except QKGeomError:
+            return False
+        return isinstance(record, dict) and record.get("kind") == _REPORT_KIND
+    try:
+        with open(out / "report.md", encoding="utf-8") as fh:
+            first = fh.readline()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return first.startswith(_LEGACY_HEADINGS) and (out / "report.html").is_file()
+
+
+def claim_report_dir(out: Path, source: Path) -> None:
+    """Make ``out`` a report folder, refusing a non-empty folder that is not one (its
+    files are not qkgeom's to overwrite); marks it with ``report.json``."""
+    if out.exists() and not out.is_dir():
+        raise QKGeomError(f"{out} exists and is not a folder; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not _is_report_folder(out):
+        raise QKGeomError(f"{out} is not empty and is not a qkgeom report folder (no "
+                          f"{REPORT_MARKER}); choose an empty or new --out: a report never "
+                          "overwrites files qkgeom did not write")
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / REPORT_MARKER, {"kind": _REPORT_KIND, "source": str(source),
+                                      "written": time.time(), "qkgeom": __version__})
 
 
 def _result_folder(folder: str | Path) -> Path:

@@ -31,6 +31,7 @@ import hashlib
 import json
 import platform
 import re
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,13 @@ import pandas as pd
 
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json, write_json, write_parquet
-from qkgeom.runs.family import CACHE, CHECKPOINT_TABLE, FORMAT_VERSION, MARKER
+from qkgeom.runs.family import (
+    CACHE,
+    CHECKPOINT_TABLE,
+    FORMAT_VERSION,
+    MARKER,
+    record_text_shortfall,
+)
 from qkgeom.version import __version__
 
 if TYPE_CHECKING:
@@ -117,6 +124,7 @@ def analyze_checkpoints(
     from qkgeom.arch import QK_SITES, adapter_for
     from qkgeom.checkpoints.analyze import analyze_model
     from qkgeom.checkpoints.resolve import (
+        check_analysis_fits,
         free_model,
         load_checkpoint,
         load_tokenizer,
@@ -133,6 +141,8 @@ def analyze_checkpoints(
         raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
     out = Path(out)
     specs = resolve_checkpoints(models, revisions)
+    check_analysis_fits(specs, text=text, max_tokens=max_tokens, seq_len=seq_len,
+                        batch_size=batch_size, dtype=dtype, device=device)
     probe_ids = None
     if text is None and specs[0].kind == "run":
         probe_ids, probe_batch = _run_probe_set(Path(specs[0].source))
@@ -229,6 +239,9 @@ def analyze_checkpoints(
     finish(out, frames, rows, keep_duplicates)
     meta["state"] = "done"
     write_json(out / MARKER, meta)
+    short = record_text_shortfall(out)
+    if short:
+        warnings.warn(short, stacklevel=2)
     return out
 
 

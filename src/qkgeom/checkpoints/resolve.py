@@ -13,6 +13,11 @@ A checkpoint is one of:
 Step of each checkpoint: parsed from its name (``step1000``, ``checkpoint-1000``,
 ``ckpt_00001000``, ``global_step1000``), else ``global_step`` of a folder's
 ``trainer_state.json``; if any checkpoint has neither, the order of the list for all.
+
+Loading runs no code of a run folder's: its ``ckpt_*.pt`` are read with
+``torch.load(weights_only=True)`` (:func:`qkgeom.training.checkpoint.read_checkpoint`);
+a file that needs unpickling is refused in one line. Before any model is loaded,
+:func:`check_analysis_fits` compares the analysis's memory estimate with the device's.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ from qkgeom.arch import ModelAdapter
 from qkgeom.errors import QKGeomError
 from qkgeom.runs import CHECKPOINTS, is_run_folder, list_checkpoints, read_record
 
-__all__ = ["CheckpointSpec", "free_model", "load_checkpoint", "load_run_model", "qk_hash",
-           "resolve_checkpoints"]
+__all__ = ["CheckpointSpec", "analysis_memory", "check_analysis_fits", "free_model",
+           "load_checkpoint", "load_run_model", "qk_hash", "resolve_checkpoints"]
 
 _STEP = re.compile(r"(?:^|[^a-z])(?:global_step|step|checkpoint|ckpt)[-_]?(\d+)$", re.IGNORECASE)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -172,6 +177,70 @@ def load_run_model(run: str | Path, step: int | None = None) -> tuple[nn.Module,
         raise QKGeomError(f"{Path(run) / 'config.json'}: no data_dir; is {run} a qkgeom run "
                           "folder?")
     return model, load_vocab(data_dir), step
+
+
+def _dims(spec: CheckpointSpec) -> dict[str, int] | None:
+    """Layers, heads, width, vocabulary and context of a checkpoint, read from its config
+    without loading weights (None when they cannot be read: the estimate is skipped)."""
+    if spec.kind == "run":
+        from qkgeom.runs import load_config
+
+        m = load_config(spec.source).model
+        return {"n_layer": m.n_layer, "n_head": m.n_head, "d": m.n_embd,
+                "vocab": m.vocab_size, "context": m.block_size}
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(spec.source, revision=spec.revision,
+                                         local_files_only=True)
+        cfg = getattr(cfg, "text_config", None) or cfg
+        return {"n_layer": int(cfg.num_hidden_layers), "n_head": int(cfg.num_attention_heads),
+                "d": int(cfg.hidden_size), "vocab": int(cfg.vocab_size),
+                "context": int(getattr(cfg, "max_position_embeddings", 0) or 512)}
+    except Exception:  # not installed, offline, an unusual config: nothing to check against
+        return None
+
+
+def analysis_memory(dims: dict[str, int], seq_len: int, batch_size: int,
+                    dtype_bytes: int, measure_bytes: int = 8) -> dict[str, float]:
+    """The big memory terms (bytes) of measuring one checkpoint: its weights; one batch's
+    hidden states and one layer's ``batch × heads × seq_len²`` attention scores in the
+    model's dtype; the captured q/k in the measurement precision; the covariance
+    accumulators (float64)."""
+    L, H, d, V = dims["n_layer"], dims["n_head"], dims["d"], dims["vocab"]
+    tokens = batch_size * seq_len
+    return {"weights": float((12 * L * d * d + (V + dims["context"]) * d) * dtype_bytes),
+            "activations": float(8 * tokens * d * dtype_bytes),
+            "attention scores": float(batch_size * H * seq_len ** 2 * dtype_bytes),
+            "q/k captures": float(4 * tokens * d * measure_bytes),
+            "accumulators": float(8 * L * 2 * d * d)}
+
+
+def check_analysis_fits(specs: list[CheckpointSpec], *, text: str | None, max_tokens: int,
+                        seq_len: int | None, batch_size: int | None, dtype: str,
+                        device: str) -> None:
+    """Refuse, before any model is loaded, an analysis whose memory estimate (for the
+    first checkpoint's sizes and the batch it would run) exceeds what ``device`` has."""
+    from qkgeom.checkpoints.analyze import _TOKENS_PER_BATCH, DEFAULT_SEQ_LEN
+    from qkgeom.training.resources import require_memory
+
+    if not specs:
+        return
+    dims = _dims(specs[0])
+    if dims is None:
+        return
+    if specs[0].kind == "run" and text is None:  # the run's own probe set, in float64
+        from qkgeom.runs import load_config
+
+        cfg = load_config(specs[0].source)
+        terms = analysis_memory(dims, dims["context"], cfg.probe_batch, 4)
+    else:
+        T = seq_len or min(dims["context"], DEFAULT_SEQ_LEN)
+        batch = batch_size or max(1, _TOKENS_PER_BATCH // T)
+        batch = min(batch, -(-max_tokens // T))  # never more windows than the text gives
+        terms = analysis_memory(dims, T, batch, _DTYPES.get(dtype, torch.float32).itemsize, 4)
+    require_memory(terms, torch.device(device),
+                   "lower --batch-size or --seq-len, or use a larger device")
 
 
 def require_transformers() -> None:

@@ -4,8 +4,8 @@ One module per group of subcommands: :mod:`.data` (``data prepare``), :mod:`.tra
 (``train``, ``show``), :mod:`.sweeps` (``sweep run|status``, ``reproduce e1|e3``,
 ``report``), :mod:`.checkpoints` (``analyze``, ``export``), :mod:`.watch` (``watch``).
 
-Exit codes: 0 done, 2 bad input (one line on stderr, no traceback), 3 diverged,
-130 interrupted.
+Exit codes: 0 done, 2 bad input or not enough memory (one line on stderr, no traceback),
+3 diverged, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -51,6 +51,15 @@ def main(argv: list[str] | None = None) -> None:
             raise
         typer.echo(f"qkgeom: error: {StorageError.of(err.filename or '?', err)}", err=True)
         sys.exit(StorageError.exit_code)
+    except (MemoryError, RuntimeError) as err:  # an allocation the host or device refused
+        from qkgeom.training.resources import is_out_of_memory
+
+        if not is_out_of_memory(err):
+            raise
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        typer.echo(f"qkgeom: error: out of memory ({type(err).__name__}{': ' if first else ''}"
+                   f"{first}); lower --batch-size or the context length", err=True)
+        sys.exit(QKGeomError.exit_code)
     except KeyboardInterrupt:
         typer.echo("qkgeom: interrupted", err=True)
         sys.exit(130)

@@ -27,11 +27,14 @@ def register(app: typer.Typer) -> None:
         path: Annotated[Path | None, typer.Option(
             help="Input: WikiText raw folder (omit to use the `datasets` copy), a text file "
                  "or folder, or a Wikipedia *.xml.bz2 dump.")] = None,
+        force: Annotated[bool, typer.Option(
+            help="Replace prepared data of another corpus in --dir, or write beside files "
+                 "that are not prepared data (they are never deleted).")] = False,
     ) -> None:
         """Prepare a corpus as memory-mapped character tokens plus meta.json."""
         from qkgeom.data import load_prepared, prepare_data
 
-        out = prepare_data(source.value, dir, path=path)
+        out = prepare_data(source.value, dir, path=path, force=force)
         data = load_prepared(out)
         sizes = ", ".join(f"{k} {len(getattr(data, k)):,}" for k in ("train", "val", "test"))
         typer.echo(f"prepared {source.value} into {out}: vocab {data.vocab.vocab_size}, "

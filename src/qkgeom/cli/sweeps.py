@@ -17,6 +17,9 @@ Address = Annotated[str | None, typer.Option(
     help="Ray cluster address: auto or host:port (backend ray).")]
 Threads = Annotated[int | None, typer.Option(
     help="torch threads per run (default: CPUs / workers).")]
+Retries = Annotated[int, typer.Option(
+    help="Backend ray: start a run again, up to N times, when its worker dies (it resumes "
+         "from its checkpoint).")]
 Preset = Annotated[str, typer.Option(help="smoke | demo | paper")]
 Data = Annotated[str, typer.Option(help="Prepared data (default: embedded sample).")]
 Device = Annotated[str | None, typer.Option(help="cpu | cuda | ... for every run")]
@@ -64,6 +67,7 @@ def register(app: typer.Typer) -> None:
         address: Address = None,
         threads: Threads = None,
         retry_failed: Annotated[bool, typer.Option(help="Train failed runs again.")] = False,
+        retries: Retries = 0,
         quiet: Quiet = False,
     ) -> None:
         """Train every run of a grid (resumable: done runs are skipped, interrupted ones resume)."""
@@ -71,13 +75,13 @@ def register(app: typer.Typer) -> None:
         from qkgeom.experiments.runner import available_cpus
 
         spec = load_grid(grid)
-        out = out or Path("sweeps") / spec.name
+        out = out or Path("sweeps") / spec.folder_name
         if workers is None:
             on_cpu = spec.expand()[0].config.device == "cpu"
             workers = available_cpus() if on_cpu else 1
         summary = run_sweep(spec, out, workers=workers, backend=backend, address=address,
                             threads_per_run=threads, progress=not quiet,
-                            retry_failed=retry_failed)
+                            retry_failed=retry_failed, retries=retries)
         _print_summary(summary, out)
         _exit_if_failed(summary)
 
@@ -126,6 +130,7 @@ def register(app: typer.Typer) -> None:
             help="e4: the text analysed (default: sample, its held-out split first).")] = None,
         tokens: Annotated[int | None, typer.Option(
             help="e4: text tokens analysed per checkpoint (default: the preset's).")] = None,
+        retries: Retries = 0,
         quiet: Quiet = False,
     ) -> None:
         """One of the paper's experiments end to end (resumable), then the report."""
@@ -148,7 +153,7 @@ def register(app: typer.Typer) -> None:
         out = out or Path("sweeps") / f"{experiment}-{preset}"
         summary = reproduce(experiment, preset, out, data, workers=workers, backend=backend,
                             address=address, threads_per_run=threads, progress=not quiet,
-                            overrides=overrides or None)
+                            overrides=overrides or None, retries=retries)
         _print_summary(summary, out)
         report(out, None)
         _exit_if_failed(summary)

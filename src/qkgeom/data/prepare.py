@@ -9,6 +9,12 @@ not match it.
 
 Folder layout: ``train.bin``, ``val.bin``, ``test.bin`` (raw little-endian ids, no header)
 and ``meta.json``.
+
+Ownership: :func:`prepare_data` writes only into a new or empty folder, or one holding
+prepared data of the same source and inputs (preparing again). A folder with other files,
+or prepared data of another corpus (runs may have been trained on it), is refused unless
+``force``; even then only the prepared files are replaced, never the others. Runs record
+the corpus's :attr:`PreparedData.corpus_sha256` and refuse to resume on another corpus.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -30,7 +37,7 @@ from qkgeom.data import sources
 from qkgeom.data import vocab as _vocab
 from qkgeom.data.vocab import CharVocab
 from qkgeom.errors import QKGeomError
-from qkgeom.io import atomic_write, write_json
+from qkgeom.io import atomic_write, temp_name_pattern, write_json
 
 __all__ = [
     "FORMAT_VERSION",
@@ -50,6 +57,7 @@ SOURCES = ("sample", "wikitext-103", "text", "wikidump")
 _SPLITS = sources.SPLITS
 _META = "meta.json"
 _PREPARED_FILES = frozenset({_META, *(f"{s}.bin" for s in _SPLITS)})
+_PREPARED_TEMP = temp_name_pattern("|".join(re.escape(n) for n in sorted(_PREPARED_FILES)))
 
 
 def source_splits(source: str, path: str | Path | None = None) -> dict[str, str]:
@@ -112,14 +120,46 @@ def _write_tokens(path: Path, text: str, vocab: CharVocab) -> int:
     return unknown
 
 
-def prepare_data(source: str, out_dir: str | Path, *, path: str | Path | None = None) -> Path:
+def _check_target(out: Path, provenance: dict[str, Any], force: bool) -> None:
+    """Refuse to write into ``out`` unless it is new, empty, or prepared data of the same
+    ``provenance`` (source, path, inputs); ``force`` lifts the refusal (the caller then
+    replaces only the prepared files)."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise QKGeomError(f"{out}: exists and is not a folder; pass another --dir")
+    foreign = sorted(p.name for p in out.iterdir()
+                     if p.name not in _PREPARED_FILES and not _PREPARED_TEMP.fullmatch(p.name))
+    if foreign and not force:
+        shown = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+        raise QKGeomError(f"{out}: holds files that are not prepared data ({shown}); pass an "
+                          "empty or new --dir (--force writes the prepared files beside them, "
+                          "never deleting them)")
+    try:
+        meta = json.loads((out / _META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no (readable) meta: an interrupted preparation, or only foreign files
+    if not isinstance(meta, dict):
+        return
+    saved = {k: meta.get(k) for k in provenance}
+    if saved != provenance and not force:
+        raise QKGeomError(f"{out}: holds prepared {meta.get('source')!r} data from other inputs "
+                          f"({meta.get('path') or 'the built-in copy'}); runs trained on it "
+                          "would find their corpus replaced: pass another --dir, or --force to "
+                          "replace it")
+
+
+def prepare_data(source: str, out_dir: str | Path, *, path: str | Path | None = None,
+                 force: bool = False) -> Path:
     """Prepare ``source`` into ``out_dir`` (token arrays + ``meta.json``); return ``out_dir``.
 
     ``source`` is one of :data:`SOURCES`; ``path`` is the WikiText folder (omit it to use
     the ``datasets`` copy), the text file/folder, or the Wikipedia dump. The vocabulary
     comes from the train split only; characters of val/test outside it become the unknown
     id (their count is in ``meta["unknown_tokens"]``). Ids are uint8 when the vocabulary
-    (with the unknown id) has at most 256 entries, else uint16.
+    (with the unknown id) has at most 256 entries, else uint16. ``out_dir`` must be new,
+    empty, or hold prepared data of the same source and inputs, unless ``force`` (see the
+    module doc); files that are not prepared data are never deleted.
     """
     out = Path(out_dir)
     splits = source_splits(source, path)
@@ -131,6 +171,8 @@ def prepare_data(source: str, out_dir: str | Path, *, path: str | Path | None = 
         )
     vocab = CharVocab.from_text(splits["train"])
     inputs = {str(p.resolve()): _sha256_file(p) for p in sources.input_files(source, path)}
+    _check_target(out, {"source": source, "inputs": inputs,
+                        "path": str(Path(path).resolve()) if path is not None else None}, force)
 
     out.mkdir(parents=True, exist_ok=True)
     # Remove the old meta first: a crash below leaves a folder load_prepared rejects.
@@ -164,6 +206,15 @@ class PreparedData:
     train: np.memmap
     val: np.memmap
     test: np.memmap
+
+    @property
+    def corpus_sha256(self) -> str | None:
+        """SHA-256 of the corpus's text, split by split, as ``meta.json`` records it: what
+        a run trained on (the vocabulary has its own digest). None for a meta without it."""
+        texts = self.meta.get("text_sha256")
+        if not isinstance(texts, dict):
+            return None
+        return hashlib.sha256(json.dumps(texts, sort_keys=True).encode()).hexdigest()
 
     @property
     def sizes(self) -> dict[str, int]:

@@ -12,9 +12,13 @@ of importing torch) per run, small next to training.
 
 **Ray** submits ``run_one`` as one task per run with ``num_cpus=threads`` (plus
 ``num_gpus=1`` for a CUDA config), ``max_calls=1`` (a fresh worker process per run, as
-locally) and ``max_retries=0`` (a crashed run is recorded ``failed``; rerunning the sweep
-resumes it from its checkpoint). Results go to the sweep folder, so that folder must be on a
-filesystem every node sees, and qkgeom must be installed on every node.
+locally) and ``max_retries=retries`` (default 0: a crashed run is recorded ``failed`` and
+rerunning the sweep resumes it from its checkpoint; with ``--retries N`` Ray itself starts
+a task whose worker died again, up to N times, and the retry resumes from the run's newest
+checkpoint under the run's lock). Results go to the sweep folder, so that folder must be on
+a filesystem every node sees, and qkgeom must be installed on every node. A local Ray
+instance that qkgeom starts itself (no ``--address``) listens on 127.0.0.1 only (its node
+address is the loopback one, no dashboard): nothing of it is reachable from the network.
 """
 
 from __future__ import annotations
@@ -47,14 +51,19 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def make_backend(name: str, address: str | None = None) -> Backend:
+def make_backend(name: str, address: str | None = None, retries: int = 0) -> Backend:
     """The backend called ``name``; Ray is imported (and connected) only when asked for."""
+    if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+        raise QKGeomError(f"--retries must be a whole number >= 0, got {retries!r}")
     if name == "local":
         if address is not None:
             raise QKGeomError("--address is for the ray backend; the local backend has none")
+        if retries:
+            raise QKGeomError("--retries is for the ray backend; locally, run the sweep again "
+                              "(it resumes interrupted runs)")
         return LocalBackend()
     if name == "ray":
-        return RayBackend(address)
+        return RayBackend(address, retries)
     raise QKGeomError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
@@ -134,6 +143,11 @@ class LocalBackend:
         self.cancel()
 
 
+# Ray takes the loopback address as the node's own only when its "cluster" mode is off (the
+# mode it uses on macOS/Windows); read once, when ray's constants are imported.
+_RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
 def _ray() -> Any:
     try:
         import ray
@@ -141,6 +155,16 @@ def _ray() -> Any:
         raise QKGeomError("the ray backend needs Ray: pip install 'qkgeom[ray]' "
                           "(or pip install ray)") from None
     return ray
+
+
+def _loopback_only(ray: Any) -> None:
+    """Keep the local instance about to start on 127.0.0.1: ray otherwise resolves
+    "127.0.0.1" to the machine's network address, and its servers then listen on every
+    interface. The switch is read when ray is imported, so the module's copy is set too."""
+    os.environ[_RAY_LOCAL_ONLY] = "0"  # for the processes ray.init starts
+    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+    if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
+        constants.ENABLE_RAY_CLUSTER = False
 
 
 def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
@@ -155,21 +179,23 @@ def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
 
 
 class RayBackend:
-    """One Ray task per run on the cluster at ``address`` (None: a local Ray instance)."""
+    """One Ray task per run on the cluster at ``address`` (None: a local Ray instance on
+    127.0.0.1); a task whose worker dies is retried up to ``retries`` times."""
 
-    def __init__(self, address: str | None) -> None:
+    def __init__(self, address: str | None, retries: int = 0) -> None:
         ray = _ray()
         self._ray = ray
         self._owns = not ray.is_initialized()
         if self._owns:
             kwargs: dict[str, Any] = {"log_to_driver": False}
             if address is None:
-                kwargs["include_dashboard"] = False
+                kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
+                _loopback_only(ray)
             try:
                 ray.init(address=address, **kwargs)
             except ConnectionError as err:
                 raise QKGeomError(f"cannot connect to Ray at {address!r}: {err}") from None
-        self._task = ray.remote(max_calls=1, max_retries=0)(_ray_run_one)
+        self._task = ray.remote(max_calls=1, max_retries=retries)(_ray_run_one)
         self._refs: dict[Any, Path] = {}
 
     def submit(self, run_dir: Path, config_dict: dict[str, Any], threads: int,

@@ -37,6 +37,11 @@ fastest). Ids depend only on the axes, arms and their values, never on the order
 expansion or the process, so a rerun finds its runs again. A grid without axes or arms is
 one run, ``base``.
 
+**Grid names** become the default sweep folder ``sweeps/<name>``: a name with a path
+separator, a control character, or that is ``.``/``..`` is refused; the folder is named
+after :attr:`Grid.folder_name`, the name with every character outside ``[A-Za-z0-9._+-]``
+replaced by ``_`` (as in run ids), so no name reaches outside ``sweeps/``.
+
 Everything is checked before any work: a file that is not a mapping, an unknown top-level
 key, an unknown or invalid config value (through :func:`qkgeom.config.make_config`), an
 empty axis, a repeated value, two runs with the same id, or an arm that is unnamed,
@@ -65,6 +70,7 @@ ARM_LABEL = "arm"  # the run-id label of the arm (and its key in RunSpec.axes)
 # The sweep runner sets these per run (threads from --workers / --threads-per-run).
 RUNNER_KEYS = ("threads",)
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]")
+_UNSAFE_NAME = re.compile(r"[/\\\x00-\x1f\x7f]")
 _MAX_VALUE_CHARS = 40
 
 
@@ -122,6 +128,10 @@ class Grid:
         name = d.get("name", default_name)
         if not isinstance(name, str) or not name.strip():
             raise QKGeomError(f"grid name must be a non-empty string, got {name!r}")
+        if _UNSAFE_NAME.search(name) or name.strip(".") == "":
+            raise QKGeomError(f"grid name {name!r} is not a folder name (no path separators, "
+                              "control characters, '.' or '..'): the sweep folder is "
+                              "sweeps/<name>")
         preset = d.get("preset", "demo")
         if preset not in PRESETS:
             raise QKGeomError(f"grid {name!r}: unknown preset {preset!r}; "
@@ -137,6 +147,11 @@ class Grid:
                    axes=axes, arms=_arms(d.get("arms"), name, axes))
         grid.expand()  # validates every run before anyone starts one
         return grid
+
+    @property
+    def folder_name(self) -> str:
+        """The name as a safe folder name (``sweeps/<folder_name>``), like a run id's values."""
+        return _SAFE.sub("_", self.name)
 
     def to_dict(self) -> dict[str, Any]:
         """The normalised grid (JSON-able); equal dicts mean the same sweep."""

@@ -196,6 +196,7 @@ def reproduce(
     progress: bool = True,
     retry_failed: bool = False,
     overrides: dict[str, Any] | None = None,
+    retries: int = 0,
 ) -> SweepSummary:
     """Expand the grid of ``experiment`` (``e1`` | ``e3``) at size ``preset`` and run it into
     ``out_dir`` (resumable; see :func:`~qkgeom.experiments.runner.run_sweep`).
@@ -205,6 +206,7 @@ def reproduce(
     per CPU, at most one per run (benchmarks/sweep_scaling.py: 2 workers x 1 thread was
     3.5x faster than 1 worker x 2 threads on 2 shared cores); for ``paper`` one run at a
     time (one GPU). ``overrides`` (nested or dotted config keys) apply to every run.
+    ``retries``: Ray task retries (see :func:`~qkgeom.experiments.runner.run_sweep`).
     """
     if experiment not in GRIDS:
         raise QKGeomError(f"unknown experiment {experiment!r}; choose one of "
@@ -216,7 +218,7 @@ def reproduce(
             threads_per_run = 1
     return run_sweep(grid, out_dir, workers=workers, backend=backend, address=address,
                      threads_per_run=threads_per_run, progress=progress,
-                     retry_failed=retry_failed)
+                     retry_failed=retry_failed, retries=retries)
 
 
 def reproduce_e1(preset: str, out_dir: str | Path, data: str = "", **options: Any) -> SweepSummary:

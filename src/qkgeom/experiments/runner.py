@@ -94,8 +94,12 @@ def run_sweep(
     threads_per_run: int | None = None,
     progress: bool = True,
     retry_failed: bool = False,
+    retries: int = 0,
 ) -> SweepSummary:
     """Train every run of ``grid`` into ``out_dir/runs/<run_id>`` (see the module doc).
+
+    ``retries`` (ray backend): times Ray starts a run again whose worker process died; the
+    retry resumes from the run's newest checkpoint.
 
     Everything is validated before any work: the grid (every run's config), the arguments,
     the data (see :func:`resolve_data`), the backend (Ray importable and reachable), and
@@ -116,7 +120,7 @@ def run_sweep(
     if out.exists() and not out.is_dir():
         raise QKGeomError(f"{out} exists and is not a folder")
     check_sweep_file(out, grid, specs)  # before connecting to anything
-    runner = make_backend(backend, address)
+    runner = make_backend(backend, address, retries)
     try:
         write_sweep_file(out, grid, specs)
         return _schedule(specs, out, runner, workers=workers, threads=threads,

@@ -20,12 +20,21 @@ run folder (``out=``), TensorBoard
 (``tensorboard=`` a writer or folder; the integrations also find the trainer's own), W&B
 (``wandb="auto"``: the active ``wandb.run`` if any), the alert rules, and
 :attr:`history`.
+
+Writing (docs/faults.md): only one process writes a run. Under ``torch.distributed`` (DDP,
+an HF Trainer or Lightning on several GPUs) only rank 0 opens the run folder and the
+TensorBoard/W&B sinks; the other ranks still probe (the numbers are in their
+:attr:`history`) but write nothing. The folder is opened when the run starts
+(:meth:`GeometryMonitor.start`), under the run's lock (:class:`~qkgeom.runs.RunLock`, held
+until :meth:`~GeometryMonitor.close`), and only if it is new, empty, or (``resume=True``)
+a qkgeom run folder with nothing foreign in it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -42,7 +51,16 @@ from qkgeom.monitor.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.monitor.closed_loop import EntropyController
 from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_ids
 from qkgeom.monitor.sinks import TensorBoardSink, WandbSink, active_wandb_run
-from qkgeom.runs import ALERTS, CONFIG, METRIC_COLUMNS, METRICS, RunWriter, run_record
+from qkgeom.runs import (
+    ALERTS,
+    CONFIG,
+    METRIC_COLUMNS,
+    RunLock,
+    RunWriter,
+    foreign_entries,
+    read_record,
+    run_record,
+)
 
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "GeometryMonitor", "train_config_mapping"]
 
@@ -67,8 +85,8 @@ class GeometryMonitor:
         batch_size: probe sequences per forward pass.
         qk_site: ``post-rotary`` (default) or ``pre-rotary`` q/k for the token PRs.
         precision: ``float64`` (default, the trainer's probes) or ``float32`` products.
-        out: run folder to write (docs/definitions.md#run-folder); ``resume=True`` appends
-            to an existing one.
+        out: run folder to write (docs/definitions.md#run-folder; rank 0 only under
+            ``torch.distributed``); ``resume=True`` appends to an existing one.
         run_id: the ``run_id`` column (default: the folder name, or ``"monitor"``).
         total_steps: the run's length, if known (integrations read it from the trainer).
         tensorboard: a ``SummaryWriter`` or a log folder; ``"auto"`` (default) uses the
@@ -111,11 +129,16 @@ class GeometryMonitor:
         self.batch_size, self.qk_site, self.histograms = batch_size, qk_site, histograms
         self.total_steps = total_steps
         self.run_id = run_id or (Path(out).name if out is not None else "monitor")
-        self.folder = _open_folder(out, self.run_id, resume) if out is not None else None
+        self._out, self._resume = (Path(out) if out is not None else None), resume
+        self.folder: RunWriter | None = None  # opened by start(), on rank 0
+        self._lock: RunLock | None = None
+        writes = _rank() == 0
+        if self._out is not None and writes:
+            _check_folder(self._out, resume)  # fail now, before the user's training starts
         self._tb_auto = isinstance(tensorboard, str) and tensorboard == "auto"
-        self.tensorboard = (None if tensorboard is None or self._tb_auto
+        self.tensorboard = (None if tensorboard is None or self._tb_auto or not writes
                             else TensorBoardSink(tensorboard))
-        self._wandb_mode = wandb
+        self._wandb_mode = wandb if writes else False
         self._wandb: WandbSink | None = None
         self.probes: list[Measurement] = []
         self._alerts: list[dict[str, Any]] = []
@@ -145,6 +168,15 @@ class GeometryMonitor:
             return None
         self._started = True
         self.total_steps = total_steps or self.total_steps
+        if _rank() != 0:  # distributed, not rank 0: probe, write nothing
+            self.tensorboard, self._wandb_mode, self._tb_auto = None, False, False
+        elif self._out is not None:
+            self._lock = RunLock(self._out).require("start the monitor")
+            try:
+                self.folder = _open_folder(self._out, self.run_id, self._resume)
+            except BaseException:
+                self._lock.release()
+                raise
         if self._tb_auto and tensorboard is not None and self.tensorboard is None:
             self.tensorboard = TensorBoardSink(tensorboard)
         if self.control is not None:
@@ -256,14 +288,18 @@ class GeometryMonitor:
         if state == "done" and step is not None and (not self.probes or
                                                      self.probes[-1].step != step):
             self.probe(step)
-        if self.folder is not None and step is not None:
-            if self.total_steps is None:
-                self.total_steps = step
-                self._write_config()
-            self.folder.flush()
-            self.folder.status(state, step, probe_s=self.probe_seconds)
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        try:
+            if self.folder is not None and step is not None:
+                if self.total_steps is None:
+                    self.total_steps = step
+                    self._write_config()
+                self.folder.compact()
+                self.folder.status(state, step, probe_s=self.probe_seconds)
+            if self.tensorboard is not None:
+                self.tensorboard.close()
+        finally:
+            if self._lock is not None:
+                self._lock.release()
 
     def __enter__(self) -> GeometryMonitor:
         return self
@@ -325,12 +361,41 @@ def _cadence(every: int | Iterable[int]) -> int | frozenset[int]:
     return steps
 
 
-def _open_folder(out: str | Path, run_id: str, resume: bool) -> RunWriter:
-    """The monitor's run folder: a new one, or (``resume``) the one an earlier attempt wrote."""
-    out = Path(out)
-    if ((out / CONFIG).exists() or (out / METRICS).exists()) and not resume:
+def _rank() -> int:
+    """This process's rank under ``torch.distributed`` (0 when it is not initialised; the
+    ``RANK`` a launcher such as torchrun sets, before the process group exists)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    try:
+        return int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        return 0
+
+
+def _check_folder(out: Path, resume: bool) -> None:
+    """Refuse a run folder the monitor may not write: a run already (unless ``resume``), a
+    folder holding files qkgeom did not write, or a ``config.json`` of another tool."""
+    if out.exists() and not out.is_dir():
+        raise QKGeomError(f"{out} exists and is not a folder; choose another out=")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if (out / CONFIG).exists() and not resume:
         raise QKGeomError(f"{out} already holds a run; pass resume=True to append to it or "
                           "choose another out=")
+    if (out / CONFIG).exists():
+        read_record(out)  # a one-line error for a config.json that is not a run record
+    foreign = foreign_entries(out, check_status=not (out / CONFIG).exists())
+    if foreign or not resume:
+        what = ", ".join(foreign[:4]) or "files of an unfinished run"
+        raise QKGeomError(f"{out} holds files the monitor did not write ({what}); choose an "
+                          "empty or new out= (or resume=True for a run it wrote)")
+
+
+def _open_folder(out: Path, run_id: str, resume: bool) -> RunWriter:
+    """The monitor's run folder: a new one, or (``resume``) the one an earlier attempt wrote."""
+    _check_folder(out, resume)
     out.mkdir(parents=True, exist_ok=True)
     writer = RunWriter(out, run_id, resume=resume)
     if resume:

@@ -1,7 +1,7 @@
 """Result folders on disk: one home for their file names, formats and records.
 
-- the **run folder** (:mod:`.folder`, :mod:`.writer`, :mod:`.lock`): what the trainer, a
-  sweep worker and the monitor write and what ``show``, ``watch``, ``analyze``, collation
+- the **run folder** (:mod:`.folder`, :mod:`.table`, :mod:`.writer`, :mod:`.lock`): what
+  the trainer, a sweep worker and the monitor write and what ``show``, ``watch``, ``analyze``, collation
   and ``report`` read (layout: docs/definitions.md#run-folder);
 - the **sweep folder** (:mod:`.sweep`): ``sweep.json`` and ``runs/<run_id>/``;
 - the **checkpoint-family analysis folder** of E4 (:mod:`.family`).
@@ -24,6 +24,8 @@ from qkgeom.runs.folder import (
     checkpoint_dir,
     checkpoint_path,
     claim_run_dir,
+    foreign_entries,
+    has_metrics,
     is_run_folder,
     list_checkpoints,
     load_config,
@@ -35,13 +37,14 @@ from qkgeom.runs.folder import (
     remove_stale_temp_files,
     run_record,
 )
-from qkgeom.runs.lock import RunLock, lock_is_held, lock_path
+from qkgeom.runs.lock import RunLock, holder, lock_is_held, lock_path
 from qkgeom.runs.writer import RunWriter
 
 __all__ = [
     "ALERTS", "CHECKPOINTS", "CONFIG", "FINAL_STATES", "FORMAT_VERSION", "KEY_PR", "LOG_COLUMNS",
     "METRICS", "METRIC_COLUMNS", "STATUS", "TRAIN_LOG", "RunLock", "RunWriter",
-    "checkpoint_dir", "checkpoint_path", "claim_run_dir", "is_run_folder", "list_checkpoints",
-    "load_config", "lock_is_held", "lock_path", "read_log", "read_metrics", "read_record",
-    "read_status", "read_table", "remove_stale_temp_files", "run_record",
+    "checkpoint_dir", "checkpoint_path", "claim_run_dir", "foreign_entries", "has_metrics",
+    "holder", "is_run_folder", "list_checkpoints", "load_config", "lock_is_held", "lock_path",
+    "read_log", "read_metrics", "read_record", "read_status", "read_table",
+    "remove_stale_temp_files", "run_record",
 ]

@@ -3,15 +3,22 @@
 ::
 
     RUN/
-      config.json         the run record: config, its hash, data, vocabulary, versions
+      config.json         the run record: config, its hash, data, vocabulary, corpus, versions
       metrics.parquet     run_id, step, layer, head (−1 = layer), metric, value
-      train_log.parquet   step, loss, val_loss, lr, tokens_per_s
-      status.json         state (running | done | diverged | failed), step, steps, wall time
+      metrics.parts/      rows written since the last compaction (read_metrics sees both)
+      train_log.parquet   step, loss, val_loss, lr, tokens_per_s (+ train_log.parts/)
+      status.json         state (running | done | diverged | failed), step, steps, wall
+                          time, threads
       checkpoints/        ckpt_<step:08d>.pt, the newest few
       alerts.json         monitor runs: alerts that fired
 
 Format 2 nests the key-control settings (``config.key_control.mode`` ...); a format-1
 record (flat ``key_control``, ``key_control_scope``, ``shrink_to`` ...) is read as format 2.
+
+Ownership: qkgeom writes into a folder only when it is new, empty, or already a qkgeom run
+folder holding nothing but the entries above (plus a sweep's bookkeeping files, a
+``report/`` folder and qkgeom's own temp files): :func:`claim_run_dir` refuses anything
+else, so ``--resume`` never overwrites or deletes a file qkgeom did not write.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json, write_json
+from qkgeom.io import read_json, temp_name_pattern, write_json
+from qkgeom.runs import table
+from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG, WORKER_LOG
 from qkgeom.version import __version__
 
 if TYPE_CHECKING:
@@ -38,10 +47,19 @@ STATUS = "status.json"
 ALERTS = "alerts.json"
 KEY_PR = "key_pr.parquet"  # step, unit, pr: per-step key PR (key_control.record)
 CHECKPOINTS = "checkpoints"
+REPORT = "report"
 METRIC_COLUMNS = ["run_id", "step", "layer", "head", "metric", "value"]
 LOG_COLUMNS = ["step", "loss", "val_loss", "lr", "tokens_per_s"]
 FINAL_STATES = ("done", "diverged", "failed")
+STATES = ("running", *FINAL_STATES)
 _CHECKPOINT = re.compile(r"ckpt_(\d{8})\.pt")
+_OWN_FILES = frozenset({CONFIG, METRICS, TRAIN_LOG, STATUS, ALERTS, ATTEMPTS_FILE, WORKER_LOG,
+                        ERROR_LOG})
+_OWN_DIRS = frozenset({CHECKPOINTS, REPORT, table.parts_dir(METRICS).name,
+                       table.parts_dir(TRAIN_LOG).name})
+# The temp files of qkgeom's own atomic writes in a run folder, its checkpoints and parts.
+_TEMP = temp_name_pattern("|".join(re.escape(n) for n in sorted(_OWN_FILES))
+                          + r"|ckpt_\d{8}\.pt|p\d{10}-L\d+\.parquet")
 # Format 1 kept the key-control settings flat in the config: old name -> nested name.
 _V1_KEY_CONTROL = {"key_control": "mode", "key_control_scope": "scope",
                    "key_control_how": "how", "shrink_to": "shrink_to", "expand_to": "expand_to"}
@@ -105,33 +123,114 @@ def load_config(run: str | Path) -> TrainConfig:
 
 def is_run_folder(path: str | Path) -> bool:
     """A folder with a run record (ours, a sweep's or a monitor's)."""
-    return (Path(path) / CONFIG).is_file() and any(
-        (Path(path) / name).exists() for name in (METRICS, STATUS, CHECKPOINTS))
+    path = Path(path)
+    return (path / CONFIG).is_file() and ((path / STATUS).exists() or (path / CHECKPOINTS)
+                                          .exists() or table.exists(path / METRICS))
+
+
+def _is_own_status(path: Path) -> bool:
+    """Whether ``status.json`` reads as a status qkgeom wrote (a mapping with a known state)."""
+    try:
+        status = read_json(path)
+    except QKGeomError:
+        return False
+    return isinstance(status, dict) and status.get("state") in STATES \
+        and isinstance(status.get("step"), int)
+
+
+def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
+    """Names in ``run`` that qkgeom did not write there (sorted): anything but the run
+    folder's own files and folders, a sweep's bookkeeping, and qkgeom's temp files.
+    ``check_status``: a ``status.json`` that does not read as a qkgeom status counts as
+    foreign too (in a folder without a run record; beside a record it is a damaged status
+    of that run, which a resume rewrites)."""
+    run = Path(run)
+    if not run.is_dir():
+        return []
+    foreign = []
+    for entry in run.iterdir():
+        name = entry.name
+        own = ((name in _OWN_FILES and entry.is_file()) or (name in _OWN_DIRS and entry.is_dir())
+               or (_TEMP.fullmatch(name) is not None and entry.is_file()))
+        if name == STATUS and own and check_status:
+            own = _is_own_status(entry)
+        if not own:
+            foreign.append(name)
+    return sorted(foreign)
+
+
+def _refuse_foreign(out: Path, foreign: list[str]) -> None:
+    shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+    raise QKGeomError(f"{out}: holds files qkgeom did not write ({shown}); --resume continues "
+                      "only a qkgeom run folder and never overwrites other files: choose "
+                      "another --out")
+
+
+def _config_change(saved: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """``key: old -> new`` for every setting that differs between two config dicts."""
+    out = []
+    for key in sorted(set(saved) | set(new)):
+        a, b = saved.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _config_change(a, b, f"{prefix}{key}.")
+        elif a != b and key not in ("device", "threads", "compile", "precision"):
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
+
+
+def _refuse_config_change(cfg_path: Path, saved: TrainConfig, record: dict[str, Any]) -> None:
+    changes = _config_change(saved.to_dict(), record["config"])
+    what = "; ".join(changes[:4]) or f"hash {saved.config_hash()} vs {record['config_hash']}"
+    if any(c.startswith("steps:") for c in changes):
+        raise QKGeomError(
+            f"{cfg_path}: the run was started with a different config ({what}); a run cannot "
+            "be lengthened on resume: its LR schedule decays to its own last step and its last "
+            "probe and checkpoint fall there, so a longer run is not this run continued: "
+            f"resume with --steps {saved.steps}, or train the longer run into a new --out")
+    raise QKGeomError(f"{cfg_path}: the run was started with a different config ({what}); "
+                      "resume with the same settings or use another --out")
 
 
 def claim_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
-    """Write ``record`` as ``out``'s config.json, refusing to clobber another run.
+    """Write ``record`` as ``out``'s config.json, refusing to clobber anything else.
 
-    A fresh run needs an empty or missing folder. Resuming needs the same config (compared
-    by hash, after reading an older format) and a vocabulary with the same characters."""
+    A fresh run needs an empty or missing folder. Resuming needs a qkgeom run folder (or a
+    folder holding only a sweep's files for the run) with nothing foreign in it, the same
+    config (compared by hash, after reading an older format), a vocabulary with the same
+    characters and, where both records have one, the same corpus (``corpus_sha256``)."""
     cfg_path = out / CONFIG
+    if out.exists() and not out.is_dir():
+        raise QKGeomError(f"{out} exists and is not a folder; choose another --out")
     if cfg_path.exists():
         if not resume:
             raise QKGeomError(f"{out} already holds a run; pass --resume to continue it "
                               "or choose another --out")
         saved = read_record(out)
+        foreign = foreign_entries(out, check_status=False)
+        if foreign:
+            _refuse_foreign(out, foreign)
         if saved.get("vocab_sha256", record["vocab_sha256"]) != record["vocab_sha256"]:
             meta = Path(record["data_dir"]) / "meta.json"
             raise QKGeomError(f"{meta}: its vocabulary is not the one this run was trained "
                               f"with ({cfg_path} records {saved.get('data_dir')}); resume with "
                               "--data pointing at that data, or train into a new --out")
-        saved_hash = load_config(out).config_hash()
-        if saved_hash != record["config_hash"]:
-            raise QKGeomError(f"{cfg_path}: the run was started with a different config "
-                              f"(hash {saved_hash} vs {record['config_hash']}); resume with "
-                              "the same settings or use another --out")
-    elif out.exists() and any(out.iterdir()) and not resume:
-        raise QKGeomError(f"{out} exists and is not empty; choose another --out")
+        corpus = record.get("corpus_sha256")
+        if corpus and saved.get("corpus_sha256", corpus) != corpus:
+            meta = Path(record["data_dir"]) / "meta.json"
+            raise QKGeomError(f"{meta}: the corpus is not the one this run was trained on "
+                              f"(corpus_sha256 {str(saved.get('corpus_sha256'))[:12]} in "
+                              f"{cfg_path}, {corpus[:12]} now; was the data prepared again?); "
+                              "resume with --data pointing at that corpus, or train into a "
+                              "new --out")
+        saved_cfg = load_config(out)
+        if saved_cfg.config_hash() != record["config_hash"]:
+            _refuse_config_change(cfg_path, saved_cfg, record)
+    elif out.exists() and any(out.iterdir()):
+        if not resume:
+            raise QKGeomError(f"{out} exists and is not empty; choose another --out")
+        foreign = foreign_entries(out)
+        if foreign:
+            _refuse_foreign(out, foreign)
     out.mkdir(parents=True, exist_ok=True)
     write_json(cfg_path, record)
 
@@ -159,32 +258,29 @@ def read_status(run: str | Path) -> dict[str, Any] | None:
 
 def read_table(path: Path, upto: int | None = None,
                columns: tuple[str, ...] = ("step",)) -> pd.DataFrame | None:
-    """A run table (rows with ``step <= upto``), None when the file does not exist.
-    A torn or foreign file is a one-line QKGeomError naming it."""
-    import pandas as pd
-
-    if not path.exists():
-        return None
-    try:
-        frame = pd.read_parquet(path)
-    except Exception as err:
-        raise QKGeomError(f"{path}: unreadable Parquet ({type(err).__name__}); delete the run "
-                          "folder and train again") from None
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
-        raise QKGeomError(f"{path}: not a qkgeom table (no {', '.join(map(repr, missing))} "
-                          "column)")
-    return frame if upto is None else frame[frame["step"] <= upto]
+    """A run table with the parts written since its last compaction (rows with
+    ``step <= upto``), None when there is neither. A torn or foreign file is a one-line
+    QKGeomError naming it."""
+    frame = table.read(path, columns)
+    if frame is None or upto is None:
+        return frame
+    return frame[frame["step"] <= upto].reset_index(drop=True)
 
 
 def read_metrics(run: str | Path, upto: int | None = None) -> pd.DataFrame | None:
-    """``metrics.parquet`` (long format, :data:`METRIC_COLUMNS`), or None."""
+    """``metrics.parquet`` (long format, :data:`METRIC_COLUMNS`) with every probe written
+    since its last compaction, or None."""
     return read_table(Path(run) / METRICS, upto, ("step", "layer", "head", "metric", "value"))
 
 
 def read_log(run: str | Path, upto: int | None = None) -> pd.DataFrame | None:
-    """``train_log.parquet`` (:data:`LOG_COLUMNS`), or None."""
+    """``train_log.parquet`` (:data:`LOG_COLUMNS`) with its newer rows, or None."""
     return read_table(Path(run) / TRAIN_LOG, upto)
+
+
+def has_metrics(run: str | Path) -> bool:
+    """Whether the run has recorded any probe (``metrics.parquet`` or its parts)."""
+    return table.exists(Path(run) / METRICS)
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -207,11 +303,20 @@ def list_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
                   if (m := _CHECKPOINT.fullmatch(p.name)))
 
 
-def remove_stale_temp_files(run: str | Path) -> None:
-    """Delete ``.NAME.*.tmp`` files a killed atomic write left in the run folder.
+def remove_stale_temp_files(run: str | Path) -> list[Path]:
+    """Delete the temp files a killed atomic write of qkgeom left in the run folder, its
+    checkpoints and its table parts; returns them.
 
-    Only called when a run resumes, i.e. by the one process that now owns the folder."""
-    for folder in (Path(run), checkpoint_dir(run)):
+    Only names qkgeom's own writes use (``.<name>.<8 characters>.tmp`` for a name of the
+    run folder) are touched: a user's ``*.tmp`` is not ours to delete. Only called when a
+    run resumes, by the one process that holds the run's lock."""
+    run = Path(run)
+    removed = []
+    for folder in (run, checkpoint_dir(run), table.parts_dir(run / METRICS),
+                   table.parts_dir(run / TRAIN_LOG)):
         if folder.is_dir():
-            for tmp in folder.glob(".*.tmp"):
-                tmp.unlink(missing_ok=True)
+            for tmp in folder.iterdir():
+                if _TEMP.fullmatch(tmp.name) and tmp.is_file():
+                    tmp.unlink(missing_ok=True)
+                    removed.append(tmp)
+    return removed

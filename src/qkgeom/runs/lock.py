@@ -2,16 +2,41 @@
 
 The lock sits *beside* the run folder (``.<name>.lock`` next to ``<name>/``), not in it,
 because a fresh run refuses a non-empty folder; it is a dot-file so listings show runs.
-Locks are ``flock`` locks (through ``filelock``): the kernel drops them when their process
-dies, even on SIGKILL, so a killed run leaves no stale lock behind. On a cluster the folder
+Every writer of a run folder takes it: ``qkgeom train`` (fresh and ``--resume``), a
+sweep's worker, the :class:`~qkgeom.monitor.GeometryMonitor`'s run folder. Locks are
+``flock`` locks: the kernel drops them when their process dies, even on SIGKILL, so a
+killed run leaves no stale lock behind. The holder writes its pid, host and start time
+into the lock file, so a refused writer can say who holds the run. On a cluster the folder
 must be on a filesystem that supports ``flock`` across nodes (NFSv4, Lustre, GPFS, CephFS).
+
+The lock is exclusive, also between two holders in one process; a holder that works for
+the one already holding it joins it instead (``acquire(reentrant=True)``: the trainer a
+sweep worker calls, inside the worker's lock).
 """
 
 from __future__ import annotations
 
+import errno
+import json
+import os
+import socket
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
-from filelock import FileLock, Timeout
+from qkgeom.errors import QKGeomError
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no flock, fall back on filelock's own locking
+    fcntl = None  # type: ignore[assignment]
+
+# Locks this process holds: lock file -> [file descriptor (or FileLock), hold count].
+_HELD: dict[str, list[Any]] = {}
+_GUARD = threading.Lock()
+if hasattr(os, "register_at_fork"):  # a forked child holds nothing of its parent's
+    os.register_at_fork(after_in_child=_HELD.clear)
 
 
 def lock_path(run: str | Path) -> Path:
@@ -19,28 +44,114 @@ def lock_path(run: str | Path) -> Path:
     return run.with_name(f".{run.name}.lock")
 
 
+def _key(path: Path) -> str:
+    return os.path.join(os.path.realpath(path.parent), path.name)
+
+
+def _try_lock(path: Path) -> Any | None:
+    """An open, exclusively locked handle on ``path`` with this process as its holder, or
+    None when another process holds it."""
+    if fcntl is None:
+        from filelock import FileLock, Timeout
+
+        lock = FileLock(str(path), timeout=0)
+        try:
+            lock.acquire()
+        except Timeout:
+            return None
+        return lock
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return None
+        raise
+    holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                         "since": time.time()}).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder, 0)
+    return fd
+
+
+def _unlock(handle: Any) -> None:
+    if fcntl is None:
+        handle.release()
+        return
+    os.ftruncate(handle, 0)  # nobody holds it now; a stale holder would mislead
+    fcntl.flock(handle, fcntl.LOCK_UN)
+    os.close(handle)
+
+
 class RunLock:
     """Non-blocking per-run lock: ``acquire()`` says whether this process now holds it."""
 
     def __init__(self, run: str | Path) -> None:
-        path = lock_path(run)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = FileLock(str(path), timeout=0)
+        self.run = Path(run)
+        self.path = lock_path(run)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._key = _key(self.path)
+        self._mine = False
 
-    def acquire(self) -> bool:
-        try:
-            self._lock.acquire()
-        except Timeout:
-            return False
-        return True
+    def acquire(self, reentrant: bool = False) -> bool:
+        """Take the lock; False when it is held elsewhere (by another process, or by another
+        holder in this one unless ``reentrant``, which joins this process's hold)."""
+        with _GUARD:
+            if self._mine:
+                return True
+            entry = _HELD.get(self._key)
+            if entry is not None and not reentrant:
+                return False
+            if entry is None:
+                handle = _try_lock(self.path)
+                if handle is None:
+                    return False
+                entry = _HELD[self._key] = [handle, 0]
+            entry[1] += 1
+            self._mine = True
+            return True
 
     def release(self) -> None:
-        if self._lock.is_locked:
-            self._lock.release()
+        with _GUARD:
+            if not self._mine:
+                return
+            self._mine = False
+            entry = _HELD[self._key]
+            entry[1] -= 1
+            if entry[1] == 0:
+                del _HELD[self._key]
+                _unlock(entry[0])
+
+    def require(self, action: str = "write", reentrant: bool = False) -> RunLock:
+        """Acquire, or raise a one-line QKGeomError naming the process that holds the run."""
+        if not self.acquire(reentrant):
+            raise QKGeomError(f"{self.run}: another process is writing this run "
+                              f"({holder(self.run)}); wait for it to finish or stop it, then "
+                              f"{action} again")
+        return self
+
+    def __enter__(self) -> RunLock:
+        return self.require()
+
+    def __exit__(self, *_: Any) -> None:
+        self.release()
+
+
+def holder(run: str | Path) -> str:
+    """Who holds the run's lock, as the holder wrote it: ``pid 123 on host h``."""
+    try:
+        info = json.loads(lock_path(run).read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        info = {}
+    if not isinstance(info, dict) or "pid" not in info:
+        return "holder unknown"
+    return f"pid {info['pid']} on host {info.get('host', '?')}"
 
 
 def lock_is_held(run: str | Path) -> bool:
-    """Whether another process holds the run's lock right now (it is writing the run)."""
+    """Whether a process (this one included) holds the run's lock right now (it is
+    writing the run)."""
     if not lock_path(run).exists():
         return False
     lock = RunLock(run)

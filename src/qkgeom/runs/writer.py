@@ -1,8 +1,11 @@
 """The tables and status of a run folder while a run writes them (trainer or monitor).
 
-Every write is atomic (:mod:`qkgeom.io`), so a run killed at any moment leaves the last
-complete ``metrics.parquet`` / ``train_log.parquet`` / ``status.json`` behind. The status
-records when the run started and the wall time spent on it, summed over resumed attempts.
+Every write is atomic (:mod:`qkgeom.io`), so a run killed at any moment leaves complete
+files behind. The tables grow by parts (:mod:`qkgeom.runs.table`): a flush writes only the
+rows added since the last one, and :meth:`RunWriter.compact` folds them into
+``metrics.parquet`` / ``train_log.parquet`` when the run ends or resumes. The status
+records when the run started, the wall time spent on it (summed over resumed attempts) and
+the torch thread count of the attempt.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 import pandas as pd
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json, write_json, write_parquet
+from qkgeom.io import read_json, write_json
 from qkgeom.runs.folder import (
     LOG_COLUMNS,
     METRIC_COLUMNS,
@@ -25,6 +28,7 @@ from qkgeom.runs.folder import (
     read_log,
     read_metrics,
 )
+from qkgeom.runs.table import TableWriter
 
 
 class RunWriter:
@@ -35,18 +39,23 @@ class RunWriter:
         run_id: the ``run_id`` column of the metrics.
         steps: the run's planned length, recorded in the status.
         resume: continue an earlier attempt: its start time and wall time carry over.
+        threads: the torch thread count of this attempt, recorded in the status (resuming
+            with another count can change the last bits of the results).
     """
 
     def __init__(self, out: str | Path, run_id: str, *, steps: int = 0,
-                 resume: bool = False) -> None:
-        self.out, self.run_id, self.steps = Path(out), run_id, steps
-        self._metrics: list[pd.DataFrame] = []
-        self._log: list[dict[str, float]] = []
+                 resume: bool = False, threads: int | None = None) -> None:
+        self.out, self.run_id, self.steps, self.threads = Path(out), run_id, steps, threads
+        self._metrics: dict[int, pd.DataFrame] = {}  # step -> its rows, in step order
+        self._log: dict[int, list[dict[str, float]]] = {}
+        self._dirty: dict[str, set[int]] = {"metrics": set(), "log": set()}
+        self._tables = {"metrics": TableWriter(self.out / METRICS),
+                        "log": TableWriter(self.out / TRAIN_LOG)}
         prev: dict[str, Any] = {}
         if resume and (self.out / STATUS).exists():
             with contextlib.suppress(QKGeomError):
                 prev = read_json(self.out / STATUS)
-        prev = prev if isinstance(prev, dict) else {}  # a garbage status is rewritten
+        self.previous = prev = prev if isinstance(prev, dict) else {}  # garbage is rewritten
         number = (int, float)
         started, wall = prev.get("started"), prev.get("wall_s")
         self.started = started if isinstance(started, number) else time.time()
@@ -54,45 +63,85 @@ class RunWriter:
         self._t0 = time.perf_counter()
 
     def restore(self, upto: int | None = None) -> None:
-        """Take up the tables an earlier attempt wrote (rows with ``step <= upto``)."""
+        """Take up the tables an earlier attempt wrote (rows with ``step <= upto``) and
+        compact them: rows after ``upto`` (recomputed by this attempt) are dropped on disk,
+        and a table left with no rows is removed."""
         metrics = read_metrics(self.out, upto)
         log = read_log(self.out, upto)
-        self._metrics = [metrics] if metrics is not None else []
-        self._log = log.to_dict("records") if log is not None else []
+        self._metrics = ({int(s): rows for s, rows in metrics.groupby("step", sort=False)}
+                         if metrics is not None else {})
+        self._log = {}
+        for row in (log.to_dict("records") if log is not None else []):
+            self._log.setdefault(int(row["step"]), []).append(row)
+        self._dirty = {"metrics": set(), "log": set()}
+        for name, frame in (("metrics", self.metrics), ("log", self.log)):
+            if len(frame):
+                self._tables[name].compact(frame)
+            else:
+                self._tables[name].clear()
 
     def add_metrics(self, frame: pd.DataFrame, step: int, *, replace: bool = False) -> None:
         """Append long-format rows of one probe at ``step`` (``replace``: drop earlier rows of
         that step first). ``run_id`` and ``step`` columns are set here."""
-        rows = frame.assign(run_id=self.run_id, step=int(step))[METRIC_COLUMNS]
-        if replace:
-            self._metrics = [m[m["step"] != step] for m in self._metrics]
-        self._metrics.append(rows)
+        step = int(step)
+        rows = frame.assign(run_id=self.run_id, step=step)[METRIC_COLUMNS]
+        if step in self._metrics and not replace:
+            rows = pd.concat([self._metrics[step], rows], ignore_index=True)
+        self._metrics[step] = rows
+        self._dirty["metrics"].add(step)
 
     def add_log(self, row: dict[str, float]) -> None:
         """One ``train_log`` row (missing columns are NaN)."""
-        self._log.append({c: float(row.get(c, float("nan"))) for c in LOG_COLUMNS})
+        full = {c: float(row.get(c, float("nan"))) for c in LOG_COLUMNS}
+        step = int(full["step"])
+        self._log.setdefault(step, []).append(full)
+        self._dirty["log"].add(step)
 
     @property
     def metrics(self) -> pd.DataFrame:
+        """Every metric row so far, in step order."""
         if not self._metrics:
             return pd.DataFrame(columns=METRIC_COLUMNS)
-        return pd.concat(self._metrics, ignore_index=True)
+        return pd.concat([self._metrics[s] for s in sorted(self._metrics)], ignore_index=True)
 
     @property
     def log(self) -> pd.DataFrame:
-        frame = pd.DataFrame(self._log, columns=LOG_COLUMNS)
+        """Every log row so far, in step order."""
+        return self._log_frame([r for s in sorted(self._log) for r in self._log[s]])
+
+    @staticmethod
+    def _log_frame(rows: list[dict[str, float]]) -> pd.DataFrame:
+        frame = pd.DataFrame(rows, columns=LOG_COLUMNS)
         return frame.astype({"step": "int64"}) if len(frame) else frame
 
     def flush(self) -> None:
-        """Write the metrics and the log (those that have rows), atomically."""
+        """Write the rows added since the last flush as one part per table (every row of
+        each step touched, so a part replaces its steps whole)."""
+        if self._dirty["metrics"]:
+            steps = sorted(self._dirty["metrics"])
+            self._tables["metrics"].append(
+                pd.concat([self._metrics[s] for s in steps], ignore_index=True))
+        if self._dirty["log"]:
+            steps = sorted(self._dirty["log"])
+            self._tables["log"].append(self._log_frame([r for s in steps for r in self._log[s]]))
+        self._dirty = {"metrics": set(), "log": set()}
+
+    def compact(self) -> None:
+        """Write each table that has rows whole (``metrics.parquet``, ``train_log.parquet``)
+        and drop its parts: at the end of a run, so that the plain files are complete;
+        readers see the same rows before and after."""
+        self.flush()
         if self._metrics:
-            write_parquet(self.out / METRICS, self.metrics)
+            self._tables["metrics"].compact(self.metrics)
         if self._log:
-            write_parquet(self.out / TRAIN_LOG, self.log)
+            self._tables["log"].compact(self.log)
 
     def status(self, state: str, step: int, **extra: Any) -> None:
-        """Write ``status.json``: state, step, planned steps, start and wall time, extras."""
-        write_json(self.out / STATUS, {
-            "state": state, "step": int(step), "steps": max(self.steps, int(step)),
-            "started": self.started, "updated": time.time(),
-            "wall_s": self._wall_before + time.perf_counter() - self._t0, **extra})
+        """Write ``status.json``: state, step, planned steps, start and wall time, threads,
+        extras."""
+        record = {"state": state, "step": int(step), "steps": max(self.steps, int(step)),
+                  "started": self.started, "updated": time.time(),
+                  "wall_s": self._wall_before + time.perf_counter() - self._t0, **extra}
+        if self.threads is not None:
+            record["threads"] = int(self.threads)
+        write_json(self.out / STATUS, record)

@@ -8,12 +8,21 @@ unreadable newest checkpoint falls back to the previous one with a one-line warn
 checkpoint of another format version is an error (never silently skipped: resuming past it
 would retrain from an older state, or from scratch, without saying so). Temp files left by
 a write that was killed are removed when a run resumes.
+
+Loading runs no code: every checkpoint is read with ``torch.load(weights_only=True)``,
+which rebuilds tensors, numbers, strings, lists and dicts and refuses anything else; a
+file that needs more (a pickled object, e.g. an injected ``os.system`` call) is refused
+in one line naming it, never unpickled and never skipped in silence. So that qkgeom's own
+checkpoints always load that way, :func:`save_checkpoint` refuses a state holding any
+other type (a callback's numpy scalar, say) before writing it.
 """
 
 from __future__ import annotations
 
 import io
+import pickle
 import warnings
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +39,49 @@ from qkgeom.runs import (
 )
 
 FORMAT_VERSION = 1
+# Exact types (numpy.float64 is a float subclass, yet weights_only refuses it).
+_PLAIN = (bool, int, float, str, bytes, type(None), torch.Size, torch.dtype)
+_MAPPINGS = (dict, OrderedDict)
+
+
+class UnsafeCheckpointError(QKGeomError):
+    """A checkpoint file that ``torch.load(weights_only=True)`` refuses: it needs unpickling."""
+
+
+def read_checkpoint(path: Path) -> Any:
+    """``torch.load(path, weights_only=True)`` on the CPU.
+
+    Raises :class:`UnsafeCheckpointError` (one line naming the file) when the file holds
+    objects that need unpickling; the payload of such a file never runs. Other failures (a
+    torn or foreign file) propagate as they are, for the caller to judge."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights only load failed" not in str(err).lower():
+            raise
+        raise UnsafeCheckpointError(f"{path}: holds objects that need unpickling; qkgeom "
+                                    "loads weights only (tensors, numbers, strings, lists, "
+                                    "dicts) and did not load it: delete the file if you did "
+                                    "not write it") from None
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """QKGeomError unless ``value`` is made of what ``weights_only`` loading rebuilds."""
+    if isinstance(value, torch.Tensor) or type(value) in _PLAIN:
+        return
+    if type(value) in _MAPPINGS:
+        for key, item in value.items():
+            _check_plain(key, where)
+            _check_plain(item, f"{where}[{key!r}]")
+        return
+    if type(value) in (list, tuple):
+        for i, item in enumerate(value):
+            _check_plain(item, f"{where}[{i}]")
+        return
+    raise QKGeomError(f"checkpoint state {where} holds a {type(value).__module__}."
+                      f"{type(value).__qualname__}; checkpoints hold only tensors, numbers, "
+                      "strings, lists and dicts (they load with weights_only=True): convert "
+                      "it in the callback's state_dict")
 
 
 def is_checkpoint_step(step: int, every: int, schedule: str = "every") -> bool:
@@ -50,7 +102,9 @@ def checkpoint_steps(steps: int, every: int, schedule: str = "every") -> list[in
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     """Write ``state`` for ``step`` atomically, then drop all but the newest ``keep``
-    (``keep = 0``: keep all)."""
+    (``keep = 0``: keep all; exact names ``ckpt_<8 digits>.pt`` only: other files in the
+    folder are left alone)."""
+    _check_plain(state, "state")
     buf = io.BytesIO()
     torch.save({"format_version": FORMAT_VERSION, "step": step, **state}, buf)
     path = checkpoint_path(run_dir, step)
@@ -67,13 +121,16 @@ def load_latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
     A torn or unreadable file (or one whose content is not the step its name says) is
     skipped with a one-line warning and the previous one is used; when every checkpoint
     is unreadable, a QKGeomError says so rather than silently starting over. A checkpoint
-    written in another format version raises QKGeomError naming the file.
+    written in another format version, or one that needs unpickling
+    (:class:`UnsafeCheckpointError`), raises QKGeomError naming the file.
     """
     remove_stale_temp_files(run_dir)
     found = list_checkpoints(run_dir)
     for step, path in reversed(found):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            state = read_checkpoint(path)
+        except UnsafeCheckpointError:
+            raise
         except Exception as err:  # torn / corrupt file: fall back to an older one
             warnings.warn(f"{path}: unreadable checkpoint ({type(err).__name__}); "
                           "falling back to the previous one", stacklevel=2)
@@ -119,9 +176,17 @@ def load_model(run_dir: str | Path, step: int | None = None) -> tuple[Any, int]:
         raise QKGeomError(f"{run}: trained with a parametrised key control; its checkpoints "
                           "store the unconstrained weights, not what the model used")
     try:
-        state = torch.load(found[step], map_location="cpu", weights_only=False)
+        state = read_checkpoint(found[step])
+    except UnsafeCheckpointError:
+        raise
     except Exception as err:
         raise QKGeomError(f"{found[step]}: unreadable checkpoint ({type(err).__name__})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        raise QKGeomError(f"{found[step]}: not a qkgeom checkpoint (no model weights)")
     model = GPT(cfg.model)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except (RuntimeError, ValueError) as err:
+        raise QKGeomError(f"{found[step]}: does not fit the run's model ({type(err).__name__}: "
+                          f"{' '.join(str(err).split())[:160]})") from None
     return model.eval(), step

@@ -13,6 +13,13 @@ The trainer knows no feature: key control, entropy control and your own behaviou
 :class:`~qkgeom.training.callbacks.Callback` objects passed in (:mod:`qkgeom.launch` builds
 those a config asks for).
 
+Trust (docs/faults.md): the trainer holds the run's lock (:class:`~qkgeom.runs.RunLock`)
+from before it writes anything until the run ends, so a second ``train`` or ``--resume`` of
+the same folder stops in one line naming the holder; it refuses, before any write, a run
+whose memory or probe-time estimate cannot fit (:mod:`.resources`); and a run that stops on
+an error (out of memory included) is recorded ``failed`` with the reason, never left
+``running``. Only an interrupt (Ctrl-C) or a kill leaves ``running``: a resumable run.
+
 Speed (docs/speed.md): ``precision`` autocasts the forward pass (bf16 by default on CUDA,
 opt-in on CPU; weights and AdamW state stay fp32, probes always run in float64 on the
 eager model); ``compile`` wraps the model in ``torch.compile`` for the training step only
@@ -29,6 +36,7 @@ import contextlib
 import dataclasses
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,10 +51,11 @@ from qkgeom.data.batches import BatchStream
 from qkgeom.errors import DivergedError, QKGeomError
 from qkgeom.geometry import NonFiniteError, measure
 from qkgeom.model import GPT
-from qkgeom.runs import RunWriter, claim_run_dir, run_record
+from qkgeom.runs import RunLock, RunWriter, claim_run_dir, run_record
 from qkgeom.seeding import make_generators
 from qkgeom.training.callbacks import Callback, TrainContext
 from qkgeom.training.checkpoint import is_checkpoint_step, load_latest_checkpoint, save_checkpoint
+from qkgeom.training.resources import check_training_fits, gib, is_out_of_memory, training_memory
 from qkgeom.training.schedule import lr_at
 
 __all__ = ["RunResult", "Trainer", "evaluate", "make_optimizer", "resolve_device", "train"]
@@ -113,8 +122,10 @@ class Trainer:
     """One run into one folder: ``Trainer(cfg, out).run()``.
 
     Everything is checked in the constructor, before any work: the config, the features it
-    enables against the callbacks given, the device, the data and the run folder (a fresh
-    run needs an empty folder; a resume needs the same config and vocabulary).
+    enables against the callbacks given, the device, the data, the memory and probe-time
+    estimates, the run's lock and the run folder (a fresh run needs an empty folder; a
+    resume needs a qkgeom run folder with the same config, vocabulary and corpus). The
+    lock is held until :meth:`run` ends (or :meth:`close`).
     """
 
     def __init__(self, cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
@@ -139,17 +150,82 @@ class Trainer:
         self.cfg = cfg = with_vocab(cfg, self.data.vocab.vocab_size)
         cfg.validate()
         self.probe_tokens = probe_set(self.data.val, cfg.probe_sequences, cfg.model.block_size)
+        check_training_fits(cfg, self.device)
         record = run_record(cfg, self.run_id, data_dir=str(self.data.dir),
                             data_source=self.data.meta.get("source"),
                             vocab_size=self.data.vocab.vocab_size,
-                            vocab_sha256=self.data.vocab.digest())
-        claim_run_dir(self.out, record, resume)
-        self.writer = RunWriter(self.out, self.run_id, steps=cfg.steps, resume=resume)
+                            vocab_sha256=self.data.vocab.digest(),
+                            corpus_sha256=self.data.corpus_sha256)
+        # reentrant: a sweep worker calls the trainer inside its own hold of the run's lock
+        self.lock = RunLock(self.out).require("train or resume", reentrant=True)
+        try:
+            claim_run_dir(self.out, record, resume)
+            self.writer = RunWriter(self.out, self.run_id, steps=cfg.steps, resume=resume,
+                                    threads=torch.get_num_threads())
+        except BaseException:
+            self.lock.release()
+            raise
+        self._warn_thread_change()
+
+    def _warn_thread_change(self) -> None:
+        """One line when a resume runs with another torch thread count than the attempt
+        before: CPU results are bit-exact only with the same count (reductions split
+        differently)."""
+        before = self.writer.previous.get("threads") if self.resume else None
+        now = torch.get_num_threads()
+        if isinstance(before, int) and before != now:
+            warnings.warn(f"{self.out}: resuming with {now} torch threads, the run so far used "
+                          f"{before}; the results may differ from an uninterrupted run in the "
+                          f"last bits (pass --threads {before} for a bit-exact resume)",
+                          stacklevel=3)
+
+    def close(self) -> None:
+        """Release the run's lock (done by :meth:`run`; for a Trainer never run)."""
+        self.lock.release()
 
     # ------------------------------------------------------------------ the run
 
     def run(self) -> RunResult:
-        """Train to ``cfg.steps`` (continuing from the newest checkpoint when resuming)."""
+        """Train to ``cfg.steps`` (continuing from the newest checkpoint when resuming).
+
+        Holds the run's lock throughout and releases it at the end, however the run ends.
+        An error is recorded in status.json as ``failed`` with its reason before it is
+        raised; running out of memory becomes a one-line QKGeomError saying so."""
+        self.step, self._tables_taken = 0, not self.resume
+        try:
+            return self._run()
+        except (DivergedError, KeyboardInterrupt):
+            raise  # diverged is recorded as such; an interrupted run stays resumable
+        except BaseException as err:
+            if is_out_of_memory(err):
+                message = self._oom_message(err)
+                self._fail(message)
+                raise QKGeomError(message) from None
+            self._fail(" ".join(f"{type(err).__name__}: {err}".split())[:300]
+                       if not isinstance(err, QKGeomError) else " ".join(str(err).split()))
+            raise
+        finally:
+            self.lock.release()
+
+    def _oom_message(self, err: BaseException) -> str:
+        cfg = self.cfg
+        need = sum(training_memory(cfg).values())
+        return (f"out of memory at step {self.step} ({type(err).__name__}); the run needs about "
+                f"{gib(need)} by qkgeom's estimate (batch_size {cfg.batch_size} × block_size "
+                f"{cfg.model.block_size}); lower batch_size or block_size, then --resume; "
+                f"recorded in {self.out / 'status.json'}")
+
+    def _fail(self, message: str) -> None:
+        """Record ``failed`` (the reason in status.json; the tables compacted once this
+        attempt has taken them up), as far as the disk allows: the error being raised says
+        what went wrong either way."""
+        if self._tables_taken:
+            with contextlib.suppress(Exception):
+                self.writer.compact()
+        with contextlib.suppress(Exception):
+            self.writer.status("failed", self.step, error=message)
+
+    def _run(self) -> RunResult:
         self._build()
         self._restore()
         for cb in self.callbacks:
@@ -170,7 +246,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-        self.writer.status("done", self.step)
+        self.writer.status("done", self.step)  # compacted: at the last step, or on restore
         for cb in self.callbacks:
             cb.on_train_end(self.ctx)
         return RunResult(self.out, "done", self.step, self.writer.metrics, self.writer.log)
@@ -202,9 +278,13 @@ class Trainer:
                                       "t": time.perf_counter()}
 
     def _restore(self) -> None:
-        """Continue from the newest readable checkpoint, when resuming and there is one."""
+        """Continue from the newest readable checkpoint, when resuming and there is one
+        (with none, records an earlier attempt left are dropped: the run starts over)."""
         state = load_latest_checkpoint(self.out) if self.resume else None
         if state is None:
+            if self.resume:
+                self.writer.restore(upto=-1)
+                self._tables_taken = True
             return
         try:
             self.model.load_state_dict(state["model"])
@@ -221,6 +301,7 @@ class Trainer:
             cb.load_state_dict(cb_state)
         self.step = self.resumed_at = self.ctx.step = int(state["step"])
         self.writer.restore(upto=self.step)
+        self._tables_taken = True
         self.acc.update(state.get("loss_acc", {}), t=time.perf_counter())
 
     # ------------------------------------------------------------------ one update
@@ -265,7 +346,7 @@ class Trainer:
 
     def _diverge(self, bad: int, message: str) -> None:
         """Record ``diverged`` at update ``bad`` (records so far kept) and stop the run."""
-        self.writer.flush()
+        self.writer.compact()
         self.writer.status("diverged", self.step, diverged_step=bad, message=message)
         raise DivergedError(f"run diverged: {message}; recorded in {self.out / 'status.json'}")
 
@@ -288,7 +369,12 @@ class Trainer:
         elif s > 0 and (s % cfg.log_every == 0 or not math.isnan(val_loss) or last):
             self._log(s, val_loss, bar)
         if ckpt:
-            self.writer.flush()
+            # At the end the tables are compacted before the status says done: a finished
+            # run's metrics.parquet / train_log.parquet hold every row, whenever it is killed.
+            if last:
+                self.writer.compact()
+            else:
+                self.writer.flush()
             self._checkpoint(s)
             self.writer.status("done" if last else "running", s)
         elif s % cfg.probe_every == 0:

@@ -32,6 +32,7 @@ from qkgeom.analysis.kit import (
     excluded_markdown,
     fmt_p,
     md_table,
+    md_text,
     metrics_note,
     missing_metrics,
     setup_markdown,
@@ -163,7 +164,7 @@ def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
     ones, ``gaps`` the figures not drawn for want of metrics ({name: missing metrics});
     ``drawn=False`` when figures were not asked for."""
     name = table.attrs.get("name") or sweep_dir.name
-    parts = [f"# qkgeom report: {name}", "", claims_markdown(e1["claims"]), "",
+    parts = [f"# qkgeom report: {md_text(name)}", "", claims_markdown(e1["claims"]), "",
              _rules_text(), ""]
     note = metrics_note(missing_metrics(table, _claim_metrics()) if len(table) else [],
                         "The claims that need them read *not evaluated* (0/0).")

@@ -26,6 +26,7 @@ from qkgeom.analysis.kit import (
     excluded_markdown,
     fmt_p,
     md_table,
+    md_text,
     setup_markdown,
     write_csvs,
     write_pages,
@@ -154,7 +155,7 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
     members = analysis["members"]
     per_arm = members.groupby("arm")["seed"].nunique().to_dict() if len(members) else {}
     gate = analysis["claims"].attrs.get("gate", {})
-    parts = [f"# qkgeom report: {name}", "",
+    parts = [f"# qkgeom report: {md_text(name)}", "",
              "E3 (see `docs/definitions.md`): key-spectrum control during training, each arm "
              "paired with the uncontrolled run of its seed. Seeds per arm: "
              + (", ".join(f"{m} {n}" for m, n in sorted(per_arm.items())) or "none") + ".", "",

@@ -33,7 +33,9 @@ from qkgeom.analysis.kit import (
     claims_markdown,
     field,
     fmt_p,
+    md_code,
     md_table,
+    md_text,
     write_csvs,
     write_pages,
 )
@@ -103,27 +105,28 @@ def _setup(meta: dict, ckpts: pd.DataFrame) -> str:
     s = meta["settings"]
     first = ckpts.iloc[0]
     lines = [
-        f"- **model**: `{meta['model']}` ({first['arch']}, {int(first['n_head'])} query heads, "
-        f"{int(first['n_kv_head'])} key heads per layer)",
-        f"- **text**: `{s['text']}`, first {s['max_tokens']:,} tokens, windows of "
-        f"{int(first['seq_len'])} tokens; q/k site for token PRs: `{s['qk_site']}`; "
-        f"dtype {s['dtype']}",
+        f"- **model**: {md_code(meta['model'])} ({md_text(first['arch'])}, "
+        f"{int(first['n_head'])} query heads, {int(first['n_kv_head'])} key heads per layer)",
+        f"- **text**: {md_code(s['text'])}, first {s['max_tokens']:,} tokens, windows of "
+        f"{int(first['seq_len'])} tokens; q/k site for token PRs: {md_code(s['qk_site'])}; "
+        f"dtype {md_text(s['dtype'])}",
         f"- **checkpoints**: {len(ckpts)} (steps from "
-        f"{', '.join(sorted(set(ckpts['step_source'])))}); mean {ckpts['tokens_per_s'].mean():,.0f}"
-        " tokens/s",
+        f"{md_text(', '.join(sorted(set(ckpts['step_source']))))}); mean "
+        f"{ckpts['tokens_per_s'].mean():,.0f} tokens/s",
     ]
     dups = ckpts[ckpts["duplicate_of"].notna()]
     if len(dups):
         kept = "kept in the statistics (--keep-duplicates)" if meta.get("keep_duplicates") \
             else "left out of every trend statistic"
         lines.append(f"- **duplicates** (identical Q/K weights; {kept}): " + "; ".join(
-            f"`{r.checkpoint}` = `{r.duplicate_of}`" for r in dups.itertuples()))
+            f"{md_code(r.checkpoint)} = {md_code(r.duplicate_of)}" for r in dups.itertuples()))
     else:
         lines.append("- **duplicates**: none (every checkpoint has distinct Q/K weights)")
     table = md_table(["checkpoint", "step", "Q/K hash", "duplicate of", "in trends",
                        "tokens/s"],
-                      [[r.checkpoint, int(r.step), r.qk_hash[:12], r.duplicate_of or "",
-                        "yes" if r.in_trends else "no", f"{r.tokens_per_s:,.0f}"]
+                      [[md_text(r.checkpoint), int(r.step), md_text(r.qk_hash[:12]),
+                        md_text(r.duplicate_of or ""), "yes" if r.in_trends else "no",
+                        f"{r.tokens_per_s:,.0f}"]
                        for r in ckpts.sort_values("step").itertuples()])
     return "\n".join(lines) + "\n\n" + table
 
@@ -153,7 +156,7 @@ def _heads_md(heads: pd.DataFrame) -> str:
     per_layer = heads[heads["layer"] >= 0]
     rows = []
     for (step, ckpt), g in per_layer.groupby(["step", "checkpoint"], sort=True):
-        cells = [ckpt, int(step)]
+        cells = [md_text(ckpt), int(step)]
         for level in ("token", "weight"):
             h = g[g["level"] == level]
             ct = stats.count_test(h["rho"], +1)
@@ -214,7 +217,7 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
         figs = make_e4_figures(a["metrics"], a["trends"], a["prefix"], a["heads"], band, out)
     meta = a["meta"]
     parts = [
-        f"# E4: token-level Q/K geometry across checkpoints — {meta['model']}",
+        f"# E4: token-level Q/K geometry across checkpoints — {md_text(meta['model'])}",
         "## Claims",
         claims_markdown(claims, E4_CLAIM_CELLS),
         _rules_text(boot),

@@ -1,0 +1,144 @@
+"""Append-only run tables: ``metrics.parquet`` / ``train_log.parquet`` and their parts.
+
+Why: rewriting a run's whole ``metrics.parquet`` at every probe makes a long (monitored)
+run do I/O quadratic in its number of probes. A writer instead adds the rows of each flush
+as one small Parquet *part* in ``<name>.parts/`` (``metrics.parts/``, written atomically)
+and folds everything into the plain ``<name>.parquet`` only when the run ends or resumes
+(:meth:`TableWriter.compact`). Readers (:func:`read`, through
+:func:`qkgeom.runs.read_metrics` / :func:`~qkgeom.runs.read_log`) see the base file with
+every part laid over it, so ``show``, ``watch``, collation and reports see each probe
+written so far, also of a run killed between compactions.
+
+Parts are named ``p<seq:010d>-L<level>.parquet`` and applied in ``(seq, level)`` order; a
+part's rows replace every earlier row of the steps it holds (a re-measured step). So that
+the part count stays small, :data:`FAN_IN` parts of one level are merged into one part of
+the next (a binary-counter scheme): each row is rewritten O(log N) times over N flushes,
+and a flush costs the same at the thousandth probe as at the first (bench:
+``benchmarks/run_folder_io.py``). A kill at any moment leaves a readable table: parts and
+the base are written atomically, and a merge or compaction deletes its inputs only after
+its output is in place (the duplicate rows it may leave hold the same values).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qkgeom.errors import QKGeomError
+from qkgeom.io import fsync_dir, write_parquet
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+FAN_IN = 16
+PARTS_SUFFIX = ".parts"
+_PART = re.compile(r"p(\d{10})-L(\d+)\.parquet")
+
+
+def parts_dir(path: str | Path) -> Path:
+    """``RUN/metrics.parts`` for ``RUN/metrics.parquet``."""
+    path = Path(path)
+    return path.with_name(path.name.removesuffix(".parquet") + PARTS_SUFFIX)
+
+
+def list_parts(path: str | Path) -> list[tuple[int, int, Path]]:
+    """``(seq, level, file)`` of every part of the table at ``path``, in the order applied."""
+    folder = parts_dir(path)
+    if not folder.is_dir():
+        return []
+    return sorted((int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir()
+                  if (m := _PART.fullmatch(p.name)))
+
+
+def exists(path: str | Path) -> bool:
+    """Whether the table has a base file or any part."""
+    return Path(path).exists() or bool(list_parts(path))
+
+
+def _read_file(file: Path, columns: tuple[str, ...]) -> pd.DataFrame:
+    import pandas as pd
+
+    try:
+        frame = pd.read_parquet(file)
+    except Exception as err:
+        raise QKGeomError(f"{file}: unreadable Parquet ({type(err).__name__}); delete the run "
+                          "folder and train again") from None
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise QKGeomError(f"{file}: not a qkgeom table (no {', '.join(map(repr, missing))} "
+                          "column)")
+    return frame
+
+
+def overlay(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    """``frames`` applied in order: each one's rows replace earlier rows of its steps.
+    Rows come out in step order (a stable sort: within a step, as written)."""
+    import pandas as pd
+
+    out = frames[0]
+    for frame in frames[1:]:
+        if len(frame) == 0:
+            continue
+        kept = out[~out["step"].isin(frame["step"].unique())]
+        out = pd.concat([kept, frame], ignore_index=True) if len(kept) else frame
+    if len(frames) > 1:
+        out = out.sort_values("step", kind="stable")
+    return out.reset_index(drop=True)
+
+
+def read(path: str | Path, columns: tuple[str, ...] = ("step",)) -> pd.DataFrame | None:
+    """The table at ``path`` with its parts laid over it; None when it has neither.
+    A torn or foreign file is a one-line QKGeomError naming it."""
+    path = Path(path)
+    files = ([path] if path.exists() else []) + [p for _, _, p in list_parts(path)]
+    if not files:
+        return None
+    return overlay([_read_file(f, columns) for f in files])
+
+
+class TableWriter:
+    """Appends parts to the table at ``path`` and compacts it (see the module doc)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.parts = parts_dir(self.path)
+        found = list_parts(self.path)
+        self._seq = found[-1][0] + 1 if found else 0
+
+    def append(self, frame: pd.DataFrame) -> None:
+        """Write ``frame`` as the newest part (its rows replace earlier rows of its steps)."""
+        write_parquet(self.parts / f"p{self._seq:010d}-L0.parquet", frame)
+        self._seq += 1
+        self._merge()
+
+    def _merge(self) -> None:
+        level = 0
+        while True:
+            same = [(s, p) for s, lv, p in list_parts(self.path) if lv == level]
+            if len(same) < FAN_IN:
+                return
+            merged = overlay([_read_file(p, ("step",)) for _, p in same])
+            write_parquet(self.parts / f"p{same[-1][0]:010d}-L{level + 1}.parquet", merged)
+            for _, p in same:
+                p.unlink(missing_ok=True)
+            fsync_dir(self.parts)
+            level += 1
+
+    def compact(self, frame: pd.DataFrame) -> None:
+        """Write the whole table ``frame`` as the base file and drop every part."""
+        write_parquet(self.path, frame)
+        self.drop_parts()
+
+    def clear(self) -> None:
+        """Remove the table: its base file and every part."""
+        self.path.unlink(missing_ok=True)
+        self.drop_parts()
+
+    def drop_parts(self) -> None:
+        for _, _, p in list_parts(self.path):
+            p.unlink(missing_ok=True)
+        if self.parts.is_dir():
+            fsync_dir(self.parts)
+            if not any(self.parts.iterdir()):
+                self.parts.rmdir()
