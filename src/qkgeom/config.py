@@ -128,8 +128,10 @@ class KeyControlConfig:
     def upgrade(section: dict[str, Any]) -> dict[str, Any]:
         """A ``key_control`` mapping written before ``dose`` (with ``shrink_to`` /
         ``expand_to``) in today's keys: the mode's old share becomes its dose, the other
-        is dropped. Old runs used ‖W_K‖_F as the scale, so ``scale`` is set to frobenius
-        where absent. A current mapping comes back unchanged."""
+        is dropped. Old controls used ‖W_K‖_F as the scale, so an active mode's ``scale``
+        is set to frobenius where absent (mode none keeps today's default: the scale
+        means nothing there, and the config hash of an uncontrolled run stays as it
+        is). A current mapping comes back unchanged."""
         if "shrink_to" not in section and "expand_to" not in section:
             return dict(section)
         out = {k: v for k, v in section.items() if k not in ("shrink_to", "expand_to")}
@@ -137,7 +139,8 @@ class KeyControlConfig:
         old = {"shrink": "shrink_to", "expand": "expand_to"}.get(mode)
         if old in section and "dose" not in out:
             out["dose"] = section[old]
-        out.setdefault("scale", "frobenius")
+        if mode != "none":
+            out.setdefault("scale", "frobenius")
         return out
 
 
@@ -337,7 +340,10 @@ def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict
     out = dict(base)
     for key, value in over.items():
         if key not in base:
-            raise QKGeomError(f"unknown config key {prefix + key!r}")
+            renamed = (" (renamed: key_control.dose is the share kept, key_control.scale the "
+                       "norm it is measured in)" if prefix == "key_control." and key in
+                       ("shrink_to", "expand_to") else "")
+            raise QKGeomError(f"unknown config key {prefix + key!r}{renamed}")
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
                 first = next(iter(base[key]))

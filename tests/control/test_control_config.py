@@ -114,3 +114,37 @@ def test_cli_key_control_flags(sample_data: Path, tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "key_control.mode" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def _as_format_2(run: Path, mode: str) -> None:
+    """Rewrite ``run``'s record as qkgeom wrote it before doses (format 2)."""
+    import json
+
+    path = run / "config.json"
+    record = json.loads(path.read_text())
+    kc = {"mode": mode, "scope": "layer", "how": "post_step", "shrink_to": 0.5,
+          "expand_to": 2.0}
+    record["config"]["key_control"] = kc
+    record["format_version"] = 2
+    path.write_text(json.dumps(record))
+
+
+def test_old_run_folders_read_in_todays_keys(sample_data: Path, tmp_path: Path) -> None:
+    from qkgeom.runs import load_config
+
+    cfg = make_config("smoke", {"data": str(sample_data), "steps": 4, "probe_every": 2,
+                                "checkpoint_every": 2, "warmup_steps": 1, "threads": 1})
+    train(cfg, tmp_path / "r")
+    recorded = load_config(tmp_path / "r").config_hash()
+    _as_format_2(tmp_path / "r", "shrink")
+    kc = load_config(tmp_path / "r").key_control
+    assert (kc.mode, kc.dose, kc.scale) == ("shrink", 0.5, "frobenius")
+    # an old run with key control cannot be continued: its checkpoints lack the state
+    shrink = make_config("smoke", {**cfg.to_dict(), "key_control": {
+        "mode": "shrink", "dose": 0.5, "scale": "frobenius"}})
+    with pytest.raises(QKGeomError, match="format 2.*cannot be resumed"):
+        train(shrink, tmp_path / "r", resume=True)
+    # an uncontrolled one keeps its config hash and resumes
+    _as_format_2(tmp_path / "r", "none")
+    assert load_config(tmp_path / "r").config_hash() == recorded
+    train(cfg, tmp_path / "r", resume=True)

@@ -97,7 +97,7 @@ def test_poisoned_checkpoint_is_refused_by_analyze(base_run: Path, tmp_path: Pat
 def test_own_checkpoints_load_weights_only_with_key_control(sample_data: Path,
                                                             tmp_path: Path) -> None:
     run = train_in_process(sample_data, tmp_path / "kc", 4, 4,
-                           key_control={"mode": "shrink", "shrink_to": 0.8})
+                           key_control={"mode": "shrink", "dose": 0.8})
     state = read_checkpoint(run / "checkpoints" / "ckpt_00000004.pt")
     assert state["callbacks"][0]["pr0"] and state["step"] == 4
 

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
     from qkgeom.config import TrainConfig
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 CONFIG = "config.json"
 METRICS = "metrics.parquet"
 TRAIN_LOG = "train_log.parquet"
@@ -80,13 +80,20 @@ def run_record(cfg: TrainConfig | None, run_id: str, **facts: Any) -> dict[str, 
                          "python": platform.python_version()}}
 
 
-def _migrate(record: dict[str, Any]) -> dict[str, Any]:
-    """A format-1 record as format 2 (the key-control settings nested)."""
+def _migrate(record: dict[str, Any], version: int) -> dict[str, Any]:
+    """An older record in today's format. Format 1 kept the key-control settings flat;
+    formats 1 and 2 gave the control's share as ``shrink_to``/``expand_to`` against
+    ``‖W_K‖_F`` (today: ``dose`` and ``scale: frobenius``). ``migrated_from`` keeps the
+    version the file was written in, so a resume can refuse what it cannot continue."""
+    from qkgeom.config import KeyControlConfig
+
     cfg = dict(record["config"])
     if not isinstance(cfg.get("key_control", {}), dict):
         nested = {new: cfg.pop(old) for old, new in _V1_KEY_CONTROL.items() if old in cfg}
         cfg["key_control"] = nested
-    return {**record, "config": cfg, "format_version": FORMAT_VERSION}
+    if isinstance(cfg.get("key_control"), dict):
+        cfg["key_control"] = KeyControlConfig.upgrade(cfg["key_control"])
+    return {**record, "config": cfg, "format_version": FORMAT_VERSION, "migrated_from": version}
 
 
 def read_record(run: str | Path) -> dict[str, Any]:
@@ -99,8 +106,8 @@ def read_record(run: str | Path) -> dict[str, Any]:
         raise QKGeomError(f"{path}: not a qkgeom run record (no 'config' mapping); the file "
                           "is corrupt or from another tool")
     version = record.get("format_version", 1)
-    if version == 1:
-        return _migrate(record)
+    if version in (1, 2):
+        return _migrate(record, version)
     if version != FORMAT_VERSION:
         newer = isinstance(version, int) and version > FORMAT_VERSION
         advice = ("upgrade qkgeom to read it" if newer else
@@ -223,6 +230,12 @@ def claim_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
                               "resume with --data pointing at that corpus, or train into a "
                               "new --out")
         saved_cfg = load_config(out)
+        if "migrated_from" in saved and saved_cfg.key_control.active:
+            raise QKGeomError(
+                f"{cfg_path}: written in run folder format {saved['migrated_from']}, before "
+                "key control kept its state in checkpoints; a run with key control cannot be "
+                "resumed across that change: resume it with the qkgeom version that wrote "
+                "it, or train it again into a new --out")
         if saved_cfg.config_hash() != record["config_hash"]:
             _refuse_config_change(cfg_path, saved_cfg, record)
     elif out.exists() and any(out.iterdir()):
