@@ -10,8 +10,8 @@ import pandas as pd
 import pytest
 from hf_models import ModTokenizer, save_family
 
-from qkgeom.experiments import reproduce_e4
 from qkgeom.errors import QKGeomError
+from qkgeom.experiments import reproduce_e4
 from qkgeom.experiments.presets import E4_PRESETS, e4_config
 from qkgeom.runs import list_checkpoints
 from qkgeom.training.checkpoint import checkpoint_steps

@@ -27,7 +27,7 @@ from scipy import stats as sst
 from qkgeom.config import TrainConfig
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json
-from qkgeom.runs import has_metrics, is_run_folder, read_metrics, read_record
+from qkgeom.runs import has_metrics, is_run_folder, read_log, read_metrics, read_record
 
 # Group keys of a seed-averaged trajectory (one per layer).
 GROUP = ["depth", "qk_init", "variant"]
@@ -194,15 +194,13 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
                                if status else "incomplete (no status.json)")
         elif not has_metrics(folder):
             row["excluded"] = "no metrics.parquet"
-        log_path = folder / "train_log.parquet"
-        if log_path.exists():
-            try:
-                log = pd.read_parquet(log_path)
-            except Exception as err:
-                log = None
-                row["excluded"] = row["excluded"] or f"unreadable {log_path.name} ({type(err).__name__})"
-            if log is not None:
-                row.update(_log_facts(log, row["batch_size"] * row["block_size"]))
+        try:
+            log = read_log(folder)
+        except QKGeomError as err:
+            log = None
+            row["excluded"] = row["excluded"] or f"unreadable training log ({err})"
+        if log is not None:
+            row.update(_log_facts(log, row["batch_size"] * row["block_size"]))
         rows.append(row)
         flat_cfgs.append(flat)
     table = pd.DataFrame(rows)

@@ -53,8 +53,8 @@ LOG_COLUMNS = ["step", "loss", "val_loss", "lr", "tokens_per_s"]
 FINAL_STATES = ("done", "diverged", "failed")
 STATES = ("running", *FINAL_STATES)
 _CHECKPOINT = re.compile(r"ckpt_(\d{8})\.pt")
-_OWN_FILES = frozenset({CONFIG, METRICS, TRAIN_LOG, STATUS, ALERTS, ATTEMPTS_FILE, WORKER_LOG,
-                        ERROR_LOG})
+_OWN_FILES = frozenset({CONFIG, METRICS, TRAIN_LOG, STATUS, ALERTS, KEY_PR, ATTEMPTS_FILE,
+                        WORKER_LOG, ERROR_LOG})
 _OWN_DIRS = frozenset({CHECKPOINTS, REPORT, table.parts_dir(METRICS).name,
                        table.parts_dir(TRAIN_LOG).name})
 # The temp files of qkgeom's own atomic writes in a run folder, its checkpoints and parts.

@@ -23,7 +23,6 @@ p's and the count of Δ > 0.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -31,6 +30,7 @@ import pandas as pd
 from qkgeom.analysis import stats
 from qkgeom.analysis.collate import bare
 from qkgeom.analysis.e3.arms import BASELINE, SHAM
+from qkgeom.runs import read_log
 
 EARLY_SHARE = 0.25
 WINDOWS = ("early", "whole")
@@ -82,9 +82,9 @@ def e3_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
         ctl = ctl.assign(quantity=ctl["metric"].str.replace(r"_l\d+(h\d+)?$", "", regex=True))
         parts.append(ctl.groupby(["run_id", "step", "quantity"])["value"].mean().reset_index())
     for r in members.itertuples():
-        path = Path(r.dir) / "train_log.parquet"
-        if path.exists():
-            log = pd.read_parquet(path, columns=["step", "val_loss"]).dropna()
+        log = read_log(r.dir)
+        if log is not None and "val_loss" in log:
+            log = log[["step", "val_loss"]].dropna()
             parts.append(pd.DataFrame({"run_id": r.run_id, "step": log["step"].astype("int64"),
                                        "quantity": "val_loss", "value": log["val_loss"]}))
     return pd.concat(parts, ignore_index=True)[SERIES_COLUMNS]
