@@ -428,8 +428,12 @@ def parse_dotted(overrides: list[str]) -> dict[str, Any]:
         value = _scalar(raw)
         node = out
         parts = key.strip().split(".")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                section = ".".join(parts[:i + 1])
+                raise QKGeomError(f"override {item!r}: {section} was given a value by an "
+                                  f"earlier --set, so it has no key {parts[i + 1]!r}")
         node[parts[-1]] = value
     return out
 
@@ -441,6 +445,12 @@ def make_config(preset: str = "demo", overrides: dict[str, Any] | None = None) -
     merged = _merge(TrainConfig().to_dict(), PRESETS[preset])
     if overrides:
         merged = _merge(merged, overrides)
+        given = overrides.get("key_control")
+        dose = given.get("dose") if isinstance(given, dict) else None
+        # 0 is the stored "not given" mark; a dose the user wrote must be a real one.
+        if isinstance(dose, (int, float)) and not isinstance(dose, bool) and dose <= 0:
+            raise QKGeomError(f"key_control.dose must be > 0, got {dose} (leave it unset for "
+                              "the mode's default)")
     return from_dict(merged)
 
 

@@ -22,7 +22,7 @@ from qkgeom.training import train as train_with_callbacks
     ({"key_control": {"how": "later"}}, "key_control.how"),
     ({"key_control": {"scale": "norm"}}, "key_control.scale"),
     ({"key_control": {"mode": "shrink", "dose": 1.5}}, "dose must be in (0, 1] for shrink"),
-    ({"key_control": {"mode": "shrink", "dose": -0.5}}, "dose must be in (0, 1] for shrink"),
+    ({"key_control": {"mode": "shrink", "dose": -0.5}}, "dose must be > 0"),
     ({"key_control": {"mode": "expand", "dose": 0.5}}, "dose must be >= 1 for expand"),
     ({"key_control": {"mode": "sham", "dose": 0.5}}, "dose is fixed at 1 for sham"),
     ({"key_control": {"mode": "hold", "dose": 0.5}}, "dose is not used by hold"),

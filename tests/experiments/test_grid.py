@@ -231,7 +231,7 @@ def test_e3_grids_are_the_protocols_arms() -> None:
     assert len(specs) == 30 and {s.config.seed for s in specs} == {0, 1, 2, 3, 4}
     cfg = specs[0].config
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.qk_init) == (4, 128, "normal")
-    assert (cfg.steps, cfg.probe_every, cfg.eval_every) == (300, 25, 75)
+    assert (cfg.steps, cfg.probe_every, cfg.eval_every) == (400, 25, 100)
     kc = {s.axes["arm"]: s.config.key_control for s in specs if s.config.seed == 2}
     assert kc["none"].mode == "none" and kc["none"].record
     assert (kc["sham-data"].mode, kc["sham-data"].scale, kc["sham-data"].dose) == ("sham", "data", 1)

@@ -24,7 +24,8 @@ def gpt():
 
 def test_proportional_update_and_projection() -> None:
     model = gpt()
-    ctl = EntropyController([1.0, 2.0], gain=0.5, max_step=0.2)
+    # frobenius: no forward pass here, and ‖W_K‖_F is what it keeps (checked below)
+    ctl = EntropyController([1.0, 2.0], gain=0.5, max_step=0.2, scale="frobenius")
     control = ctl.attach(model)
     pr0 = control.pr0.clone()
     norms = [b.attn.k_proj.weight.norm().item() for b in model.blocks]

@@ -301,11 +301,16 @@ class KeySpectrumControl:
                               f"{self.reference.shape[0] - 1}; this run is at step {step}")
         return self.reference[step]
 
+    def hold_level(self) -> Tensor:
+        """The PR ``hold`` keeps each unit at: PR0. A subclass may move it (the monitor's
+        closed loop steers it toward a target attention entropy)."""
+        return self.pr0
+
     def _targets(self, idx: Tensor, pr_before: Tensor) -> dict[str, Tensor]:
         """target, sched (the cap before the current-PR bound), base, bound (the cap
         decided the target) for the units ``idx`` at the current step."""
         t = self.step_count
-        base = self.pr0[idx] if self.mode == "hold" else self.base_at(t)[idx]
+        base = self.hold_level()[idx] if self.mode == "hold" else self.base_at(t)[idx]
         r = 1.0 if self.mode == "hold" else dose_at(t, self.dose, self.ramp_steps)
         sched = r * base
         if self.mode == "hold":

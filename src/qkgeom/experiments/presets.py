@@ -9,9 +9,10 @@ probe set because probes come from the start of the val split):
     workers x 1 thread on a 2-core machine.
 ``demo``
     depths {4, 6, 8} x 3 inits x 2 seeds = 18 runs on the embedded Wikipedia sample with the
-    ``demo`` model (4 heads, width 128, context 64) trained for 300 steps of 16 x 64 tokens
-    (307 k tokens per run; 11 probes, every 30 steps), so that the whole grid, probes
-    included, fits in 15 minutes on 2 CPU cores.
+    ``demo`` model (4 heads, width 128, context 64) trained for 400 steps of 16 x 64 tokens
+    (410 k tokens per run; 11 probes, every 40 steps). Every PR collapses during the first
+    50-125 steps; 400 steps put at least two thirds of each run after that transient, and
+    the grid, probes included, still fits in about 10 minutes on 2 CPU cores.
 ``paper``
     depths {4, 6, 8} x 3 inits x 4 seeds = 36 runs of the ``paper`` training preset on the
     prepared corpus ``data`` (WikiText-103, char level).
@@ -28,8 +29,8 @@ paired by seed. Sizes:
     ``smoke`` preset (wiring check).
 ``demo``
     5 seeds x 6 arms (those 4, hold-frobenius, shrink-0.5-frobenius) = 30 runs of the E1
-    demo's 4-layer model (normal init) on the embedded sample, 300 steps, probed every 25
-    steps and evaluated every 75, so the early phase (first 25 % = 75 steps) has three
+    demo's 4-layer model (normal init) on the embedded sample, 400 steps, probed every 25
+    steps and evaluated every 100, so the early phase (first 25 % = 100 steps) has four
     probes and one validation loss.
 ``paper``
     5 seeds x 11 arms (none, sham and hold at both scales, shrink at doses 0.75, 0.5 and
@@ -60,14 +61,14 @@ E1_PRESETS: dict[str, tuple[str, dict[str, Any], list[int], list[int]]] = {
     # cores shared with another job): 42 s for the grid, about 3 s of it per run is the
     # worker's start.
     "smoke": ("smoke", {}, [1, 2], [0]),
-    # 18 runs x 300 steps x 16 x 64 tokens (307 k tokens per run), 11 probes per run (every
-    # 30 steps), eval every 100 steps on 4 batches. Sized from throughput alone: 6-10 k
-    # tokens/s per run on one thread, i.e. 35-50 s per run. Measured, 2 workers x 1 thread
-    # on the 2-core dev machine (cores shared with another job): 433 s (7.2 min) for the
-    # grid; with one core fully taken by other work expect up to about twice that.
+    # 18 runs x 400 steps x 16 x 64 tokens (410 k tokens per run), 11 probes per run (every
+    # 40 steps), eval every 100 steps on 4 batches. Was 300 steps, of which the transient
+    # took up to 125; 400 puts two thirds of every run after it (the length was set from
+    # that share and the time budget, before any 400-step result). 6-10 k tokens/s per run
+    # on one thread, i.e. 45-70 s per run.
     "demo": ("demo", {
         "model": {"n_head": 4, "n_embd": 128, "block_size": 64},
-        "steps": 300, "batch_size": 16, "warmup_steps": 30, "probe_every": 30,
+        "steps": 400, "batch_size": 16, "warmup_steps": 30, "probe_every": 40,
         "eval_every": 100, "eval_batches": 4, "checkpoint_every": 100,
     }, PAPER_DEPTHS, [0, 1]),
     # The paper's 36 runs: 20 k steps of 64 x 256 tokens each, bf16, one GPU per run.
@@ -81,11 +82,11 @@ E3_SCALES = ["data", "frobenius"]
 # preset -> (training preset, overrides for every run, seeds, arm names)
 E3_PRESETS: dict[str, tuple[str, dict[str, Any], list[int], list[str]]] = {
     "smoke": ("smoke", {}, [0, 1], ["none", "sham-data", "hold-data", "shrink-0.5-data"]),
-    # 30 runs of the E1 demo's depth-4 model. Probes (every 25 steps) and evals (every 75)
-    # are denser than E1's so the early phase (first 75 steps) has three probes and one
-    # validation loss. The step count is the E1 demo's (one value, in _DEMO_BASE).
+    # 30 runs of the E1 demo's depth-4 model. Probes (every 25 steps) are denser than E1's
+    # so the early phase (first 100 steps) has four probes and one validation loss. The
+    # step count is the E1 demo's (one value, in _DEMO_BASE).
     "demo": ("demo", deep_merge(_DEMO_BASE, {"model": {"n_layer": 4, "qk_init": "normal"},
-                                             "probe_every": 25, "eval_every": 75}),
+                                             "probe_every": 25, "eval_every": 100}),
              [0, 1, 2, 3, 4],
              ["none", "sham-data", "hold-data", "shrink-0.5-data", "hold-frobenius",
               "shrink-0.5-frobenius"]),

@@ -47,8 +47,8 @@ class SteeredKeyControl(KeySpectrumControl):
 
     setpoint: Tensor | None = None
 
-    def target_now(self, step: int | None = None) -> Tensor:
-        return (self.pr0 if self.setpoint is None else self.setpoint).clone()
+    def hold_level(self) -> Tensor:
+        return self.pr0 if self.setpoint is None else self.setpoint
 
 
 class EntropyController:
@@ -59,10 +59,14 @@ class EntropyController:
         gain: change of log PR* per nat of error per probe.
         max_step: bound on |Δ log PR*| per probe (rate limit).
         layers: layers to control (default all).
+        scale: what the reshape keeps (``data``: the mean squared key norm on the
+            training batches, so the logit scale is not moved by the control;
+            ``frobenius``: ‖W_K‖_F, needs no forward pass). docs/definitions.md#scale-rule.
     """
 
     def __init__(self, target: float | Sequence[float], *, gain: float = 1.0,
-                 max_step: float = 0.25, layers: Sequence[int] | None = None) -> None:
+                 max_step: float = 0.25, layers: Sequence[int] | None = None,
+                 scale: str = "data") -> None:
         targets = [float(target)] if isinstance(target, (int, float)) else [float(t) for t in target]
         if not targets or not all(math.isfinite(t) and t >= 0 for t in targets):
             raise QKGeomError(f"target entropy must be finite nats >= 0, got {target!r}")
@@ -70,6 +74,7 @@ class EntropyController:
             raise QKGeomError("gain and max_step must be positive")
         self.targets, self.gain, self.max_step = targets, float(gain), float(max_step)
         self.layers = None if layers is None else [int(i) for i in layers]
+        self.scale = scale
         self.control: SteeredKeyControl | None = None
         self._pending: dict[str, Any] | None = None
         self._last: dict[str, float] = {}
@@ -80,7 +85,7 @@ class EntropyController:
         """Find W_K of every controlled layer and start holding it at its current PR."""
         if self.control is None:
             self.control = SteeredKeyControl.attach(model, "hold", scope="layer",
-                                                    layers=self.layers)
+                                                    scale=self.scale, layers=self.layers)
             layers = [s.layer for s in self.control.sites]
             if len(self.targets) not in (1, len(layers)):
                 raise QKGeomError(f"{len(self.targets)} target entropies for {len(layers)} "
