@@ -53,7 +53,7 @@ def test_generate_within_the_context(exported, smoke_run) -> None:
     model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     prompt = tok("The history of", return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        full = model.generate(prompt, do_sample=False)  # up to the context, no further
+        full = model.generate(prompt, do_sample=False)  # 20 new tokens, capped at the context
         assert full.shape[1] == CONTEXT and torch.equal(full[:, :prompt.shape[1]], prompt)
         more = model.generate(prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(more, full[:, :prompt.shape[1] + 6])

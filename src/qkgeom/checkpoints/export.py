@@ -5,12 +5,13 @@ character vocabulary (``qkgeom_vocab.json``) and a character-level ``tokenizer.j
 token per character, ``<unk>`` = our unknown id), so ``AutoTokenizer`` / TransformerLens /
 any HF tool can open the run.
 
-The model has learned positions up to its context (``block_size``) and no further, so the
-folder says so everywhere a tool looks: the tokenizer's ``model_max_length`` is the
-context and it truncates from the left (``tokenizer(text, truncation=True)`` keeps the
-last ``block_size`` characters, the ones a continuation depends on), and the generation
-config's ``max_length`` is the context, so ``model.generate(ids)`` stops there instead of
-indexing past the position table.
+The model has learned positions up to its context (``block_size``) and no further: the
+tokenizer's ``model_max_length`` is the context and it truncates from the left
+(``tokenizer(text, truncation=True)`` keeps the last ``block_size`` characters, the ones a
+continuation depends on), so a long prompt no longer indexes past the position table.
+``model.generate(ids)`` stays within the context by itself (transformers caps its default
+length at the config's ``n_positions``); a generation config ``max_length`` is not
+written, as it would make every call with ``max_new_tokens`` warn.
 """
 
 from __future__ import annotations
@@ -75,9 +76,7 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
         model.eval()
     context = model.config.block_size
     hf = to_gpt2(model.float())
-    gen = hf.generation_config
-    gen.max_length = context  # generate() stops at the last learned position
-    gen.pad_token_id = vocab.unknown_id
+    hf.generation_config.pad_token_id = vocab.unknown_id  # no "setting pad_token_id" notice
     with _no_progress_bars():
         hf.save_pretrained(out)
         char_tokenizer(vocab, context).save_pretrained(out)

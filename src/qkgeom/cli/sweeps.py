@@ -84,9 +84,20 @@ def _status_table(status: pd.DataFrame) -> pd.DataFrame:
     return status[keep]
 
 
+def unfinished(out: Path, runs: list[Any]) -> list[Any]:
+    """The runs of a sweep (``RunSpec``s) that ``out`` does not hold finished yet: what a
+    ``sweep run`` or ``reproduce`` into ``out`` would still train."""
+    from qkgeom.runs import FINAL_STATES, read_status
+    from qkgeom.runs.sweep import run_dir
+
+    return [r for r in runs
+            if (read_status(run_dir(out, r.run_id)) or {}).get("state") not in FINAL_STATES]
+
+
 def warn_long_sweep(configs: list[Any], device: str | None) -> None:
-    """One warning when the runs of a sweep would take long on this machine's CPU (the
-    device ``auto`` finds no GPU, or ``cpu`` is asked for): the sum of their estimates."""
+    """One warning when the runs of a sweep still to train would take long on this
+    machine's CPU (the device ``auto`` finds no GPU, or ``cpu`` is asked for): the sum of
+    their estimates."""
     import warnings
 
     from qkgeom.config import detect_device
@@ -98,7 +109,7 @@ def warn_long_sweep(configs: list[Any], device: str | None) -> None:
         return
     total = sum(cpu_seconds(c) for c in configs)
     if total > LONG_CPU_S:
-        warnings.warn(f"the {len(configs)} runs of this sweep will take at least "
+        warnings.warn(f"the {len(configs)} runs of this sweep to train will take at least "
                       f"{duration(total)} of CPU time on this machine (no GPU in use); train "
                       "on a GPU (--device auto finds one), or choose a smaller --preset",
                       stacklevel=2)
@@ -136,7 +147,7 @@ def register(app: typer.Typer) -> None:
         spec = load_grid(grid)
         out = out or Path("sweeps") / spec.folder_name
         runs = spec.expand()
-        warn_long_sweep([r.config for r in runs], None)
+        warn_long_sweep([r.config for r in unfinished(out, runs)], None)
         if workers is None:
             device = runs[0].config.device
             on_cpu = (detect_device() if device == "auto" else device) == "cpu"
@@ -230,7 +241,7 @@ def register(app: typer.Typer) -> None:
         if any(v is not None for v in (model, revisions, text, tokens)):
             raise QKGeomError("--model, --revisions, --text and --tokens are for e4")
         out = out or Path("sweeps") / f"{experiment}-{preset}"
-        _warn_reproduce(experiment, preset, data, overrides, device)
+        _warn_reproduce(experiment, preset, data, overrides, device, out)
         summary = reproduce(experiment, preset, out, data, workers=workers, backend=backend,
                             address=address, threads_per_run=threads, progress=not quiet,
                             overrides=overrides or None, retries=retries)
@@ -240,7 +251,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _warn_reproduce(experiment: str, preset: str, data: str, overrides: dict[str, Any],
-                    device: str | None) -> None:
+                    device: str | None, out: Path) -> None:
     """:func:`warn_long_sweep` for the grid ``reproduce`` is about to run (an unknown
     experiment or preset is left for ``reproduce`` to refuse)."""
     from qkgeom.experiments.presets import e1_grid, e3_grid
@@ -252,4 +263,4 @@ def _warn_reproduce(experiment: str, preset: str, data: str, overrides: dict[str
         grid = make(preset, data, overrides or None)
     except QKGeomError:
         return
-    warn_long_sweep([r.config for r in grid.expand()], device)
+    warn_long_sweep([r.config for r in unfinished(out, grid.expand())], device)
