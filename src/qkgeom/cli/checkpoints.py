@@ -115,6 +115,10 @@ def register(app: typer.Typer) -> None:
         from qkgeom.training import resolve_device
 
         check_format(fmt)
+        if text not in (None, "sample"):  # a bad --text is named before the hub is tried
+            from qkgeom.data.text import open_text
+
+            open_text(text)
         folder = analyze_checkpoints(
             models, out or _default_out(models), revisions=split_revisions(revisions), text=text,
             max_tokens=tokens, seq_len=seq_len, batch_size=batch_size, qk_site=qk_site,

@@ -12,7 +12,8 @@ from qkgeom.config import DEVICE_HELP, PRESETS, TrainConfig
 from qkgeom.errors import QKGeomError
 
 # CLI flag -> dotted config key (flags left None keep the preset's value).
-_FLAG_KEYS = {"n_layer": "model.n_layer", "n_embd": "model.n_embd", "n_head": "model.n_head",
+_FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth: the old name
+              "n_embd": "model.n_embd", "n_head": "model.n_head",
               "block_size": "model.block_size", "qk_init": "model.qk_init",
               "key_control": "key_control.mode", "dose": "key_control.dose",
               "key_control_scope": "key_control.scope"}
