@@ -19,6 +19,8 @@ from qkgeom.errors import QKGeomError
 
 QK_INITS = ("normal", "orthogonal", "tied")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+# auto = the best this machine has (detect_device): CUDA, then MPS, then CPU.
+DEVICE_HELP = "auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps"
 # every: each multiple of checkpoint_every; log: also step 0 and the powers of two below it
 CHECKPOINT_SCHEDULES = ("every", "log")
 
@@ -180,7 +182,9 @@ class TrainConfig:
     # are opt-in anywhere. Weights and optimiser state stay fp32; probes run the fp32 model
     # and compute in float64.
     precision: str = "auto"
-    device: str = "cpu"
+    # auto = CUDA, then MPS, then CPU (detect_device); the trainer records what it resolved
+    # to. Not in the config hash: where a run computes is not what it computes.
+    device: str = "auto"
     threads: int = 0  # 0 = leave torch's default
     compile: bool = False  # torch.compile the training forward/backward (probes stay eager)
     key_control: KeyControlConfig = field(default_factory=KeyControlConfig)
@@ -233,13 +237,19 @@ class TrainConfig:
                               f"{self.threads}")
         if self.reference_step < -1 or self.reference_step > self.steps:
             raise QKGeomError(f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
-        if not (self.device == "cpu" or self.device.startswith(("cuda", "mps"))):
-            raise QKGeomError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or mps")
+        if not (self.device in ("auto", "cpu") or self.device.startswith(("cuda", "mps"))):
+            raise QKGeomError(f"unknown device {self.device!r}; use {DEVICE_HELP}")
 
     def active_features(self) -> list[str]:
         """Config sections that ask for behaviour the trainer does not implement itself:
         each must be served by a callback (built from the config by :mod:`qkgeom.launch`)."""
         return ["key_control"] if self.key_control.active else []  # a control or its record
+
+    @property
+    def resolved_device(self) -> str:
+        """The device a run of this config computes on here: ``auto`` resolved by
+        :func:`detect_device` (which imports torch), any other name as given."""
+        return detect_device() if self.device == "auto" else self.device
 
     @property
     def effective_precision(self) -> str:
@@ -248,7 +258,7 @@ class TrainConfig:
         and MPS, where bf16 is opt-in (fast only with AMX / AVX512-BF16 and large matmuls)."""
         if self.precision != "auto":
             return self.precision
-        return "bf16" if self.device.startswith("cuda") else "fp32"
+        return "bf16" if self.resolved_device.startswith("cuda") else "fp32"
 
     @property
     def ref_step(self) -> int:
@@ -278,6 +288,20 @@ class TrainConfig:
         d["precision"] = self.effective_precision
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def detect_device() -> str:
+    """What ``device: auto`` means on this machine: ``cuda`` when a CUDA device is
+    visible, else ``mps`` (Apple GPUs), else ``cpu``. Imports torch (only here, so the
+    config stays importable without it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return "mps"
+    return "cpu"
 
 
 def _check_types(cfg: Any, prefix: str) -> None:
@@ -314,11 +338,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     ),
     # One GPU, WikiText-103 char level (depth comes from the grid; 6 is the middle one).
     # 64 x 256 tokens x 20k steps = 328 M tokens, about 0.6 epochs of WikiText-103 train.
+    # Precision auto: bf16 on the GPU it is meant for (the same config hash as an explicit
+    # bf16 there), fp32 where it lands on a CPU.
     "paper": dict(
         model=dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.0),
         steps=20000, batch_size=64, lr=1e-3, warmup_steps=1000, probe_every=500,
         probe_sequences=16, eval_every=1000, eval_batches=20, checkpoint_every=1000,
-        precision="bf16",
     ),
 }
 
@@ -343,7 +368,8 @@ def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict
             renamed = (" (renamed: key_control.dose is the share kept, key_control.scale the "
                        "norm it is measured in)" if prefix == "key_control." and key in
                        ("shrink_to", "expand_to") else "")
-            raise QKGeomError(f"unknown config key {prefix + key!r}{renamed}")
+            raise QKGeomError(f"unknown config key {prefix + key!r}{renamed}"
+                              f"{_did_you_mean(key, base, prefix) if not renamed else ''}")
         if isinstance(base[key], dict):
             if not isinstance(value, dict):
                 first = next(iter(base[key]))
@@ -353,6 +379,31 @@ def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict
         else:
             out[key] = value
     return out
+
+
+def _did_you_mean(key: Any, base: dict[str, Any], prefix: str) -> str:
+    """``; did you mean 'model.n_layer'?`` for the closest keys, looking one level into
+    the nested sections too (``depth`` -> ``model.n_layer`` is too far; ``n_layer`` at the
+    top level finds it); ``""`` when nothing is close."""
+    import difflib
+
+    names = {k: prefix + k for k in base}
+    for section, value in base.items():
+        if isinstance(value, dict):
+            names.update({k: f"{prefix}{section}.{k}" for k in value if k not in names})
+    key = _SYNONYMS.get(str(key), str(key))
+    close = [key] if key in names else difflib.get_close_matches(key, list(names), n=2,
+                                                                 cutoff=0.7)
+    if not close:
+        return ""
+    return "; did you mean " + " or ".join(repr(names[c]) for c in close) + "?"
+
+
+# Names other tools (and the CLI's flags) use for config keys, for "did you mean".
+_SYNONYMS = {"depth": "n_layer", "layers": "n_layer", "num_layers": "n_layer",
+             "width": "n_embd", "d_model": "n_embd", "hidden_size": "n_embd",
+             "heads": "n_head", "num_heads": "n_head", "context": "block_size",
+             "seq_len": "block_size", "learning_rate": "lr", "max_steps": "steps"}
 
 
 def _coerce(value: Any, default: Any, name: str) -> Any:

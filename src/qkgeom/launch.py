@@ -34,11 +34,13 @@ def callbacks_for(cfg: TrainConfig, out_dir: str | Path | None = None) -> list[C
 
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
           callbacks: list[Callback] | None = None, progress: bool = False,
-          run_id: str | None = None) -> RunResult:
+          run_id: str | None = None, progress_every: int | None = None) -> RunResult:
     """Train one run into ``out_dir`` (the run-folder layout of docs/definitions.md).
 
     ``callbacks`` (your own) run after those the config asks for. ``resume`` continues the
-    run in ``out_dir`` from its newest checkpoint (bit-exact on CPU). Raises
+    run in ``out_dir`` from its newest checkpoint (bit-exact on CPU). ``progress``: a bar
+    on a terminal, plain lines every ``progress_every`` steps (default ``probe_every``)
+    in a log. Raises
     :class:`~qkgeom.errors.QKGeomError` for bad input before any work, and
     :class:`~qkgeom.errors.DivergedError` (after recording ``status: diverged``) when the
     loss or the geometry stops being finite.
@@ -46,4 +48,4 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     cfg.validate()  # before reading any feature setting
     return _train_with(cfg, out_dir, resume=resume,
                        callbacks=[*callbacks_for(cfg, out_dir), *(callbacks or [])],
-                       progress=progress, run_id=run_id)
+                       progress=progress, run_id=run_id, progress_every=progress_every)

@@ -1,18 +1,42 @@
-"""Terminal output (rich): the one progress-bar layout, and per-layer tables.
+"""Terminal output (rich): the progress layouts, and tables that fit the terminal.
 
-Progress: label, bar, n/total, fields, elapsed, ETA. Tables: one row per layer, values to
-3 decimals, changes (Δ columns) signed; never truncated when the output is not a terminal.
+Progress: on a terminal, one rich bar (label, bar, n/total, fields, elapsed, ETA); when the
+output is redirected (nohup, SLURM, CI logs) a bar would only be drawn once, at the end,
+so :func:`step_progress` prints plain lines instead, one every ``every`` steps.
+
+Tables: values to 3 decimals, changes (Δ columns) signed. A table wider than the console
+is split into several, each repeating the index column, so no number is ever cut to
+``1.…``; a legend line can follow. The width is the terminal's, ``$COLUMNS`` when set,
+else :data:`LOG_WIDTH` when the output is not a terminal.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import pandas as pd
     from rich.console import Console
     from rich.progress import Progress
     from rich.table import Table
+
+#: Width of tables written to a file or pipe (no terminal to ask), unless $COLUMNS says.
+LOG_WIDTH = 100
+
+
+def console(stderr: bool = False) -> Console:
+    """A rich console on stdout (``stderr``: on stderr): the terminal's width, or
+    ``$COLUMNS``, or :data:`LOG_WIDTH` when redirected."""
+    from rich.console import Console
+
+    out = Console(stderr=stderr)
+    if out.is_terminal or os.environ.get("COLUMNS"):
+        return out
+    return Console(stderr=stderr, width=LOG_WIDTH)
 
 
 def progress_bar(label: str, *fields: str, stderr: bool = False) -> Progress:
@@ -35,43 +59,203 @@ def progress_bar(label: str, *fields: str, stderr: bool = False) -> Progress:
     )
 
 
-def rich_table(table: pd.DataFrame, title: str | None = None) -> Table:
-    """``table`` (one row per layer, e.g. :func:`qkgeom.analysis.tables.layer_table`) as a
-    ``rich`` Table: values to 3 decimals, changes (Δ columns) signed."""
+class StepProgress(Protocol):
+    """Progress of a loop over steps: ``advance`` per step, ``update`` with the newest
+    numbers (``loss``, ``val_loss``, ``tokens_per_s``), ``close`` at the end."""
+
+    def advance(self) -> None: ...
+
+    def update(self, step: int, **numbers: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def step_progress(label: str, total: int, done: int, every: int) -> StepProgress:
+    """A rich bar when stdout is a terminal, else :class:`PlainSteps` lines every
+    ``every`` steps (``every`` <= 0: only the last line)."""
+    if console().is_terminal:
+        return RichSteps(label, total, done)
+    return PlainSteps(label, total, done, every)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def _numbers(numbers: dict[str, float]) -> list[str]:
+    """``loss 2.345``, ``val 2.401``, ``4,321 tok/s`` for the finite numbers given."""
+    import math
+
+    parts = []
+    for key, fmt in (("loss", "loss {:.3f}"), ("val_loss", "val {:.3f}"),
+                     ("tokens_per_s", "{:,.0f} tok/s")):
+        value = numbers.get(key)
+        if value is not None and math.isfinite(value):
+            parts.append(fmt.format(value))
+    return parts
+
+
+class RichSteps:
+    """The rich bar with loss and tokens/s (a terminal)."""
+
+    def __init__(self, label: str, total: int, done: int) -> None:
+        self._progress = progress_bar(f"[bold]{label}", "loss {task.fields[loss]}",
+                                      "{task.fields[tps]} tok/s")
+        self._task = self._progress.add_task(label, total=total, completed=done,
+                                             loss="-", tps="-")
+        self._progress.start()
+
+    def advance(self) -> None:
+        self._progress.advance(self._task)
+
+    def update(self, step: int, **numbers: float) -> None:
+        fields = {}
+        if numbers.get("loss") is not None:
+            fields["loss"] = f"{numbers['loss']:.3f}"
+        if numbers.get("tokens_per_s") is not None:
+            fields["tps"] = f"{numbers['tokens_per_s']:,.0f}"
+        self._progress.update(self._task, **fields)
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
+class PlainSteps:
+    """One plain line per ``every`` steps (and at the end), for logs: step, share done,
+    loss, val loss, tokens/s, elapsed and ETA. Lines are flushed at once, so ``tail -f``
+    of a batch job's log shows them as they come."""
+
+    def __init__(self, label: str, total: int, done: int, every: int,
+                 stream: Any = None) -> None:
+        self.label, self.total, self.every = label, total, every
+        self.stream = stream if stream is not None else sys.stdout
+        self.step = self._start = done
+        self._t0 = time.perf_counter()
+        self._latest: dict[str, float] = {}
+        self._printed = done
+        self._next = self._after(done)
+
+    def _after(self, step: int) -> int:
+        return (step // self.every + 1) * self.every if self.every > 0 else self.total
+
+    def advance(self) -> None:
+        self.step += 1
+
+    def update(self, step: int, **numbers: float) -> None:
+        """Newest numbers at ``step``; a line when ``step`` reached the next multiple of
+        ``every`` (numbers arrive at log steps, so a line may come a few steps later)."""
+        self.step = step
+        self._latest.update({k: v for k, v in numbers.items() if v is not None
+                             and v == v})  # keep the last val loss while evals are NaN
+        if step >= self._next and step < self.total:
+            self._line()
+
+    def _line(self) -> None:
+        elapsed = time.perf_counter() - self._t0
+        did = self.step - self._start
+        rate = did / elapsed if elapsed > 0 and did > 0 else 0.0
+        eta = _clock((self.total - self.step) / rate) if rate else "?"
+        share = 100 * self.step / max(self.total, 1)
+        parts = [f"{self.label} step {self.step}/{self.total} ({share:.0f} %)",
+                 *_numbers(self._latest), f"elapsed {_clock(elapsed)}", f"eta {eta}"]
+        print("  ".join(parts), file=self.stream, flush=True)
+        self._printed = self.step
+        self._next = self._after(self.step)
+
+    def close(self) -> None:
+        if self.step != self._printed:
+            self._line()
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _cell(col: str, value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:+.3f}" if col.startswith("Δ") else f"{value:.3f}"
+    return str(value)
+
+
+def rich_table(table: pd.DataFrame, title: str | None = None, index: str = "layer") -> Table:
+    """``table`` (one row per ``index`` value, e.g.
+    :func:`qkgeom.analysis.tables.layer_table`) as a ``rich`` Table: values to 3 decimals,
+    changes (Δ columns) signed, numbers never wrapped."""
     from rich.table import Table
 
     out = Table(title=title)
-    out.add_column("layer", justify="right")
+    out.add_column(index, justify="right", no_wrap=True)
     for col in table.columns:
-        out.add_column(col, justify="right")
-    for layer, row in table.iterrows():
-        out.add_row(str(layer), *(f"{v:+.3f}" if col.startswith("Δ") else f"{v:.3f}"
-                                  for col, v in row.items()))
+        out.add_column(str(col), justify="right", no_wrap=True)
+    for key, row in table.iterrows():
+        out.add_row(str(key), *(_cell(str(col), v) for col, v in row.items()))
     return out
 
 
-def console() -> Console:
-    """A rich console on stdout; piped or logged, wide enough never to truncate numbers."""
-    from rich.console import Console
+def column_chunks(table: pd.DataFrame, width: int, index: str = "layer") -> list[list[str]]:
+    """The columns of ``table`` in consecutive groups, each of which fits ``width``
+    characters as a rich table together with the ``index`` column (a column too wide on
+    its own still gets a group of its own)."""
+    from rich.cells import cell_len
 
-    out = Console()
-    return out if out.is_terminal else Console(width=max(out.width, 200))
+    def need(name: str, cells: list[str]) -> int:  # text + padding (2) + one border
+        return max([cell_len(name), *map(cell_len, cells)]) + 3
+
+    base = 1 + need(index, [str(k) for k in table.index])  # the left border + index
+    chunks: list[list[str]] = []
+    used = width  # forces a first chunk
+    for col in table.columns:
+        w = need(str(col), [_cell(str(col), v) for v in table[col]])
+        if used + w > width and (not chunks or chunks[-1]):
+            chunks.append([])
+            used = base
+        chunks[-1].append(col)
+        used += w
+    return chunks
 
 
-def render_layers(table: pd.DataFrame, title: str) -> None:
-    """Print a per-layer ``table`` (see :func:`rich_table`)."""
-    console().print(rich_table(table, title))
+def legend_lines(entries: Sequence[str], width: int, sep: str = "; ") -> list[str]:
+    """``entries`` joined by ``sep`` into lines of at most ``width`` characters, never
+    breaking inside an entry (one longer than ``width`` gets a line of its own)."""
+    from rich.cells import cell_len
+
+    lines: list[str] = []
+    for entry in entries:
+        if lines and cell_len(lines[-1] + sep + entry) < width:
+            lines[-1] += sep + entry
+        else:
+            if lines:
+                lines[-1] += sep.rstrip()
+            lines.append(entry)
+    return lines
 
 
-def render_frame(frame: pd.DataFrame, title: str) -> None:
+def render_layers(table: pd.DataFrame, title: str, legend: Sequence[str] = (),
+                  index: str = "layer") -> None:
+    """Print a per-layer ``table`` (see :func:`rich_table`), split into as many tables as
+    the console width needs, then the ``legend`` entries (what the column names mean)."""
+    out = console()
+    chunks = column_chunks(table, out.width, index) or [[]]
+    for i, cols in enumerate(chunks):
+        part = f" ({i + 1}/{len(chunks)})" if len(chunks) > 1 else ""
+        out.print(rich_table(table[cols], title + part, index))
+    for line in legend_lines(legend, out.width):
+        out.print(line, highlight=False)  # a line wider than the console wraps
+
+
+def render_frame(frame: pd.DataFrame, title: str, legend: Sequence[str] = ()) -> None:
     """Print any small table (sweep status, claims) with rich; floats to 3 significant
-    digits, never truncated when the output is not a terminal."""
+    digits. Text columns wrap at spaces to fit the console; numbers never wrap."""
     from rich.table import Table
 
     table = Table(title=title)
     for col in frame.columns:
-        table.add_column(str(col))
+        numeric = frame[col].map(lambda v: isinstance(v, (int, float))).all()
+        table.add_column(str(col), no_wrap=bool(numeric), overflow="fold")
     for row in frame.itertuples(index=False):
         table.add_row(*("" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
                         for v in row))
-    console().print(table)
+    out = console()
+    out.print(table)
+    for line in legend_lines(legend, out.width):
+        out.print(line, highlight=False)  # a line wider than the console wraps

@@ -13,7 +13,7 @@ from qkgeom.data.sources import sample_dump_path
 
 @pytest.fixture(scope="session")
 def sample_dump() -> Path:
-    """The real shortened enwiki dump installed by the gensim wheel."""
+    """The real shortened enwiki dump shipped in qkgeom (qkgeom/data/sample/)."""
     return sample_dump_path()
 
 

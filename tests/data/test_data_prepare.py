@@ -134,7 +134,7 @@ def test_datasets_route_matches_raw_files(wikitext_dir, wikitext_prepared, tmp_p
 
 def test_datasets_missing_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
-    with pytest.raises(QKGeomError, match=r"pip install 'qkgeom\[datasets\]'"):
+    with pytest.raises(QKGeomError, match=r"pip install 'qkgeom\[data\]'"):
         prepare_data("wikitext-103", tmp_path / "x")
 
 

@@ -1,4 +1,4 @@
-"""The dump converter on the real gensim dump and on a hand-written dump with a known answer."""
+"""The dump converter on the real shipped dump (qkgeom/data/sample/) and on a hand-written dump with a known answer."""
 
 from __future__ import annotations
 

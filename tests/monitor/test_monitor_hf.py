@@ -59,10 +59,15 @@ def test_hf_trainer_callback(tmp_path, corpus, probe_tokens, train_windows) -> N
     assert sorted(metrics["step"].unique()) == [0, 2, 4, 5]
     assert read_json(out / "status.json")["state"] == "done"
     assert pd.read_parquet(out / "train_log.parquet")["loss"].tolist() == pytest.approx(losses1)
-    # report_to tensorboard: the monitor writes beside the Trainer's own event files
+    # report_to tensorboard: the monitor writes into the Trainer's own run (its writer),
+    # so the geometry and the Trainer's train/loss are one TensorBoard run
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "mon" / "hf" / "runs" / "qkgeom"))
+    runs = [p for p in (tmp_path / "mon" / "hf" / "runs").iterdir() if p.is_dir()]
+    assert len(runs) == 1, runs
+    acc = EventAccumulator(str(runs[0]), size_guidance={"scalars": 0, "histograms": 0})
     acc.Reload()
-    assert "qkgeom/attn_entropy/layer0" in acc.Tags()["scalars"]
-    assert "qkgeom/key_sv_weight/layer1" in acc.Tags()["histograms"]
+    scalars = acc.Tags()["scalars"]
+    assert "train/loss" in scalars and "attention/entropy/layer0" in scalars
+    assert [e.step for e in acc.Scalars("pr/k_token/layer1")] == [0, 2, 4, 5]
+    assert "key_spectrum/sv_weight/layer1" in acc.Tags()["histograms"]

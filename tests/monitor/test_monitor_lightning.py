@@ -57,6 +57,7 @@ def test_lightning_callback(tmp_path, corpus, probe_tokens, train_windows) -> No
     assert [p.step for p in mon.probes] == [0, 2, 4]
     acc = EventAccumulator(logger.log_dir)
     acc.Reload()
-    assert "qkgeom/pr_k_token/layer1" in acc.Tags()["scalars"]
-    assert "qkgeom/key_eig_token/layer0" in acc.Tags()["histograms"]
+    # one section per metric family, in the Lightning logger's own run
+    assert "pr/k_token/layer1" in acc.Tags()["scalars"]
+    assert "key_spectrum/eig_token/layer0" in acc.Tags()["histograms"]
     assert (tmp_path / "run" / "train_log.parquet").exists()  # losses from training_step

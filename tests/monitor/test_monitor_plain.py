@@ -109,24 +109,27 @@ def test_tensorboard_event_files_read_back(runs) -> None:
     acc = EventAccumulator(str(runs.tmp / "tb"), size_guidance={"scalars": 0, "histograms": 0})
     acc.Reload()
     scalars, hists = acc.Tags()["scalars"], acc.Tags()["histograms"]
-    assert {"qkgeom/pr_k_token/layer0", "qkgeom/attn_entropy/layer1"} <= set(scalars)
-    assert {"qkgeom/key_sv_weight/layer0", "qkgeom/key_eig_token/layer1"} <= set(hists)
-    events = acc.Scalars("qkgeom/pr_k_token/layer1")
+    # one section per metric family: pr/, contrast/, attention/, key_spectrum/
+    assert {"pr/k_token/layer0", "attention/entropy/layer1", "contrast/token/layer0",
+            "attention/logit_std/layer1"} <= set(scalars)
+    assert not any(t.startswith("qkgeom/") for t in scalars)
+    assert {"key_spectrum/sv_weight/layer0", "key_spectrum/eig_token/layer1"} <= set(hists)
+    events = acc.Scalars("pr/k_token/layer1")
     mon = runs.monitored[2]
     want = mon.history.query("metric == 'pr_k_token' and layer == 1 and head == -1")
     assert [e.step for e in events] == want["step"].tolist()
     assert [e.value for e in events] == pytest.approx(want["value"].tolist(), rel=1e-6)
-    hist = acc.Histograms("qkgeom/key_sv_weight/layer0")[-1].histogram_value
+    hist = acc.Histograms("key_spectrum/sv_weight/layer0")[-1].histogram_value
     assert hist.num == 32  # one singular value per key dimension (d_k = 32)
 
 
 def test_wandb_gets_scalars_and_histograms_on_its_own_step_axis(runs) -> None:
     logged = runs.wandb.logged
     assert [d["qkgeom/step"] for d in logged] == [0, 2, 4, 6]
-    assert logged[-1]["qkgeom/pr_q_token/layer0"] == pytest.approx(
+    assert logged[-1]["pr/q_token/layer0"] == pytest.approx(
         runs.monitored[2].last.layer_values("pr_q_token")[0])
-    assert logged[0]["qkgeom/key_sv_weight/layer1"] == ("histogram", 32)
-    assert ("qkgeom/*", "qkgeom/step") in runs.wandb.defined
+    assert logged[0]["key_spectrum/sv_weight/layer1"] == ("histogram", 32)
+    assert {("pr/*", "qkgeom/step"), ("attention/*", "qkgeom/step")} <= set(runs.wandb.defined)
 
 
 def test_qkgeom_show_and_watch_read_the_run(runs) -> None:

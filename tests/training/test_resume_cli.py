@@ -61,9 +61,13 @@ def test_kill_then_resume_gives_the_uninterrupted_metrics(sample_data: Path,
 
 def test_cli_smoke_train_then_show(sample_data: Path, tmp_path: Path) -> None:
     res = run("train", "--preset", "smoke", "--data", str(sample_data), "--out",
-              str(tmp_path / "r"), "--quiet", "--steps", "20")
+              str(tmp_path / "r"), "--steps", "20")
     assert res.returncode == 0, res.stderr
     assert "run folder" in res.stdout and "PR_Q" in res.stdout
+    quiet = run("train", "--preset", "smoke", "--data", str(sample_data), "--out",
+                str(tmp_path / "q"), "--quiet", "--steps", "20")
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout == ""  # --quiet: nothing but warnings and errors
     show = run("show", str(tmp_path / "r"))
     assert show.returncode == 0 and "step 20" in show.stdout
     show0 = run("show", str(tmp_path / "r"), "--step", "0")

@@ -1,13 +1,25 @@
 """Export a run's checkpoint as a Hugging Face ``GPT2LMHeadModel`` folder.
 
-The conversion is exact (:func:`qkgeom.arch.gpt.to_gpt2`). Beside the weights: the character vocabulary (``qkgeom_vocab.json``) and a character-level
-``tokenizer.json`` (one token per character, ``<unk>`` = our unknown id), so
-``AutoTokenizer`` / TransformerLens / any HF tool can open the run.
+The conversion is exact (:func:`qkgeom.arch.gpt.to_gpt2`). Beside the weights: the
+character vocabulary (``qkgeom_vocab.json``) and a character-level ``tokenizer.json`` (one
+token per character, ``<unk>`` = our unknown id), so ``AutoTokenizer`` / TransformerLens /
+any HF tool can open the run.
+
+The model has learned positions up to its context (``block_size``) and no further: the
+tokenizer's ``model_max_length`` is the context and it truncates from the left
+(``tokenizer(text, truncation=True)`` keeps the last ``block_size`` characters, the ones a
+continuation depends on), so a long prompt no longer indexes past the position table.
+``model.generate(ids)`` stays within the context by itself (transformers caps its default
+length at the config's ``n_positions``); a generation config ``max_length`` is not
+written, as it would make every call with ``max_new_tokens`` warn.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from qkgeom.errors import QKGeomError
 from qkgeom.io import write_json
@@ -17,8 +29,9 @@ __all__ = ["char_tokenizer", "export_run"]
 UNK = "<unk>"
 
 
-def char_tokenizer(vocab):
-    """A ``PreTrainedTokenizerFast`` giving exactly ``vocab.encode`` ids (one per character)."""
+def char_tokenizer(vocab: Any, max_length: int | None = None) -> Any:
+    """A ``PreTrainedTokenizerFast`` giving exactly ``vocab.encode`` ids (one per character);
+    ``max_length``: the model's context (``model_max_length``, truncation from the left)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -27,13 +40,30 @@ def char_tokenizer(vocab):
     tok = Tokenizer(models.WordLevel(table, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
+    limits: dict[str, Any] = ({} if max_length is None else
+                              {"model_max_length": max_length, "truncation_side": "left"})
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=UNK, bos_token=UNK,
-                                   eos_token=UNK)
+                                   eos_token=UNK, pad_token=UNK, **limits)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """Silence transformers' progress bars ("Writing model shards") for the block: the
+    command's output is its one result line."""
+    from transformers.utils import logging
+
+    was = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            logging.enable_progress_bar()
 
 
 def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) -> Path:
     """Write the run's checkpoint at ``step`` (default: newest) to ``out`` as a
-    ``GPT2LMHeadModel`` folder with its character vocabulary; returns ``out``."""
+    ``GPT2LMHeadModel`` folder with its character tokenizer; returns ``out``."""
     from qkgeom.arch.gpt import to_gpt2
     from qkgeom.checkpoints.resolve import load_run_model, require_transformers
 
@@ -44,10 +74,13 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
     model, vocab, step = load_run_model(run_dir, step)
     if model.config.dropout:
         model.eval()
+    context = model.config.block_size
     hf = to_gpt2(model.float())
-    hf.save_pretrained(out)
-    char_tokenizer(vocab).save_pretrained(out)
+    hf.generation_config.pad_token_id = vocab.unknown_id  # no "setting pad_token_id" notice
+    with _no_progress_bars():
+        hf.save_pretrained(out)
+        char_tokenizer(vocab, context).save_pretrained(out)
     write_json(out / "qkgeom_vocab.json", {**vocab.to_json(), "run": str(Path(run_dir)),
-                                           "step": step})
+                                           "step": step, "context": context})
     write_json(out / "trainer_state.json", {"global_step": step})
     return out

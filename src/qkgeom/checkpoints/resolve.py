@@ -18,14 +18,25 @@ Loading runs no code of a run folder's: its ``ckpt_*.pt`` are read with
 ``torch.load(weights_only=True)`` (:func:`qkgeom.training.checkpoint.read_checkpoint`);
 a file that needs unpickling is refused in one line. Before any model is loaded,
 :func:`check_analysis_fits` compares the analysis's memory estimate with the device's.
+
+Offline (docs/checkpoints.md): before a hub checkpoint is loaded, one TCP connection to the
+hub (:func:`hub_reachable`, a few seconds at most) says whether the network is there.
+Without it, or with ``HF_HUB_OFFLINE=1``, checkpoints load from the local HF cache only
+(``local_files_only``: no retries), and one that is not cached is a one-line error naming
+``HF_HUB_OFFLINE=1`` and local folders, raised before anything is written, instead of
+half a minute of retries and a traceback. Behind a proxy (``HTTPS_PROXY`` ...) the
+probe is skipped and transformers decides.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import hashlib
 import json
+import os
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,10 +49,13 @@ from qkgeom.errors import QKGeomError
 from qkgeom.runs import CHECKPOINTS, is_run_folder, list_checkpoints, read_record
 
 __all__ = ["CheckpointSpec", "analysis_memory", "check_analysis_fits", "free_model",
-           "load_checkpoint", "load_run_model", "qk_hash", "resolve_checkpoints"]
+           "hub_reachable", "load_checkpoint", "load_run_model", "qk_hash", "require_hub",
+           "resolve_checkpoints"]
 
 _STEP = re.compile(r"(?:^|[^a-z])(?:global_step|step|checkpoint|ckpt)[-_]?(\d+)$", re.IGNORECASE)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HUB_PROBE_S = 3.0  # seconds the hub reachability probe waits for a connection
+_PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy")
 
 
 @dataclass(frozen=True)
@@ -226,6 +240,7 @@ def check_analysis_fits(specs: list[CheckpointSpec], *, text: str | None, max_to
 
     if not specs:
         return
+    require_hub(specs)
     dims = _dims(specs[0])
     if dims is None:
         return
@@ -248,8 +263,69 @@ def require_transformers() -> None:
     try:
         import transformers  # noqa: F401
     except ImportError:
-        raise QKGeomError("analysing Hugging Face checkpoints needs transformers: "
-                          "pip install 'transformers>=5'") from None
+        raise QKGeomError("Hugging Face checkpoints need transformers: pip install "
+                          "'qkgeom[hf]'") from None
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+@functools.lru_cache(maxsize=1)
+def hub_reachable() -> bool:
+    """Whether a TCP connection to the hub's host opens within :data:`HUB_PROBE_S` (True
+    behind a proxy, which the probe cannot see through: transformers then decides)."""
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(name) for name in _PROXIES):
+        return True
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co", port),
+                                      timeout=HUB_PROBE_S):
+            return True
+    except OSError:
+        return False
+
+
+def _hub_only_cached() -> bool:
+    """Load hub checkpoints from the local cache only: offline by setting or by fact."""
+    return _hub_offline() or not hub_reachable()
+
+
+def _hub_error(source: str, revision: str | None, what: str = "") -> QKGeomError:
+    from huggingface_hub import constants
+
+    why = ("HF_HUB_OFFLINE is set" if _hub_offline() else
+           f"the hub ({constants.ENDPOINT}) cannot be reached")
+    rev = f" (revision {revision})" if revision and revision != "main" else ""
+    return QKGeomError(f"cannot load {what}{source}{rev}: {why} and it is not in the local "
+                       "HF cache; download it once on a machine with network (it is then "
+                       "cached), or pass a local folder (qkgeom analyze ./my-model); "
+                       "HF_HUB_OFFLINE=1 uses cached files without trying the network")
+
+
+def require_hub(specs: list[CheckpointSpec]) -> None:
+    """Before anything is written: every hub checkpoint's config must be loadable, i.e.
+    the hub is reachable or (offline) it is in the local cache (a one-line QKGeomError
+    otherwise; see the module doc)."""
+    hub = [s for s in specs if s.kind == "hub"]
+    if not hub or not _hub_only_cached():
+        return
+    require_transformers()
+    from transformers import AutoConfig
+
+    for spec in hub:
+        try:
+            AutoConfig.from_pretrained(spec.source, revision=spec.revision,
+                                       local_files_only=True)
+        except Exception:  # not cached (or a broken cache entry): the hint says what to do
+            raise _hub_error(spec.source, spec.revision) from None
 
 
 def load_checkpoint(spec: CheckpointSpec, *, dtype: str = "float32", device: str = "cpu",
@@ -268,9 +344,12 @@ def load_checkpoint(spec: CheckpointSpec, *, dtype: str = "float32", device: str
                               "trust_remote_code": trust_remote_code}
     if spec.revision is not None:
         kwargs["revision"] = spec.revision
+    cached_only = spec.kind == "hub" and _hub_only_cached()
     try:
-        model = AutoModel.from_pretrained(spec.source, **kwargs)
+        model = AutoModel.from_pretrained(spec.source, local_files_only=cached_only, **kwargs)
     except Exception as err:  # missing files, offline hub, unknown revision: user-fixable
+        if cached_only:
+            raise _hub_error(spec.source, spec.revision) from None
         first = (str(err).strip().splitlines() or [""])[0]
         raise QKGeomError(f"cannot load {spec.source}"
                           + (f" (revision {spec.revision})" if spec.revision else "")
@@ -288,9 +367,12 @@ def load_tokenizer(spec: CheckpointSpec, name: str | None = None,
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if name is None and spec.revision is not None:
         kwargs["revision"] = spec.revision
+    cached_only = not Path(src).exists() and _hub_only_cached()
     try:
-        return AutoTokenizer.from_pretrained(src, **kwargs)
+        return AutoTokenizer.from_pretrained(src, local_files_only=cached_only, **kwargs)
     except Exception as err:
+        if cached_only:
+            raise _hub_error(src, kwargs.get("revision"), "the tokenizer of ") from None
         first = (str(err).strip().splitlines() or [""])[0]
         raise QKGeomError(f"cannot load a tokenizer from {src}: {type(err).__name__}: "
                           f"{first[:300]}; pass --tokenizer") from None

@@ -4,25 +4,55 @@ One module per group of subcommands: :mod:`.data` (``data prepare``), :mod:`.tra
 (``train``, ``show``), :mod:`.sweeps` (``sweep run|status``, ``reproduce e1|e3``,
 ``report``), :mod:`.checkpoints` (``analyze``, ``export``), :mod:`.watch` (``watch``).
 
-Exit codes: 0 done, 2 bad input or not enough memory (one line on stderr, no traceback),
-3 diverged, 130 interrupted.
+Exit codes: 0 done, 2 bad input, not enough memory or a missing optional package (one
+line on stderr, no traceback; a missing package names the extra that brings it), 3
+diverged, 130 interrupted.
 """
 
 from __future__ import annotations
 
 import sys
+from typing import Annotated
 
 import typer
 
 from qkgeom.cli import checkpoints, data, sweeps, train, watch
 from qkgeom.errors import QKGeomError
+from qkgeom.version import __version__
 
-__all__ = ["app", "main"]
+__all__ = ["EXTRAS", "app", "main"]
+
+#: Optional packages -> the qkgeom extra that installs them (pyproject.toml).
+EXTRAS = {"scipy": "report", "matplotlib": "report", "markdown": "report",
+          "transformers": "hf", "tokenizers": "hf", "datasets": "data",
+          "tensorboard": "tensorboard", "ray": "ray"}
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Geometry of attention queries and keys.")
 for group in (data, train, sweeps, checkpoints, watch):
     group.register(app)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"qkgeom {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="Print the version and exit.")] = False) -> None:
+    """Geometry of attention queries and keys: train, measure, monitor, report."""
+
+
+def missing_package(err: ModuleNotFoundError) -> str | None:
+    """The one-line message for an optional package that is not installed (None for a
+    module no extra provides: that is a bug, shown as one)."""
+    top = (err.name or "").split(".")[0]
+    if top not in EXTRAS:
+        return None
+    return f"this needs the {top} package: pip install 'qkgeom[{EXTRAS[top]}]'"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,6 +76,12 @@ def main(argv: list[str] | None = None) -> None:
     except QKGeomError as err:
         typer.echo(f"qkgeom: error: {err}", err=True)
         sys.exit(err.exit_code)
+    except ModuleNotFoundError as err:
+        message = missing_package(err)
+        if message is None:
+            raise
+        typer.echo(f"qkgeom: error: {message}", err=True)
+        sys.exit(QKGeomError.exit_code)
     except OSError as err:  # a folder qkgeom may not create (read-only, full disk)
         if err.errno not in StorageError.ERRNOS:
             raise

@@ -7,6 +7,8 @@ from typing import Annotated
 
 import typer
 
+from qkgeom.cli.output import Format, check_format, info, records, show_layers
+from qkgeom.config import DEVICE_HELP
 from qkgeom.errors import QKGeomError
 
 
@@ -25,12 +27,12 @@ def _default_out(models: list[str]) -> Path:
     return Path("ckpt") / name
 
 
-def summarise(out: Path) -> None:
-    """Per-layer table of the last checkpoint in the trends, and the contrast trends."""
+def summarise(out: Path, fmt: str = "table") -> None:
+    """Per-layer table of the last checkpoint in the trends, and the contrast trends
+    (``fmt`` json: one object with both; csv: the per-layer table)."""
     from qkgeom.analysis.e4.report import load_analysis
     from qkgeom.analysis.e4.trends import PRIMARY
     from qkgeom.analysis.tables import layer_table
-    from qkgeom.ui import render_layers
 
     analysis = load_analysis(out)
     metrics, ckpts, trends = analysis["metrics"], analysis["checkpoints"], analysis["trends"]
@@ -40,13 +42,19 @@ def summarise(out: Path) -> None:
         one = one[one["block"] == -1]  # all tokens, not the bootstrap's token blocks
     _, table = layer_table(one)
     table = table[[c for c in table.columns if not c.startswith("Δ")]]
-    render_layers(table, f"{out} — {last['checkpoint']} (step {int(last['step'])}), "
-                  f"{int(last['tokens']):,} tokens at {last['tokens_per_s']:,.0f} tokens/s")
     dups = ckpts[ckpts["duplicate_of"].notna()]
+    primary = trends[trends["metric"] == PRIMARY] if len(trends) else trends
+    show_layers(table, f"{out} — {last['checkpoint']} (step {int(last['step'])}), "
+                f"{int(last['tokens']):,} tokens at {last['tokens_per_s']:,.0f} tokens/s", fmt,
+                {"folder": str(out), "checkpoint": str(last["checkpoint"]),
+                 "step": int(last["step"]), "tokens": int(last["tokens"]),
+                 "duplicates": records(dups[["checkpoint", "duplicate_of", "in_trends"]]),
+                 "trends": records(primary)})
+    if fmt != "table":
+        return
     for r in dups.itertuples():
         typer.echo(f"duplicate: {r.checkpoint} serves the same Q/K weights as {r.duplicate_of}"
                    + ("" if not r.in_trends else " (kept)"))
-    primary = trends[trends["metric"] == PRIMARY] if len(trends) else trends
     for r in primary.itertuples():
         lost = (f", {100 * r.share_lost:.0f} % of the gain lost"
                 if r.call == "rise then fall" else "")
@@ -63,17 +71,20 @@ def register(app: typer.Typer) -> None:
             help="HF hub id, local HF folders (ordered by step), or a qkgeom run folder.")],
         revisions: Annotated[str | None, typer.Option(
             help="Comma-separated hub revisions (step0,step512,...), sub-folders of a local "
-                 "folder, or steps of a run's checkpoints.")] = None,
+                 "folder, or steps of a run's checkpoints (default: main / all).",
+            show_default=False)] = None,
         text: Annotated[str | None, typer.Option(
             help="sample | wikitext-103[:split] | a UTF-8 file or folder (default: sample; "
-                 "a qkgeom run folder: the run's own probe set).")] = None,
+                 "a qkgeom run folder: the run's own probe set).", show_default=False)] = None,
         tokens: Annotated[int, typer.Option(help="Text tokens analysed per checkpoint.")]
             = 200_000,
         out: Annotated[Path | None, typer.Option(
-            help="Analysis folder (default ckpt/<model>).")] = None,
+            help="Analysis folder (default: ckpt/<model>).", show_default=False)] = None,
         seq_len: Annotated[int | None, typer.Option(
-            help="Window length (default: min(context, 512)).")] = None,
-        batch_size: Annotated[int | None, typer.Option(help="Windows per forward.")] = None,
+            help="Window length (default: min(context, 512)).", show_default=False)] = None,
+        batch_size: Annotated[int | None, typer.Option(
+            help="Windows per forward (default: 8192 tokens' worth).",
+            show_default=False)] = None,
         qk_site: Annotated[str, typer.Option(
             help="pre-rotary | post-rotary: q/k for the token PRs (pre-rotary also records "
                  "the post-rotary PRs of rotary models as *_post).")] = "pre-rotary",
@@ -81,40 +92,52 @@ def register(app: typer.Typer) -> None:
             help="Contiguous token blocks also measured on their own (the same at every "
                  "checkpoint; for the E4 bootstrap); 1 = none.")] = 8,
         dtype: Annotated[str, typer.Option(help="float32 | bfloat16 | float16")] = "float32",
-        device: Annotated[str, typer.Option(help="cpu | cuda | cuda:N | mps")] = "cpu",
+        device: Annotated[str, typer.Option(help=DEVICE_HELP)] = "auto",
         keep_duplicates: Annotated[bool, typer.Option(
+            "--keep-duplicates",
             help="Keep checkpoints with identical Q/K weights in the trend statistics.")]
             = False,
         tokenizer: Annotated[str | None, typer.Option(
-            help="Tokenizer to use (hub id or folder) if the checkpoints have none.")] = None,
-        no_logit_spectrum: Annotated[bool, typer.Option(
-            help="Skip pr_qk_token (the per-sequence logit spectrum).")] = False,
+            help="Tokenizer to use (hub id or folder) if the checkpoints have none.",
+            show_default=False)] = None,
+        logit_spectrum: Annotated[bool, typer.Option(
+            "--logit-spectrum/--no-logit-spectrum",
+            help="Measure pr_qk_token (the per-sequence logit spectrum).")] = True,
         trust_remote_code: Annotated[bool, typer.Option(
-            help="Allow models with custom code from the hub.")] = False,
-        quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+            "--trust-remote-code", help="Allow models with custom code from the hub.")]
+            = False,
+        fmt: Format = "table",
+        quiet: Annotated[bool, typer.Option(
+            "--quiet", "-q", help="No progress bar; print only the result.")] = False,
     ) -> None:
         """Token-level Q/K geometry of checkpoints (E4): one at a time, cached, resumable."""
         from qkgeom.checkpoints.family import analyze_checkpoints
         from qkgeom.training import resolve_device
 
-        resolve_device(device)
+        check_format(fmt)
+        if text not in (None, "sample"):  # a bad --text is named before the hub is tried
+            from qkgeom.data.text import open_text
+
+            open_text(text)
         folder = analyze_checkpoints(
             models, out or _default_out(models), revisions=split_revisions(revisions), text=text,
             max_tokens=tokens, seq_len=seq_len, batch_size=batch_size, qk_site=qk_site,
-            dtype=dtype, device=device, keep_duplicates=keep_duplicates, tokenizer=tokenizer,
-            logit_spectrum=not no_logit_spectrum, trust_remote_code=trust_remote_code,
-            blocks=blocks, progress=not quiet)
-        summarise(folder)
-        typer.echo(f"analysis folder: {folder}  (report: qkgeom report {folder})")
+            dtype=dtype, device=str(resolve_device(device)), keep_duplicates=keep_duplicates,
+            tokenizer=tokenizer, logit_spectrum=logit_spectrum,
+            trust_remote_code=trust_remote_code, blocks=blocks,
+            progress=not quiet and fmt == "table")
+        summarise(folder, fmt)
+        info(f"analysis folder: {folder}  (report: qkgeom report {folder})", fmt)
 
     @app.command("export")
     def export_cmd(
         run: Annotated[Path, typer.Argument(help="Run folder.")],
         out: Annotated[Path, typer.Option(help="Output folder (GPT2LMHeadModel format).")],
-        step: Annotated[int | None, typer.Option(help="Checkpoint step (default: newest).")]
-            = None,
+        step: Annotated[int | None, typer.Option(
+            help="Checkpoint step (default: the newest).", show_default=False)] = None,
     ) -> None:
-        """Write a run's checkpoint as a Hugging Face GPT2LMHeadModel folder (+ char vocab)."""
+        """Write a run's checkpoint as a Hugging Face GPT2LMHeadModel folder with a
+        character tokenizer that truncates at the run's context."""
         from qkgeom.checkpoints.export import export_run
         from qkgeom.runs import CONFIG
 

@@ -3,27 +3,40 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from qkgeom.cli.output import Format, check_format, info, records, write_csv, write_json
+from qkgeom.cli.train import data_spec
+from qkgeom.config import DEVICE_HELP
 from qkgeom.errors import QKGeomError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 Workers = Annotated[int | None, typer.Option(
     help="Runs trained at once (default: one single-threaded run per CPU on CPU grids, "
-         "one at a time on GPU).")]
-Backend = Annotated[str, typer.Option(help="local | ray")]
+         "one at a time on GPU).", show_default=False)]
+Backend = Annotated[str, typer.Option(help="local (processes here) | ray (a Ray cluster).")]
 Address = Annotated[str | None, typer.Option(
-    help="Ray cluster address: auto or host:port (backend ray).")]
+    help="Ray cluster address: auto or host:port (backend ray).", show_default=False)]
 Threads = Annotated[int | None, typer.Option(
-    help="torch threads per run (default: CPUs / workers).")]
+    help="torch threads per run (default: CPUs / workers).", show_default=False)]
 Retries = Annotated[int, typer.Option(
     help="Backend ray: start a run again, up to N times, when its worker dies (it resumes "
          "from its checkpoint).")]
-Preset = Annotated[str, typer.Option(help="smoke | demo | paper")]
-Data = Annotated[str, typer.Option(help="Prepared data (default: embedded sample).")]
-Device = Annotated[str | None, typer.Option(help="cpu | cuda | ... for every run")]
-Quiet = Annotated[bool, typer.Option(help="No progress view.")]
+Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | "
+                                          "paper (GPU-hours; pass --data).")]
+Data = Annotated[str, typer.Option(
+    help="sample (the embedded Wikipedia text) or a prepared data folder (default: "
+         "sample).", show_default=False)]
+Device = Annotated[str | None, typer.Option(
+    help=f"{DEVICE_HELP}, for every run (default: auto).", show_default=False)]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress view.")]
+ResultFolder = Annotated[Path, typer.Argument(
+    help="A sweep folder (E1/E2, E3), a checkpoint analysis folder from `qkgeom analyze` "
+         "(E4) or one run folder (trained or monitored).")]
 
 
 def _print_summary(summary: object, out: Path) -> None:
@@ -31,20 +44,75 @@ def _print_summary(summary: object, out: Path) -> None:
     typer.echo(f"sweep folder: {out}")
 
 
-def report(folder: Path, out: Path | None) -> None:
-    """Write the report of any result folder and print its claims table."""
+def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
+    """Write the report of any result folder and print its claims table (``fmt``)."""
     from qkgeom.analysis import claims_table, write_report
     from qkgeom.ui import render_frame
 
     path = write_report(folder, out)
+    html = path.with_suffix(".html")
     claims = claims_table(folder)
+    excluded = claims.attrs.get("excluded")
+    if fmt == "json":
+        write_json({"folder": str(folder), "report": str(path),
+                    "html": str(html) if html.is_file() else None,
+                    "excluded": 0 if excluded is None else len(excluded),
+                    "claims": records(claims)})
+        return
+    if fmt == "csv":
+        write_csv(claims)
+        info(f"report: {path}", fmt)
+        return
     cols = [c for c in ("claim_id", "claim", "level", "from", "measured", "p_value", "verdict")
             if c in claims]
-    render_frame(claims[cols], "claims (verdicts computed from the numbers; see report.md)")
-    excluded = claims.attrs.get("excluded")
+    render_frame(claims[cols], "claims (verdicts computed from the numbers; see report.md)",
+                 ["measured = units with the predicted sign / units (a unit is a run, or "
+                  "a seed: docs/protocols.md)", "p = exact sign-flip p-value"])
     if excluded is not None and len(excluded):
         typer.echo(f"{len(excluded)} run(s) left out (diverged/failed/unfinished): see the report")
     typer.echo(f"report: {path}")
+    if html.is_file():
+        typer.echo(f"report (HTML, figures inline): {html}")
+
+
+def _status_table(status: pd.DataFrame) -> pd.DataFrame:
+    """The sweep status for people: the run id carries the axes, so those and the config
+    hash stay in --format json/csv; the error column only when a run has one."""
+    keep = ["run_id", "state", "step", "steps"]
+    if status["error"].notna().any():
+        keep.append("error")
+    return status[keep]
+
+
+def unfinished(out: Path, runs: list[Any]) -> list[Any]:
+    """The runs of a sweep (``RunSpec``s) that ``out`` does not hold finished yet: what a
+    ``sweep run`` or ``reproduce`` into ``out`` would still train."""
+    from qkgeom.runs import FINAL_STATES, read_status
+    from qkgeom.runs.sweep import run_dir
+
+    return [r for r in runs
+            if (read_status(run_dir(out, r.run_id)) or {}).get("state") not in FINAL_STATES]
+
+
+def warn_long_sweep(configs: list[Any], device: str | None) -> None:
+    """One warning when the runs of a sweep still to train would take long on this
+    machine's CPU (the device ``auto`` finds no GPU, or ``cpu`` is asked for): the sum of
+    their estimates."""
+    import warnings
+
+    from qkgeom.config import detect_device
+    from qkgeom.training.resources import LONG_CPU_S, cpu_seconds, duration
+
+    names = {device or c.device for c in configs}
+    on_cpu = all((detect_device() if n == "auto" else n) == "cpu" for n in names)
+    if not configs or not on_cpu:
+        return
+    total = sum(cpu_seconds(c) for c in configs)
+    if total > LONG_CPU_S:
+        warnings.warn(f"the {len(configs)} runs of this sweep to train will take at least "
+                      f"{duration(total)} of CPU time on this machine (no GPU in use); train "
+                      "on a GPU (--device auto finds one), or choose a smaller --preset",
+                      stacklevel=2)
 
 
 def _exit_if_failed(summary: Any) -> None:
@@ -61,23 +129,28 @@ def register(app: typer.Typer) -> None:
     def sweep_run(
         grid: Annotated[Path, typer.Argument(help="Grid file (YAML): preset, base, axes.")],
         out: Annotated[Path | None, typer.Option(
-            help="Sweep folder (default sweeps/<name>).")] = None,
+            help="Sweep folder (default: sweeps/<name>).", show_default=False)] = None,
         workers: Workers = None,
         backend: Backend = "local",
         address: Address = None,
         threads: Threads = None,
-        retry_failed: Annotated[bool, typer.Option(help="Train failed runs again.")] = False,
+        retry_failed: Annotated[bool, typer.Option(
+            "--retry-failed", help="Train failed runs again.")] = False,
         retries: Retries = 0,
         quiet: Quiet = False,
     ) -> None:
         """Train every run of a grid (resumable: done runs are skipped, interrupted ones resume)."""
+        from qkgeom.config import detect_device
         from qkgeom.experiments import load_grid, run_sweep
         from qkgeom.experiments.runner import available_cpus
 
         spec = load_grid(grid)
         out = out or Path("sweeps") / spec.folder_name
+        runs = spec.expand()
+        warn_long_sweep([r.config for r in unfinished(out, runs)], None)
         if workers is None:
-            on_cpu = spec.expand()[0].config.device == "cpu"
+            device = runs[0].config.device
+            on_cpu = (detect_device() if device == "auto" else device) == "cpu"
             workers = available_cpus() if on_cpu else 1
         summary = run_sweep(spec, out, workers=workers, backend=backend, address=address,
                             threads_per_run=threads, progress=not quiet,
@@ -86,23 +159,32 @@ def register(app: typer.Typer) -> None:
         _exit_if_failed(summary)
 
     @sweep_app.command("status")
-    def sweep_status_cmd(sweep: Annotated[Path, typer.Argument(help="Sweep folder.")]) -> None:
-        """done / running / failed / diverged / pending per run."""
+    def sweep_status_cmd(sweep: Annotated[Path, typer.Argument(help="Sweep folder.")],
+                         fmt: Format = "table") -> None:
+        """done / running / interrupted / failed / diverged / pending per run."""
         from qkgeom.experiments import sweep_status
         from qkgeom.ui import render_frame
 
-        render_frame(sweep_status(sweep), f"{sweep} — runs")
+        status = sweep_status(sweep)
+        if check_format(fmt) == "json":
+            write_json({"sweep": str(sweep), "runs": records(status)})
+        elif fmt == "csv":
+            write_csv(status)
+        else:
+            counts = status["state"].value_counts()
+            render_frame(_status_table(status), f"{sweep} — runs",
+                         [f"{n} {state}" for state, n in counts.items()])
 
     @app.command("report")
     def report_cmd(
-        folder: Annotated[Path, typer.Argument(
-            help="A sweep folder (E1/E2, E3), a checkpoint analysis folder (E4) or one run "
-                 "folder (trained or monitored).")],
+        folder: ResultFolder,
         out: Annotated[Path | None, typer.Option(
-            help="Report folder (default FOLDER/report).")] = None,
+            help="Report folder (default: FOLDER/report).", show_default=False)] = None,
+        fmt: Format = "table",
     ) -> None:
-        """Figures + report.md/report.html opening with the claims table."""
-        report(folder, out)
+        """Figures + report.md/report.html of a sweep, analysis or run folder, opening with
+        the claims table (verdicts computed from the numbers)."""
+        report(folder, out, check_format(fmt))
 
     @app.command("reproduce")
     def reproduce_cmd(
@@ -113,7 +195,8 @@ def register(app: typer.Typer) -> None:
         preset: Preset = "demo",
         data: Data = "",
         out: Annotated[Path | None, typer.Option(
-            help="Sweep folder (default sweeps/<experiment>-<preset>).")] = None,
+            help="Sweep folder (default: sweeps/<experiment>-<preset>).",
+            show_default=False)] = None,
         workers: Workers = None,
         backend: Backend = "local",
         address: Address = None,
@@ -121,15 +204,19 @@ def register(app: typer.Typer) -> None:
         device: Device = None,
         set_: Annotated[list[str] | None, typer.Option(
             "--set", help="Dotted config override for every run, repeatable: "
-                          "--set key_control.scope=head")] = None,
+                          "--set key_control.scope=head", show_default=False)] = None,
         model: Annotated[str | None, typer.Option(
-            help="e4: a hub id or local HF folders analysed instead of training a run.")] = None,
+            help="e4: a hub id or local HF folders analysed instead of training a run.",
+            show_default=False)] = None,
         revisions: Annotated[str | None, typer.Option(
-            help="e4 with --model: comma-separated revisions (step0,step512,...).")] = None,
+            help="e4 with --model: comma-separated revisions (step0,step512,...).",
+            show_default=False)] = None,
         text: Annotated[str | None, typer.Option(
-            help="e4: the text analysed (default: sample, its held-out split first).")] = None,
+            help="e4: the text analysed (default: sample, its held-out split first).",
+            show_default=False)] = None,
         tokens: Annotated[int | None, typer.Option(
-            help="e4: text tokens analysed per checkpoint (default: the preset's).")] = None,
+            help="e4: text tokens analysed per checkpoint (default: the preset's).",
+            show_default=False)] = None,
         retries: Retries = 0,
         quiet: Quiet = False,
     ) -> None:
@@ -137,10 +224,13 @@ def register(app: typer.Typer) -> None:
         from qkgeom.config import deep_merge, parse_dotted
         from qkgeom.experiments import reproduce, reproduce_e4
 
+        data = data_spec(data) or ""
         overrides = deep_merge({"device": device} if device else {}, parse_dotted(set_ or []))
         if experiment == "e4":
             from qkgeom.cli.checkpoints import split_revisions, summarise
+            from qkgeom.training import resolve_device
 
+            device = str(resolve_device(device or "auto"))
             folder = reproduce_e4(preset, out, data=data, model=model,
                                   revisions=split_revisions(revisions), text=text,
                                   tokens=tokens, device=device, progress=not quiet,
@@ -151,9 +241,26 @@ def register(app: typer.Typer) -> None:
         if any(v is not None for v in (model, revisions, text, tokens)):
             raise QKGeomError("--model, --revisions, --text and --tokens are for e4")
         out = out or Path("sweeps") / f"{experiment}-{preset}"
+        _warn_reproduce(experiment, preset, data, overrides, device, out)
         summary = reproduce(experiment, preset, out, data, workers=workers, backend=backend,
                             address=address, threads_per_run=threads, progress=not quiet,
                             overrides=overrides or None, retries=retries)
         _print_summary(summary, out)
         report(out, None)
         _exit_if_failed(summary)
+
+
+def _warn_reproduce(experiment: str, preset: str, data: str, overrides: dict[str, Any],
+                    device: str | None, out: Path) -> None:
+    """:func:`warn_long_sweep` for the grid ``reproduce`` is about to run (an unknown
+    experiment or preset is left for ``reproduce`` to refuse)."""
+    from qkgeom.experiments.presets import e1_grid, e3_grid
+
+    make = {"e1": e1_grid, "e3": e3_grid}.get(experiment)
+    if make is None:
+        return
+    try:
+        grid = make(preset, data, overrides or None)
+    except QKGeomError:
+        return
+    warn_long_sweep([r.config for r in unfinished(out, grid.expand())], device)

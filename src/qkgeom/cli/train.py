@@ -7,13 +7,44 @@ from typing import Annotated, Any
 
 import typer
 
+from qkgeom.cli.output import Format, check_format, info, show_layers
+from qkgeom.config import DEVICE_HELP, PRESETS, TrainConfig
 from qkgeom.errors import QKGeomError
 
 # CLI flag -> dotted config key (flags left None keep the preset's value).
-_FLAG_KEYS = {"depth": "model.n_layer", "n_embd": "model.n_embd", "n_head": "model.n_head",
+_FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth: the old name
+              "n_embd": "model.n_embd", "n_head": "model.n_head",
               "block_size": "model.block_size", "qk_init": "model.qk_init",
               "key_control": "key_control.mode", "dose": "key_control.dose",
               "key_control_scope": "key_control.scope"}
+#: The word that names the embedded Wikipedia sample (config ``data: ""``), as in
+#: ``qkgeom analyze --text sample``.
+SAMPLE = "sample"
+
+
+def preset_values(key: str) -> str:
+    """``smoke 2 · demo 4 · paper 6``: what each preset sets ``key`` (dotted) to, for the
+    help of a flag whose default is the preset's."""
+    defaults = TrainConfig().to_dict()
+    parts = []
+    for name, preset in PRESETS.items():
+        value: Any = preset
+        fallback: Any = defaults
+        for part in key.split("."):
+            value = value.get(part, {}) if isinstance(value, dict) else {}
+            fallback = fallback[part]
+        parts.append(f"{name} {fallback if value == {} else value}")
+    return " · ".join(parts)
+
+
+def _preset_help(text: str, key: str) -> str:
+    return f"{text.rstrip('.')} (presets: {preset_values(key)})."
+
+
+def data_spec(value: str | None) -> str | None:
+    """``--data``: ``sample`` is the embedded Wikipedia sample (the config's ``""``);
+    anything else a prepared data folder (``./sample`` names a folder called sample)."""
+    return "" if value == SAMPLE else value
 
 
 def train_overrides(**flags: Any) -> dict[str, Any]:
@@ -45,11 +76,10 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def show_run(run: Path, step: int | None) -> None:
+def show_run(run: Path, step: int | None, fmt: str = "table") -> None:
     """Print the per-layer table of a run folder at ``step`` (default: its last probe)."""
     from qkgeom.analysis.tables import layer_table
     from qkgeom.runs import CONFIG, METRICS, load_config, read_metrics
-    from qkgeom.ui import render_layers
 
     metrics = read_metrics(run)
     if metrics is None:
@@ -59,78 +89,133 @@ def show_run(run: Path, step: int | None) -> None:
         at, table = layer_table(metrics, step, ref)
     except ValueError as err:
         raise QKGeomError(f"{run / METRICS}: {err}") from None
-    render_layers(table, f"{run} — per-layer Q/K geometry at step {at}")
+    show_layers(table, f"{run} — per-layer Q/K geometry at step {at}", fmt,
+                {"run": str(run), "step": at})
+
+
+def _report_callbacks(report_to: list[str] | None, out: Path) -> list[Any]:
+    """The --report-to callback (none without the flag); built before training starts,
+    so a missing logger package stops the run before anything is written."""
+    targets = [t.strip() for item in report_to or [] for t in item.split(",") if t.strip()]
+    if not targets:
+        return []
+    from qkgeom.monitor.report_to import ReportTo
+
+    return [ReportTo(targets, out)]
 
 
 def register(app: typer.Typer) -> None:
     @app.command("train")
     def train_cmd(
-        preset: Annotated[str, typer.Option(help="smoke | demo | paper; flags override it.")]
-            = "demo",
+        preset: Annotated[str, typer.Option(
+            help="smoke | demo | paper: the model and run size; the flags below override "
+                 "it (README, table of presets).")] = "demo",
         out: Annotated[Path | None, typer.Option(
-            help="Run folder (default runs/<preset>-s<seed>).")] = None,
+            help="Run folder (default: runs/<preset>-s<seed>).", show_default=False)] = None,
         data: Annotated[str | None, typer.Option(
-            help="Prepared data folder (default: the embedded Wikipedia sample).")] = None,
-        resume: Annotated[bool, typer.Option(help="Continue the run in --out.")] = False,
+            help="sample (the embedded Wikipedia text) or a folder from `qkgeom data "
+                 "prepare` (default: sample).", show_default=False)] = None,
+        resume: Annotated[bool, typer.Option(
+            "--resume", help="Continue the run in --out from its newest checkpoint "
+                             "(same settings).")] = False,
         config: Annotated[Path | None, typer.Option(
-            help="YAML/JSON file of config overrides.")] = None,
-        seed: Annotated[int | None, typer.Option()] = None,
-        steps: Annotated[int | None, typer.Option()] = None,
-        depth: Annotated[int | None, typer.Option(help="Number of layers.")] = None,
-        n_embd: Annotated[int | None, typer.Option()] = None,
-        n_head: Annotated[int | None, typer.Option()] = None,
-        block_size: Annotated[int | None, typer.Option()] = None,
-        batch_size: Annotated[int | None, typer.Option()] = None,
-        lr: Annotated[float | None, typer.Option()] = None,
-        qk_init: Annotated[str | None, typer.Option(help="normal | orthogonal | tied")] = None,
-        probe_every: Annotated[int | None, typer.Option()] = None,
+            help="YAML/JSON file of config overrides (applied before the flags).",
+            show_default=False)] = None,
+        seed: Annotated[int | None, typer.Option(
+            help="Seed of init and data order (default: 0).", show_default=False)] = None,
+        steps: Annotated[int | None, typer.Option(
+            help=_preset_help("Optimiser updates.", "steps"), show_default=False)] = None,
+        n_layer: Annotated[int | None, typer.Option(
+            "--n-layer", "--depth", help=_preset_help("Number of layers (--depth is the same).",
+                                                      "model.n_layer"),
+            show_default=False)] = None,
+        n_embd: Annotated[int | None, typer.Option(
+            help=_preset_help("Model width.", "model.n_embd"), show_default=False)] = None,
+        n_head: Annotated[int | None, typer.Option(
+            help=_preset_help("Attention heads per layer.", "model.n_head"),
+            show_default=False)] = None,
+        block_size: Annotated[int | None, typer.Option(
+            help=_preset_help("Context length (characters).", "model.block_size"),
+            show_default=False)] = None,
+        batch_size: Annotated[int | None, typer.Option(
+            help=_preset_help("Sequences per step.", "batch_size"), show_default=False)]
+            = None,
+        lr: Annotated[float | None, typer.Option(
+            help=_preset_help("Peak learning rate (warm-up, then cosine to 10 %).", "lr"),
+            show_default=False)] = None,
+        qk_init: Annotated[str | None, typer.Option(
+            help="Init of W_Q, W_K: normal | orthogonal | tied (default: normal).",
+            show_default=False)] = None,
+        probe_every: Annotated[int | None, typer.Option(
+            help=_preset_help("Steps between probes (geometry measured on the probe set).",
+                              "probe_every"), show_default=False)] = None,
         precision: Annotated[str | None, typer.Option(
-            help="auto (bf16 on CUDA, fp32 on CPU) | fp32 | bf16 | fp16")] = None,
+            help="auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16 (default: auto).",
+            show_default=False)] = None,
         compile_: Annotated[bool | None, typer.Option(
             "--compile/--no-compile", help="torch.compile the training step (probes stay "
-            "eager).", show_default=False)] = None,
-        device: Annotated[str | None, typer.Option(help="cpu | cuda | cuda:N | mps")] = None,
+            "eager) (default: no).", show_default=False)] = None,
+        device: Annotated[str | None, typer.Option(
+            help=f"{DEVICE_HELP} (default: auto).", show_default=False)] = None,
         threads: Annotated[int | None, typer.Option(
-            help="torch CPU threads (0 = default).")] = None,
+            help="torch CPU threads (default: torch's).", show_default=False)] = None,
         key_control: Annotated[str | None, typer.Option(
-            help="Key-spectrum control: none | hold | shrink | sham | expand.")] = None,
+            help="Key-spectrum control: none | hold | shrink | sham | expand "
+                 "(default: none).", show_default=False)] = None,
         dose: Annotated[float | None, typer.Option(
             "--dose", "--shrink-to", help="shrink: cap PR_K at this share of the reference "
             "(the paired --set key_control.reference run, else PR_K at step 0); expand: a "
-            "multiple (>= 1).")] = None,
-        key_control_scope: Annotated[str | None, typer.Option(help="layer | head")] = None,
+            "multiple (>= 1) (default: shrink 0.5, expand 2).", show_default=False)] = None,
+        key_control_scope: Annotated[str | None, typer.Option(
+            help="Key control per layer | head (default: layer).", show_default=False)]
+            = None,
         set_: Annotated[list[str] | None, typer.Option(
-            "--set", help="Dotted override, repeatable: --set model.dropout=0.1")] = None,
-        quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+            "--set", help="Any config key, dotted, repeatable (applied last): --set "
+                          "model.dropout=0.1 --set eval_every=50.", show_default=False)] = None,
+        report_to: Annotated[list[str] | None, typer.Option(
+            help="Also log probes and losses to tensorboard (RUN/tensorboard/) and/or "
+                 "wandb; repeatable or comma-separated.", show_default=False)] = None,
+        progress_every: Annotated[int | None, typer.Option(
+            help="Output not a terminal (nohup, SLURM, CI): a progress line every N steps "
+                 "(default: probe_every).", show_default=False)] = None,
+        quiet: Annotated[bool, typer.Option(
+            "--quiet", "-q", help="Print nothing but warnings and errors.")] = False,
     ) -> None:
         """Train a char-level GPT and record Q/K geometry along the way."""
         from qkgeom.config import deep_merge, make_config, parse_dotted
         from qkgeom.launch import train
 
+        if progress_every is not None and progress_every < 1:
+            raise QKGeomError(f"--progress-every must be >= 1, got {progress_every}")
         overrides: dict[str, Any] = {}
         if config is not None:
             overrides = deep_merge(overrides, read_config_file(config))
         overrides = deep_merge(overrides, train_overrides(
-            data=data, seed=seed, steps=steps, depth=depth, n_embd=n_embd, n_head=n_head,
-            block_size=block_size, batch_size=batch_size, lr=lr, qk_init=qk_init,
-            probe_every=probe_every, precision=precision, compile=compile_, device=device,
-            threads=threads, key_control=key_control, dose=dose,
+            data=data_spec(data), seed=seed, steps=steps, n_layer=n_layer, n_embd=n_embd,
+            n_head=n_head, block_size=block_size, batch_size=batch_size, lr=lr,
+            qk_init=qk_init, probe_every=probe_every, precision=precision, compile=compile_,
+            device=device, threads=threads, key_control=key_control, dose=dose,
             key_control_scope=key_control_scope))
         overrides = deep_merge(overrides, parse_dotted(set_ or []))
         cfg = make_config(preset, overrides)
         out = out or Path("runs") / f"{preset}-s{cfg.seed}"
-        result = train(cfg, out, resume=resume, progress=not quiet)
+        callbacks = _report_callbacks(report_to, out)
+        result = train(cfg, out, resume=resume, progress=not quiet, callbacks=callbacks,
+                       progress_every=progress_every)
+        if quiet:
+            return
         show_run(result.out_dir, None)
         final = result.log.dropna(subset=["val_loss"]).tail(1)
         if len(final):
-            typer.echo(f"val loss {final['val_loss'].iloc[0]:.4f} at step {result.step}")
-        typer.echo(f"run folder: {result.out_dir}")
+            info(f"val loss {final['val_loss'].iloc[0]:.4f} at step {result.step}")
+        info(f"run folder: {result.out_dir}")
 
     @app.command("show")
     def show(
-        run: Annotated[Path, typer.Argument(help="Run folder.")],
+        run: Annotated[Path, typer.Argument(help="Run folder (trained, swept or monitored).")],
         step: Annotated[int | None, typer.Option(
-            help="Probe step (default: the last).")] = None,
+            help="Probe step (default: the last).", show_default=False)] = None,
+        fmt: Format = "table",
     ) -> None:
         """Per-layer PR_Q, PR_K, contrast, pr_qk and attention entropy at one probe step."""
-        show_run(run, step)
+        show_run(run, step, check_format(fmt))

@@ -142,6 +142,10 @@ def _check_target(out: Path, provenance: dict[str, Any], force: bool) -> None:
     if not isinstance(meta, dict):
         return
     saved = {k: meta.get(k) for k in provenance}
+    # Inputs compare by content: the same files under another path (a moved venv, the
+    # sample now shipped inside qkgeom instead of gensim) are the same corpus.
+    if isinstance(saved.get("inputs"), dict):
+        saved["inputs"] = sorted(saved["inputs"].values())
     if saved != provenance and not force:
         raise QKGeomError(f"{out}: holds prepared {meta.get('source')!r} data from other inputs "
                           f"({meta.get('path') or 'the built-in copy'}); runs trained on it "
@@ -171,7 +175,7 @@ def prepare_data(source: str, out_dir: str | Path, *, path: str | Path | None = 
         )
     vocab = CharVocab.from_text(splits["train"])
     inputs = {str(p.resolve()): _sha256_file(p) for p in sources.input_files(source, path)}
-    _check_target(out, {"source": source, "inputs": inputs,
+    _check_target(out, {"source": source, "inputs": sorted(inputs.values()),
                         "path": str(Path(path).resolve()) if path is not None else None}, force)
 
     out.mkdir(parents=True, exist_ok=True)

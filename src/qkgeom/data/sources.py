@@ -9,7 +9,6 @@ Splits are deterministic: the same input always gives the same three texts.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from qkgeom.errors import QKGeomError
 __all__ = [
     "SPLITS",
     "SAMPLE_DUMP",
+    "SAMPLE_DUMP_SHA256",
     "WIKITEXT_FILES",
     "sample_dump_path",
     "sample_splits",
@@ -32,8 +32,11 @@ __all__ = [
 ]
 
 SPLITS = ("train", "val", "test")
-#: The real (shortened) 2016 enwiki dump the gensim wheel installs.
-SAMPLE_DUMP = "test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+#: The real (shortened) May 2016 enwiki dump excerpt shipped in this package (the file
+#: gensim's test data holds, byte for byte; origin and licence: ``data/SAMPLE_LICENSE``).
+SAMPLE_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+#: Its SHA-256: the sample's provenance, recorded in every prepared sample's meta.json.
+SAMPLE_DUMP_SHA256 = "a53f4648dec40467ebdcbc7a1307eddb51fe6e28e9309f6ebde81ba0d04bea2d"
 #: WikiText raw file per split.
 WIKITEXT_FILES = {"train": "wiki.train.raw", "val": "wiki.valid.raw", "test": "wiki.test.raw"}
 #: Share of characters (at least) that goes to each held-out split of an article corpus.
@@ -43,18 +46,16 @@ _HF_SPLITS = {"train": "train", "val": "validation", "test": "test"}
 
 
 def sample_dump_path() -> Path:
-    """Path of the Wikipedia dump excerpt shipped inside the gensim wheel.
+    """Path of the Wikipedia dump excerpt shipped inside qkgeom (``qkgeom/data/sample/``).
 
-    Located without importing gensim (a ~1 s import that the data layer does not need).
+    Shipped in the package (1.7 MB) so the offline default corpus needs no other package:
+    it used to be read from the gensim wheel, a 58 MB install for this one file.
     """
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
-        raise QKGeomError("the embedded Wikipedia sample needs gensim: pip install gensim")
-    path = Path(next(iter(spec.submodule_search_locations))) / SAMPLE_DUMP
+    path = Path(__file__).resolve().parent / "sample" / SAMPLE_DUMP
     if not path.is_file():
         raise QKGeomError(
-            f"{path}: the embedded Wikipedia sample is missing from the gensim install; "
-            "reinstall it with `pip install --force-reinstall gensim`"
+            f"{path}: the embedded Wikipedia sample is missing from the qkgeom install; "
+            "reinstall qkgeom (`pip install --force-reinstall qkgeom`)"
         )
     return path
 
@@ -103,7 +104,7 @@ def wikidump_splits(path: str | Path) -> dict[str, str]:
 
 
 def sample_splits() -> dict[str, str]:
-    """The offline default corpus: the gensim Wikipedia excerpt, converted and split by article."""
+    """The offline default corpus: the shipped Wikipedia excerpt, converted and split by article."""
     return wikidump_splits(sample_dump_path())
 
 
@@ -154,7 +155,7 @@ def _wikitext103_from_datasets() -> dict[str, str]:
     except ImportError:
         raise QKGeomError(
             "WikiText-103 without --path needs the `datasets` package: "
-            "pip install 'qkgeom[datasets]', or pass --path to a folder with wiki.*.raw"
+            "pip install 'qkgeom[data]', or pass --path to a folder with wiki.*.raw"
         ) from None
     try:
         dsd = datasets.load_dataset(_HF_DATASET, _HF_CONFIG)

@@ -63,7 +63,7 @@ def _wikitext(split: str) -> Iterator[str]:
         import datasets
     except ImportError:
         raise QKGeomError("--text wikitext-103 needs the `datasets` package "
-                          "(pip install 'qkgeom[datasets]'), or pass a wiki.*.raw file") from None
+                          "(pip install 'qkgeom[data]'), or pass a wiki.*.raw file") from None
     try:
         ds = datasets.load_dataset("Salesforce/wikitext", "wikitext-103-raw-v1", split=name)
     except Exception as err:  # network / hub / cache: user-fixable

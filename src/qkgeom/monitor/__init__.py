@@ -11,7 +11,8 @@
 Modules: ``monitor`` (:class:`GeometryMonitor`; each probe is :func:`qkgeom.geometry.measure`,
 its run folder :mod:`qkgeom.runs`'s), ``probe_input`` (the fixed probe set), ``alerts``
 (rules, warnings, hooks), ``closed_loop`` (entropy-targeting key control, research-grade),
-``sinks`` (TensorBoard, W&B), ``integrations`` (HF / Lightning callbacks), ``watch`` (the
+``sinks`` (TensorBoard, W&B), ``report_to`` (``qkgeom train --report-to``: the trainer's
+own probes to those sinks), ``integrations`` (HF / Lightning callbacks), ``watch`` (the
 ``qkgeom watch`` view).
 Names load on first use, so ``qkgeom watch`` never imports torch.
 """
@@ -30,13 +31,13 @@ _EXPORTS = {
     "entropy_collapse": "qkgeom.monitor.alerts", "key_pr_collapse": "qkgeom.monitor.alerts",
     "EntropyController": "qkgeom.monitor.closed_loop",
     "EntropyControlCallback": "qkgeom.monitor.closed_loop",
-    "watch": "qkgeom.monitor.watch",
+    "watch": "qkgeom.monitor.watch", "ReportTo": "qkgeom.monitor.report_to",
 }
 
 __all__ = [
     "DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_RULES", "Alert", "AlertRule",
     "EntropyControlCallback", "EntropyController", "GeometryMonitor", "GeometryWarning",
-    "entropy_collapse", "key_pr_collapse", "watch",
+    "ReportTo", "entropy_collapse", "key_pr_collapse", "watch",
 ]
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ if TYPE_CHECKING:
     )
     from qkgeom.monitor.closed_loop import EntropyControlCallback, EntropyController
     from qkgeom.monitor.monitor import DEFAULT_EVERY, DEFAULT_METRICS, GeometryMonitor
+    from qkgeom.monitor.report_to import ReportTo
     from qkgeom.monitor.watch import watch
 
 

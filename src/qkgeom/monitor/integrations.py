@@ -6,8 +6,10 @@ The classes are built on first use, subclassing the trainer's own base class, so
 - Hugging Face ``transformers.Trainer``: probe at ``on_train_begin`` (step
   ``state.global_step``), after optimiser updates (``on_step_end``), at ``on_train_end``;
   losses from ``on_log``. With ``tensorboard="auto"`` and ``"tensorboard"`` in
-  ``args.report_to``, the monitor writes next to the Trainer's own event files
-  (``$TENSORBOARD_LOGGING_DIR`` or ``<output_dir>/runs/qkgeom``).
+  ``args.report_to``, the monitor writes into the Trainer's own TensorBoard run: through
+  the ``SummaryWriter`` of its ``TensorBoardCallback`` (found among the callbacks of the
+  ``CallbackHandler`` that calls ours), so the geometry sits beside ``train/loss`` in one
+  run; failing that, in ``$TENSORBOARD_LOGGING_DIR`` or ``<output_dir>/runs/qkgeom``.
 - Lightning (``lightning.pytorch`` or ``pytorch_lightning``): ``on_train_start``,
   ``on_train_batch_end`` (``trainer.global_step``; gradient accumulation batches that do not
   step the optimiser are skipped), ``on_train_end``, ``on_exception``; with
@@ -17,6 +19,7 @@ The classes are built on first use, subclassing the trainer's own base class, so
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from typing import Any, Protocol
 
@@ -45,6 +48,38 @@ def _loss(outputs: Any) -> Any:
     return outputs if hasattr(outputs, "detach") else None
 
 
+def _hf_trainer_writer(handler: Any) -> Any:
+    """The ``SummaryWriter`` of the Trainer's own ``TensorBoardCallback`` among the
+    callbacks of ``handler`` (a ``CallbackHandler``), or None."""
+    for callback in getattr(handler, "callbacks", None) or []:
+        writer = getattr(callback, "tb_writer", None)
+        if writer is not None and hasattr(writer, "add_histogram"):
+            return writer
+    return None
+
+
+def _calling_handler(depth: int = 4) -> Any:
+    """The ``transformers`` ``CallbackHandler`` whose ``call_event`` called our callback
+    (within ``depth`` frames up), or None. HF hands callbacks the model and optimiser but
+    not the other callbacks; the handler that calls them holds the list, and its
+    TensorBoardCallback's writer is the Trainer's run."""
+    from transformers.trainer_callback import CallbackHandler
+
+    frame = inspect.currentframe()
+    try:
+        caller = frame.f_back if frame is not None else None
+        for _ in range(depth):
+            if caller is None:
+                return None
+            handler = caller.f_locals.get("self")
+            if isinstance(handler, CallbackHandler):
+                return handler
+            caller = caller.f_back
+        return None
+    finally:
+        del frame
+
+
 def hf_callback(monitor: Monitor) -> Any:
     """A ``transformers.TrainerCallback`` for ``Trainer(callbacks=[...])``."""
     from transformers import TrainerCallback
@@ -54,12 +89,13 @@ def hf_callback(monitor: Monitor) -> Any:
             self.monitor = monitor
 
         def on_train_begin(self, args, state, control, **kwargs):
-            writer_dir = None
+            writer = None
             if "tensorboard" in (args.report_to or []):
-                writer_dir = os.environ.get("TENSORBOARD_LOGGING_DIR") or os.path.join(
-                    args.output_dir, "runs", "qkgeom")
+                writer = _hf_trainer_writer(_calling_handler()) or os.environ.get(
+                    "TENSORBOARD_LOGGING_DIR") or os.path.join(args.output_dir, "runs",
+                                                               "qkgeom")
             monitor.start(state.global_step, total_steps=state.max_steps or None,
-                          tensorboard=writer_dir)
+                          tensorboard=writer)
 
         def on_step_end(self, args, state, control, **kwargs):
             monitor.step(state.global_step)

@@ -9,9 +9,13 @@
     for step, batch in enumerate(loader): ...; mon.step(step + 1)           # plain loop
 
 Cadence: a probe at every step that is a multiple of ``every`` (or in ``every``, when it is
-a list of steps), plus the first and last step of an integration's training run. ``step``
-is the number of optimiser updates done (the integrations pass ``global_step``); calling
-:meth:`step` twice with one value does nothing the second time (gradient accumulation).
+a list of steps), plus the step :meth:`~GeometryMonitor.start` is called at (the
+integrations call it at train start, step 0 of a fresh run) and the last step
+(:meth:`~GeometryMonitor.close`). ``step`` is the number of optimiser updates done (the
+integrations pass ``global_step``); calling :meth:`step` twice with one value does nothing
+the second time (gradient accumulation). In a plain loop without ``start``, the first
+:meth:`~GeometryMonitor.step` call starts the run and probes only if its step is due: the
+weights then are already past step 0, so probing them would not be the initialisation.
 
 Each probe is :func:`qkgeom.geometry.measure` on the fixed probe set: eval mode, no
 gradients, train flags and RNG states restored, so training computes exactly what it would
@@ -162,8 +166,14 @@ class GeometryMonitor:
         """Begin a run at ``step``: write the config, attach the controller, probe.
 
         Called by the integrations at train start (with the trainer's TensorBoard writer
-        when ``tensorboard="auto"``); :meth:`step` calls it on first use otherwise.
+        when ``tensorboard="auto"``); call ``start(0)`` before the first update of a plain
+        loop to probe the initialisation (:meth:`step` otherwise starts the run itself and
+        probes only when due).
         """
+        return self._begin(step, total_steps, tensorboard, probe=True)
+
+    def _begin(self, step: int, total_steps: int | None, tensorboard: Any,
+               probe: bool) -> Measurement | None:
         if self._started:
             return None
         self._started = True
@@ -183,17 +193,19 @@ class GeometryMonitor:
             self.control.attach(self.model)
         self._write_config()
         self._last_step = step
-        return self.probe(step)
+        return self.probe(step) if probe else None
 
     def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Measurement | None:
         """After an optimiser update: ``step`` = updates done so far. Applies the
         controller (if any), records ``loss``, probes when due. Returns the probe or None."""
         step = int(step)
         if not self._started:
-            self.start(step)
+            self._begin(step, None, None, probe=False)
+            if self.control is not None:
+                self.control.after_step(step)
             if loss is not None:
                 self.log_loss(step, loss, lr)
-            return self.probes[-1]
+            return self.probe(step) if self.due(step) else None
         if step == self._last_step:
             return None
         self._last_step = step
@@ -254,7 +266,17 @@ class GeometryMonitor:
 
     @property
     def last(self) -> Measurement | None:
+        """The newest probe (its ``repr`` is one line; ``.frame`` holds the numbers)."""
         return self.probes[-1] if self.probes else None
+
+    def __repr__(self) -> str:
+        every = self.every if isinstance(self.every, int) else f"{len(self.every)} steps"
+        n = len(self.probes)
+        probes = (f"{n} probe{'' if n == 1 else 's'}, last at step {self.probes[-1].step}"
+                  if self.probes else "no probe yet")
+        where = f", out={self._out}" if self._out is not None else ""
+        return (f"GeometryMonitor({self.adapter.arch}, {self.adapter.n_layer} layers, "
+                f"every={every}, {probes}{where})")
 
     @property
     def fired(self) -> list[Alert]:

@@ -1,42 +1,86 @@
 """Where probe results go besides the run folder: TensorBoard and Weights & Biases.
 
-Tag names (both loggers): ``qkgeom/<metric>/layer<l>`` for the layer-level scalars (metric
-names), ``qkgeom/key_sv_weight/layer<l>`` (singular values of W_K) and
-``qkgeom/key_eig_token/layer<l>`` (eigenvalues of the key covariance on the probe set) for
-the per-layer histograms of the key spectrum, ``qkgeom/alerts`` for alert texts.
+Tag names (both loggers): ``<family>/<name>/layer<l>``, one section per family of metrics
+(:func:`tag`), so TensorBoard and W&B show PRs, contrasts and attention side by side in
+their own panels instead of one long ``qkgeom/`` list:
+
+- ``pr/q_token/layer0``, ``pr/k_weight/layer0``, ``pr/qk_weight/layer0`` ... (``pr_*``);
+- ``contrast/token/layer0``, ``contrast/weight/layer0`` ... (``contrast_*``);
+- ``attention/entropy/layer0``, ``attention/entropy_norm``, ``attention/max``,
+  ``attention/logit_std`` (``attn_*``, ``logit_std``);
+- ``control/<record>`` for flat records (layer −1: the closed loop's);
+- histograms of the key spectrum per layer: ``key_spectrum/sv_weight/layer<l>`` (singular
+  values of W_K) and ``key_spectrum/eig_token/layer<l>`` (eigenvalues of the key
+  covariance on the probe set); ``alerts`` for alert texts;
+- the training log, where the trainer reports it (``qkgeom train --report-to``):
+  ``train/loss``, ``train/val_loss``, ``train/lr``, ``train/tokens_per_s``.
+
+W&B puts them on their own step axis, ``qkgeom/step``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
+from qkgeom.errors import QKGeomError
 from qkgeom.geometry import Measurement
 from qkgeom.monitor.alerts import Alert
 
-__all__ = ["TensorBoardSink", "WandbSink", "active_wandb_run", "scalars", "wandb_module"]
+__all__ = ["FAMILIES", "STEP_AXIS", "TensorBoardSink", "WandbSink", "active_wandb_run",
+           "scalars", "tag", "wandb_module"]
+
+#: Metric-name prefix -> TensorBoard/W&B section (the rest of the name follows it).
+FAMILIES = (("pr_", "pr"), ("contrast_", "contrast"), ("attn_", "attention"))
+STEP_AXIS = "qkgeom/step"  # W&B's x axis for every qkgeom value
+_SECTIONS = ("pr", "contrast", "attention", "control", "key_spectrum", "train", "alerts")
 
 
-def scalars(probe: Measurement) -> dict[str, float]:
-    """Layer-level (head −1) values as ``{"qkgeom/<metric>/layer<l>": value}``; rows of
-    layer −1 (controller records) as ``{"qkgeom/<metric>": value}``."""
-    rows = probe.frame[probe.frame["head"] == -1]
-    out = {}
-    for layer, metric, value in zip(rows["layer"], rows["metric"], rows["value"], strict=True):
-        tag = f"qkgeom/{metric}" if layer < 0 else f"qkgeom/{metric}/layer{layer}"
-        out[tag] = float(value)
-    return out
+def tag(metric: str, layer: int = -1) -> str:
+    """The logger tag of ``metric`` at ``layer`` (−1: a flat record), e.g.
+    ``tag("pr_q_token", 0) == "pr/q_token/layer0"``."""
+    family, name = "control", metric
+    for prefix, section in FAMILIES:
+        if metric.startswith(prefix):
+            family, name = section, metric[len(prefix):]
+            break
+    else:
+        if metric == "logit_std":
+            family = "attention"
+    return f"{family}/{name}" if layer < 0 else f"{family}/{name}/layer{layer}"
+
+
+def scalars(frame: pd.DataFrame) -> dict[str, float]:
+    """Layer-level (head −1) values of a probe's long ``frame`` as ``{tag: value}``
+    (:func:`tag`); token-block rows (``block`` >= 0) are left out."""
+    rows = frame[frame["head"] == -1]
+    if "block" in rows:
+        rows = rows[rows["block"] < 0]
+    return {tag(metric, int(layer)): float(value)
+            for layer, metric, value in zip(rows["layer"], rows["metric"], rows["value"],
+                                            strict=True)}
 
 
 def _spectra(probe: Measurement) -> dict[str, Any]:
     out = {}
-    for name, spectra in (("key_sv_weight", probe.key_sv_weight),
-                          ("key_eig_token", probe.key_eig_token)):
+    for name, spectra in (("sv_weight", probe.key_sv_weight),
+                          ("eig_token", probe.key_eig_token)):
         for layer, values in spectra.items():
-            out[f"qkgeom/{name}/layer{layer}"] = values.numpy()
+            out[f"key_spectrum/{name}/layer{layer}"] = values.numpy()
     return out
+
+
+def _train_scalars(row: dict[str, float]) -> dict[str, float]:
+    """A training-log row as ``{"train/loss": ...}`` (NaN entries left out)."""
+    import math
+
+    return {f"train/{k}": float(v) for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v)}
 
 
 class TensorBoardSink:
@@ -50,19 +94,33 @@ class TensorBoardSink:
         if hasattr(target, "add_scalar"):
             self.writer, self._owned = target, False
         else:
-            from torch.utils.tensorboard import SummaryWriter
-
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # torch's writer needs the tensorboard package
+                raise QKGeomError("TensorBoard logging needs the tensorboard package: pip "
+                                  "install 'qkgeom[tensorboard]'") from None
             self.writer, self._owned = SummaryWriter(log_dir=str(Path(target))), True
 
-    def log(self, probe: Measurement, alerts: list[Alert]) -> None:
-        for tag, value in scalars(probe).items():
-            self.writer.add_scalar(tag, value, probe.step)
-        for tag, values in _spectra(probe).items():
+    def log(self, probe: Measurement, alerts: Iterable[Alert] = ()) -> None:
+        """A probe: its layer-level scalars, key-spectrum histograms and alert texts."""
+        self.log_frame(probe.step, probe.frame)
+        for name, values in _spectra(probe).items():
             if len(values):
-                self.writer.add_histogram(tag, values, probe.step)
+                self.writer.add_histogram(name, values, probe.step)
         for alert in alerts:
-            self.writer.add_text("qkgeom/alerts", alert.message, probe.step)
+            self.writer.add_text("alerts", alert.message, probe.step)
         self.writer.flush()
+
+    def log_frame(self, step: int, frame: pd.DataFrame) -> None:
+        """The layer-level scalars of a probe's long ``frame`` at ``step``."""
+        for name, value in scalars(frame).items():
+            self.writer.add_scalar(name, value, step)
+        self.writer.flush()
+
+    def log_train(self, row: dict[str, float]) -> None:
+        """A row of the training log (``train/loss`` ...) at its ``step``."""
+        for name, value in _train_scalars(row).items():
+            self.writer.add_scalar(name, value, int(row["step"]))
 
     def close(self) -> None:
         if self._owned:
@@ -93,17 +151,28 @@ class WandbSink:
         self.run, self.histogram = run, histogram
         define = getattr(run, "define_metric", None)
         if define is not None:
-            define("qkgeom/step")
-            define("qkgeom/*", step_metric="qkgeom/step")
+            define(STEP_AXIS)
+            for section in _SECTIONS:
+                define(f"{section}/*", step_metric=STEP_AXIS)
 
-    def log(self, probe: Measurement, alerts: list[Alert]) -> None:
-        data: dict[str, Any] = {"qkgeom/step": probe.step, **scalars(probe)}
+    def log(self, probe: Measurement, alerts: Iterable[Alert] = ()) -> None:
+        """A probe: its layer-level scalars, key-spectrum histograms, the alert count."""
+        data: dict[str, Any] = {STEP_AXIS: probe.step, **scalars(probe.frame)}
         if self.histogram is not None:
-            data.update({tag: self.histogram(values) for tag, values in _spectra(probe).items()
-                         if len(values)})
+            data.update({name: self.histogram(values)
+                         for name, values in _spectra(probe).items() if len(values)})
+        alerts = list(alerts)
         if alerts:
-            data["qkgeom/alerts"] = len(alerts)
+            data["alerts/count"] = len(alerts)
         self.run.log(data)
+
+    def log_frame(self, step: int, frame: pd.DataFrame) -> None:
+        """The layer-level scalars of a probe's long ``frame`` at ``step``."""
+        self.run.log({STEP_AXIS: step, **scalars(frame)})
+
+    def log_train(self, row: dict[str, float]) -> None:
+        """A row of the training log (``train/loss`` ...) at its ``step``."""
+        self.run.log({STEP_AXIS: int(row["step"]), **_train_scalars(row)})
 
     def close(self) -> None:
         """The run belongs to the user (or their trainer): nothing to close."""

@@ -20,6 +20,7 @@ from qkgeom.runs.folder import (
     METRIC_COLUMNS,
     METRICS,
     STATUS,
+    TENSORBOARD,
     TRAIN_LOG,
     checkpoint_dir,
     checkpoint_path,
@@ -42,7 +43,7 @@ from qkgeom.runs.writer import RunWriter
 
 __all__ = [
     "ALERTS", "CHECKPOINTS", "CONFIG", "FINAL_STATES", "FORMAT_VERSION", "KEY_PR", "LOG_COLUMNS",
-    "METRICS", "METRIC_COLUMNS", "STATUS", "TRAIN_LOG", "RunLock", "RunWriter",
+    "METRICS", "METRIC_COLUMNS", "STATUS", "TENSORBOARD", "TRAIN_LOG", "RunLock", "RunWriter",
     "checkpoint_dir", "checkpoint_path", "claim_run_dir", "foreign_entries", "has_metrics",
     "holder", "is_run_folder", "list_checkpoints", "load_config", "lock_is_held", "lock_path",
     "read_log", "read_metrics", "read_record", "read_status", "read_table",

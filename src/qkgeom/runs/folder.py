@@ -10,6 +10,7 @@
       status.json         state (running | done | diverged | failed), step, steps, wall
                           time, threads
       checkpoints/        ckpt_<step:08d>.pt, the newest few
+      tensorboard/        event files (``qkgeom train --report-to tensorboard``)
       alerts.json         monitor runs: alerts that fired
 
 Format 2 nests the key-control settings (``config.key_control.mode`` ...); a format-1
@@ -47,6 +48,7 @@ STATUS = "status.json"
 ALERTS = "alerts.json"
 KEY_PR = "key_pr.parquet"  # step, unit, pr: per-step key PR (key_control.record)
 CHECKPOINTS = "checkpoints"
+TENSORBOARD = "tensorboard"  # event files of `qkgeom train --report-to tensorboard`
 REPORT = "report"
 METRIC_COLUMNS = ["run_id", "step", "layer", "head", "metric", "value"]
 LOG_COLUMNS = ["step", "loss", "val_loss", "lr", "tokens_per_s"]
@@ -55,7 +57,7 @@ STATES = ("running", *FINAL_STATES)
 _CHECKPOINT = re.compile(r"ckpt_(\d{8})\.pt")
 _OWN_FILES = frozenset({CONFIG, METRICS, TRAIN_LOG, STATUS, ALERTS, KEY_PR, ATTEMPTS_FILE,
                         WORKER_LOG, ERROR_LOG})
-_OWN_DIRS = frozenset({CHECKPOINTS, REPORT, table.parts_dir(METRICS).name,
+_OWN_DIRS = frozenset({CHECKPOINTS, REPORT, TENSORBOARD, table.parts_dir(METRICS).name,
                        table.parts_dir(TRAIN_LOG).name})
 # The temp files of qkgeom's own atomic writes in a run folder, its checkpoints and parts.
 _TEMP = temp_name_pattern("|".join(re.escape(n) for n in sorted(_OWN_FILES))

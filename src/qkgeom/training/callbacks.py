@@ -6,7 +6,9 @@ instead of growing flags. The trainer calls, in order:
   a resumed checkpoint must then match;
 - ``load_state_dict(state)``: only when resuming, with what ``state_dict`` returned;
 - ``on_train_start(ctx)``; then per update ``on_step_end(ctx)``; at every probe
-  ``on_probe(ctx, metrics)``; finally ``on_train_end(ctx)``.
+  ``on_probe(ctx, metrics)``; at every row of the training log ``on_log(ctx, row)``
+  (step, loss, val_loss, lr, tokens_per_s: what ``train_log.parquet`` gets);
+  finally ``on_train_end(ctx)``.
 
 A callback that serves a config section (e.g. ``key_control``) says so in ``feature``: the
 trainer refuses a config that enables a feature no callback serves (build the callbacks
@@ -53,6 +55,10 @@ class Callback:
     def on_probe(self, ctx: TrainContext, metrics: pd.DataFrame) -> dict[str, float] | None:
         """After each probe; may return extra flat metrics (layer -1, head -1 rows)."""
         return None
+
+    def on_log(self, ctx: TrainContext, row: dict[str, float]) -> None:
+        """After each row of the training log (loss, val_loss, lr, ...; NaN = not
+        measured at this step): for loggers such as TensorBoard."""
 
     def on_train_end(self, ctx: TrainContext) -> None: ...
 

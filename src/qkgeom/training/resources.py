@@ -24,11 +24,19 @@ simple sums (docs/faults.md#resources) of the big terms, compared with what the 
 
 A run that passes and still runs out of memory (an estimate is an estimate) stops with one
 line and ``status: failed`` (:func:`is_out_of_memory`), never a traceback.
+
+- **CPU time**: a run that lands on a CPU (``device: auto`` on a machine without a GPU) is
+  not refused, but one whose training FLOPs (:func:`qkgeom.model.flops_per_token` × its
+  tokens) would take more than :data:`LONG_CPU_S` at :data:`CPU_TRAIN_FLOPS` gets one
+  warning with the estimate (:func:`warn_if_long_on_cpu`). The rate is deliberately
+  generous (a many-core workstation; the 2-core dev machine trains the demo model at about
+  a tenth of it), so the estimate is a lower bound and small runs never warn.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -38,12 +46,15 @@ from qkgeom.errors import QKGeomError
 if TYPE_CHECKING:
     from qkgeom.config import TrainConfig
 
-__all__ = ["PROBE_LIMIT_S", "available_memory", "check_training_fits", "gib",
-           "is_out_of_memory", "probe_seconds", "require_memory", "training_memory"]
+__all__ = ["CPU_TRAIN_FLOPS", "LONG_CPU_S", "PROBE_LIMIT_S", "available_memory",
+           "check_training_fits", "cpu_seconds", "duration", "gib", "is_out_of_memory",
+           "probe_seconds", "require_memory", "training_memory", "warn_if_long_on_cpu"]
 
 ACT_FLOATS_PER_DIM = 17  # activation values kept per token, layer and model dimension
 PROBE_FLOPS = {"cpu": 5e9, "other": 1e12}  # float64 operations per second, per probe
 PROBE_LIMIT_S = 60.0
+CPU_TRAIN_FLOPS = 1e11  # training FLOP/s of a fast CPU (fp32): generous, so a lower bound
+LONG_CPU_S = 3600.0  # runs estimated longer than this on a CPU are warned about
 
 
 def gib(n: float) -> str:
@@ -135,3 +146,38 @@ def is_out_of_memory(err: BaseException) -> bool:
     if oom and isinstance(err, oom):
         return True
     return isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+
+
+def cpu_seconds(cfg: TrainConfig) -> float:
+    """A lower bound on the seconds training ``cfg`` takes on a CPU: its training FLOPs
+    (:func:`qkgeom.model.flops_per_token` × steps × batch × context) at
+    :data:`CPU_TRAIN_FLOPS`. Probes and evals are not counted."""
+    from qkgeom.model import flops_per_token
+
+    tokens = cfg.steps * cfg.batch_size * cfg.model.block_size
+    return flops_per_token(cfg.model) * tokens / CPU_TRAIN_FLOPS
+
+
+def duration(seconds: float) -> str:
+    """``45 min``, ``3.2 hours``, ``5.1 days``."""
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} hours"
+    return f"{seconds / 86400:.1f} days"
+
+
+def warn_if_long_on_cpu(cfg: TrainConfig, device: torch.device, runs: int = 1) -> float:
+    """One warning when ``runs`` runs of ``cfg`` on ``device`` (a CPU) would take longer
+    than :data:`LONG_CPU_S` by :func:`cpu_seconds`; returns the estimate (seconds, all
+    runs). Nothing on an accelerator."""
+    if device.type != "cpu":
+        return 0.0
+    total = cpu_seconds(cfg) * runs
+    if total > LONG_CPU_S:
+        what = f"{runs} runs of this size" if runs > 1 else "this run"
+        warnings.warn(f"{what} will take at least {duration(total)} on this CPU "
+                      f"({cfg.steps:,} steps × {cfg.batch_size} × {cfg.model.block_size} "
+                      "tokens); train on a GPU (--device auto finds one), or choose a smaller "
+                      "--preset or --steps", stacklevel=3)
+    return total

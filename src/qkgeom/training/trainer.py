@@ -39,13 +39,13 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
 import torch
 
-from qkgeom.config import TrainConfig, with_vocab
+from qkgeom.config import TrainConfig, detect_device, with_vocab
 from qkgeom.data import load_data, probe_set, sample_batch
 from qkgeom.data.batches import BatchStream
 from qkgeom.errors import DivergedError, QKGeomError
@@ -55,8 +55,17 @@ from qkgeom.runs import RunLock, RunWriter, claim_run_dir, run_record
 from qkgeom.seeding import make_generators
 from qkgeom.training.callbacks import Callback, TrainContext
 from qkgeom.training.checkpoint import is_checkpoint_step, load_latest_checkpoint, save_checkpoint
-from qkgeom.training.resources import check_training_fits, gib, is_out_of_memory, training_memory
+from qkgeom.training.resources import (
+    check_training_fits,
+    gib,
+    is_out_of_memory,
+    training_memory,
+    warn_if_long_on_cpu,
+)
 from qkgeom.training.schedule import lr_at
+
+if TYPE_CHECKING:
+    from qkgeom.ui import StepProgress
 
 __all__ = ["RunResult", "Trainer", "evaluate", "make_optimizer", "resolve_device", "train"]
 
@@ -86,11 +95,34 @@ def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device ``name`` means here (``auto``: :func:`qkgeom.config.detect_device`);
+    a one-line QKGeomError for one this machine does not have."""
+    if name == "auto":
+        name = detect_device()
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise QKGeomError(f"device {name!r} requested but CUDA is not available; use --device cpu")
+        raise QKGeomError(f"device {name!r} requested but CUDA is not available; use --device "
+                          "auto or cpu")
     if name == "mps" and not torch.backends.mps.is_available():
-        raise QKGeomError("device 'mps' requested but MPS is not available; use --device cpu")
-    return torch.device(name)
+        raise QKGeomError("device 'mps' requested but MPS is not available; use --device auto "
+                          "or cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError as err:  # "cuda:x" and the like
+        raise QKGeomError(f"unknown device {name!r} ({err})") from None
+
+
+def device_facts(device: torch.device, cfg: TrainConfig) -> dict[str, str]:
+    """What a run computes on, for its record: the device and precision asked for and what
+    they resolved to here, and the hardware's name (the GPU's, or the CPU's platform)."""
+    import platform
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine() or device.type
+    return {"device": str(device), "precision": cfg.effective_precision,
+            "device_requested": cfg.device, "precision_requested": cfg.precision,
+            "hardware": name}
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -130,7 +162,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
                  callbacks: list[Callback] | None = None, progress: bool = False,
-                 run_id: str | None = None) -> None:
+                 run_id: str | None = None, progress_every: int | None = None) -> None:
         cfg.validate()
         self.callbacks = list(callbacks or [])
         served = {cb.feature for cb in self.callbacks}
@@ -140,9 +172,13 @@ class Trainer:
                               "it; train with qkgeom.train(cfg, out), which builds the "
                               "callbacks a config asks for")
         self.out, self.resume, self.progress = Path(out_dir), resume, progress
+        self.progress_every = progress_every
         self.run_id = run_id or self.out.name
         self.device = resolve_device(cfg.device)
-        cfg = dataclasses.replace(cfg, precision=cfg.effective_precision)  # auto -> concrete
+        # auto -> concrete: the record says where the run computed and in which precision
+        execution = device_facts(self.device, cfg)
+        cfg = dataclasses.replace(cfg, device=execution["device"],
+                                  precision=execution["precision"])
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         self.data = load_data(cfg.data)
@@ -151,7 +187,9 @@ class Trainer:
         cfg.validate()
         self.probe_tokens = probe_set(self.data.val, cfg.probe_sequences, cfg.model.block_size)
         check_training_fits(cfg, self.device)
-        record = run_record(cfg, self.run_id, data_dir=str(self.data.dir),
+        if not resume:  # a resumed run was told when it started
+            warn_if_long_on_cpu(cfg, self.device)
+        record = run_record(cfg, self.run_id, execution=execution, data_dir=str(self.data.dir),
                             data_source=self.data.meta.get("source"),
                             vocab_size=self.data.vocab.vocab_size,
                             vocab_sha256=self.data.vocab.digest(),
@@ -230,7 +268,12 @@ class Trainer:
         self._restore()
         for cb in self.callbacks:
             cb.on_train_start(self.ctx)
-        bar = _Bar(self.cfg.steps, self.step) if self.progress else None
+        bar = None
+        if self.progress:
+            from qkgeom.ui import step_progress
+
+            bar = step_progress("train", self.cfg.steps, self.step,
+                                self.progress_every or self.cfg.probe_every)
         self.writer.status("running", self.step)
         self.model.train()
         try:
@@ -352,7 +395,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ records
 
-    def _boundary(self, s: int, last: bool, bar: _Bar | None) -> None:
+    def _boundary(self, s: int, last: bool, bar: StepProgress | None) -> None:
         """Records, logs and checkpoints due at step ``s`` (before update s + 1)."""
         cfg = self.cfg
         ckpt = last or is_checkpoint_step(s, cfg.checkpoint_every, cfg.checkpoint_schedule)
@@ -365,7 +408,10 @@ class Trainer:
         if s % cfg.eval_every == 0 or last:
             val_loss = evaluate(self.model, self.data.val, cfg, self.device)
         if s == 0 and not math.isnan(val_loss):
-            self.writer.add_log({"step": 0, "loss": math.nan, "val_loss": val_loss, "lr": 0.0})
+            row = {"step": 0, "loss": math.nan, "val_loss": val_loss, "lr": 0.0}
+            self.writer.add_log(row)
+            for cb in self.callbacks:
+                cb.on_log(self.ctx, row)
         elif s > 0 and (s % cfg.log_every == 0 or not math.isnan(val_loss) or last):
             self._log(s, val_loss, bar)
         if ckpt:
@@ -397,7 +443,7 @@ class Trainer:
                 frame = pd.concat([frame, rows], ignore_index=True)
         self.writer.add_metrics(frame, s)
 
-    def _log(self, s: int, val_loss: float, bar: _Bar | None) -> None:
+    def _log(self, s: int, val_loss: float, bar: StepProgress | None) -> None:
         cfg, acc = self.cfg, self.acc
         now = time.perf_counter()
         row = {"step": s, "loss": acc["loss_sum"] / max(acc["loss_n"], 1), "val_loss": val_loss,
@@ -405,9 +451,12 @@ class Trainer:
                            min_lr_ratio=cfg.min_lr_ratio),
                "tokens_per_s": acc["tokens"] / max(now - acc["t"], 1e-9)}
         self.writer.add_log(row)
+        for cb in self.callbacks:
+            cb.on_log(self.ctx, row)
         acc.update(loss_sum=0.0, loss_n=0, tokens=0, t=now)
         if bar is not None:
-            bar.update(row)
+            bar.update(s, loss=row["loss"], val_loss=val_loss,
+                       tokens_per_s=row["tokens_per_s"])
 
     def _checkpoint(self, s: int) -> None:
         save_checkpoint(self.out, s, {
@@ -421,35 +470,14 @@ class Trainer:
 
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
           callbacks: list[Callback] | None = None, progress: bool = False,
-          run_id: str | None = None) -> RunResult:
+          run_id: str | None = None, progress_every: int | None = None) -> RunResult:
     """Train one run into ``out_dir`` with exactly the ``callbacks`` given (see
     :class:`Trainer`); :func:`qkgeom.train` adds those the config asks for.
 
+    ``progress``: a progress bar on a terminal, else a plain line every
+    ``progress_every`` steps (default ``probe_every``) with step, loss, tokens/s and ETA.
     Raises :class:`QKGeomError` for bad input before any work, and
     :class:`DivergedError` (after recording ``status: diverged``) on a non-finite loss.
     """
     return Trainer(cfg, out_dir, resume=resume, callbacks=callbacks, progress=progress,
-                   run_id=run_id).run()
-
-
-class _Bar:
-    """A rich progress bar with loss, tokens/s and ETA (only when asked for)."""
-
-    def __init__(self, total: int, done: int) -> None:
-        from qkgeom.ui import progress_bar
-
-        self._progress = progress_bar("[bold]train", "loss {task.fields[loss]}",
-                                      "{task.fields[tps]} tok/s")
-        self._task = self._progress.add_task("train", total=total, completed=done,
-                                             loss="-", tps="-")
-        self._progress.start()
-
-    def advance(self) -> None:
-        self._progress.advance(self._task)
-
-    def update(self, row: dict[str, Any]) -> None:
-        self._progress.update(self._task, loss=f"{row['loss']:.3f}",
-                              tps=f"{row['tokens_per_s']:,.0f}")
-
-    def close(self) -> None:
-        self._progress.stop()
+                   run_id=run_id, progress_every=progress_every).run()
