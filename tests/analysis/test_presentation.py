@@ -18,8 +18,8 @@ from PIL import Image
 
 from qkgeom.analysis import collate, summary_line, write_report
 from qkgeom.analysis.e1.figures import fig_contrast, fig_heads, fig_pr
-from qkgeom.analysis.e4.figures import checkpoint_label
 from qkgeom.analysis.e4.figures import fig_heads as e4_fig_heads
+from qkgeom.analysis.e4.labels import checkpoint_label
 from qkgeom.analysis.figstyle import (
     BAND_MIN_UNITS,
     SCREEN_DPI,
@@ -100,6 +100,15 @@ class _Cells(HTMLParser):
         if tag == "td" and self._open is not None:
             self.cells.append((self._open, self._text.strip()))
             self._open = None
+
+
+def test_rows_of_one_claim_are_gathered_under_it() -> None:
+    by_level = _claims().sort_values("level", kind="stable")  # E4 lists claims per level
+    md = claims_markdown(by_level)
+    assert md.count("PR_Q expands") == 1 and md.count("Across heads, sharper") == 1
+    groups = [line.split("**")[1] for line in md.splitlines() if line.startswith("| **")]
+    assert groups == ["E1.1", "E1.2", "E2.3"]
+    assert claims_summary(by_level).endswith("(3 claims)")
 
 
 def test_claims_table_is_grouped_by_claim_with_coloured_verdicts(tmp_path: Path) -> None:
@@ -272,6 +281,7 @@ def test_one_pretrained_checkpoint_skips_the_trajectories_with_a_note(tmp_path: 
     assert "`contrast_steps` (1 checkpoint in the trends: no trajectory to draw)" in note
     assert "`prefix_trend`" in note
     assert "| gpt2 | — |" in text and "| gpt2 | 0 |" not in text  # no made-up step 0
+    assert "+0.000 @ gpt2 |" in text and "@ 0 |" not in text  # where layer 0 peaks
     assert text.splitlines()[2].startswith("> **E4: ")
 
 

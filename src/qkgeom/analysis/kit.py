@@ -132,14 +132,18 @@ SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
 
 
 def claim_groups(claims: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
-    """``(claim_id, claim, rows)`` per claim, in table order: consecutive rows with the
-    same id and text (an E3 claim is one claim per arm: its text names the arm)."""
+    """``(claim_id, claim, rows)`` per claim (one id and text: an E3 claim is one claim per
+    arm, its text names the arm), in the order claims first appear, each with its rows in
+    table order (E4's table lists every claim per level: its rows are gathered here)."""
     if claims.empty:
         return []
-    key = claims["claim_id"].astype(str) + "\0" + claims["claim"].astype(str)
-    run = (key != key.shift()).cumsum()
-    return [(str(g["claim_id"].iloc[0]), str(g["claim"].iloc[0]), g)
-            for _, g in claims.groupby(run, sort=False)]
+    keys = list(zip(claims["claim_id"].astype(str), claims["claim"].astype(str),
+                    strict=True))
+    order = list(dict.fromkeys(keys))
+    rows: dict[tuple[str, str], list[int]] = {k: [] for k in order}
+    for i, key in enumerate(keys):
+        rows[key].append(i)
+    return [(cid, text, claims.iloc[rows[(cid, text)]]) for cid, text in order]
 
 
 def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CELLS) -> str:
@@ -353,7 +357,7 @@ table { border-collapse: collapse; font-size: 0.85em; margin: 1em 0; display: bl
 th, td { border: 1px solid #ccc; padding: 0.3em 0.5em; vertical-align: top; }
 th { background: #f3f3f3; text-align: left; }
 tr.claim-group td { background: #e8eef5; font-weight: 600; border-top: 2px solid #8aa; }
-td.verdict { font-weight: 600; }
+td.verdict { min-width: 7em; }
 td.v-supported { background: #d8f0de; color: #0f5132; }
 td.v-not-supported { background: #f8dcd9; color: #842029; }
 td.v-mixed { background: #fff0c2; color: #664d03; }

@@ -13,16 +13,15 @@
 A figure that would show nothing is not drawn (:func:`degenerate_figures`: one checkpoint
 has no trajectory, fewer than three no prefix trend, no per-head rows no head scatter)
 and the report says so. Checkpoints
-whose step is not known (``step_source`` "order": a pretrained model, folders without a
-step) are labelled by their name, never by their position as a "step"; their x axis is the
-given order, labelled with the names.
+whose step is not known are labelled by their name (:mod:`qkgeom.analysis.e4.labels`),
+never by their position as a "step"; their x axis is the given order, labelled with the
+names.
 
 House style of :mod:`qkgeom.analysis.figstyle`, drawn on bare Figures (no pyplot).
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import matplotlib
@@ -32,34 +31,14 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from scipy import stats as sst
 
+from qkgeom.analysis.e4.labels import UNKNOWN_STEP, checkpoint_label, names_by_position
 from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS
 from qkgeom.analysis.figstyle import STYLE, ZERO_LINE, layer_colors, new_figure, save_figure
 
-__all__ = ["checkpoint_label", "degenerate_figures", "make_e4_figures"]
+__all__ = ["degenerate_figures", "make_e4_figures"]
 
 _Z_CRIT = float(sst.norm.isf(0.05))
 _MAX_PANELS = 12
-UNKNOWN_STEP = "order"  # the step_source of checkpoints whose step is only their position
-
-
-def checkpoint_label(name: str, step: float, step_source: str) -> str:
-    """``name (step N)`` when the step is known and the name does not already end in it
-    (``step512``, ``ckpt_00000512``), else the name alone: a pretrained model or a folder
-    without a step is no "step 0"."""
-    digits = re.search(r"(\d+)$", name)
-    if step_source == UNKNOWN_STEP or (digits and int(digits.group(1)) == int(step)):
-        return name
-    return f"{name} (step {int(step)})"
-
-
-def _names_by_step(checkpoints: pd.DataFrame) -> dict[float, str] | None:
-    """{position: name} when no checkpoint's step is known (an x axis of names), else
-    None (a step axis)."""
-    if checkpoints.empty or (checkpoints["step_source"] != UNKNOWN_STEP).any():
-        return None
-    return {float(r.step): str(r.checkpoint) for r in checkpoints.itertuples()}
-
-
 def _xscale(ax: Axes, steps: np.ndarray, names: dict[float, str] | None,
             label: str = "step") -> None:
     if names is not None:
@@ -216,7 +195,7 @@ def make_e4_figures(metrics: pd.DataFrame, trends: pd.DataFrame, prefix: pd.Data
     ckpts = checkpoints if checkpoints is not None else pd.DataFrame(
         columns=["checkpoint", "step", "step_source"])
     sources = dict(zip(ckpts["checkpoint"].astype(str), ckpts["step_source"], strict=True))
-    names = _names_by_step(ckpts[ckpts["in_trends"]] if "in_trends" in ckpts else ckpts)
+    names = names_by_position(ckpts[ckpts["in_trends"]] if "in_trends" in ckpts else ckpts)
     skip = degenerate_figures(metrics, prefix)
     out = {}
     with matplotlib.rc_context(STYLE):

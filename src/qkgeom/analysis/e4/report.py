@@ -21,6 +21,7 @@ import pandas as pd
 from qkgeom.analysis import stats
 from qkgeom.analysis.e4.bootstrap import N_BOOT, block_bootstrap
 from qkgeom.analysis.e4.claims import e4_claims
+from qkgeom.analysis.e4.labels import UNKNOWN_STEP, names_by_position
 from qkgeom.analysis.e4.trends import (
     PRIMARY,
     TREND_METRICS,
@@ -115,7 +116,12 @@ def e4_claims_table(folder: str | Path, n_boot: int = N_BOOT) -> pd.DataFrame:
 def _step_cell(step: float, source: str) -> str:
     """A checkpoint's step for a table: "—" when only its position is known (step_source
     ``order``: a pretrained model, a folder without a step), never a made-up "0"."""
-    return "—" if source == "order" else str(int(step))
+    return "—" if source == UNKNOWN_STEP else str(int(step))
+
+
+def _at(step: float, names: dict[float, str] | None) -> str:
+    """Where a trend peaks: its step, or the checkpoint's name when no step is known."""
+    return md_text(names.get(float(step), int(step))) if names else str(int(step))
 
 
 def _f(x: float, fmt: str = "{:+.3f}") -> str:
@@ -153,7 +159,8 @@ def _setup(meta: dict, ckpts: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n\n" + table
 
 
-def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame) -> str:
+def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame, ckpts: pd.DataFrame) -> str:
+    names = names_by_position(ckpts)
     rows = []
     order = {lv: i for i, lv in enumerate(TREND_METRICS.values())}
     trends = trends.assign(_o=trends["level"].map(order)).sort_values(["_o", "layer"])
@@ -163,8 +170,9 @@ def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame) -> str:
         lost = (f"{_f(r.share_lost, '{:.2f}')}" +
                 (f" [{_f(b['share_lost_low'].iloc[0], '{:.2f}')}, "
                  f"{_f(b['share_lost_high'].iloc[0], '{:.2f}')}]" if len(b) else ""))
-        peak = f"{int(r.peak_step)}" + (f" [{int(b['peak_step_low'].iloc[0])}, "
-                                         f"{int(b['peak_step_high'].iloc[0])}]" if len(b) else "")
+        peak = _at(r.peak_step, names) + (f" [{_at(b['peak_step_low'].iloc[0], names)}, "
+                                          f"{_at(b['peak_step_high'].iloc[0], names)}]"
+                                          if len(b) else "")
         rows.append([r.level, r.layer, r.n, _f(r.first), f"{_f(r.peak)} @ {peak}", _f(r.last),
                      f"**{r.call}**", fmt_p(r.p_rise), fmt_p(r.p_fall),
                      fmt_p(r.mk_p_increase), lost,
@@ -179,7 +187,7 @@ def _heads_md(heads: pd.DataFrame, ckpts: pd.DataFrame) -> str:
     sources = dict(zip(ckpts["checkpoint"], ckpts["step_source"], strict=True))
     rows = []
     for (step, ckpt), g in per_layer.groupby(["step", "checkpoint"], sort=True):
-        cells = [md_text(ckpt), _step_cell(step, sources.get(ckpt, "order"))]
+        cells = [md_text(ckpt), _step_cell(step, sources.get(ckpt, UNKNOWN_STEP))]
         for level in ("token", "weight"):
             h = g[g["level"] == level]
             ct = stats.count_test(h["rho"], +1)
@@ -249,7 +257,7 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
         claims_markdown(claims, E4_CLAIM_CELLS),
         _rules_text(boot),
         "## Setup", _setup(meta, a["checkpoints"]),
-        "## Contrast regime per layer", _trend_md(a["trends"], boot) if len(a["trends"]) else "n/a",
+        "## Contrast regime per layer", _trend_md(a["trends"], boot, a["checkpoints"]) if len(a["trends"]) else "n/a",
         "## pr_qk ↔ attention entropy across heads, per checkpoint",
         "Per layer: Spearman ρ across the layer's heads (the E4.4 statistic); pooled: over all "
         "heads of all layers (mixes depths; shown only).",
