@@ -5,7 +5,6 @@ links its large figures instead of embedding them."""
 
 from __future__ import annotations
 
-import json
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -37,7 +36,7 @@ from qkgeom.analysis.kit import (
 )
 from qkgeom.errors import QKGeomError
 
-from .conftest import make_sweep, monotone_values
+from .conftest import make_sweep, monotone_values, write_analysis
 
 # ---------------------------------------------------------------------------------------
 # The claims table: summary line, groups, verdict colours
@@ -247,7 +246,6 @@ def test_report_links_its_large_figures_and_stays_small(tmp_path: Path) -> None:
 def _e4_folder(root: Path, names: list[str], steps: list[int], source: str) -> Path:
     """An analysis folder as ``qkgeom analyze`` writes it (no token blocks): 2 layers × 4
     heads per checkpoint, every contrast metric per layer."""
-    root.mkdir(parents=True)
     rows = []
     for name, step in zip(names, steps, strict=True):
         for layer in (0, 1):
@@ -258,16 +256,7 @@ def _e4_folder(root: Path, names: list[str], steps: list[int], source: str) -> P
                     rows.append((name, step, layer, head, metric, 1.0 + head + layer))
     m = pd.DataFrame(rows, columns=["checkpoint", "step", "layer", "head", "metric", "value"])
     m = m.assign(run_id="m", block=-1, in_trends=True, duplicate_of=None)
-    m.to_parquet(root / "metrics.parquet", index=False)
-    pd.DataFrame({"checkpoint": names, "step": steps, "arch": "gpt2", "n_head": 4,
-                  "n_kv_head": 4, "seq_len": 64, "step_source": source, "tokens": 512,
-                  "tokens_per_s": 1000.0, "duplicate_of": None, "qk_hash": "abcdef0123456789",
-                  "in_trends": True}).to_parquet(root / "checkpoints.parquet", index=False)
-    (root / "analysis.json").write_text(json.dumps({
-        "model": "gpt2", "state": "done", "keep_duplicates": False,
-        "settings": {"text": "sample", "max_tokens": 512, "qk_site": "pre-rotary",
-                     "dtype": "float32"}}))
-    return root
+    return write_analysis(root, m, names, steps, model="gpt2", step_source=source)
 
 
 def test_one_pretrained_checkpoint_skips_the_trajectories_with_a_note(tmp_path: Path) -> None:

@@ -377,7 +377,7 @@ def verdict_class(text: str) -> str | None:
     """The CSS class of a verdict cell from its text (``not evaluated (reason)`` too), or
     None when the text is no verdict."""
     text = text.strip().lower()
-    for v in sorted(VERDICTS, key=len, reverse=True):  # "not supported" before "supported"
+    for v in VERDICTS:
         if text.startswith(v):
             return "v-" + v.replace(" ", "-")
     return None
