@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from matplotlib.collections import PolyCollection
+from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.colors import to_rgb
 from PIL import Image
 
@@ -22,6 +22,7 @@ from qkgeom.analysis.e4.labels import checkpoint_label
 from qkgeom.analysis.figstyle import (
     BAND_MIN_UNITS,
     SCREEN_DPI,
+    SEED_LINEWIDTH,
     grid,
     layer_colors,
     save_figure,
@@ -148,9 +149,9 @@ def _bands(fig) -> int:
 
 
 def _thin(ax) -> list:
-    """The thin per-seed lines of a panel (reference lines have two points)."""
-    return [line for line in ax.get_lines()
-            if line.get_linewidth() < 1.0 and len(line.get_xdata()) > 2]
+    """The thin per-seed lines of a panel (drawn as line collections)."""
+    return [seg for c in ax.collections if isinstance(c, LineCollection)
+            and c.get_linewidth()[0] == SEED_LINEWIDTH for seg in c.get_segments()]
 
 
 @pytest.mark.parametrize(("make", "metrics"), [(fig_pr, 2), (fig_contrast, 1)])
