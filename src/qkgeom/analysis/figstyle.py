@@ -109,7 +109,7 @@ def draw_spread(ax: Axes, per_unit: pd.DataFrame, color: Any, *, linestyle: str 
     if len(values) >= BAND_MIN_UNITS:
         bounds = np.array([t_interval(column[np.isfinite(column)])[1:3]
                            for column in values.T])
-        ax.fill_between(steps, bounds[:, 0], bounds[:, 1], color=color, alpha=0.18,
+        ax.fill_between(steps, bounds[:, 0], bounds[:, 1], color=color, alpha=0.13,
                         linewidth=0)
         return True
     if len(values) > 1:  # one artist for all the seeds: far cheaper than a line each

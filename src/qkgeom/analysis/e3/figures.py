@@ -113,7 +113,7 @@ def _paired(paired: pd.DataFrame, steps: int) -> Figure:
                 blank_panel(ax, "not recorded")
                 continue
             for _, g in sel.groupby("group"):
-                ax.plot(g["step"], g["diff"], color=mode_color(arm), alpha=0.35, linewidth=0.7)
+                ax.plot(g["step"], g["diff"], color=mode_color(arm), alpha=0.5, linewidth=0.7)
             mean = sel.groupby("step")["diff"].mean()
             ax.plot(mean.index, mean.to_numpy(), color=mode_color(arm), linewidth=1.8)
             ax.axhline(0.0, **ZERO_LINE)
