@@ -106,7 +106,7 @@ def test_rows_of_one_claim_are_gathered_under_it() -> None:
     by_level = _claims().sort_values("level", kind="stable")  # E4 lists claims per level
     md = claims_markdown(by_level)
     assert md.count("PR_Q expands") == 1 and md.count("Across heads, sharper") == 1
-    groups = [line.split("**")[1] for line in md.splitlines() if line.startswith("| **")]
+    groups = [line.split(" · ")[0][2:] for line in md.splitlines() if " · **" in line]
     assert groups == ["E1.1", "E1.2", "E2.3"]
     assert claims_summary(by_level).endswith("(3 claims)")
 
@@ -114,12 +114,12 @@ def test_rows_of_one_claim_are_gathered_under_it() -> None:
 def test_claims_table_is_grouped_by_claim_with_coloured_verdicts(tmp_path: Path) -> None:
     md = claims_markdown(_claims())
     assert md.count("PR_Q expands") == 1 and md.count("Across heads, sharper") == 1
-    assert md.splitlines()[2].startswith("| **E1.1** PR_Q expands |")  # group row first
+    assert md.splitlines()[2].startswith("| E1.1 · **PR_Q expands** |")  # group row first
     page = render_html(md, tmp_path, "t")
     cells = _Cells(page).cells
     groups = [(a, t) for a, t in cells if "colspan" in a]
-    assert [t for _, t in groups] == ["E1.1 PR_Q expands", "E1.2 PR_K shrinks",
-                                      "E2.3 Across heads, sharper"]
+    assert [t for _, t in groups] == ["E1.1 · PR_Q expands", "E1.2 · PR_K shrinks",
+                                      "E2.3 · Across heads, sharper"]
     assert {a["colspan"] for a, _ in groups} == {"8"}  # across the whole table
     assert page.count("PR_Q expands") == 1  # the claim text once
     verdicts = [(a.get("class"), t) for a, t in cells if "verdict" in a.get("class", "")]

@@ -48,9 +48,9 @@ def test_report_md_opens_with_the_summary_and_the_claims_table(report):
     assert first == ("> **E1/E2: 22 of 22 claim rows supported, 0 mixed, 0 not supported, "
                      "0 not evaluated (6 claims)**")
     assert lines[4].startswith("| claim / level | measured from | units with the sign")
-    groups = [line for line in lines[5:40] if line.startswith("| **E")]
-    assert [g.split("**")[1] for g in groups] == ["E1.1", "E1.2", "E1.3", "E2.1", "E2.2",
-                                                  "E2.3"]
+    groups = [line for line in lines[5:40] if " · **" in line]
+    ids = [g.split(" · ")[0][2:] for g in groups]
+    assert ids == ["E1.1", "E1.2", "E1.3", "E2.1", "E2.2", "E2.3"]
     table = [line for line in lines[5:40] if line.startswith(("| weight", "| token"))]
     assert len(table) == 22
     assert all("**supported**" in line and "6/6 runs" in line for line in table)

@@ -153,7 +153,7 @@ def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CE
     header = [f"claim / {cells[0][0]}", *(h for h, _ in cells[1:])]
     rows: list[list[Any]] = []
     for claim_id, claim, group in claim_groups(claims):
-        rows.append([f"**{claim_id}** {claim}", *([""] * (len(cells) - 1))])
+        rows.append([f"{claim_id} · **{claim}**", *([""] * (len(cells) - 1))])
         rows += [[cell(r) for _, cell in cells] for r in group.to_dict("records")]
     return md_table(header, rows)
 
