@@ -37,7 +37,7 @@ from qkgeom.analysis.kit import (
 )
 from qkgeom.errors import QKGeomError
 
-from .conftest import make_sweep, monotone_values, write_analysis
+from .conftest import make_sweep, monotone_values, write_analysis, write_run
 
 # ---------------------------------------------------------------------------------------
 # The claims table: summary line, groups, verdict colours
@@ -237,6 +237,14 @@ def test_report_links_its_large_figures_and_stays_small(tmp_path: Path) -> None:
     text = md.read_text(encoding="utf-8")
     assert text.splitlines()[2].startswith("> **E1/E2: ")  # the summary line opens it
     assert "no interval below 5 seeds" in text  # the captions say how seeds are shown
+
+
+def test_a_run_probed_once_has_no_trajectory_figures_and_says_so(tmp_path: Path) -> None:
+    run = write_run(tmp_path, "once", 2, "normal", 0, monotone_values(), steps=[0])
+    md = write_report(run)
+    assert sorted(p.stem for p in md.parent.glob("*.png")) == ["heads_token", "heads_weight"]
+    note = md.read_text(encoding="utf-8").split("Not drawn (they would show nothing): ")[1]
+    assert note.count("one probe step only: no trajectory to draw") == 6  # 3 kinds × 2 levels
 
 
 # ---------------------------------------------------------------------------------------
