@@ -111,6 +111,24 @@ def make_sweep(root: Path, values: Values, depths=(4,), inits=("normal", "orthog
                                     "seed": list(seeds)})
 
 
+def write_analysis(root: Path, metrics: pd.DataFrame, names: list[str], steps: list[int],
+                   model: str = "tiny", step_source: str = "name") -> Path:
+    """An E4 analysis folder as ``qkgeom analyze`` writes it: ``metrics`` (long rows with
+    ``checkpoint``, ``step``, ``block``, ``in_trends``, ...), one checkpoint record per
+    name (distinct Q/K weights, all in the trends) and ``analysis.json``."""
+    root.mkdir(parents=True)
+    metrics.to_parquet(root / "metrics.parquet", index=False)
+    pd.DataFrame({"checkpoint": names, "step": steps, "arch": "gpt2", "n_head": 4,
+                  "n_kv_head": 4, "seq_len": 64, "step_source": step_source, "tokens": 512,
+                  "tokens_per_s": 1000.0, "duplicate_of": None, "qk_hash": "abcdef0123456789",
+                  "in_trends": True}).to_parquet(root / "checkpoints.parquet", index=False)
+    (root / "analysis.json").write_text(json.dumps({
+        "model": model, "state": "done", "keep_duplicates": False,
+        "settings": {"text": "sample", "max_tokens": 512, "qk_site": "pre-rotary",
+                     "dtype": "float32"}}))
+    return root
+
+
 @pytest.fixture
 def all_rise(tmp_path: Path) -> Path:
     """4 layers × 3 inits × 2 seeds: PR_Q rises and PR_K falls everywhere (12 trajectories),

@@ -52,6 +52,7 @@ def test_analysis_never_uses_pyplot_or_switches_the_backend(path: Path):
 
 def test_importing_the_analysis_and_its_reports_loads_neither_torch_nor_matplotlib():
     code = ("import sys, qkgeom.analysis, qkgeom.analysis.report, qkgeom.analysis.kit, "
+            "qkgeom.analysis.figstyle, "
             "qkgeom.analysis.e1.report, qkgeom.analysis.e3.report, qkgeom.analysis.e4.report\n"
             "loaded = [m for m in ('torch', 'matplotlib') if m in sys.modules]\n"
             "assert not loaded, loaded")
@@ -96,6 +97,7 @@ def test_real_tiny_sweep_end_to_end(sample_data: Path, tmp_path: Path):
 
     md = write_report(root)
     text = md.read_text(encoding="utf-8")
-    assert text.splitlines()[2].startswith("| id | claim |")
+    assert text.splitlines()[2].startswith("> **E1/E2: ")  # the summary line
+    assert text.splitlines()[4].startswith("| claim / level |")
     assert "e2e" in text.splitlines()[0]
     assert (md.parent / "pr_token.png").exists() and (md.parent / "report.html").exists()

@@ -10,7 +10,7 @@ import pytest
 
 from qkgeom.analysis import collate, write_report
 from qkgeom.analysis.e1.figures import FIGURES, fig_contrast
-from qkgeom.analysis.kit import save_figure
+from qkgeom.analysis.figstyle import save_figure
 
 from .conftest import make_sweep, monotone_values, write_run
 
@@ -41,12 +41,17 @@ def test_report_files(report):
     assert not list(out.glob(".*.tmp"))  # atomic writes leave no temp files
 
 
-def test_report_md_opens_with_the_claims_table(report):
+def test_report_md_opens_with_the_summary_and_the_claims_table(report):
     lines = report.read_text(encoding="utf-8").splitlines()
     assert lines[0].startswith("# qkgeom report")
     first = next(line for line in lines[1:] if line.strip())
-    assert first.startswith("| id | claim | level | measured from | units with the sign")
-    table = [line for line in lines[2:40] if line.startswith("| E")]
+    assert first == ("> **E1/E2: 22 of 22 claim rows supported, 0 mixed, 0 not supported, "
+                     "0 not evaluated (6 claims)**")
+    assert lines[4].startswith("| claim / level | measured from | units with the sign")
+    groups = [line for line in lines[5:40] if " · **" in line]
+    ids = [g.split(" · ")[0][2:] for g in groups]
+    assert ids == ["E1.1", "E1.2", "E1.3", "E2.1", "E2.2", "E2.3"]
+    table = [line for line in lines[5:40] if line.startswith(("| weight", "| token"))]
     assert len(table) == 22
     assert all("**supported**" in line and "6/6 runs" in line for line in table)
     assert any("reference, step 30" in line for line in table)
@@ -65,10 +70,11 @@ def test_report_lists_excluded_run_and_setup(report):
     assert "Wall time" in setup and "seeds" in setup
 
 
-def test_html_embeds_every_figure(report):
+def test_html_shows_every_figure(report):
     page = (report.parent / "report.html").read_text(encoding="utf-8")
     assert "<table>" in page
-    assert len(re.findall(r'<img [^>]*src="data:image/png;base64,', page)) == 2 * len(FIGURES)
+    shown = re.findall(r'<img [^>]*src="(data:image/png;base64,|[a-z_]+\.png")', page)
+    assert len(shown) == 2 * len(FIGURES)  # embedded when small, else from its file
 
 
 def test_single_run_figure_and_missing_init_panel(tmp_path):

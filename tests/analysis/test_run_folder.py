@@ -23,8 +23,9 @@ VOCAB, T, STEPS = 40, 16, 6
 
 
 def _claim_rows(md: Path) -> list[str]:
+    """The rows of the claims table under its claim groups (one per level and origin)."""
     return [line for line in md.read_text(encoding="utf-8").splitlines()
-            if line.startswith("| E")]
+            if line.startswith(("| weight |", "| token |"))]
 
 
 def _pngs(md: Path) -> set[str]:

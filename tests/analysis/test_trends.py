@@ -3,7 +3,6 @@ report, on series whose answers are known by hand."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,8 @@ from qkgeom.analysis.e4.trends import (
     regime_calls,
     trend_table,
 )
+
+from .conftest import write_analysis
 
 # A Pythia-like schedule: log-spaced early, then evenly spaced.
 STEPS = np.array([0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1000, 2000, 4000, 8000, 16000,
@@ -182,23 +183,12 @@ def test_an_older_folder_without_the_head_mean_contrast_is_not_evaluated_on_it()
 
 def _analysis_folder(root: Path, series: dict[int, np.ndarray], blocks: bool) -> Path:
     """An analysis folder as ``qkgeom analyze`` writes it, with per-block rows."""
-    root.mkdir(parents=True)
     m = _metrics(series).assign(run_id="tiny", block=-1, in_trends=True, duplicate_of=None)
     if blocks:
         b = _blocks(series, noise=1.0).assign(run_id="tiny", duplicate_of=None)
         b["checkpoint"] = "step" + b["step"].astype(int).astype(str)
         m = pd.concat([m, b[m.columns]], ignore_index=True)
-    m.to_parquet(root / "metrics.parquet", index=False)
-    pd.DataFrame({"checkpoint": [f"step{int(s)}" for s in STEPS], "step": STEPS.astype(int),
-                  "arch": "gpt2", "n_head": 4, "n_kv_head": 4, "seq_len": 64,
-                  "step_source": "name", "tokens": 512, "tokens_per_s": 1000.0,
-                  "duplicate_of": None, "qk_hash": "abcdef0123456789",
-                  "in_trends": True}).to_parquet(root / "checkpoints.parquet", index=False)
-    (root / "analysis.json").write_text(json.dumps({
-        "model": "tiny", "state": "done", "keep_duplicates": False,
-        "settings": {"text": "sample", "max_tokens": 512, "qk_site": "pre-rotary",
-                     "dtype": "float32"}}))
-    return root
+    return write_analysis(root, m, [f"step{int(s)}" for s in STEPS], STEPS.astype(int))
 
 
 def test_e4_report_with_blocks(tmp_path: Path) -> None:

@@ -8,11 +8,13 @@ Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures an
     print(claims_table("sweeps/e1"))        # claims: units, tests, intervals, verdicts
     write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
     write_report("runs/demo")               # one run folder; "ckpt/pythia" an E4 analysis
+    summary_line("sweeps/e1/report")        # "E1/E2: 12 of 22 claim rows supported, ..."
     e3_analysis(collate("sweeps/e3"))       # E3: manipulation check, paired effects, claims
 
 Layout: ``collate`` (result folders → one long table), ``stats`` (the t-interval, the
-sign-flip and sign tests, the verdict rule: docs/protocols.md), ``kit`` (what every report
-shares: Markdown, claims table, setup sections, HTML page, figure style), one sub-package
+sign-flip and sign tests, the verdict rule: docs/protocols.md), ``kit`` (the text every
+report shares: Markdown, claims table and summary line, setup sections, HTML page),
+``figstyle`` (the figure house style every report shares), one sub-package
 per experiment (``e1`` for E1/E2, ``e3``, ``e4``), ``report`` (the one dispatcher) and
 ``tables`` (the per-layer table of ``qkgeom show``).
 """
@@ -20,8 +22,9 @@ per experiment (``e1`` for E1/E2, ``e3``, ``e4``), ``report`` (the one dispatche
 from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
 from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
 from qkgeom.analysis.e3.analysis import e3_analysis
-from qkgeom.analysis.report import claims_table, write_report
+from qkgeom.analysis.report import claims_table, summary_line, write_report
 from qkgeom.analysis.tables import layer_table
 
-__all__ = ["collate", "trajectories", "write_report", "claims_table", "runs_table",
-           "excluded_runs", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]
+__all__ = ["collate", "trajectories", "write_report", "claims_table", "summary_line",
+           "runs_table", "excluded_runs", "evaluate_claims", "CLAIMS", "e3_analysis",
+           "layer_table"]

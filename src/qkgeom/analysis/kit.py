@@ -1,49 +1,41 @@
-"""The one kit every report shares (E1/E2, E3, E4 and a single run folder).
+"""The one kit every report shares (E1/E2, E3, E4 and a single run folder): its text.
 
 - **Markdown and numbers**: :func:`md_table`, :func:`fmt_p`, :func:`signed`, and the two
   escapes every value from a file goes through before it enters a report (:func:`md_text`,
   :func:`md_code`): grid and folder names, run ids, error texts, model and checkpoint names
   are data, never Markdown or HTML.
 - **The claims table**: its columns (:data:`CLAIM_COLUMNS`, one row per claim × level ×
-  origin) and :func:`claims_markdown`, which writes it with the cells an experiment's
-  report chooses (:data:`SWEEP_CLAIM_CELLS` by default).
+  origin) and :func:`claims_markdown`, which writes it grouped by claim (the claim's id and
+  text once, in a group row, then its rows) with the cells an experiment's report chooses
+  (:data:`SWEEP_CLAIM_CELLS` by default); :func:`claims_summary`, the one line that opens
+  every report ("E1/E2: k of n claim rows supported, …").
 - **Sections of a sweep or run report**: :func:`setup_markdown`, :func:`excluded_markdown`,
   :func:`metrics_note` (metrics a folder does not record).
-- **The page**: :func:`render_html` (standalone HTML, figures embedded; raw HTML never
-  passes, links only to web or relative addresses, only PNGs inside the report folder
-  embedded) and :func:`write_pages` (``report.md`` + ``report.html``, atomically).
-- **Figure house style**: paper-column panels (:data:`PANEL_W` × :data:`PANEL_H` inches),
-  8 pt text (:data:`STYLE`), colour-blind-safe colours (:func:`layer_colors`,
-  :data:`MODE_COLORS`), :data:`REF_LINE`, :func:`new_figure`, :func:`grid`,
-  :func:`suptitle`, :func:`step_axis` and :func:`save_figure` (PNG 300 dpi + SVG).
+- **The page**: :func:`render_html` (standalone HTML: raw HTML never passes, links only to
+  web or relative addresses, images only from PNGs inside the report folder; verdict
+  cells coloured, with their words kept) and :func:`write_pages` (``report.md`` +
+  ``report.html``, atomically).
 
-The text helpers need pandas only. The figure helpers import matplotlib when they are
-called, so ``import qkgeom.analysis`` and a report without figures never load it, and they
-draw on bare :class:`matplotlib.figure.Figure` objects: no pyplot, no global backend
-switch, no figure registry to close.
+The figure house style is :mod:`qkgeom.analysis.figstyle`. Everything here needs pandas
+only (and ``markdown`` for the page).
 """
 
 from __future__ import annotations
 
 import base64
 import html
-import io
 import re
-import textwrap
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 import numpy as np
 import pandas as pd
 
 from qkgeom.analysis.collate import excluded_runs, is_single_run, runs_of, sweep_axes
+from qkgeom.analysis.stats import MIXED, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
 from qkgeom.io import atomic_write
-
-if TYPE_CHECKING:
-    from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
 
 # ---------------------------------------------------------------------------------------
 # Markdown and numbers
@@ -111,6 +103,9 @@ CLAIM_COLUMNS = ["claim_id", "claim", "level", "origin", "from", "criterion", "u
 #: A column of a claims table in Markdown: (header, cell of one claims record).
 Cell = tuple[str, Callable[[dict[str, Any]], Any]]
 
+#: The four verdicts, in the order a summary counts them.
+VERDICTS = (SUPPORTED, MIXED, NOT_SUPPORTED, NOT_EVALUATED)
+
 
 def field(key: str) -> Callable[[dict[str, Any]], Any]:
     """The cell that shows the record's ``key`` as it is."""
@@ -127,18 +122,67 @@ def verdict_text(r: dict[str, Any]) -> str:
 P_CELL: Cell = ("p (sign-flip, one-sided)", lambda r: fmt_p(r["p_value"]))
 P_SIGN_CELL: Cell = ("p (sign test)", lambda r: fmt_p(r["p_sign"]))
 VERDICT_CELL: Cell = ("verdict", verdict_text)
-#: The E1/E2 and E3 layout: where each row measures from, the units, the t-interval.
+#: The E1/E2 and E3 layout under each claim's group row: level, where each row measures
+#: from, the units, the t-interval.
 SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
-    ("id", field("claim_id")), ("claim", field("claim")), ("level", field("level")),
-    ("measured from", field("from")), ("units with the sign (k/n)", field("measured")),
+    ("level", field("level")), ("measured from", field("from")),
+    ("units with the sign (k/n)", field("measured")),
     ("estimate [95 % t-interval]", field("estimate")), P_CELL, P_SIGN_CELL,
     ("beside", field("beside")), VERDICT_CELL)
 
 
+def claim_groups(claims: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
+    """``(claim_id, claim, rows)`` per claim (one id and text: an E3 claim is one claim per
+    arm, its text names the arm), in the order claims first appear, each with its rows in
+    table order (E4's table lists every claim per level: its rows are gathered here)."""
+    if claims.empty:
+        return []
+    keys = list(zip(claims["claim_id"].astype(str), claims["claim"].astype(str),
+                    strict=True))
+    order = list(dict.fromkeys(keys))
+    rows: dict[tuple[str, str], list[int]] = {k: [] for k in order}
+    for i, key in enumerate(keys):
+        rows[key].append(i)
+    return [(cid, text, claims.iloc[rows[(cid, text)]]) for cid, text in order]
+
+
 def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CELLS) -> str:
-    """The claims table as Markdown, one row per claims record, in the columns ``cells``."""
-    return md_table([header for header, _ in cells],
-                    [[cell(r) for _, cell in cells] for r in claims.to_dict("records")])
+    """The claims table as Markdown, grouped by claim: a group row holding the claim's id
+    and text (its other cells empty; ``report.html`` spans it across the table), then one
+    row per claims record in the columns ``cells``."""
+    header = [f"claim / {cells[0][0]}", *(h for h, _ in cells[1:])]
+    rows: list[list[Any]] = []
+    for claim_id, claim, group in claim_groups(claims):
+        rows.append([f"{claim_id} · **{claim}**", *([""] * (len(cells) - 1))])
+        rows += [[cell(r) for _, cell in cells] for r in group.to_dict("records")]
+    return md_table(header, rows)
+
+
+def verdict_counts(claims: pd.DataFrame) -> dict[str, int]:
+    """Rows of the claims table per verdict (every verdict present, zeros included)."""
+    counts = claims["verdict"].value_counts() if len(claims) else pd.Series(dtype=int)
+    return {v: int(counts.get(v, 0)) for v in VERDICTS}
+
+
+def claims_summary(claims: pd.DataFrame) -> str:
+    """The one line that opens a report: which experiment, how many rows of its claims
+    table are supported, mixed, not supported, not evaluated, over how many claims
+    ("E1/E2: 12 of 22 claim rows supported, 1 mixed, 9 not supported, 0 not evaluated
+    (6 claims)"). Plain text: the counts are the verdicts of ``claims``, nothing else."""
+    if claims.empty:
+        return "No claims could be evaluated."
+    families = sorted({str(c).split(".", 1)[0] for c in claims["claim_id"]},
+                      key=lambda f: (len(f), f))
+    counts = verdict_counts(claims)
+    rest = ", ".join(f"{counts[v]} {v}" for v in VERDICTS[1:])
+    return (f"{'/'.join(families)}: {counts[SUPPORTED]} of {len(claims)} claim rows "
+            f"{SUPPORTED}, {rest} ({len(claim_groups(claims))} claims)")
+
+
+def summary_markdown(claims: pd.DataFrame) -> str:
+    """:func:`claims_summary` as the report's opening line (a quote, set off as a banner
+    in ``report.html``)."""
+    return f"> **{claims_summary(claims)}**"
 
 
 # ---------------------------------------------------------------------------------------
@@ -306,30 +350,62 @@ def metrics_note(missing: Sequence[str], what: str) -> str:
 # ---------------------------------------------------------------------------------------
 
 _CSS = """
-body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em;
+body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em;
        line-height: 1.45; color: #222; }
-table { border-collapse: collapse; font-size: 0.85em; margin: 1em 0; }
+table { border-collapse: collapse; font-size: 0.85em; margin: 1em 0; display: block;
+        overflow-x: auto; }
 th, td { border: 1px solid #ccc; padding: 0.3em 0.5em; vertical-align: top; }
-th { background: #f3f3f3; }
+th { background: #f3f3f3; text-align: left; }
+tr.claim-group td { background: #e8eef5; font-weight: 600; border-top: 2px solid #8aa; }
+td.verdict { min-width: 7em; }
+td.v-supported { background: #d8f0de; color: #0f5132; }
+td.v-not-supported { background: #f8dcd9; color: #842029; }
+td.v-mixed { background: #fff0c2; color: #664d03; }
+td.v-not-evaluated { background: #ebebeb; color: #444; }
+blockquote { margin: 1em 0; padding: 0.6em 1em; border-left: 4px solid #0072B2;
+             background: #f2f7fb; font-size: 1.05em; }
 img { max-width: 100%; height: auto; }
 code { background: #f5f5f5; padding: 0 0.2em; }
 """
 
+#: A PNG up to this size is embedded in report.html (a data URI); a larger one is shown
+#: from its file beside the page, so the page stays small (keep the report folder whole).
+EMBED_MAX_BYTES = 32_000
 
-def _web_png(path: Path, max_width: int = 1400) -> bytes:
-    """The PNG scaled to ``max_width`` pixels and a 256-colour palette, for embedding: the
-    300-dpi file of a full grid is several MB (the page links to it)."""
-    from PIL import Image  # pillow: a matplotlib dependency
 
-    with Image.open(path) as im:
-        small = im.convert("RGB")
-        if small.width > max_width:
-            small = small.resize((max_width, round(im.height * max_width / im.width)),
-                                 Image.Resampling.LANCZOS)
-        buf = io.BytesIO()
-        small.quantize(256, method=Image.Quantize.MEDIANCUT).save(buf, format="PNG",
-                                                                   optimize=True)
-        return buf.getvalue()
+def verdict_class(text: str) -> str | None:
+    """The CSS class of a verdict cell from its text (``not evaluated (reason)`` too), or
+    None when the text is no verdict."""
+    text = text.strip().lower()
+    for v in VERDICTS:
+        if text.startswith(v):
+            return "v-" + v.replace(" ", "-")
+    return None
+
+
+def _cell_text(el: Any) -> str:
+    return "".join(el.itertext()).strip()
+
+
+def _style_table(table: Any) -> None:
+    """A row whose cells after the first are all empty becomes a group row (one cell
+    across the table, class ``claim-group``); cells of a column headed "verdict…" get the
+    class of their verdict. Only attributes change: every value stays the escaped text."""
+    heads = [_cell_text(th).lower() for th in table.iter("th")]
+    verdict_cols = {i for i, h in enumerate(heads) if h.startswith("verdict")}
+    for tr in table.iter("tr"):
+        cells = [c for c in tr if c.tag == "td"]
+        if len(cells) > 1 and _cell_text(cells[0]) and not any(
+                _cell_text(c) for c in cells[1:]):
+            for c in cells[1:]:
+                tr.remove(c)
+            cells[0].set("colspan", str(len(cells)))
+            tr.set("class", "claim-group")
+            continue
+        for i in verdict_cols & set(range(len(cells))):
+            kind = verdict_class(_cell_text(cells[i]))
+            if kind:
+                cells[i].set("class", f"verdict {kind}")
 
 
 _SAFE_SCHEMES = ("http", "https", "mailto")
@@ -360,8 +436,9 @@ def _local_png(folder: Path, src: str) -> Path | None:
 
 def _page_extension(folder: Path) -> Any:
     """A Python-Markdown extension: raw HTML off (it is shown as text), unsafe links
-    dropped, images embedded when they are PNGs inside ``folder`` and else replaced by
-    their alt text."""
+    dropped, images kept only when they are PNGs inside ``folder`` (embedded when small,
+    else shown from their file) and else replaced by their alt text; tables styled
+    (:func:`_style_table`)."""
     from markdown.extensions import Extension
     from markdown.treeprocessors import Treeprocessor
 
@@ -373,12 +450,18 @@ def _page_extension(folder: Path) -> Any:
                     del el.attrib["href"]
                 elif el.tag == "img":
                     self._image(el, parents.get(el))
+                elif el.tag == "table":
+                    _style_table(el)
 
         def _image(self, el: Any, parent: Any) -> None:
             path = _local_png(folder, el.get("src", ""))
             if path is not None:
-                el.set("src", "data:image/png;base64,"
-                       + base64.b64encode(_web_png(path)).decode("ascii"))
+                if path.stat().st_size <= EMBED_MAX_BYTES:
+                    el.set("src", "data:image/png;base64,"
+                           + base64.b64encode(path.read_bytes()).decode("ascii"))
+                else:
+                    el.set("src", path.relative_to(folder.resolve()).as_posix())
+                    el.set("loading", "lazy")
                 return
             if parent is not None:  # the alt text in place of the image
                 alt = el.get("alt", "")
@@ -400,11 +483,14 @@ def _page_extension(folder: Path) -> Any:
 
 
 def render_html(markdown_text: str, folder: Path, title: str) -> str:
-    """Markdown → standalone HTML. Raw HTML in the Markdown is shown as text, never passed
-    through; links keep only web, mail and relative addresses; every PNG inside ``folder``
-    (a relative path without ``..``) is embedded (as a data URI, at most 1400 px wide) and
-    links to its full-resolution file, and any other image is left out (its alt text
-    stays), so the page never carries a script or a file from elsewhere on the machine."""
+    """Markdown → HTML. Raw HTML in the Markdown is shown as text, never passed through;
+    links keep only web, mail and relative addresses; a PNG inside ``folder`` (a relative
+    path without ``..``) is embedded as a data URI when it is at most
+    :data:`EMBED_MAX_BYTES`, else shown from its file beside the page (the figures of a
+    report: the page stays small and opens from its folder); any other image is left out
+    (its alt text stays), so the page never carries a script or a file from elsewhere on
+    the machine. Claims tables get group rows and coloured verdict cells
+    (:func:`_style_table`)."""
     try:
         import markdown
     except ImportError as err:  # declared dependency; a clear message if it is missing
@@ -416,8 +502,8 @@ def render_html(markdown_text: str, folder: Path, title: str) -> str:
 
 
 def write_pages(out: Path, text: str, title: str) -> Path:
-    """``report.md`` and its self-contained ``report.html`` (page title ``title``) into
-    ``out``, atomically; returns the path of ``report.md``."""
+    """``report.md`` and ``report.html`` (page title ``title``; it shows the figures
+    beside it in ``out``) into ``out``, atomically; returns the path of ``report.md``."""
     md_path = out / "report.md"
     atomic_write(md_path, lambda p: p.write_text(text, encoding="utf-8"))
     page = render_html(text, out, title)
@@ -429,77 +515,3 @@ def write_csvs(out: Path, frames: Iterable[tuple[str, pd.DataFrame]]) -> None:
     """Each ``(name, frame)`` as ``out/name.csv`` (no index), atomically."""
     for name, frame in frames:
         atomic_write(out / f"{name}.csv", lambda p, f=frame: f.to_csv(p, index=False))
-
-
-# ---------------------------------------------------------------------------------------
-# Figure house style (matplotlib is imported by the functions that draw)
-# ---------------------------------------------------------------------------------------
-
-PANEL_W, PANEL_H = 3.4, 2.1  # inches per panel (a paper column)
-STYLE = {
-    "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7,
-    "ytick.labelsize": 7, "legend.fontsize": 7, "legend.title_fontsize": 7,
-    "axes.spines.top": False, "axes.spines.right": False, "svg.fonttype": "none",
-    "figure.dpi": 100, "savefig.dpi": 300, "lines.linewidth": 1.2,
-}
-REF_LINE = {"color": "0.25", "linestyle": "--", "linewidth": 0.8, "zorder": 0}
-# Key-control modes in Okabe–Ito colours (colour-blind safe); the baseline in grey.
-MODE_COLORS = {"none": "0.35", "hold": "#0072B2", "shrink": "#D55E00", "expand": "#009E73",
-               "sham": "#CC79A7"}
-
-
-def layer_colors(n: int) -> np.ndarray:
-    """n colours from viridis without its pale yellow end (readable on white, CB-safe)."""
-    import matplotlib
-
-    return matplotlib.colormaps["viridis"](np.linspace(0.0, 0.85, max(n, 1)))
-
-
-def mode_color(arm: str) -> str:
-    """The colour of a key-control mode or of an arm named after it (``shrink-0.5-data``);
-    grey for one without its own."""
-    return MODE_COLORS.get(arm.split("-", 1)[0], "0.6")
-
-
-def new_figure(width: float, height: float) -> Figure:
-    """A bare constrained-layout Figure (no pyplot): no global backend switch, no figure
-    registry to leak or close."""
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), layout="constrained")
-
-
-def grid(n_rows: int, n_cols: int, height: float = PANEL_H, **kw: Any) -> tuple[Figure, np.ndarray]:
-    """A figure of ``n_rows`` × ``n_cols`` paper-column panels; axes as a 2-D array."""
-    fig = new_figure(PANEL_W * n_cols, height * n_rows)
-    axes = fig.subplots(n_rows, n_cols, squeeze=False, **kw)
-    return fig, axes
-
-
-def suptitle(fig: Figure, text: str, n_cols: int) -> None:
-    """A figure title wrapped to the figure's width (~60 characters per panel column)."""
-    fig.suptitle(textwrap.fill(text, width=max(60 * n_cols, 60)), fontsize=9)
-
-
-def step_axis(ax: Axes, max_step: float) -> None:
-    """At most ~5 step ticks; thousands as "5k" once runs are long (no colliding labels)."""
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
-    if max_step >= 10_000:
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / 1000:g}k" if x else "0"))
-
-
-def save_figure(fig: Figure, out_dir: str | Path, name: str) -> list[Path]:
-    """Write ``name.png`` (300 dpi) and ``name.svg`` atomically."""
-    import matplotlib
-
-    out_dir = Path(out_dir)
-    paths = []
-    with matplotlib.rc_context(STYLE):
-        for fmt in ("png", "svg"):
-            path = out_dir / f"{name}.{fmt}"
-            # constrained layout already fits titles, legends and colour bars
-            atomic_write(path, lambda p, fmt=fmt: fig.savefig(p, format=fmt, dpi=300))
-            paths.append(path)
-    return paths

@@ -11,8 +11,10 @@ experiment's report:
   E1/E2, :mod:`qkgeom.analysis.e1.report`.
 
 The report goes to ``<folder>/report/`` (layout: docs/report.md): ``report.md`` opening with
-the claims table, a self-contained ``report.html``, the figures as PNG (300 dpi) and SVG,
-and the numbers as CSV; every file is written atomically. ``report.json`` marks the folder
+a one-line summary and the claims table, ``report.html`` (the same, verdicts coloured,
+showing the figures beside it), the figures as PNG (150 dpi) and SVG, and the numbers as
+CSV; every file is written atomically. :func:`summary_line` reads the summary back from a
+written report folder. ``report.json`` marks the folder
 as a qkgeom report folder: a report is written only into a new or empty folder or one so
 marked (or a report folder of an earlier qkgeom, recognised by its ``report.md``), never
 over files qkgeom did not write. Nothing here imports torch; matplotlib is imported only
@@ -33,6 +35,7 @@ from qkgeom.analysis.e3.arms import is_e3
 from qkgeom.analysis.e3.report import write_e3_report
 from qkgeom.analysis.e4.bootstrap import N_BOOT
 from qkgeom.analysis.e4.report import e4_claims_table, write_e4_report
+from qkgeom.analysis.kit import claims_summary
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json, write_json
 from qkgeom.runs import is_run_folder
@@ -84,6 +87,23 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     claim_report_dir(out, folder)
     write = write_e3_report if is_e3(table) else write_e1_report
     return write(table, folder, out, figures)
+
+
+def summary_line(report_dir: str | Path) -> str:
+    """The one-line summary of a written report ("E1/E2: 12 of 22 claim rows supported,
+    1 mixed, 9 not supported, 0 not evaluated (6 claims)"), from its ``claims.csv``: the
+    line ``report.md`` opens with, for a command to print."""
+    path = Path(report_dir) / "claims.csv"
+    if not path.is_file():
+        raise QKGeomError(f"{report_dir}: no claims.csv (not a written report folder); run "
+                          "`qkgeom report` first")
+    try:
+        claims = pd.read_csv(path)
+    except (OSError, ValueError, pd.errors.EmptyDataError) as err:
+        raise QKGeomError(f"{path}: unreadable ({err})") from err
+    if len(claims) and not {"claim_id", "claim", "verdict"} <= set(claims.columns):
+        raise QKGeomError(f"{path}: not a qkgeom claims table (no claim_id/claim/verdict)")
+    return claims_summary(claims)
 
 
 def _is_report_folder(out: Path) -> bool:

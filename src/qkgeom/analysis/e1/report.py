@@ -1,8 +1,9 @@
-"""The E1/E2 report of a sweep or of one run folder: claims table first, then setup,
-excluded runs, figures.
+"""The E1/E2 report of a sweep or of one run folder: a one-line summary and the claims
+table first, then setup, excluded runs, figures.
 
-:func:`write_e1_report` writes ``report.md`` (opens with the claims table), a
-self-contained ``report.html`` (figures embedded), the figures as PNG (300 dpi) and SVG,
+:func:`write_e1_report` writes ``report.md`` (opens with the summary line and the claims
+table, grouped by claim), ``report.html`` (verdicts coloured; figures shown from their
+files beside it), the figures as PNG (150 dpi) and SVG,
 and the numbers behind the table as CSV (``claims.csv``; ``contrast_readings.csv``, E1.3
 read four ways; ``run_stats.csv``, the independent unit, one row per run; ``cell_stats.csv``;
 ``trajectory_stats.csv``, seed-averaged layers; ``trajectory_stats_runs.csv``). A folder
@@ -37,6 +38,7 @@ from qkgeom.analysis.kit import (
     missing_metrics,
     setup_markdown,
     signed,
+    summary_markdown,
     write_csvs,
     write_pages,
 )
@@ -46,15 +48,19 @@ FIGURE_TITLES = {
     "qk_entropy": "(c) Interaction PR and attention entropy",
     "heads": "(d) Heads: interaction PR vs attention entropy",
 }
+#: Captions; ``{spread}`` is how the seeds are shown (figstyle.spread_note).
 CAPTIONS = {
-    "pr": "PR_Q (top row of each depth) and PR_K (bottom row) against training step; seed "
-          "mean ± 95 % t-interval; one colour per layer; dashed line: reference step.",
-    "contrast": "Paired contrast PR_Q − PR_K per layer (rows) and probe step (columns), "
-                "seed mean; red = queries higher-dimensional than keys.",
-    "qk_entropy": "PR of the interaction spectrum W_Q W_Kᵀ (upper row) and mean attention "
-                  "entropy (lower row) against step; layer level (entropy: mean over heads).",
-    "heads": "Every head of every run at every probe step: interaction PR against attention "
-             "entropy, coloured by step.",
+    "pr": "PR_Q (solid) and PR_K (dashed) of each layer against training step, one colour "
+          "per layer, log scale; {spread}; dotted line: reference step.",
+    "contrast": "Paired contrast PR_Q − PR_K of each layer against training step; above the "
+                "grey 0 line the queries are higher-dimensional than the keys (E1.3); "
+                "{spread}; dotted line: reference step.",
+    "qk_entropy": "PR of the interaction spectrum W_Q W_Kᵀ (upper row of each depth, log "
+                  "scale) and mean attention entropy (lower row) against step, one colour "
+                  "per layer (entropy: mean over heads); {spread}.",
+    "heads": "Every head of every run at the run's last probe (where E2.3 is measured): "
+             "interaction PR against attention entropy, one colour per layer (E2.3's ρ is "
+             "taken across the heads of one layer).",
 }
 
 
@@ -119,7 +125,7 @@ def readings_markdown(readings: pd.DataFrame) -> str:
         ci = f" [{signed(r.ci_low)}, {signed(r.ci_high)}]" if np.isfinite(r.ci_low) else ""
         rows.append([label, r.criterion, r.level, r.origin, f"{r.k}/{r.n}",
                      f"{signed(r.mean)}{ci}", fmt_p(r.p_value), f"{r.cells_k}/{r.cells_n}",
-                     f"{r.traj_k}/{r.traj_n}", r.verdict])
+                     f"{r.traj_k}/{r.traj_n}", f"**{r.verdict}**"])
     return "\n".join([
         "## E1.3 read four ways", "",
         "\"PR_Q − PR_K > 0 in all trajectories\" can mean any of these; each is counted over "
@@ -137,35 +143,49 @@ def _claim_metrics() -> list[str]:
     return list(dict.fromkeys(m for level in LEVELS for m in level_metrics(level).values()))
 
 
-def _figures_markdown(figures: dict[str, Path], gaps: dict[str, list[str]],
-                      drawn: bool) -> list[str]:
+def _figure_name(key: str) -> str:
+    kind, level = key.rsplit("_", 1)
+    return f"{FIGURE_TITLES[kind]} — {level} level"
+
+
+def _figures_markdown(figures: dict[str, Path], gaps: dict[str, list[str]], drawn: bool,
+                      spread: str = "", degenerate: dict[str, str] | None = None) -> list[str]:
+    """The figures section: each drawn figure with its caption (``spread``: how seeds are
+    shown), then the figures skipped for want of metrics (``gaps``) or because they would
+    show nothing (``degenerate``: {name: why})."""
+    degenerate = degenerate or {}
     parts = ["## Figures", ""]
-    if not figures and not gaps:
+    if not figures and not gaps and not degenerate:
         parts.append("No figures: no run could be analysed." if drawn else
                      "No figures: not drawn (`figures=False`).")
     for key, png in figures.items():
         kind, level = key.rsplit("_", 1)
-        parts += [f"### {FIGURE_TITLES[kind]} — {level} level", "",
-                  f"[![{key}]({png.name})]({png.name})", "",
-                  f"*{CAPTIONS[kind]} {level.capitalize()} level. Vector version: "
-                  f"[{png.with_suffix('.svg').name}]({png.with_suffix('.svg').name}).*", ""]
+        svg = png.with_suffix(".svg").name
+        parts += [f"### {_figure_name(key)}", "", f"[![{key}]({png.name})]({png.name})", "",
+                  f"*{CAPTIONS[kind].format(spread=spread)} {level.capitalize()} level. "
+                  f"Vector version: [{svg}]({svg}).*", ""]
     if gaps:
         parts += ["Skipped (their metrics are not recorded here): " + "; ".join(
-            f"{FIGURE_TITLES[key.rsplit('_', 1)[0]]} — {key.rsplit('_', 1)[1]} level "
-            f"(no {', '.join(f'`{m}`' for m in missing)})" for key, missing in gaps.items())
-            + ".", ""]
+            f"{_figure_name(key)} (no {', '.join(f'`{m}`' for m in missing)})"
+            for key, missing in gaps.items()) + ".", ""]
+    if degenerate:
+        parts += ["Not drawn (they would show nothing): " + "; ".join(
+            f"{_figure_name(key)} ({why})" for key, why in degenerate.items()) + ".", ""]
     return parts
 
 
 def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
                     figures: dict[str, Path], sweep_dir: Path,
-                    gaps: dict[str, list[str]] | None = None, drawn: bool = True) -> str:
+                    gaps: dict[str, list[str]] | None = None, drawn: bool = True,
+                    spread: str = "", degenerate: dict[str, str] | None = None) -> str:
     """The E1/E2 ``report.md`` from :func:`e1_claims`'s tables: ``figures`` are the drawn
-    ones, ``gaps`` the figures not drawn for want of metrics ({name: missing metrics});
-    ``drawn=False`` when figures were not asked for."""
+    ones, ``gaps`` the figures not drawn for want of metrics ({name: missing metrics}),
+    ``degenerate`` those not drawn because they would show nothing ({name: why});
+    ``spread`` says how the figures show the seeds; ``drawn=False`` when figures were not
+    asked for. Opens with the one-line summary, then the claims table."""
     name = table.attrs.get("name") or sweep_dir.name
-    parts = [f"# qkgeom report: {md_text(name)}", "", claims_markdown(e1["claims"]), "",
-             _rules_text(), ""]
+    parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(e1["claims"]), "",
+             claims_markdown(e1["claims"]), "", _rules_text(), ""]
     note = metrics_note(missing_metrics(table, _claim_metrics()) if len(table) else [],
                         "The claims that need them read *not evaluated* (0/0).")
     if note:
@@ -182,7 +202,7 @@ def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
         parts += [readings, ""]
     parts += [setup_markdown(table, sweep_dir, e1["trajectories"]), "",
               excluded_markdown(table), ""]
-    parts += _figures_markdown(figures, gaps or {}, drawn)
+    parts += _figures_markdown(figures, gaps or {}, drawn, spread, degenerate)
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -197,12 +217,25 @@ def write_e1_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
                      ("trajectory_stats_runs", e1["run_layers"])))
     figs: dict[str, Path] = {}
     gaps: dict[str, list[str]] = {}
+    degenerate: dict[str, str] = {}
+    spread = ""
     if figures and not table.empty:
-        from qkgeom.analysis.e1.figures import FIGURES, make_figures, missing_for
+        from qkgeom.analysis.e1.figures import (
+            FIGURES,
+            make_figures,
+            missing_for,
+            not_drawable,
+            seeds_per_panel,
+        )
+        from qkgeom.analysis.figstyle import spread_note
 
         gaps = {f"{kind}_{level}": missing for kind in FIGURES for level in LEVELS
                 if (missing := missing_for(table, kind, level))}
+        degenerate = {f"{kind}_{level}": why for kind in FIGURES for level in LEVELS
+                      if f"{kind}_{level}" not in gaps and (why := not_drawable(table, kind))}
         figs = make_figures(table, out)
-    text = report_markdown(table, e1, figs, sweep_dir, gaps, drawn=figures)
+        spread = spread_note(seeds_per_panel(table))
+    text = report_markdown(table, e1, figs, sweep_dir, gaps, drawn=figures, spread=spread,
+                           degenerate=degenerate)
     name = table.attrs.get("name") or sweep_dir.name
     return write_pages(out, text, f"qkgeom report: {name}")

@@ -1,12 +1,13 @@
 """Figures of E3 (key-spectrum control): trajectories per arm and paired differences.
 
-House style of :mod:`qkgeom.analysis.kit` (paper-column panels, 8 pt text, PNG 300 dpi
-+ SVG, key-control modes in Okabe–Ito colours, the frobenius scale rule dashed). A dotted
-vertical line marks the end of the early window (25 % of the run).
+House style of :mod:`qkgeom.analysis.figstyle` (paper-column panels, 8 pt text, PNG
+150 dpi + SVG, key-control modes in Okabe–Ito colours, the frobenius scale rule dashed). A
+dotted vertical line marks the end of the early window (25 % of the run).
 
 - ``e3_trajectories``: attention entropy, the logit scale, pr_qk (token), PR_K (weight) and
-  validation loss against step, whole-model (layer mean), one line per arm: seed mean ±
-  95 % t-interval.
+  validation loss against step, whole-model (layer mean), one line per arm: the seed mean
+  with a 95 % t-band from 5 seeds on, one thin line per seed below
+  (:func:`~qkgeom.analysis.figstyle.draw_spread`).
 - ``e3_paired``: the paired differences (arm − none) per seed against step, one thin line
   per seed and the seed mean thick, one row per controlled arm.
 """
@@ -21,16 +22,19 @@ from matplotlib.figure import Figure
 
 from qkgeom.analysis.e3.arms import BASELINE
 from qkgeom.analysis.e3.paired import EARLY_SHARE
-from qkgeom.analysis.kit import (
+from qkgeom.analysis.figstyle import (
     REF_LINE,
     STYLE,
+    ZERO_LINE,
+    blank_panel,
+    draw_spread,
     grid,
     mode_color,
     save_figure,
+    spread_note,
     step_axis,
     suptitle,
 )
-from qkgeom.analysis.stats import t_interval
 
 # Short panel titles (the long labels are in qkgeom.analysis.e3.paired.QUANTITIES).
 SHORT = {"attn_entropy": "attention entropy (nats)", "logit_std": "logit scale (std)",
@@ -38,21 +42,15 @@ SHORT = {"attn_entropy": "attention entropy (nats)", "logit_std": "logit scale (
          "pr_k_weight": "PR_K, weight", "val_loss": "val loss (nats/char)"}
 TRAJ_QUANTITIES = ("attn_entropy", "logit_std", "pr_qk_token", "pr_k_weight", "val_loss")
 PAIRED_QUANTITIES = ("attn_entropy", "logit_std", "pr_qk_token", "pr_qk_weight", "val_loss")
-EARLY_LINE = {**REF_LINE, "linestyle": ":"}
 
 
-def _style(arm: str) -> dict:
-    return {"color": mode_color(arm), "linestyle": "--" if arm.endswith("-frobenius") else "-"}
-
-
-def _mean_ci(values: pd.Series) -> tuple[float, float, float]:
-    mean, lo, hi, _ = t_interval(values)
-    return mean, lo, hi
+def _linestyle(arm: str) -> str:
+    return "--" if arm.endswith("-frobenius") else "-"
 
 
 def _early(ax, steps: int) -> None:
     if steps > 0:
-        ax.axvline(EARLY_SHARE * steps, **EARLY_LINE)
+        ax.axvline(EARLY_SHARE * steps, **REF_LINE)
 
 
 def fig_e3_trajectories(series: pd.DataFrame, steps: int) -> Figure:
@@ -61,29 +59,34 @@ def fig_e3_trajectories(series: pd.DataFrame, steps: int) -> Figure:
         return _trajectories(series, steps)
 
 
+def seeds_per_arm(runs: pd.DataFrame) -> list[int]:
+    """Seeds (runs) of each arm of ``runs`` (columns ``arm``, ``run_id``: the pair
+    members, or their series): what decides thin lines or a t-band."""
+    return [int(n) for n in runs.groupby("arm")["run_id"].nunique()] if len(runs) else []
+
+
 def _trajectories(series: pd.DataFrame, steps: int) -> Figure:
     fig, axes = grid(1, len(TRAJ_QUANTITIES))
     arms = sorted(series["arm"].unique(), key=lambda m: (m != BASELINE, m))
     for ax, quantity in zip(axes[0], TRAJ_QUANTITIES, strict=True):
-        sel = series[series["quantity"] == quantity]
-        for arm in arms:
-            g = sel[sel["arm"] == arm].groupby("step")["value"]
-            if g.ngroups == 0:
-                continue
-            stat = pd.DataFrame([(s, *_mean_ci(v)) for s, v in g],
-                                columns=["step", "mean", "lo", "hi"])
-            ax.plot(stat["step"], stat["mean"], label=arm, **_style(arm),
-                    marker="o" if quantity == "val_loss" else None, markersize=2.5)
-            if stat["lo"].notna().any():
-                ax.fill_between(stat["step"], stat["lo"], stat["hi"], color=mode_color(arm),
-                                alpha=0.15, linewidth=0)
+        sel = series[series["quantity"] == quantity].rename(columns={"run_id": "unit"})
         ax.set_title(SHORT[quantity])
+        if sel.empty:
+            blank_panel(ax, "not recorded")
+            continue
+        for arm in arms:
+            draw_spread(ax, sel[sel["arm"] == arm], mode_color(arm), label=arm,
+                        linestyle=_linestyle(arm),
+                        marker="o" if quantity == "val_loss" else None, markersize=2.5)
+        ax.ticklabel_format(axis="y", useOffset=False)  # no "+2.548" corner label
         ax.set_xlabel("step")
         _early(ax, steps)
         step_axis(ax, steps)
-    axes[0][0].legend(title="arm", frameon=False)
-    suptitle(fig, "E3: training with key-spectrum control (seed mean ± 95 % CI)",
-              len(TRAJ_QUANTITIES))
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    axes[0][-1].legend(handles, labels, title="arm", frameon=False, loc="center left",
+                       bbox_to_anchor=(1.02, 0.5))
+    suptitle(fig, "E3: training with key-spectrum control — "
+             f"{spread_note(seeds_per_arm(series))}", len(TRAJ_QUANTITIES))
     return fig
 
 
@@ -102,18 +105,20 @@ def _paired(paired: pd.DataFrame, steps: int) -> Figure:
         for j, quantity in enumerate(PAIRED_QUANTITIES):
             ax = axes[i][j]
             sel = paired[(paired["arm"] == arm) & (paired["quantity"] == quantity)]
-            for _, g in sel.groupby("group"):
-                ax.plot(g["step"], g["diff"], color=mode_color(arm), alpha=0.35, linewidth=0.7)
-            if len(sel):
-                mean = sel.groupby("step")["diff"].mean()
-                ax.plot(mean.index, mean.to_numpy(), color=mode_color(arm), linewidth=1.8)
-            ax.axhline(0.0, color="0.2", linewidth=0.6)
-            _early(ax, steps)
-            step_axis(ax, steps)
             if i == 0:
                 ax.set_title(f"Δ {SHORT[quantity]}")
             if j == 0:
                 ax.set_ylabel(f"{arm} − none")
+            if sel.empty:
+                blank_panel(ax, "not recorded")
+                continue
+            for _, g in sel.groupby("group"):
+                ax.plot(g["step"], g["diff"], color=mode_color(arm), alpha=0.5, linewidth=0.7)
+            mean = sel.groupby("step")["diff"].mean()
+            ax.plot(mean.index, mean.to_numpy(), color=mode_color(arm), linewidth=1.8)
+            ax.axhline(0.0, **ZERO_LINE)
+            _early(ax, steps)
+            step_axis(ax, steps)
             if i == len(arms) - 1:
                 ax.set_xlabel("step")
     suptitle(fig, "E3: paired differences per seed (arm − none)", len(PAIRED_QUANTITIES))

@@ -28,15 +28,16 @@ from qkgeom.analysis.kit import (
     md_table,
     md_text,
     setup_markdown,
+    summary_markdown,
     write_csvs,
     write_pages,
 )
 
+#: Captions; ``{spread}`` is how the seeds are shown (figstyle.spread_note).
 CAPTIONS = {
     "e3_trajectories": "Whole-model (layer mean) quantities against training step, one line "
-                       "per arm (colour: mode; dashed: frobenius scale rule): seed mean ± 95 % "
-                       "t-interval over seeds. Dotted line: end of the early window (25 % of "
-                       "the run).",
+                       "per arm (colour: mode; dashed: frobenius scale rule): {spread}. "
+                       "Dotted line: end of the early window (25 % of the run).",
     "e3_paired": "Paired differences (arm − none, same seed) against step: thin lines one "
                  "seed each, thick line the seed mean; below zero = lower than without "
                  "control. Dotted line: end of the early window.",
@@ -149,13 +150,15 @@ def _rules_text() -> str:
 
 
 def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
-                       figures: dict[str, Path], sweep_dir: Path, drawn: bool = True) -> str:
-    """The E3 ``report.md``; ``drawn=False`` when figures were not asked for."""
+                       figures: dict[str, Path], sweep_dir: Path, drawn: bool = True,
+                       spread: str = "") -> str:
+    """The E3 ``report.md``, opening with the one-line summary; ``spread`` says how the
+    figures show the seeds; ``drawn=False`` when figures were not asked for."""
     name = table.attrs.get("name") or sweep_dir.name
     members = analysis["members"]
     per_arm = members.groupby("arm")["seed"].nunique().to_dict() if len(members) else {}
     gate = analysis["claims"].attrs.get("gate", {})
-    parts = [f"# qkgeom report: {md_text(name)}", "",
+    parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(analysis["claims"]), "",
              "E3 (see `docs/definitions.md`): key-spectrum control during training, each arm "
              "paired with the uncontrolled run of its seed. Seeds per arm: "
              + (", ".join(f"{m} {n}" for m, n in sorted(per_arm.items())) or "none") + ".", "",
@@ -177,7 +180,7 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
     for key, png in figures.items():
         title = key.replace("e3_", "").replace("_", " ")
         parts += [f"### E3 {title}", "", f"[![{key}]({png.name})]({png.name})", "",
-                  f"*{CAPTIONS[key]} Vector version: "
+                  f"*{CAPTIONS[key].format(spread=spread)} Vector version: "
                   f"[{png.with_suffix('.svg').name}]({png.with_suffix('.svg').name}).*", ""]
     return "\n".join(parts).rstrip() + "\n"
 
@@ -191,10 +194,13 @@ def write_e3_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
         ("e3_mediation", "mediation"), ("e3_windows", "windows"), ("e3_paired", "paired"),
         ("e3_arms", "arms"))))
     figs: dict[str, Path] = {}
+    spread = ""
     if figures and not analysis["paired"].empty:
-        from qkgeom.analysis.e3.figures import make_e3_figures
+        from qkgeom.analysis.e3.figures import make_e3_figures, seeds_per_arm
+        from qkgeom.analysis.figstyle import spread_note
 
         figs = make_e3_figures(analysis, out)
-    text = e3_report_markdown(table, analysis, figs, sweep_dir, drawn=figures)
+        spread = spread_note(seeds_per_arm(analysis["members"]))
+    text = e3_report_markdown(table, analysis, figs, sweep_dir, drawn=figures, spread=spread)
     name = table.attrs.get("name") or sweep_dir.name
     return write_pages(out, text, f"qkgeom report: {name}")

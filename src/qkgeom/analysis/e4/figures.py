@@ -1,4 +1,4 @@
-"""E4 figures of an analysed checkpoint family (matplotlib; PNG 300 dpi + SVG).
+"""E4 figures of an analysed checkpoint family (matplotlib; PNG 150 dpi + SVG).
 
 - ``contrast_steps``: PR_Q − PR_K per layer against step (log x; symlog when step 0 is
   there), one panel per recorded contrast (the primary, head-mean token contrast first,
@@ -10,7 +10,14 @@
   checkpoint (at most 12, spread over the run), heads coloured by layer, the mean per-layer
   ρ in the title.
 
-House style of :mod:`qkgeom.analysis.kit`, drawn on bare Figures (no pyplot).
+A figure that would show nothing is not drawn (:func:`degenerate_figures`: one checkpoint
+has no trajectory, fewer than three no prefix trend, no per-head rows no head scatter)
+and the report says so. Checkpoints
+whose step is not known are labelled by their name (:mod:`qkgeom.analysis.e4.labels`),
+never by their position as a "step"; their x axis is the given order, labelled with the
+names.
+
+House style of :mod:`qkgeom.analysis.figstyle`, drawn on bare Figures (no pyplot).
 """
 
 from __future__ import annotations
@@ -24,24 +31,31 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from scipy import stats as sst
 
+from qkgeom.analysis.e4.labels import UNKNOWN_STEP, checkpoint_label, names_by_position
 from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS
-from qkgeom.analysis.kit import STYLE, layer_colors, new_figure, save_figure
+from qkgeom.analysis.figstyle import STYLE, ZERO_LINE, layer_colors, new_figure, save_figure
 
-__all__ = ["make_e4_figures"]
+__all__ = ["degenerate_figures", "make_e4_figures"]
 
 _Z_CRIT = float(sst.norm.isf(0.05))
 _MAX_PANELS = 12
-
-
-def _xscale(ax: Axes, steps: np.ndarray) -> None:
+def _xscale(ax: Axes, steps: np.ndarray, names: dict[float, str] | None,
+            label: str = "step") -> None:
+    if names is not None:
+        ax.set_xticks(sorted(names), [names[s] for s in sorted(names)], rotation=30,
+                      ha="right")
+        ax.set_xlabel("checkpoint (in the order given; no step recorded)")
+        return
     if len(steps) and np.nanmin(steps) <= 0:
         ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlim(left=-0.3)  # no empty negative half (steps are ≥ 0)
     else:
         ax.set_xscale("log")
-    ax.set_xlabel("step")
+    ax.set_xlabel(label)
 
 
-def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame) -> Figure:
+def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame,
+                 names: dict[float, str] | None = None) -> Figure:
     layer = metrics[metrics["head"] == -1]
     layers = sorted(layer["layer"].unique())
     colors = layer_colors(len(layers))[: len(layers)]
@@ -64,15 +78,16 @@ def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame
             if "in_trends" in s and (~s["in_trends"]).any():
                 d = s[~s["in_trends"]]
                 ax.plot(d["step"], d["value"], "o", mfc="none", ms=4, color=c)
-        ax.axhline(0, color="0.6", lw=0.6, zorder=0)
-        _xscale(ax, sel["step"].to_numpy(float))
+        ax.axhline(0, **ZERO_LINE)
+        _xscale(ax, sel["step"].to_numpy(float), names)
         ax.set_ylabel("PR_Q − PR_K")
         ax.set_title(f"{metric}" + (" (primary)" if metric == PRIMARY else ""))
     axes[-1].legend(ncol=2 if len(layers) > 8 else 1, frameon=False, loc="best")
     return fig
 
 
-def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame) -> Figure:
+def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame,
+               names: dict[float, str] | None = None) -> Figure:
     fig = new_figure(3.6, 2.6)
     ax = fig.subplots()
     level = TREND_METRICS[PRIMARY] if (prefix["level"] == TREND_METRICS[PRIMARY]).any() \
@@ -86,8 +101,8 @@ def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame) -> Figure:
         for end in t["regime_end_step"]:
             ax.axvline(end, color=c, lw=0.6, ls=":")
     ax.axhline(_Z_CRIT, color="0.3", ls="--", lw=0.8, label="p = 0.05")
-    _xscale(ax, sel["end_step"].to_numpy(float) if len(sel) else np.array([1.0]))
-    ax.set_xlabel("last step of the prefix")
+    _xscale(ax, sel["end_step"].to_numpy(float) if len(sel) else np.array([1.0]), names,
+            "last step of the prefix")
     ax.set_ylabel("Mann–Kendall Z (increase)")
     ax.set_title(f"trend of growing prefixes ({level})")
     if len(layers):
@@ -95,7 +110,28 @@ def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame) -> Figure:
     return fig
 
 
-def fig_heads(metrics: pd.DataFrame, heads: pd.DataFrame) -> Figure:
+def _layer_key(fig: Figure, axes: np.ndarray, layers: list[int]) -> None:
+    """Which colour is which layer: a legend up to 8 layers, a discrete colour bar beyond."""
+    colors = layer_colors(len(layers))
+    if len(layers) <= 8:
+        from matplotlib.lines import Line2D
+
+        fig.legend(handles=[Line2D([], [], ls="", marker="o", ms=4, color=c, label=f"L{lay}")
+                            for c, lay in zip(colors, layers, strict=True)],
+                   loc="outside right center", frameon=False, title="layer")
+        return
+    from matplotlib.cm import ScalarMappable
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    bounds = np.arange(len(layers) + 1) - 0.5
+    mappable = ScalarMappable(BoundaryNorm(bounds, len(layers)), ListedColormap(colors))
+    bar = fig.colorbar(mappable, ax=axes, shrink=0.8, aspect=30, pad=0.01)
+    bar.set_ticks(np.arange(len(layers))[:: max(1, len(layers) // 8)])
+    bar.set_label("layer")
+
+
+def fig_heads(metrics: pd.DataFrame, heads: pd.DataFrame, sources: dict[str, str]) -> Figure:
+    """``sources``: {checkpoint: step_source}, for the panel titles."""
     h = metrics[(metrics["head"] >= 0) & metrics["metric"].isin(["pr_qk_token", "attn_entropy"])]
     wide = h.pivot_table(index=["checkpoint", "step", "layer", "head"], columns="metric",
                          values="value").reset_index()
@@ -106,37 +142,66 @@ def fig_heads(metrics: pd.DataFrame, heads: pd.DataFrame) -> Figure:
     n = max(1, len(ckpts))
     cols = min(4, n)
     rows = (n + cols - 1) // cols
-    fig = new_figure(1.9 * cols + 0.4, 1.7 * rows + 0.3)
+    panel = 2.6 if n <= 2 else 1.9
+    fig = new_figure(panel * cols + 0.8, 0.85 * panel * rows + 0.4)
     axes = fig.subplots(rows, cols, squeeze=False)
-    layers = sorted(wide["layer"].unique()) if len(wide) else []
-    colors = dict(zip(layers, layer_colors(len(layers))[: len(layers)], strict=True))
+    layers = sorted(int(x) for x in wide["layer"].unique()) if len(wide) else []
+    colors = dict(zip(layers, layer_colors(len(layers)), strict=True))
     for ax in axes.flat[n:]:
         ax.axis("off")
     for ax, (ckpt, step) in zip(axes.flat, ckpts.itertuples(index=False), strict=False):
         g = wide[wide["checkpoint"] == ckpt]
         if "pr_qk_token" not in g or "attn_entropy" not in g:
             continue
-        ax.scatter(g["pr_qk_token"], g["attn_entropy"], s=6,
-                   c=[colors[v] for v in g["layer"]], linewidths=0)
+        ax.scatter(g["pr_qk_token"], g["attn_entropy"], s=8,
+                   c=[colors[int(v)] for v in g["layer"]], linewidths=0)
         r = heads[(heads["checkpoint"] == ckpt) & (heads["level"] == "token")
                   & (heads["layer"] >= 0)]["rho"].dropna()
-        rho = f"mean layer ρ = {r.mean():+.2f}" if len(r) else ""
-        ax.set_title(f"{ckpt} (step {int(step)}) {rho}", fontsize=6)
+        rho = f"\nmean layer ρ = {r.mean():+.2f}" if len(r) else ""
+        label = checkpoint_label(str(ckpt), step, sources.get(str(ckpt), UNKNOWN_STEP))
+        ax.set_title(label + rho, fontsize=6)
         ax.tick_params(labelsize=6)
     fig.supxlabel("pr_qk (token level)", fontsize=7)
     fig.supylabel("attention entropy (nats)", fontsize=7)
+    if layers:
+        _layer_key(fig, axes, layers)
     return fig
 
 
+def degenerate_figures(metrics: pd.DataFrame, prefix: pd.DataFrame) -> dict[str, str]:
+    """The E4 figures that would show nothing here, with why: the contrast needs two
+    checkpoints in the trends to be a trajectory, the prefix trend three."""
+    n = metrics.loc[metrics["in_trends"], "step"].nunique() if "in_trends" in metrics \
+        else metrics["step"].nunique()
+    counted = f"{n} checkpoint{'' if n == 1 else 's'} in the trends"
+    out = {}
+    if n < 2:
+        out["contrast_steps"] = f"{counted}: no trajectory to draw"
+    if prefix.empty:
+        out["prefix_trend"] = f"{counted}: a prefix trend needs at least 3"
+    per_head = metrics[(metrics["head"] >= 0)]["metric"]
+    if not {"pr_qk_token", "attn_entropy"} <= set(per_head):
+        out["qk_entropy_heads"] = "no per-head pr_qk_token and attention entropy recorded"
+    return out
+
+
 def make_e4_figures(metrics: pd.DataFrame, trends: pd.DataFrame, prefix: pd.DataFrame,
-                    heads: pd.DataFrame, band: pd.DataFrame,
-                    out_dir: str | Path) -> dict[str, Path]:
-    """Draw the three E4 figures into ``out_dir`` (``band``: the block bootstrap's
-    percentile band of the primary contrast, maybe empty); returns {name: PNG path}."""
+                    heads: pd.DataFrame, band: pd.DataFrame, out_dir: str | Path,
+                    checkpoints: pd.DataFrame | None = None) -> dict[str, Path]:
+    """Draw the E4 figures into ``out_dir`` (``band``: the block bootstrap's percentile
+    band of the primary contrast, maybe empty; ``checkpoints``: the folder's checkpoint
+    table, for labels); returns {name: PNG path}. The figures of
+    :func:`degenerate_figures` are not drawn."""
+    ckpts = checkpoints if checkpoints is not None else pd.DataFrame(
+        columns=["checkpoint", "step", "step_source"])
+    sources = dict(zip(ckpts["checkpoint"].astype(str), ckpts["step_source"], strict=True))
+    names = names_by_position(ckpts[ckpts["in_trends"]] if "in_trends" in ckpts else ckpts)
+    skip = degenerate_figures(metrics, prefix)
     out = {}
     with matplotlib.rc_context(STYLE):
-        for name, make in (("contrast_steps", lambda: fig_contrast(metrics, trends, band)),
-                           ("prefix_trend", lambda: fig_prefix(prefix, trends)),
-                           ("qk_entropy_heads", lambda: fig_heads(metrics, heads))):
-            out[name] = save_figure(make(), out_dir, name)[0]
+        for name, make in (("contrast_steps", lambda: fig_contrast(metrics, trends, band, names)),
+                           ("prefix_trend", lambda: fig_prefix(prefix, trends, names)),
+                           ("qk_entropy_heads", lambda: fig_heads(metrics, heads, sources))):
+            if name not in skip:
+                out[name] = save_figure(make(), out_dir, name)[0]
     return out

@@ -1,8 +1,11 @@
-"""The E4 report of an analysis folder: claims table first, then setup, tables, figures.
+"""The E4 report of an analysis folder: a one-line summary and the claims table first,
+then setup, tables, figures.
 
 ``write_e4_report(DIR)`` reads only the folder's JSON/Parquet (no torch, no model) and
-writes ``DIR/report/``: ``report.md`` (claims table first), ``report.html`` (figures
-embedded), the figures (PNG 300 dpi + SVG) and the numbers as CSV (``claims.csv``,
+writes ``DIR/report/``: ``report.md`` (summary line and claims table first),
+``report.html`` (verdicts coloured, figures shown from their files), the figures (PNG
+150 dpi + SVG; those that would show nothing, e.g. a trajectory of one checkpoint, are
+listed instead) and the numbers as CSV (``claims.csv``,
 ``trends.csv`` (the regime call per contrast and layer), ``bootstrap.csv`` (the token-block
 bootstrap of the primary contrast per layer), ``prefix_trends.csv``,
 ``head_correlations.csv``, ``checkpoints.csv``).
@@ -18,6 +21,7 @@ import pandas as pd
 from qkgeom.analysis import stats
 from qkgeom.analysis.e4.bootstrap import N_BOOT, block_bootstrap
 from qkgeom.analysis.e4.claims import e4_claims
+from qkgeom.analysis.e4.labels import UNKNOWN_STEP, names_by_position
 from qkgeom.analysis.e4.trends import (
     PRIMARY,
     TREND_METRICS,
@@ -36,6 +40,7 @@ from qkgeom.analysis.kit import (
     md_code,
     md_table,
     md_text,
+    summary_markdown,
     write_csvs,
     write_pages,
 )
@@ -47,9 +52,20 @@ __all__ = ["E4_CLAIM_CELLS", "bootstrap", "e4_claims_table", "load_analysis", "w
 
 #: The E4 claims table in Markdown: what each row measured and its own test.
 E4_CLAIM_CELLS: tuple[Cell, ...] = (
-    ("id", field("claim_id")), ("claim", field("claim")), ("level", field("level")),
-    ("measured", field("measured")), ("estimate", field("estimate")), ("test", field("test")),
-    P_CELL, P_SIGN_CELL, ("beside", field("beside")), VERDICT_CELL)
+    ("level", field("level")), ("measured", field("measured")),
+    ("estimate", field("estimate")), ("test", field("test")), P_CELL, P_SIGN_CELL,
+    ("beside", field("beside")), VERDICT_CELL)
+#: Figure captions of the report.
+CAPTIONS = {
+    "contrast_steps": "PR_Q − PR_K per layer against step (hollow: duplicate checkpoints, "
+                      "left out of statistics); primary contrast with its 95 % token-block "
+                      "bootstrap band; ◆ the peak.",
+    "prefix_trend": "Descriptive: Mann–Kendall Z of the first k checkpoints against the k-th "
+                    "step; dashed: one-sided p = 0.05; dotted: each layer's peak when it has "
+                    "a regime.",
+    "qk_entropy_heads": "Every head at each checkpoint: pr_qk (token level) against attention "
+                        "entropy, coloured by layer.",
+}
 
 
 def load_analysis(folder: str | Path) -> dict:
@@ -97,6 +113,17 @@ def e4_claims_table(folder: str | Path, n_boot: int = N_BOOT) -> pd.DataFrame:
     return e4_claims(a["trends"], a["heads"], bootstrap(a, n_boot)[0])
 
 
+def _step_cell(step: float, source: str) -> str:
+    """A checkpoint's step for a table: "—" when only its position is known (step_source
+    ``order``: a pretrained model, a folder without a step), never a made-up "0"."""
+    return "—" if source == UNKNOWN_STEP else str(int(step))
+
+
+def _at(step: float, names: dict[float, str] | None) -> str:
+    """Where a trend peaks: its step, or the checkpoint's name when no step is known."""
+    return md_text(names.get(float(step), int(step))) if names else str(int(step))
+
+
 def _f(x: float, fmt: str = "{:+.3f}") -> str:
     return fmt.format(x) if isinstance(x, (int, float)) and np.isfinite(x) else "n/a"
 
@@ -124,14 +151,16 @@ def _setup(meta: dict, ckpts: pd.DataFrame) -> str:
         lines.append("- **duplicates**: none (every checkpoint has distinct Q/K weights)")
     table = md_table(["checkpoint", "step", "Q/K hash", "duplicate of", "in trends",
                        "tokens/s"],
-                      [[md_text(r.checkpoint), int(r.step), md_text(r.qk_hash[:12]),
+                      [[md_text(r.checkpoint), _step_cell(r.step, r.step_source),
+                        md_text(r.qk_hash[:12]),
                         md_text(r.duplicate_of or ""), "yes" if r.in_trends else "no",
                         f"{r.tokens_per_s:,.0f}"]
                        for r in ckpts.sort_values("step").itertuples()])
     return "\n".join(lines) + "\n\n" + table
 
 
-def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame) -> str:
+def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame, ckpts: pd.DataFrame) -> str:
+    names = names_by_position(ckpts)
     rows = []
     order = {lv: i for i, lv in enumerate(TREND_METRICS.values())}
     trends = trends.assign(_o=trends["level"].map(order)).sort_values(["_o", "layer"])
@@ -141,8 +170,9 @@ def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame) -> str:
         lost = (f"{_f(r.share_lost, '{:.2f}')}" +
                 (f" [{_f(b['share_lost_low'].iloc[0], '{:.2f}')}, "
                  f"{_f(b['share_lost_high'].iloc[0], '{:.2f}')}]" if len(b) else ""))
-        peak = f"{int(r.peak_step)}" + (f" [{int(b['peak_step_low'].iloc[0])}, "
-                                         f"{int(b['peak_step_high'].iloc[0])}]" if len(b) else "")
+        peak = _at(r.peak_step, names) + (f" [{_at(b['peak_step_low'].iloc[0], names)}, "
+                                          f"{_at(b['peak_step_high'].iloc[0], names)}]"
+                                          if len(b) else "")
         rows.append([r.level, r.layer, r.n, _f(r.first), f"{_f(r.peak)} @ {peak}", _f(r.last),
                      f"**{r.call}**", fmt_p(r.p_rise), fmt_p(r.p_fall),
                      fmt_p(r.mk_p_increase), lost,
@@ -152,11 +182,12 @@ def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame) -> str:
                      "share of gain lost [95 % bootstrap]", "resamples with this call"], rows)
 
 
-def _heads_md(heads: pd.DataFrame) -> str:
+def _heads_md(heads: pd.DataFrame, ckpts: pd.DataFrame) -> str:
     per_layer = heads[heads["layer"] >= 0]
+    sources = dict(zip(ckpts["checkpoint"], ckpts["step_source"], strict=True))
     rows = []
     for (step, ckpt), g in per_layer.groupby(["step", "checkpoint"], sort=True):
-        cells = [md_text(ckpt), int(step)]
+        cells = [md_text(ckpt), _step_cell(step, sources.get(ckpt, UNKNOWN_STEP))]
         for level in ("token", "weight"):
             h = g[g["level"] == level]
             ct = stats.count_test(h["rho"], +1)
@@ -210,35 +241,36 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
     write_csvs(out, (("claims", claims), ("trends", a["trends"]), ("bootstrap", boot),
                      ("prefix_trends", a["prefix"]), ("head_correlations", a["heads"]),
                      ("checkpoints", a["checkpoints"])))
-    figs = {}
+    figs: dict[str, Path] = {}
+    skipped: dict[str, str] = {}
     if figures:
-        from qkgeom.analysis.e4.figures import make_e4_figures
+        from qkgeom.analysis.e4.figures import degenerate_figures, make_e4_figures
 
-        figs = make_e4_figures(a["metrics"], a["trends"], a["prefix"], a["heads"], band, out)
+        skipped = degenerate_figures(a["metrics"], a["prefix"])
+        figs = make_e4_figures(a["metrics"], a["trends"], a["prefix"], a["heads"], band, out,
+                               a["checkpoints"])
     meta = a["meta"]
     parts = [
         f"# E4: token-level Q/K geometry across checkpoints — {md_text(meta['model'])}",
+        summary_markdown(claims),
         "## Claims",
         claims_markdown(claims, E4_CLAIM_CELLS),
         _rules_text(boot),
         "## Setup", _setup(meta, a["checkpoints"]),
-        "## Contrast regime per layer", _trend_md(a["trends"], boot) if len(a["trends"]) else "n/a",
+        "## Contrast regime per layer", _trend_md(a["trends"], boot, a["checkpoints"]) if len(a["trends"]) else "n/a",
         "## pr_qk ↔ attention entropy across heads, per checkpoint",
         "Per layer: Spearman ρ across the layer's heads (the E4.4 statistic); pooled: over all "
         "heads of all layers (mixes depths; shown only).",
-        _heads_md(a["heads"]) if len(a["heads"]) else "n/a",
+        _heads_md(a["heads"], a["checkpoints"]) if len(a["heads"]) else "n/a",
     ]
-    captions = {"contrast_steps": "PR_Q − PR_K per layer against step (hollow: duplicate "
-                                  "checkpoints, left out of statistics); primary contrast with "
-                                  "its 95 % token-block bootstrap band; ◆ the peak.",
-                "prefix_trend": "Descriptive: Mann–Kendall Z of the first k checkpoints against "
-                                "the k-th step; dashed: one-sided p = 0.05; dotted: each "
-                                "layer's peak when it has a regime.",
-                "qk_entropy_heads": "Every head at each checkpoint: pr_qk (token level) against "
-                                    "attention entropy, coloured by layer."}
-    if figs:
+    if figs or skipped:
         parts.append("## Figures")
         for name, path in figs.items():
-            parts.append(f"![{name}]({path.name})\n\n{captions[name]}")
+            svg = path.with_suffix(".svg").name
+            parts.append(f"[![{name}]({path.name})]({path.name})\n\n*{CAPTIONS[name]} "
+                         f"Vector version: [{svg}]({svg}).*")
+        if skipped:
+            parts.append("Not drawn (they would show nothing): " + "; ".join(
+                f"`{name}` ({why})" for name, why in skipped.items()) + ".")
     text = "\n\n".join(parts) + "\n"
     return write_pages(out, text, f"qkgeom E4 report: {meta['model']}")
