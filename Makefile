@@ -48,6 +48,7 @@ bench: $(STAMP)  ## speed claims on this machine (docs/speed.md); `make bench QU
 	$(BIN)/python benchmarks/probe_overhead.py $(BENCH_FLAGS)
 	$(BIN)/python benchmarks/control_overhead.py $(if $(QUICK),--sizes demo --reps 2,)
 	$(BIN)/python benchmarks/sweep_scaling.py $(BENCH_FLAGS)
+	$(BIN)/python benchmarks/report_time.py $(if $(QUICK),--reps 1,)
 	$(BIN)/python benchmarks/analysis_throughput.py $(if $(QUICK),--tokens 100000,)
 	$(BIN)/python benchmarks/monitor_overhead.py $(if $(QUICK),--reps 1,)
 

@@ -31,7 +31,7 @@ def test_reproduce_e1_smoke_then_status_and_report(sample_data: Path, tmp_path: 
     out = tmp_path / "sweeps" / "e1"
     assert "E1.1" in res.stdout and "verdict" in res.stdout
     assert "report: sweeps/e1/report/report.md" in res.stdout
-    assert "report (HTML, figures inline): sweeps/e1/report/report.html" in res.stdout
+    assert "report (HTML): sweeps/e1/report/report.html" in res.stdout
     fits_100_columns(res.stdout)  # the claims table, in a log
     report = (out / "report" / "report.md").read_text()
     assert report.index("| E1.1") < report.index("## ")  # the claims table comes first

@@ -17,14 +17,36 @@ report shares: Markdown, claims table and summary line, setup sections, HTML pag
 ``figstyle`` (the figure house style every report shares), one sub-package
 per experiment (``e1`` for E1/E2, ``e3``, ``e4``), ``report`` (the one dispatcher) and
 ``tables`` (the per-layer table of ``qkgeom show``).
+
+Names load on first use: ``qkgeom.analysis.tables`` (pandas only, what ``qkgeom show`` and
+``train`` print) must not need the ``report`` extra (scipy, matplotlib, markdown).
 """
 
-from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
-from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
-from qkgeom.analysis.e3.analysis import e3_analysis
-from qkgeom.analysis.report import claims_table, summary_line, write_report
-from qkgeom.analysis.tables import layer_table
+from __future__ import annotations
 
-__all__ = ["collate", "trajectories", "write_report", "claims_table", "summary_line",
-           "runs_table", "excluded_runs", "evaluate_claims", "CLAIMS", "e3_analysis",
-           "layer_table"]
+from typing import TYPE_CHECKING
+
+from qkgeom._lazy import lazy_getattr
+
+# Eager: ``collate`` is also the name of its submodule, and importing the submodule would
+# bind the module on this package in place of a lazily loaded function (pandas only).
+from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
+
+_EXPORTS = {
+    "CLAIMS": "qkgeom.analysis.e1.claims", "evaluate_claims": "qkgeom.analysis.e1.claims",
+    "e3_analysis": "qkgeom.analysis.e3.analysis",
+    "claims_table": "qkgeom.analysis.report", "write_report": "qkgeom.analysis.report",
+    "summary_line": "qkgeom.analysis.report",
+    "layer_table": "qkgeom.analysis.tables",
+}
+
+__all__ = ["collate", "trajectories", "write_report", "claims_table", "summary_line", "runs_table",
+           "excluded_runs", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]
+
+if TYPE_CHECKING:
+    from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
+    from qkgeom.analysis.e3.analysis import e3_analysis
+    from qkgeom.analysis.report import claims_table, summary_line, write_report
+    from qkgeom.analysis.tables import layer_table
+
+__getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

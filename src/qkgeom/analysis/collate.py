@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy import stats as sst
 
 from qkgeom.config import TrainConfig
 from qkgeom.errors import QKGeomError
@@ -373,6 +372,8 @@ def trajectories(table: pd.DataFrame, metric: str, head: int | None = -1,
     n = out["n_seeds"].to_numpy()
     tcrit = np.full(len(out), np.nan)
     many = n >= 2
+    from scipy import stats as sst  # the report extra; collate itself needs pandas only
+
     tcrit[many] = sst.t.ppf(0.5 + level / 2, n[many] - 1)
     half = tcrit * out["sd"].to_numpy() / np.sqrt(np.maximum(n, 1))
     out["ci_low"] = out["mean"] - half

@@ -46,17 +46,21 @@ def _print_summary(summary: object, out: Path) -> None:
 
 def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     """Write the report of any result folder and print its claims table (``fmt``)."""
-    from qkgeom.analysis import claims_table, write_report
+    import pandas as pd
+
+    from qkgeom.analysis import summary_line, write_report
     from qkgeom.ui import render_frame
 
     path = write_report(folder, out)
     html = path.with_suffix(".html")
-    claims = claims_table(folder)
-    excluded = claims.attrs.get("excluded")
+    # The report wrote its claims: read them back rather than analyse the folder twice.
+    claims = pd.read_csv(path.parent / "claims.csv", keep_default_na=False,
+                         na_values=[""])
+    excluded = _left_out(folder)
     if fmt == "json":
         write_json({"folder": str(folder), "report": str(path),
                     "html": str(html) if html.is_file() else None,
-                    "excluded": 0 if excluded is None else len(excluded),
+                    "excluded": excluded,
                     "claims": records(claims)})
         return
     if fmt == "csv":
@@ -68,11 +72,21 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     render_frame(claims[cols], "claims (verdicts computed from the numbers; see report.md)",
                  ["measured = units with the predicted sign / units (a unit is a run, or "
                   "a seed: docs/protocols.md)", "p = exact sign-flip p-value"])
-    if excluded is not None and len(excluded):
-        typer.echo(f"{len(excluded)} run(s) left out (diverged/failed/unfinished): see the report")
+    if excluded:
+        typer.echo(f"{excluded} run(s) left out (diverged/failed/unfinished): see the report")
+    typer.echo(summary_line(path.parent))
     typer.echo(f"report: {path}")
     if html.is_file():
-        typer.echo(f"report (HTML, figures inline): {html}")
+        typer.echo(f"report (HTML): {html}")
+
+
+def _left_out(folder: Path) -> int:
+    """How many runs of a sweep or run folder the report left out (collating reads the
+    folders' records only; an E4 analysis folder has no runs to leave out)."""
+    from qkgeom.analysis import collate, excluded_runs
+    from qkgeom.runs.family import is_analysis_folder
+
+    return 0 if is_analysis_folder(folder) else len(excluded_runs(collate(folder)))
 
 
 def _status_table(status: pd.DataFrame) -> pd.DataFrame:
