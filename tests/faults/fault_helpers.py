@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 
 FIGURES: list[str] = []
+TALLIES: dict[str, list[int]] = {}  # fuzzed attack -> [inputs tried, handled cleanly, ran]
 METRIC_COLS = ["step", "layer", "head", "metric", "value"]
 LOG_COLS = ["step", "loss", "val_loss", "lr"]
 
@@ -22,6 +23,15 @@ def figure(name: str, text: str) -> None:
     line = f"FIGURE {name}: {text}"
     print(line)
     FIGURES.append(line)
+
+
+def tally(attack: str, ok: bool, ran: bool = False) -> None:
+    """Count one fuzzed input of ``attack`` (shown in the end-of-run summary); ``ran``: it
+    was accepted and really trained."""
+    counts = TALLIES.setdefault(attack, [0, 0, 0])
+    counts[0] += 1
+    counts[1] += int(ok)
+    counts[2] += int(ran)
 
 
 def cli(*args: str, fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
