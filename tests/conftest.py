@@ -28,6 +28,7 @@ def skips_are_failures() -> bool:
 def _as_failure(report: pytest.TestReport | pytest.CollectReport, where: str) -> None:
     """Turn a skip report into a failure that says what was skipped and why."""
     reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    reason = reason.removeprefix("Skipped: ")
     report.outcome = "failed"
     report.longrepr = (f"{where} was skipped ({reason}) while CI or QKGEOM_REQUIRE_EXTRAS=1 is "
                        "set: install the test extras (pip install -e '.[test]' and "
@@ -47,8 +48,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 def pytest_make_collect_report(collector: pytest.Collector):
     outcome = yield
     report = outcome.get_result()
-    if report.skipped and skips_are_failures():  # a module-level importorskip
-        _as_failure(report, collector.nodeid)
+    if report.skipped and skips_are_failures():  # a module-level importorskip: the run
+        _as_failure(report, collector.nodeid)  # stops at collection, naming what is missing
 
 
 @pytest.fixture(scope="session")
