@@ -40,15 +40,20 @@ def cli(*args: str, fault: str | None = None, timeout: float = 300) -> subproces
                           text=True, timeout=timeout, env=fault_env(fault))
 
 
-def popen(*args: str, fault: str | None = None) -> subprocess.Popen:
-    """The CLI started in its own session (so a kill can take its workers down too)."""
+def popen(*args: str, fault: str | None = None, pause: Path | None = None) -> subprocess.Popen:
+    """The CLI started in its own session (so a kill can take its workers down too);
+    ``pause``: the flag of a ``pause`` fault (``QKGEOM_FAULT_PAUSE``)."""
+    env = fault_env(fault)
+    if pause is not None:
+        env["QKGEOM_FAULT_PAUSE"] = str(pause)
     return subprocess.Popen([sys.executable, "-m", "qkgeom.cli", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=fault_env(fault), start_new_session=True)
+                            env=env, start_new_session=True)
 
 
 def fault_env(fault: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "QKGEOM_FAULT"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("QKGEOM_FAULT", "QKGEOM_FAULT_PAUSE")}
     if fault:
         env["QKGEOM_FAULT"] = fault
     return env
