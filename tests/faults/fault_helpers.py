@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pytest
+from cli_helpers import in_process  # noqa: F401  (re-exported for the fault tests)
 
 FIGURES: list[str] = []
 TALLIES: dict[str, list[int]] = {}  # fuzzed attack -> [inputs tried, handled cleanly, ran]
@@ -57,20 +57,6 @@ def fault_env(fault: str | None) -> dict[str, str]:
     if fault:
         env["QKGEOM_FAULT"] = fault
     return env
-
-
-def in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``qkgeom.cli.main(args)`` in this process: (exit code, stdout, stderr)."""
-    from qkgeom.cli import main
-
-    capsys.readouterr()
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def error_lines(stderr: str) -> list[str]:
