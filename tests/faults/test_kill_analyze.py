@@ -21,7 +21,7 @@ STEPS, EVERY = 24, 4  # checkpoints at 4, 8, ..., 24: six "revisions" of one run
 def _analyze(run: Path, out: Path) -> list[str]:
     revisions = ",".join(str(s) for s in range(EVERY, STEPS + 1, EVERY))
     return ["analyze", str(run), "--revisions", revisions, "--text", "sample",
-            "--tokens", "3000", "--out", str(out), "--quiet"]
+            "--tokens", "1024", "--out", str(out), "--quiet"]
 
 
 def _cached(out: Path) -> dict[str, int]:
