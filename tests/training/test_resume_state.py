@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from train_helpers import StopAt
 
 from qkgeom import make_config, train
 from qkgeom.training import Callback, TrainContext
@@ -25,17 +26,6 @@ def config(data: Path):
         "data": str(data), "steps": STEPS, "checkpoint_every": EVERY, "probe_every": EVERY,
         "eval_every": EVERY, "log_every": EVERY, "warmup_steps": 2, "threads": 1,
         "keep_checkpoints": 0, "model": {"dropout": 0.1}})
-
-
-class _Stop(Callback):
-    """Interrupts the run after update ``at``, as Ctrl-C would."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_step_end(self, ctx: TrainContext) -> None:
-        if ctx.step == self.at:
-            raise KeyboardInterrupt
 
 
 class _StartStep(Callback):
@@ -68,7 +58,7 @@ def runs(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[st
     ref = train(config(sample_data), root / "ref").out_dir
     cut = root / "cut"
     with pytest.raises(KeyboardInterrupt):
-        train(config(sample_data), cut, callbacks=[_Stop(STOP)])
+        train(config(sample_data), cut, callbacks=[StopAt(STOP)])
     assert [s for s, _ in list_checkpoints(cut)] == [4, 8]
     return {"ref": ref, "cut": cut}
 
