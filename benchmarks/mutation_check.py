@@ -48,19 +48,24 @@ class Mutation:
 STATS = "src/qkgeom/analysis/stats.py"
 BOUNDARIES = "tests/analysis/test_boundaries.py"
 RESUME = "tests/training/test_resume_state.py"
-ENTROPY = "tests/geometry/test_geometry_entropy.py"
+ENTROPY = "tests/geometry/test_geometry_entropy.py::test_low_precision_inputs_against_float64"
+VERDICT = "tests/analysis/test_stats.py::test_verdict_rule"
+UNIT = "tests/analysis/test_stats.py::test_unit_test_one_and_two_sided"
+DATASETS = ("tests/data/test_data_prepare.py::test_datasets_route_matches_raw_files",
+            "tests/data/test_data_prepare.py::test_analysis_text_through_datasets_is_the_raw_split")
 
 MUTATIONS = (
     # --- the planted bugs ---------------------------------------------------------
     Mutation("verdict-share", "verdict: share >= 80 % written > 80 %", STATS,
              "if share >= SUPPORT_SHARE and", "if share > SUPPORT_SHARE and",
-             (BOUNDARIES, "tests/analysis/test_stats.py")),
+             (BOUNDARIES, VERDICT)),
     Mutation("ci-level", "t-interval at 90 % instead of 95 %", STATS,
-             "CI_LEVEL = 0.95", "CI_LEVEL = 0.90", (BOUNDARIES, "tests/analysis/test_stats.py")),
+             "CI_LEVEL = 0.95", "CI_LEVEL = 0.90",
+             (BOUNDARIES, "tests/analysis/test_stats.py::test_t_interval_by_hand")),
     Mutation("mk-two-sided", "Mann-Kendall two-sided p without the factor 2",
              "src/qkgeom/analysis/e4/trends.py",
              "min(1.0, 2 * sst.norm.sf(abs(mk[\"z\"])))", "min(1.0, sst.norm.sf(abs(mk[\"z\"])))",
-             (BOUNDARIES, "tests/analysis/test_trends.py")),
+             (BOUNDARIES, "tests/analysis/test_trends.py::test_mann_kendall_by_hand")),
     Mutation("softmax-bf16", "attention softmax computed in bf16 (whole rows)",
              "src/qkgeom/geometry/entropy.py",
              'logp = torch.log_softmax(s, dim=-1, out=ws.get("entropy.logp", shape, s.dtype, '
@@ -80,44 +85,44 @@ MUTATIONS = (
              "e = d.exp()  # masked entries", "e = d.bfloat16().exp().to(d.dtype)  # masked entries",
              (ENTROPY,)),
     Mutation("verdict-coin", "not supported at < 50 % instead of <= 50 %", STATS,
-             "if share <= FAIL_SHARE:", "if share < FAIL_SHARE:",
-             (BOUNDARIES, "tests/analysis/test_stats.py")),
+             "if share <= FAIL_SHARE:", "if share < FAIL_SHARE:", (BOUNDARIES, VERDICT)),
     Mutation("verdict-level", "the verdict's level p <= 0.05 instead of p < 0.05", STATS,
              "and p_value < ALPHA and", "and p_value <= ALPHA and", (BOUNDARIES,)),
     Mutation("flip-two-sided", "two-sided sign-flip p without the factor 2", STATS,
-             "p_flip = min(1.0, 2 * min(", "p_flip = min(1.0, 1 * min(",
-             (BOUNDARIES, "tests/analysis/test_stats.py")),
+             "p_flip = min(1.0, 2 * min(", "p_flip = min(1.0, 1 * min(", (BOUNDARIES, UNIT)),
     Mutation("gate-shrink", "manipulation check: shrink must be strictly below halfway",
              "src/qkgeom/analysis/e3/manipulation.py",
              'out["achieved"] <= out["threshold"]', 'out["achieved"] < out["threshold"]',
-             (BOUNDARIES, "tests/analysis/test_e3.py")),
+             (BOUNDARIES,)),
     Mutation("gate-hold", "manipulation check: hold must be strictly above halfway",
              "src/qkgeom/analysis/e3/manipulation.py",
              'out["achieved"] >= out["threshold"])', 'out["achieved"] > out["threshold"])',
-             (BOUNDARIES, "tests/analysis/test_e3.py")),
+             (BOUNDARIES,)),
     Mutation("early-window", "E3 early window leaves out the probe at exactly 25 %",
              "src/qkgeom/analysis/e3/paired.py",
              '(frame["step"] <= share * run_len)', '(frame["step"] < share * run_len)',
-             (BOUNDARIES, "tests/analysis/test_e3.py")),
+             (BOUNDARIES,)),
     Mutation("regime-points", "regime call tests segments of 3 points",
              "src/qkgeom/analysis/e4/trends.py", "MIN_POINTS = 4", "MIN_POINTS = 3",
-             (BOUNDARIES, "tests/analysis/test_trends.py")),
+             (BOUNDARIES,)),
     Mutation("regime-level", "regime call: p <= alpha counts as a rise",
              "src/qkgeom/analysis/e4/trends.py", "rise = p_rise < alpha", "rise = p_rise <= alpha",
              (BOUNDARIES,)),
     Mutation("e4-1", "E4.1 needs two non-monotone layers", "src/qkgeom/analysis/e4/claims.py",
-             "if k1 >= 1 else", "if k1 >= 2 else", (BOUNDARIES, "tests/analysis/test_trends.py")),
+             "if k1 >= 1 else", "if k1 >= 2 else", (BOUNDARIES,)),
     Mutation("reference-quarter", "the reference at 25 % rounded down",
              "src/qkgeom/config.py", "return math.ceil(self.steps / 4) if",
              "return self.steps // 4 if", (BOUNDARIES,)),
     Mutation("datasets-blank-lines", "WikiText through datasets: blank lines not restored",
              "src/qkgeom/data/sources.py",
              'out[split] = "".join(line if line else " \\n" for line in lines)',
-             'out[split] = "".join(lines)', ("tests/data/test_data_prepare.py",)),
+             'out[split] = "".join(lines)', DATASETS),
     Mutation("wandb-histograms", "the W&B sink drops the histograms",
              "src/qkgeom/monitor/sinks.py",
              "        if self.histogram is not None:\n            data.update(",
-             "        if False:\n            data.update(", ("tests/monitor/test_monitor_plain.py",)),
+             "        if False:\n            data.update(",
+             ("tests/monitor/test_monitor_plain.py::"
+              "test_wandb_gets_scalars_and_histograms_on_its_own_step_axis",)),
     Mutation("sweep-threads", "default threads per run rounded up",
              "src/qkgeom/experiments/runner.py",
              "threads_per_run or max(1, available_cpus() // workers)",
@@ -172,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", action="append", default=[], help="a mutation's name")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per pytest run")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per pytest run")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copy")
     args = parser.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
