@@ -11,16 +11,25 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-V = 96  # vocabulary of the tiny models (the tokenizer below maps characters into it)
+V = 96  # vocabulary of the tiny models (the tokenizer below uses the first ids of it)
+TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "\n") * 60
+SPECIALS = ("[UNK]", "[CLS]", "[SEP]")
 
 
-class ModTokenizer:
-    """A stand-in tokenizer: one id per character (code point mod V)."""
+def char_tokenizer():
+    """A real Hugging Face tokenizer (``PreTrainedTokenizerFast`` over a ``tokenizers``
+    word-level model): one token per character of :data:`TEXT`, ``[UNK]`` for any other
+    character, and ``[CLS]``/``[SEP]``, which the analysis puts around an encoder's windows.
+    Saved into each family folder, where ``AutoTokenizer`` loads it as it would a hub
+    model's."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
-    cls_token_id, sep_token_id = 1, 2
-
-    def encode(self, text: str) -> list[int]:
-        return [3 + ord(c) % (V - 3) for c in text]
+    vocab = {tok: i for i, tok in enumerate([*SPECIALS, *sorted(set(TEXT))])}
+    assert len(vocab) <= V
+    model = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    model.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]",
+                                                cls_token="[CLS]", sep_token="[SEP]")
 
 
 def build(arch: str, seed: int = 0, attn: str = "sdpa") -> torch.nn.Module:
@@ -56,19 +65,18 @@ ARCHS = ("gpt2", "gpt_neox", "llama", "bert")
 
 def save_family(root: Path, arch: str, steps: list[int], duplicate: dict[int, int] | None = None
                 ) -> list[Path]:
-    """Save ``step<N>`` folders of ``arch``: each step has its own weights (seed = step),
-    except ``duplicate = {step: same_as_step}``."""
+    """Save ``step<N>`` folders of ``arch`` with the tokenizer: each step has its own
+    weights (seed = step), except ``duplicate = {step: same_as_step}``."""
     duplicate = duplicate or {}
+    tokenizer = char_tokenizer()
     out = []
     for step in steps:
         model = build(arch, seed=duplicate.get(step, step))
         folder = root / f"step{step}"
         model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
         out.append(folder)
     return out
-
-
-TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "\n") * 60
 
 
 def write_trainer_state(folder: Path, step: int) -> None:

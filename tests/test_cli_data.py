@@ -1,10 +1,14 @@
-"""`qkgeom data prepare` through the real CLI: a text corpus, and bad input."""
+"""`qkgeom data prepare` through the real CLI: a text corpus (in a subprocess), and bad
+input (through the same entry point in-process: exit code and one line)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+from cli_helpers import in_process
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -40,16 +44,18 @@ def test_prepare_wikitext_raw_folder(tmp_path: Path, wikitext_raw: Path) -> None
     assert f"vocab 95, tokens train {n_valid:,}, val {n_valid:,}, test {n_test:,}" in res.stdout
 
 
-def test_prepare_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
-    missing = run("data", "prepare", "--source", "text", "--path", str(tmp_path / "nope.txt"),
-                  "--dir", str(tmp_path / "o1"))
-    assert missing.returncode == 2 and "Traceback" not in missing.stderr
-    assert "nope.txt" in missing.stderr
+def test_prepare_bad_input_is_one_line_exit_2(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = in_process(["data", "prepare", "--source", "text", "--path",
+                               str(tmp_path / "nope.txt"), "--dir", str(tmp_path / "o1")], capsys)
+    assert code == 2 and "Traceback" not in err and "nope.txt" in err
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("caf\xe9 au lait\n".encode("latin-1") * 100)
-    res = run("data", "prepare", "--source", "text", "--path", str(bad), "--dir",
-              str(tmp_path / "o2"))
-    assert res.returncode == 2 and "UTF-8" in res.stderr and "Traceback" not in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
-    unknown = run("data", "prepare", "--source", "wikipedia", "--dir", str(tmp_path / "o3"))
-    assert unknown.returncode == 2 and "Traceback" not in unknown.stderr
+    code, _, err = in_process(["data", "prepare", "--source", "text", "--path", str(bad),
+                               "--dir", str(tmp_path / "o2")], capsys)
+    assert code == 2 and "UTF-8" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    code, _, err = in_process(["data", "prepare", "--source", "wikipedia", "--dir",
+                               str(tmp_path / "o3")], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert not any((tmp_path / o).exists() for o in ("o1", "o2", "o3"))

@@ -1,4 +1,5 @@
-"""`reproduce e1`, `sweep run/status` and `report` through the real CLI."""
+"""`reproduce e1`, `sweep run/status` and `report` through the real CLI (subprocesses);
+bad input through the same entry point in-process (exit code and one line)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from cli_helpers import in_process
 
 
 def run(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
@@ -55,18 +57,22 @@ def test_reproduce_e1_smoke_then_status_and_report(sample_data: Path, tmp_path: 
     assert again.returncode == 0 and "done 6" in again.stdout
 
 
-def test_sweep_and_report_bad_input_is_one_line_exit_2(tmp_path: Path) -> None:
+def test_sweep_and_report_bad_input_is_one_line_exit_2(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     grid = tmp_path / "grid.yaml"
     grid.write_text("preset: smoke\naxes:\n  model.depth: [1, 2]\n")
-    res = run("sweep", "run", str(grid), "--out", str(tmp_path / "s"), "--quiet")
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1 and "depth" in res.stderr
+    code, _, err = in_process(["sweep", "run", str(grid), "--out", str(tmp_path / "s"),
+                               "--quiet"], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and "depth" in err
     assert not (tmp_path / "s").exists()
     notes = tmp_path / "notes.yaml"
     notes.write_text("- just\n- a list\n")
-    res = run("sweep", "run", str(notes), "--quiet")
-    assert res.returncode == 2 and "mapping" in res.stderr
-    res = run("report", str(tmp_path / "nowhere"))
-    assert res.returncode == 2 and "Traceback" not in res.stderr
-    res = run("reproduce", "e1", "--preset", "huge", "--out", str(tmp_path / "x"))
-    assert res.returncode == 2 and "preset" in res.stderr and "Traceback" not in res.stderr
+    code, _, err = in_process(["sweep", "run", str(notes), "--quiet"], capsys)
+    assert code == 2 and "mapping" in err
+    code, _, err = in_process(["report", str(tmp_path / "nowhere")], capsys)
+    assert code == 2 and "Traceback" not in err
+    code, _, err = in_process(["reproduce", "e1", "--preset", "huge", "--out",
+                               str(tmp_path / "x")], capsys)
+    assert code == 2 and "preset" in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()

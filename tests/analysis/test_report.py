@@ -25,16 +25,34 @@ def report(tmp_path_factory) -> Path:
     return write_report(root)
 
 
+def assert_figure(png: Path) -> None:
+    """A real PNG (it decodes) with something drawn on it, and its SVG twin parses."""
+    import xml.etree.ElementTree as ET
+
+    import numpy as np
+    from matplotlib import image as plt_image
+
+    image = plt_image.imread(png)
+    assert image.shape[0] > 200 and image.shape[1] > 200, png
+    assert len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 20, png
+    assert ET.parse(png.with_suffix(".svg")).getroot().tag.endswith("svg")
+
+
 def test_report_files(report):
     out = report.parent
     assert report.name == "report.md" and out.name == "report"
     for kind in FIGURES:
         for level in ("weight", "token"):
-            assert (out / f"{kind}_{level}.png").stat().st_size > 10_000
-            assert (out / f"{kind}_{level}.svg").exists()
-    for name in ("claims.csv", "contrast_readings.csv", "run_stats.csv", "cell_stats.csv",
-                 "trajectory_stats.csv", "trajectory_stats_runs.csv", "report.html"):
-        assert (out / name).exists()
+            assert_figure(out / f"{kind}_{level}.png")
+    claims = pd.read_csv(out / "claims.csv")
+    assert len(claims) == 22 and (claims["verdict"] == "supported").all()
+    assert (claims["n"] == 6).all() and (claims["k"] == 6).all()
+    readings = pd.read_csv(out / "contrast_readings.csv")
+    assert set(readings["reading"]) == {"a", "b", "c", "d"}
+    cells = pd.read_csv(out / "cell_stats.csv")
+    assert set(cells["qk_init"]) == {"normal", "tied"}  # 2 depth x init cells
+    for name in ("trajectory_stats.csv", "trajectory_stats_runs.csv"):
+        assert len(pd.read_csv(out / name)) > 0, name
     assert not (out / "bootstrap.csv").exists()
     runs = pd.read_csv(out / "run_stats.csv")
     assert runs["run_id"].nunique() == 6 and (runs["n_layers"] == 3).all()
@@ -84,7 +102,7 @@ def test_single_run_figure_and_missing_init_panel(tmp_path):
     write_run(root, "b", 3, "tied", 0, monotone_values())
     paths = save_figure(fig_contrast(collate(root), "token"), tmp_path / "figs", "c")
     assert [p.suffix for p in paths] == [".png", ".svg"]
-    assert all(p.stat().st_size > 0 for p in paths)
+    assert_figure(paths[0])
 
 
 def test_report_without_any_finished_run(tmp_path):

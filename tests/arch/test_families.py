@@ -77,12 +77,13 @@ def test_pre_rotary_capture_is_the_projection_of_the_layer_input(arch: str) -> N
     seen: dict[int, tuple] = {}
     with torch.no_grad(), adapter.capture(lambda i, *t: seen.__setitem__(i, t), "pre-rotary"):
         adapter.forward(ids)
+    assert set(seen) == {site.layer for site in adapter.sites}
     for site in adapter.sites:
         q_site, k_site = seen[site.layer][:2]
         x = inputs[site.layer]
-        if site.q_out is None:  # no q/k norm between the projection and the capture
-            torch.testing.assert_close(q_site, _heads(x, site, "q"), rtol=1e-5, atol=1e-6)
-            torch.testing.assert_close(k_site, _heads(x, site, "k"), rtol=1e-5, atol=1e-6)
+        assert site.q_out is None  # these families have no q/k norm after the projection
+        torch.testing.assert_close(q_site, _heads(x, site, "q"), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(k_site, _heads(x, site, "k"), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

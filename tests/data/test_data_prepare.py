@@ -98,29 +98,51 @@ def test_wikitext_meta_provenance(wikitext_dir: Path, wikitext_prepared: Path):
     assert CharVocab.from_json(meta["vocab"]).vocab_size == 95
 
 
-def test_datasets_route_matches_raw_files(wikitext_dir, wikitext_prepared, tmp_path, monkeypatch):
+HUB_README = """---
+configs:
+- config_name: wikitext-103-raw-v1
+  data_files:
+  - split: train
+    path: wikitext-103-raw-v1/train-*
+  - split: validation
+    path: wikitext-103-raw-v1/validation-*
+  - split: test
+    path: wikitext-103-raw-v1/test-*
+---
+"""
+
+
+@pytest.fixture
+def local_hub_copy(wikitext_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A local copy of the hub repository ``Salesforce/wikitext`` as it is laid out there (a
+    README whose YAML names the configs, one Parquet file per split, one row per raw line,
+    blank lines stored as ""), in the working directory: the real ``datasets.load_dataset``
+    opens a local folder of that name instead of the hub. Offline, with its own cache."""
     datasets = pytest.importorskip("datasets")
+    import pandas as pd
 
-    def rows(name: str) -> list[str]:
-        # The hub copy has one row per raw line, blank lines (" \n") stored as "".
-        lines = (wikitext_dir / name).read_text(encoding="utf-8").splitlines(keepends=True)
-        return [line if line.strip() else "" for line in lines]
+    repo = tmp_path / "hub" / "Salesforce" / "wikitext"
+    files = repo / "wikitext-103-raw-v1"
+    files.mkdir(parents=True)
+    (repo / "README.md").write_text(HUB_README, encoding="utf-8")
+    for split, raw in (("train", "wiki.train.raw"), ("validation", "wiki.valid.raw"),
+                       ("test", "wiki.test.raw")):
+        lines = (wikitext_dir / raw).read_text(encoding="utf-8").splitlines(keepends=True)
+        rows = [line if line.strip() else "" for line in lines]
+        pd.DataFrame({"text": rows}).to_parquet(files / f"{split}-00000-of-00001.parquet")
+    monkeypatch.chdir(tmp_path / "hub")
+    # read by datasets when it is imported: set on its config module
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-cache")
+    return repo
 
-    calls = []
 
-    def fake_load_dataset(name, config):
-        calls.append((name, config))
-        return datasets.DatasetDict(
-            {
-                "train": datasets.Dataset.from_dict({"text": rows("wiki.train.raw")}),
-                "validation": datasets.Dataset.from_dict({"text": rows("wiki.valid.raw")}),
-                "test": datasets.Dataset.from_dict({"text": rows("wiki.test.raw")}),
-            }
-        )
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+def test_datasets_route_matches_raw_files(wikitext_prepared, local_hub_copy, tmp_path):
+    """``--source wikitext-103`` without a folder goes through ``datasets.load_dataset``
+    (really called, on the local copy of the hub layout) and gives the raw files' data
+    byte for byte (the blank rows restored)."""
     out = prepare_data("wikitext-103", tmp_path / "hf")
-    assert calls == [("Salesforce/wikitext", "wikitext-103-raw-v1")]
+    assert list((tmp_path / "hf-cache").iterdir())  # datasets really built its cache
     ref = json.loads((wikitext_prepared / "meta.json").read_text())
     got = json.loads((out / "meta.json").read_text())
     for key in ("vocab", "dtype", "sizes", "unknown_tokens", "text_sha256"):
@@ -130,6 +152,15 @@ def test_datasets_route_matches_raw_files(wikitext_dir, wikitext_prepared, tmp_p
         assert (out / f"{split}.bin").read_bytes() == (
             wikitext_prepared / f"{split}.bin"
         ).read_bytes()
+
+
+def test_analysis_text_through_datasets_is_the_raw_split(wikitext_dir, local_hub_copy):
+    """``--text wikitext-103:test`` (the checkpoint analysis's text) reads the same split
+    through the real loader: the raw file's text, blank lines restored."""
+    from qkgeom.data.text import open_text
+
+    text = "".join(open_text("wikitext-103:test")())
+    assert text == (wikitext_dir / "wiki.test.raw").read_text(encoding="utf-8")
 
 
 def test_datasets_missing_is_a_clear_error(tmp_path, monkeypatch):

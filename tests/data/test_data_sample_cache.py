@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from qkgeom.data import default_data_dir, ensure_sample_data, load_prepared
+from qkgeom.data import prepare as prepare_mod
 from qkgeom.data import sources as sources_mod
 from qkgeom.errors import QKGeomError
 
@@ -45,30 +45,54 @@ def test_real_sample_prepared_once_then_reused(monkeypatch, tmp_path, sample_art
     def fail(*args, **kwargs):
         raise AssertionError("the sample must not be converted again")
 
-    monkeypatch.setattr(sources_mod, "sample_splits", fail)
-    start = time.perf_counter()
+    monkeypatch.setattr(sources_mod, "sample_splits", fail)  # a re-parse would fail here
     assert ensure_sample_data() == folder
-    assert time.perf_counter() - start < 2.0
-    assert (folder / "meta.json").stat().st_mtime_ns == stamp
+    assert (folder / "meta.json").stat().st_mtime_ns == stamp  # nothing rewritten
     assert not [p for p in tmp_path.joinpath("data").iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.fixture
-def counted_fake_sample(monkeypatch):
-    """A small stand-in for the (slow) conversion, counting how often it runs."""
-    calls = []
+class FakeSample:
+    """A small stand-in for the (slow) conversion, counting how often it runs (``calls``).
 
-    def fake() -> dict[str, str]:
-        calls.append(threading.get_ident())
-        time.sleep(0.3)  # long enough for the other caller to arrive while we prepare
+    While it runs it waits (on an event, never a sleep) until ``callers`` callers have
+    reached the lock: each of them looked for the cache and found none, so they really
+    overlap the preparation, and without the lock each would prepare again."""
+
+    def __init__(self, lock_class: type) -> None:
+        self.calls: list[int] = []
+        self.callers = 1
+        self.arrived = 0
+        self.all_arrived = threading.Event()
+        count = threading.Lock()
+        fake = self
+
+        class CountingLock(lock_class):  # the lock ensure_sample_data takes, counted
+            def acquire(self, *args, **kwargs):
+                with count:
+                    fake.arrived += 1
+                    if fake.arrived >= fake.callers:
+                        fake.all_arrived.set()
+                return super().acquire(*args, **kwargs)
+
+        self.lock_class = CountingLock
+
+    def __call__(self) -> dict[str, str]:
+        self.calls.append(threading.get_ident())
+        assert self.all_arrived.wait(timeout=60), "the other callers never reached the lock"
         return {"train": "abc " * 100, "val": "cab " * 50, "test": "bca " * 50}
 
+
+@pytest.fixture
+def counted_fake_sample(monkeypatch) -> FakeSample:
+    fake = FakeSample(prepare_mod.FileLock)
+    monkeypatch.setattr(prepare_mod, "FileLock", fake.lock_class)
     monkeypatch.setattr(sources_mod, "sample_splits", fake)
-    return calls
+    return fake
 
 
 def test_concurrent_callers_prepare_once(tmp_path, counted_fake_sample):
     target = tmp_path / "cache" / "sample"
+    counted_fake_sample.callers = 3
     results, errors = [], []
 
     def call() -> None:
@@ -83,7 +107,8 @@ def test_concurrent_callers_prepare_once(tmp_path, counted_fake_sample):
     for t in threads:
         t.join()
     assert not errors and results == [target] * 3
-    assert len(counted_fake_sample) == 1
+    assert counted_fake_sample.arrived == 3  # all three overlapped the preparation ...
+    assert len(counted_fake_sample.calls) == 1  # ... which ran once
     assert load_prepared(target).sizes == {"train": 400, "val": 200, "test": 200}
 
 
@@ -92,7 +117,7 @@ def test_corrupt_cache_is_rebuilt_foreign_folder_refused(tmp_path, counted_fake_
     ensure_sample_data(target)
     (target / "val.bin").write_bytes(b"torn")
     ensure_sample_data(target)
-    assert len(counted_fake_sample) == 2 and load_prepared(target).sizes["val"] == 200
+    assert len(counted_fake_sample.calls) == 2 and load_prepared(target).sizes["val"] == 200
     other = tmp_path / "mine"
     other.mkdir()
     (other / "notes.txt").write_text("keep me")

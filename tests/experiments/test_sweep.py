@@ -152,9 +152,23 @@ def test_run_one_respects_the_lock_and_finished_states(tmp_path: Path) -> None:
         assert (result["state"], result["action"]) == (state, "skipped")
 
 
-def test_default_threads_split_the_cpus() -> None:
+@pytest.mark.parametrize("cpus, workers, threads", [(5, 2, 2), (3, 4, 1)])
+def test_default_threads_split_the_cpus(sample_data: Path, tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch, cpus: int,
+                                        workers: int, threads: int) -> None:
+    """Without --threads each run gets the CPUs this process may use divided by the workers
+    (rounded down, at least 1): read back from what the run recorded."""
+    import qkgeom.experiments.runner as runner
+
     assert available_cpus() >= 1
-    assert max(1, available_cpus() // 64) == 1
+    monkeypatch.setattr(runner, "available_cpus", lambda: cpus)
+    grid = tiny_grid(sample_data, steps=2, seeds=[0], probe_every=2, checkpoint_every=2,
+                     eval_every=2, warmup_steps=1)
+    run_sweep(grid, tmp_path / "s", workers=workers, progress=False)
+    run = run_dir(tmp_path / "s", "seed=0")
+    assert json.loads((run / "config.json").read_text())["config"]["threads"] == threads
+    assert [a["threads"] for a in attempts(run)] == [threads]
+    assert json.loads((run / "status.json").read_text())["threads"] == threads
 
 
 def test_cli_entry_status_and_bad_grid(local_tiny_sweep, tmp_path: Path) -> None:

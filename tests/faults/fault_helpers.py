@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import pytest
+from cli_helpers import in_process  # noqa: F401  (re-exported for the fault tests)
 
 FIGURES: list[str] = []
+TALLIES: dict[str, list[int]] = {}  # fuzzed attack -> [inputs tried, handled cleanly, ran]
 METRIC_COLS = ["step", "layer", "head", "metric", "value"]
 LOG_COLS = ["step", "loss", "val_loss", "lr"]
 
@@ -24,38 +25,38 @@ def figure(name: str, text: str) -> None:
     FIGURES.append(line)
 
 
+def tally(attack: str, ok: bool, ran: bool = False) -> None:
+    """Count one fuzzed input of ``attack`` (shown in the end-of-run summary); ``ran``: it
+    was accepted and really trained."""
+    counts = TALLIES.setdefault(attack, [0, 0, 0])
+    counts[0] += 1
+    counts[1] += int(ok)
+    counts[2] += int(ran)
+
+
 def cli(*args: str, fault: str | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``python -m qkgeom.cli ARGS`` to completion; ``fault`` sets QKGEOM_FAULT."""
     return subprocess.run([sys.executable, "-m", "qkgeom.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env=fault_env(fault))
 
 
-def popen(*args: str, fault: str | None = None) -> subprocess.Popen:
-    """The CLI started in its own session (so a kill can take its workers down too)."""
+def popen(*args: str, fault: str | None = None, pause: Path | None = None) -> subprocess.Popen:
+    """The CLI started in its own session (so a kill can take its workers down too);
+    ``pause``: the flag of a ``pause`` fault (``QKGEOM_FAULT_PAUSE``)."""
+    env = fault_env(fault)
+    if pause is not None:
+        env["QKGEOM_FAULT_PAUSE"] = str(pause)
     return subprocess.Popen([sys.executable, "-m", "qkgeom.cli", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=fault_env(fault), start_new_session=True)
+                            env=env, start_new_session=True)
 
 
 def fault_env(fault: str | None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "QKGEOM_FAULT"}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("QKGEOM_FAULT", "QKGEOM_FAULT_PAUSE")}
     if fault:
         env["QKGEOM_FAULT"] = fault
     return env
-
-
-def in_process(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    """``qkgeom.cli.main(args)`` in this process: (exit code, stdout, stderr)."""
-    from qkgeom.cli import main
-
-    capsys.readouterr()
-    try:
-        main(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -52,6 +52,7 @@ def test_disk_full_stops_cleanly_and_the_last_checkpoint_resumes(
     ckpts = list_checkpoints(out)
     assert ckpts, "no checkpoint survived"
     step, path = ckpts[-1]
+    assert step < STEPS and status(out)["state"] != "done"  # the fault stopped the run
     assert torch.load(path, weights_only=False)["step"] == step  # intact
     assert not list(out.rglob(".*.tmp"))  # the failed write left no temp file
     res = cli(*train_args(sample_data, out, STEPS), "--resume")  # space freed: resume

@@ -92,6 +92,11 @@ def test_train_resumes_bit_exact_after_ten_random_kills(sample_data: Path,
 @pytest.mark.slow
 def test_sweep_killed_three_times_trains_no_run_twice_and_loses_none(sample_data: Path,
                                                                      tmp_path: Path) -> None:
+    """Each kill is an event: the workers run with a ``pause`` fault on the second
+    checkpoint write of their attempt; once one of them is held there (mid-run, its
+    checkpoint written to a temp file, not yet in place), the sweep and its workers are
+    SIGKILLed together, a pre-emption. Each attempt moves a run on by at most one
+    checkpoint, so every attempt has a run to kill."""
     steps, seeds = 16, [0, 1]
     base = {"data": str(sample_data), "steps": steps, "checkpoint_every": 4, "probe_every": 4,
             "eval_every": 4, "log_every": 4, "warmup_steps": 2}
@@ -101,21 +106,22 @@ def test_sweep_killed_three_times_trains_no_run_twice_and_loses_none(sample_data
     out = tmp_path / "sweep"
     args = ["sweep", "run", str(grid), "--out", str(out), "--workers", "2", "--threads", "1",
             "--quiet"]
-    rng = random.Random(11)
-    tried = 0
-    for _ in range(3):
-        proc = popen(*args)
-        target = rng.randint(1, steps - 2)
-        deadline = time.time() + 240
-        runs = [out / "runs" / f"seed={s}" for s in seeds]
-        while time.time() < deadline and proc.poll() is None and \
-                max(_step_now(r) for r in runs) < target:
+    runs = [out / "runs" / f"seed={s}" for s in seeds]
+    killed = 0
+    for attempt in range(3):
+        flag = tmp_path / f"pause{attempt}"
+        proc = popen(*args, fault="pause:ckpt_*.pt:2", pause=flag)
+        deadline = time.monotonic() + 240
+        waiting = flag.with_name(flag.name + ".waiting")
+        while not waiting.exists():
+            assert proc.poll() is None, proc.stderr.read()  # the sweep must not end first
+            assert time.monotonic() < deadline, "no worker reached its pause point"
             time.sleep(0.02)
-        time.sleep(rng.uniform(0.0, 0.3))
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its workers: a pre-emption
-            tried += 1
+        os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its workers: a pre-emption
         proc.wait(timeout=60)
+        assert proc.returncode == -signal.SIGKILL  # the kill landed on a running sweep
+        assert any(status(r)["state"] != "done" for r in runs if (r / "status.json").exists())
+        killed += 1
     res = cli(*args)
     assert res.returncode == 0, res.stderr
     again = cli(*args)  # everything finished: nothing may be trained again
@@ -134,5 +140,5 @@ def test_sweep_killed_three_times_trains_no_run_twice_and_loses_none(sample_data
         twice += int(seen != sorted(seen) or bool(seen and starts[-1] is None))
         lost += int(not (run / "metrics.parquet").exists())
     assert twice == 0 and lost == 0
-    figure("kill sweep", f"kills survived {tried}/{tried}; runs trained twice {twice}, "
+    figure("kill sweep", f"kills landed {killed}/3; runs trained twice {twice}, "
            f"runs lost {lost}, {len(seeds)}/{len(seeds)} runs bit-exact")

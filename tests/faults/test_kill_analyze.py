@@ -1,17 +1,19 @@
 """SIGKILL `qkgeom analyze` part-way through a checkpoint family: the rerun reuses what was
-cached, analyses the rest, and ends with the same table as an uninterrupted analysis."""
+cached, analyses the rest, and ends with the same table as an uninterrupted analysis.
+
+The kill is an event, not a moment: ``QKGEOM_FAULT=kill:ckpt_*.json:N`` SIGKILLs the
+analysis half-way through writing the N-th checkpoint's "done" marker, so exactly N − 1
+checkpoints are cached and the N-th has its table but no marker (unfinished)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from fault_helpers import cli, figure, popen, train_in_process
+from fault_helpers import cli, figure, train_in_process
 
 STEPS, EVERY = 24, 4  # checkpoints at 4, 8, ..., 24: six "revisions" of one run
 
@@ -19,7 +21,7 @@ STEPS, EVERY = 24, 4  # checkpoints at 4, 8, ..., 24: six "revisions" of one run
 def _analyze(run: Path, out: Path) -> list[str]:
     revisions = ",".join(str(s) for s in range(EVERY, STEPS + 1, EVERY))
     return ["analyze", str(run), "--revisions", revisions, "--text", "sample",
-            "--tokens", "3000", "--out", str(out), "--quiet"]
+            "--tokens", "1024", "--out", str(out), "--quiet"]
 
 
 def _cached(out: Path) -> dict[str, int]:
@@ -41,25 +43,24 @@ def test_analyze_killed_three_times_reuses_its_cache_and_matches(sample_data: Pa
     assert done.returncode == 0, done.stderr
     out = tmp_path / "killed"
     survived = 0
-    for target in (1, 3, 5):  # kill once this many checkpoints are cached
+    for nth in (1, 3, 5):  # killed while marking the nth checkpoint done
         shutil.rmtree(out, ignore_errors=True)
-        proc = popen(*_analyze(run, out))
-        deadline = time.monotonic() + 240
-        while len(_cached(out)) < target and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        killed = cli(*_analyze(run, out), fault=f"kill:ckpt_*.json:{nth}")
+        assert killed.returncode == -signal.SIGKILL, killed.stderr  # the kill landed
         before = _cached(out)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        assert len(before) == nth - 1  # exactly the checkpoints marked before it
+        torn = out / "checkpoints" / f"ckpt_{nth * EVERY:08d}"
+        assert torn.with_suffix(".parquet").is_file() and not torn.with_suffix(".json").exists()
         rerun = cli(*_analyze(run, out))
         assert rerun.returncode == 0, rerun.stderr
         after = _cached(out)
         # every result cached before the kill was reused, not recomputed
-        reused = all(after.get(name) == mtime for name, mtime in before.items())
+        assert all(after.get(name) == mtime for name, mtime in before.items()), (nth, after)
+        assert len(after) == STEPS // EVERY
         cols = ["checkpoint", "step", "layer", "head", "metric", "value"]
         a = pd.read_parquet(ref / "metrics.parquet")[cols].sort_values(cols[:5])
         b = pd.read_parquet(out / "metrics.parquet")[cols].sort_values(cols[:5])
-        same = a.reset_index(drop=True).equals(b.reset_index(drop=True))
-        survived += int(reused and same)
-        assert reused and same, (target, before, after)
+        pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True),
+                                      check_exact=True)
+        survived += 1
     figure("analyze kills", f"kills survived {survived}/3 (cache reused, table identical)")

@@ -1,5 +1,6 @@
 """Attack 7: numerical edge cases of the metrics. PR and entropy are finite and right (by
-hand), or a clear NonFiniteError; a results table never holds NaN."""
+hand), or a clear NonFiniteError; a results table never holds NaN. Each case prints its
+figure once it has passed its asserts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from fault_helpers import figure
 
 from qkgeom.geometry import LayerGeometry, NonFiniteError, weight_records
 
-RESULTS: dict[str, str] = {}
 B, H, T, HD = 2, 2, 8, 4
 
 
@@ -38,7 +38,7 @@ def test_all_zero_activations() -> None:
     expect = sum(math.log(t + 1) for t in range(T)) / T
     assert r["attn_entropy"] == pytest.approx(expect, rel=1e-6)
     assert r["attn_entropy_norm"] == pytest.approx(1.0, rel=1e-6)
-    RESULTS["all-zero activations"] = "PR 0 (documented), entropy log(t+1)"
+    figure("numerics", "all-zero activations: PR 0 (documented), entropy log(t+1)")
 
 
 def test_single_token() -> None:
@@ -47,7 +47,7 @@ def test_single_token() -> None:
     assert r["attn_entropy"] == 0.0 and r["attn_max"] == 1.0
     assert "attn_entropy_norm" not in r  # undefined with one key: left out, never NaN
     assert r["pr_q_token"] == 0.0  # one sample: zero covariance
-    RESULTS["single token"] = "entropy 0, max 1, norm left out (undefined)"
+    figure("numerics", "single token: entropy 0, max 1, norm left out (undefined)")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -60,7 +60,7 @@ def test_half_precision_inputs_match_float64(dtype: torch.dtype) -> None:
     for name in ("pr_q_token", "pr_k_token", "pr_qk_token"):
         assert half[name] == pytest.approx(full[name], rel=1e-6)
     assert half["attn_entropy"] == pytest.approx(full["attn_entropy"], rel=1e-5)
-    RESULTS[f"{dtype}"] = "PRs of float64 to float32 round-off"
+    figure("numerics", f"{dtype}: PRs of float64 to float32 round-off")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -73,7 +73,7 @@ def test_huge_magnitudes(dtype: torch.dtype) -> None:
     # Scores ~1e60: attention is one-hot (was NaN: float32 scores overflowed to inf).
     assert r["attn_entropy"] == pytest.approx(0.0, abs=1e-12)
     assert r["attn_max"] == pytest.approx(1.0)
-    RESULTS[f"1e30 {dtype}"] = "PRs = unit-scale PRs, attention one-hot"
+    figure("numerics", f"1e30 {dtype}: PRs = unit-scale PRs, attention one-hot")
 
 
 def test_nonfinite_or_overflowing_activations_are_a_clear_error() -> None:
@@ -86,7 +86,7 @@ def test_nonfinite_or_overflowing_activations_are_a_clear_error() -> None:
     with pytest.raises(NonFiniteError, match="overflow"):
         g.update(*_qk(1e200, torch.float64))
     assert g.n_sequences == 0  # nothing half-accumulated
-    RESULTS["inf/NaN/1e200 activations"] = "NonFiniteError (a run records diverged)"
+    figure("numerics", "inf/NaN/1e200 activations: NonFiniteError (a run records diverged)")
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e30, 1e200, 1e-300])
@@ -107,9 +107,4 @@ def test_rank_deficient_and_extreme_weights(scale: float) -> None:
         assert recs[key] == pytest.approx(val, rel=1e-9, abs=1e-9)
     with pytest.raises(NonFiniteError):
         weight_records(w_q * float("nan"), w_k, n_head)
-    RESULTS[f"rank-1 weights x{scale:g}"] = "PR 1, scale invariant"
-
-
-def test_zz_figure() -> None:
-    figure("numerics", f"{len(RESULTS)} edge cases finite and correct or a clear error: "
-           + "; ".join(f"{k}: {v}" for k, v in RESULTS.items()))
+    figure("numerics", f"rank-1 weights x{scale:g}: PR 1, scale invariant")

@@ -146,6 +146,22 @@ def test_end_to_end_layer_frame() -> None:
     assert len(frame) == (n_head + 1) * len(per_layer) - n_head * len(LAYER_ONLY_METRICS)
     assert set(frame["metric"]) == set(per_layer)
     assert frame["value"].notna().all()
+    # the values are where they belong: hand-computed ones at their (head, metric)
+    got = frame.set_index(["head", "metric"])["value"]
+
+    def pr(eig: torch.Tensor) -> float:
+        return float(eig.sum() ** 2 / (eig ** 2).sum())
+
+    assert got[(LAYER, "pr_q_weight")] == pytest.approx(pr(torch.linalg.svdvals(w_q.double()) ** 2))
+    for h in range(n_head):
+        k_h = k[:, h].reshape(-1, hd).double()  # the head's key tokens (B·T, hd)
+        assert got[(h, "pr_k_token")] == pytest.approx(pr(torch.linalg.eigvalsh(torch.cov(k_h.T))))
+        w_qh, w_kh = w_q[h * hd:(h + 1) * hd].double(), w_k[h * hd:(h + 1) * hd].double()
+        assert got[(h, "pr_qk_weight")] == pytest.approx(
+            pr(torch.linalg.svdvals(w_qh.T @ w_kh) ** 2), rel=1e-9)
+    ent = StreamingEntropy(n_head, causal=True)
+    ent.update(q.double(), k.double())
+    assert got[(LAYER, "attn_entropy")] == pytest.approx(float(ent.result()["attn_entropy"].mean()))
 
 
 def test_gqa_pairs_each_query_head_with_the_key_head_it_attends_with() -> None:

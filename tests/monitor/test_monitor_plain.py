@@ -1,9 +1,12 @@
 """Plain training loop: bit-identical training, and every output read back by its reader
-(TensorBoard's event reader, a fake W&B run, ``qkgeom show``/``watch``/``report``)."""
+(TensorBoard's event reader, a real W&B run in offline mode read back from its own log file,
+``qkgeom show``/``watch``/``report``)."""
 
 from __future__ import annotations
 
+import json
 import shutil
+import struct
 import types
 from pathlib import Path
 
@@ -18,20 +21,31 @@ from qkgeom.monitor import GeometryMonitor
 from .conftest import tiny_gpt2
 
 STEPS, EVERY = 6, 2
+_WANDB_HEADER, _WANDB_BLOCK = 7, 32768  # ":W&B" + 0xBEE1 + version; log blocks of 32 KiB
 
 
-class FakeWandbRun:
-    """Stands in for ``wandb.run`` (no network, no wandb install needed)."""
+def wandb_records(path: Path):
+    """The protobuf records of a W&B run log (``run-<id>.wandb``, W&B's LevelDB-style log:
+    a 7-byte header, then 32 KiB blocks of chunks ``crc u32, length u16, type u8, data``;
+    type 1 = a whole record, 2/3/4 = its first/middle/last piece)."""
+    from wandb.proto import wandb_internal_pb2
 
-    def __init__(self) -> None:
-        self.logged: list[dict] = []
-        self.defined: list[tuple] = []
-
-    def log(self, data: dict) -> None:
-        self.logged.append(data)
-
-    def define_metric(self, name: str, step_metric: str | None = None) -> None:
-        self.defined.append((name, step_metric))
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, pieces = _WANDB_HEADER, b""
+    while pos + 7 <= len(data):
+        left = _WANDB_BLOCK - pos % _WANDB_BLOCK
+        if left < 7:  # the block's zero-padded tail
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pieces += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            yield record
 
 
 def train(vocab: int, windows: torch.Tensor, monitor_kw: dict | None) -> tuple:
@@ -60,19 +74,29 @@ def train(vocab: int, windows: torch.Tensor, monitor_kw: dict | None) -> tuple:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus, probe_tokens, train_windows):
+    """The same training without and with a monitor; the monitored one inside a real W&B
+    run in offline mode (nothing leaves the machine), which the monitor finds by itself."""
+    wandb = pytest.importorskip("wandb")
     tmp = tmp_path_factory.mktemp("plain")
-    fake = FakeWandbRun()
     patch = pytest.MonkeyPatch()
-    fake_wandb = types.SimpleNamespace(run=fake, Histogram=lambda v: ("histogram", len(v)))
-    patch.setattr("qkgeom.monitor.sinks.wandb_module", lambda: fake_wandb)
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        patch.setenv(var, str(tmp / "wandb-home"))
+    patch.setenv("WANDB_MODE", "offline")
+    patch.setenv("WANDB_SILENT", "true")
+    (tmp / "wandb-home").mkdir()
     try:
         plain = train(corpus.vocab.vocab_size, train_windows, None)
         kw = dict(probe=probe_tokens, every=EVERY, metrics="all", out=tmp / "sweep/runs/mon-a",
                   tensorboard=tmp / "tb")
-        monitored = train(corpus.vocab.vocab_size, train_windows, kw)
+        run = wandb.init(project="qkgeom-tests", dir=str(tmp / "wandb-home"))
+        try:
+            monitored = train(corpus.vocab.vocab_size, train_windows, kw)
+        finally:
+            run.finish()
     finally:
         patch.undo()
-    return types.SimpleNamespace(tmp=tmp, plain=plain, monitored=monitored, wandb=fake)
+    (log,) = (tmp / "wandb-home").rglob("offline-run-*/run-*.wandb")
+    return types.SimpleNamespace(tmp=tmp, plain=plain, monitored=monitored, wandb_log=log)
 
 
 def test_monitored_training_is_bit_identical(runs) -> None:
@@ -124,12 +148,26 @@ def test_tensorboard_event_files_read_back(runs) -> None:
 
 
 def test_wandb_gets_scalars_and_histograms_on_its_own_step_axis(runs) -> None:
-    logged = runs.wandb.logged
-    assert [d["qkgeom/step"] for d in logged] == [0, 2, 4, 6]
-    assert logged[-1]["pr/q_token/layer0"] == pytest.approx(
-        runs.monitored[2].last.layer_values("pr_q_token")[0])
-    assert logged[0]["key_spectrum/sv_weight/layer1"] == ("histogram", 32)
-    assert {("pr/*", "qkgeom/step"), ("attention/*", "qkgeom/step")} <= set(runs.wandb.defined)
+    history, metrics = [], []
+    for record in wandb_records(runs.wandb_log):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                            for item in record.history.item})
+        elif kind == "metric":
+            metrics.append((record.metric.name or record.metric.glob_name,
+                            record.metric.step_metric))
+    assert [h["qkgeom/step"] for h in history] == [0, 2, 4, 6]
+    mon = runs.monitored[2]
+    assert history[-1]["pr/q_token/layer0"] == pytest.approx(
+        mon.last.layer_values("pr_q_token")[0], rel=1e-6)
+    first = mon.probes[0]
+    assert history[0]["pr/k_token/layer1"] == pytest.approx(
+        first.layer_values("pr_k_token")[1], rel=1e-6)
+    hist = history[0]
+    assert hist["key_spectrum/sv_weight/layer1/_type"] == "histogram"
+    assert sum(hist["key_spectrum/sv_weight/layer1/values"]) == 32  # one singular value per d_k
+    assert {("pr/*", "qkgeom/step"), ("attention/*", "qkgeom/step")} <= set(metrics)
 
 
 def test_qkgeom_show_and_watch_read_the_run(runs) -> None:

@@ -50,24 +50,41 @@ def test_watch_once_cli(tmp_path) -> None:
     assert "10.000" in res.output and "+1.000" in res.output
 
 
-def test_watch_live_waits_then_returns_when_the_run_is_done(tmp_path) -> None:
-    import threading
+def test_watch_live_waits_then_returns_when_the_run_is_done(tmp_path, monkeypatch) -> None:
+    """The live view shows the run without a probe while it has none, picks up the first
+    probe written while it waits, and returns by itself at "done". The training side
+    writes during watch's first wait (its sleep is replaced), so the order is fixed, not
+    timed."""
+    import types
 
     from rich.console import Console
 
+    import qkgeom.monitor.watch as watch_mod
+
     (tmp_path / "status.json").write_text(json.dumps({"state": "running", "step": 0}))
     console = Console(record=True, width=150, force_terminal=False)
+    waits: list[float] = []
 
-    def finish() -> None:  # the "training" side: first probe, then done
-        write_parquet(tmp_path / "metrics.parquet", metrics())  # atomic, as a trainer writes
-        write_json(tmp_path / "status.json", {"state": "done", "step": 3, "steps": 3})
+    def sleep(seconds: float) -> None:  # the "training" side: first probe, then done
+        waits.append(seconds)
+        if len(waits) == 1:
+            write_parquet(tmp_path / "metrics.parquet", metrics())  # atomic, as a trainer
+            write_json(tmp_path / "status.json", {"state": "done", "step": 3, "steps": 3})
 
-    timer = threading.Timer(0.3, finish)
-    timer.start()
+    shown: list[str] = []  # what each refresh showed: the state, and whether a probe
+    render = watch_mod.render
+
+    def spy(run, metrics, status):
+        shown.append(f"{status.get('state')}, {'no probe' if metrics is None else 'probe'}")
+        return render(run, metrics, status)
+
+    monkeypatch.setattr(watch_mod, "time", types.SimpleNamespace(sleep=sleep))
+    monkeypatch.setattr(watch_mod, "render", spy)
     watch(tmp_path, interval=0.05, console=console)  # returns by itself at "done"
-    timer.join()
+    assert waits == [0.05]  # one wait: the run ended during it, and watch returned
+    assert shown[0] == shown[-2] == "running, no probe" and shown[-1] == "done, probe"
     text = console.export_text()
-    assert "probe at step 10" in text
+    assert "probe at step 10" in text and "step 3/3, done" in text
 
 
 def test_watch_errors(tmp_path) -> None:

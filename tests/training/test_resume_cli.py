@@ -1,4 +1,5 @@
-"""The real CLI in subprocesses: kill -9 mid-run then --resume; exit codes; bad input."""
+"""The real CLI in subprocesses: kill -9 mid-run then --resume; exit codes; and bad input
+through the same entry point in-process (exit code, one line, nothing written)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from cli_helpers import in_process
 
 COLS = ["step", "layer", "head", "metric", "value"]
 
@@ -85,26 +87,28 @@ def test_cli_smoke_train_then_show(sample_data: Path, tmp_path: Path) -> None:
     (["--probe-every", "1000", "--steps", "10"], "probe_every"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(sample_data: Path, tmp_path: Path,
-                                                      args: list[str], words: str) -> None:
+                                                      args: list[str], words: str,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "bad"
     base = ["train", "--preset", "smoke", "--out", str(out), "--quiet"]
     if "--data" not in args:
         base += ["--data", str(sample_data)]
-    res = run(*base, *args)
-    assert res.returncode == 2, (res.stdout, res.stderr)
-    assert "Traceback" not in res.stderr
-    assert words in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1
+    code, stdout, err = in_process([*base, *args], capsys)
+    assert code == 2, (stdout, err)
+    assert "Traceback" not in err
+    assert words in err
+    assert len(err.strip().splitlines()) == 1
     assert not out.exists()
 
 
-def test_show_on_a_missing_run_and_corrupt_metrics(tmp_path: Path) -> None:
-    res = run("show", str(tmp_path / "nope"))
-    assert res.returncode == 2 and "Traceback" not in res.stderr and "not found" in res.stderr
+def test_show_on_a_missing_run_and_corrupt_metrics(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = in_process(["show", str(tmp_path / "nope")], capsys)
+    assert code == 2 and "Traceback" not in err and "not found" in err
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / "metrics.parquet").write_bytes(b"PAR1 torn")
-    res = run("show", str(tmp_path / "torn"))
-    assert res.returncode == 2 and "unreadable" in res.stderr
+    code, _, err = in_process(["show", str(tmp_path / "torn")], capsys)
+    assert code == 2 and "unreadable" in err
 
 
 def test_diverging_run_exits_3(sample_data: Path, tmp_path: Path) -> None:

@@ -99,3 +99,14 @@ def test_split_shorter_than_a_block_is_a_clear_error(sample_data: Path, tmp_path
     with pytest.raises(QKGeomError, match="block"):
         train(smoke(sample_data, model={"block_size": 10_000_000}), tmp_path / "big")
     assert not (tmp_path / "big").exists()  # validated before anything was written
+
+
+def test_a_config_built_in_python_with_int_betas_trains(sample_data: Path,
+                                                        tmp_path: Path) -> None:
+    """beta1 = 0 is a valid Adam setting; a config built in Python may hold it as an int,
+    which torch's AdamW refuses beside a float beta2 (found by the API fuzz test)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(smoke(sample_data, steps=2, probe_every=2, warmup_steps=1),
+                              beta1=0)
+    assert train(cfg, tmp_path / "r").step == 2

@@ -84,14 +84,18 @@ class RunResult:
 
 
 def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (``p.dim() >= 2``, robust to parametrisations)."""
+    """AdamW; weight decay on matrices only (``p.dim() >= 2``, robust to parametrisations).
+
+    The betas go in as floats: a config built in Python may hold an int (``beta1=0``, valid),
+    and torch refuses a pair of mixed types."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     fused = device.type in ("cuda", "cpu")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), fused=fused)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(float(cfg.beta1), float(cfg.beta2)),
+                             fused=fused)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -1,0 +1,247 @@
+"""Every decision rule of docs/protocols.md at its boundary: the verdict's shares and level,
+the t-interval's level on cases with a closed form, two-sided p's, the E3 manipulation gate
+at exactly halfway and the E3 windows, the E4 regime call (its point counts, level, peak
+and share lost) and E4.1, the E1 reference. A rule moved by one step (≥ to >, 95 % to
+90 %, a factor 2 dropped) changes an answer here."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats as sst
+
+from qkgeom.analysis import stats
+from qkgeom.analysis.e1.trajectories import reference_probe
+from qkgeom.analysis.e3 import e3_analysis
+from qkgeom.analysis.e3.paired import in_windows
+from qkgeom.analysis.e4.claims import e4_claims
+from qkgeom.analysis.e4.trends import mann_kendall, regime_calls
+from qkgeom.config import TrainConfig
+
+from .synthetic import Run, table_of
+
+# --- the verdict rule ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k, n", [(4, 5), (8, 10), (16, 20)])
+def test_exactly_80_percent_with_p_below_alpha_is_supported(k: int, n: int) -> None:
+    assert k / n == stats.SUPPORT_SHARE
+    assert stats.verdict(k, n, 0.01) == "supported"
+    assert stats.verdict(k - 1, n, 0.01) == "mixed"  # just below 80 %
+
+
+@pytest.mark.parametrize("k, n", [(1, 2), (5, 10), (10, 20)])
+def test_exactly_50_percent_is_not_supported_and_one_more_unit_is_mixed(k: int, n: int) -> None:
+    assert stats.verdict(k, n, 0.0) == "not supported"  # whatever the p
+    assert stats.verdict(k + 1, n, 0.0) in ("mixed", "supported")
+    assert stats.verdict(k + 1, n, 1.0) == "mixed"
+
+
+def test_the_level_is_strict_p_at_005_is_not_enough() -> None:
+    assert stats.verdict(5, 5, 0.05) == "mixed"
+    assert stats.verdict(5, 5, np.nextafter(0.05, 1.0)) == "mixed"
+    assert stats.verdict(5, 5, np.nextafter(0.05, 0.0)) == "supported"
+
+
+def test_four_units_can_never_be_supported_five_can() -> None:
+    """With n units no p goes below 2^−n: 4/4 gives 1/16 ≥ 0.05, 5/5 gives 1/32."""
+    four = stats.unit_test([1.0, 2.0, 3.0, 4.0], +1)
+    assert four["p_value"] == 1 / 16 and four["p_sign"] == pytest.approx(1 / 16)
+    assert stats.verdict(four["k"], four["n"], four["p_value"]) == "mixed"
+    five = stats.unit_test([1.0, 2.0, 3.0, 4.0, 5.0], +1)
+    assert five["p_value"] == 1 / 32
+    assert stats.verdict(five["k"], five["n"], five["p_value"]) == "supported"
+
+
+def test_a_zero_counts_against_the_claim_at_the_boundary() -> None:
+    """4 of 5 positive and a zero: 80 %; with the zero counted for the claim it would be
+    5/5. The zero also cannot help the sign-flip sum (p = 2/32, not 1/32)."""
+    u = stats.unit_test([1.0, 1.0, 1.0, 1.0, 0.0], +1)
+    assert (u["k"], u["n"]) == (4, 5)
+    assert u["p_value"] == pytest.approx(2 / 32)
+    assert stats.verdict(u["k"], u["n"], u["p_value"]) == "mixed"
+
+
+# --- intervals and two-sided p's -------------------------------------------------------------
+
+
+def test_t_interval_level_on_closed_forms() -> None:
+    """Student's t quantiles in closed form: df = 1, t(q) = tan(π(q − ½)); df = 2,
+    t(q) = (2q − 1)/√(2q(1 − q)). The 95 % two-sided interval uses q = 0.975."""
+    mean, lo, hi, n = stats.t_interval([0.0, 2.0])  # mean 1, sd √2, half = t·√2/√2
+    t1 = math.tan(math.pi * 0.475)
+    assert (mean, n) == (1.0, 2)
+    assert hi - mean == pytest.approx(t1, rel=1e-12) and mean - lo == pytest.approx(t1, rel=1e-12)
+    mean, lo, hi, n = stats.t_interval([0.0, 1.0, 2.0])  # mean 1, sd 1, half = t/√3
+    t2 = 0.95 / math.sqrt(2 * 0.975 * 0.025)
+    assert hi - mean == pytest.approx(t2 / math.sqrt(3), rel=1e-12)
+    assert stats.CI_LEVEL == 0.95
+
+
+def test_two_sided_p_is_twice_the_smaller_one_sided_at_most_one() -> None:
+    v = [3.0, -1.0, 2.0]  # signed sums 6, 4, 2, 0, 0, −2, −4, −6; observed 4
+    assert stats.sign_flip_p(v, +1) == 2 / 8 and stats.sign_flip_p(v, -1) == 7 / 8
+    two = stats.unit_test(v, 0)
+    assert two["p_value"] == 2 * (2 / 8)
+    assert two["k"] == 2 and two["p_sign"] == pytest.approx(2 * 0.5)  # P(≥ 2 of 3) = 1/2
+    even = stats.unit_test([1.0, -1.0], 0)  # both one-sided p's are 3/4: capped at 1
+    assert even["p_value"] == 1.0 and even["p_sign"] == 1.0
+
+
+def test_mann_kendall_two_sided_is_twice_the_one_sided() -> None:
+    up = mann_kendall([1.0, 2.0, 3.0, 4.0])
+    z = 5 / math.sqrt(26 / 3)
+    assert up["p_increase"] == pytest.approx(sst.norm.sf(z), rel=1e-12)
+    assert up["p_two_sided"] == pytest.approx(2 * up["p_increase"], rel=1e-12)
+    down = mann_kendall([4.0, 3.0, 2.0, 1.0])
+    assert down["p_two_sided"] == pytest.approx(2 * down["p_decrease"], rel=1e-12)
+    flat = mann_kendall([1.0, 2.0, 2.0, 1.0])  # S = 0: Z = 0, no evidence either way
+    assert flat["s"] == 0 and flat["p_two_sided"] == 1.0
+
+
+# --- E3: the manipulation gate and the windows -----------------------------------------------
+
+E3_STEPS = list(range(0, 101, 10))
+
+
+def _e3_runs(shrink_k: dict[int, float], hold_k: dict[int, float]) -> list[Run]:
+    """Two seeds of none, shrink (dose 0.5, recorded r(t) = 0.5 throughout) and hold. The
+    none run's PR_K is 8 at step 0, then 4; shrink's and hold's are 8 at step 0, then the
+    given value per seed. Intended: shrink 0.5 (threshold 0.75, i.e. PR_K 3); hold 8/4 = 2
+    (threshold 1.5, i.e. PR_K 6). Powers of two: every ratio is exact."""
+    t = np.asarray(E3_STEPS)
+    runs = []
+    for seed in (0, 1):
+        for arm, control, later in (("none", {"mode": "none"}, 4.0),
+                                    ("shrink", {"mode": "shrink", "dose": 0.5, "scale": "data"},
+                                     shrink_k[seed]),
+                                    ("hold", {"mode": "hold", "scale": "data"}, hold_k[seed])):
+            k = np.where(t == 0, 8.0, later)[None, :].repeat(2, axis=0)  # (2 layers, T)
+            ent = np.full((2, len(t)), 2.0) - 0.1 * (arm == "shrink") * (t > 0)
+            extra = {"ctl_dose_l0": np.full(len(t), 0.5)} if arm == "shrink" else {}
+            runs.append(Run(f"seed={seed},arm={arm}", seed, control=control, pair_key=str(seed),
+                            layers={"pr_k_weight": k, "attn_entropy": ent,
+                                    "pr_qk_weight": k / 2}, extra=extra))
+    return runs
+
+
+def _gate(shrink_k: dict[int, float], hold_k: dict[int, float]) -> dict:
+    a = e3_analysis(table_of(_e3_runs(shrink_k, hold_k), E3_STEPS, ref_step=25))
+    man = a["manipulation"].set_index(["arm", "seed", "window"])
+    claims = a["claims"].set_index(["claim_id", "origin"])
+    return {"man": man, "claims": claims}
+
+
+def test_manipulation_check_passes_at_exactly_halfway() -> None:
+    r = _gate({0: 3.0, 1: 2.0}, {0: 6.0, 1: 8.0})
+    shrink, hold = r["man"].loc[("shrink-0.5-data", 0, "whole")], \
+        r["man"].loc[("hold-data", 0, "whole")]
+    assert (shrink["achieved"], shrink["intended"], shrink["threshold"]) == (0.75, 0.5, 0.75)
+    assert (hold["achieved"], hold["intended"], hold["threshold"]) == (1.5, 2.0, 1.5)
+    assert shrink["passed"] is True and hold["passed"] is True
+    for cid in ("E3.1", "E3.2"):
+        assert r["claims"].loc[(cid, "whole"), "verdict"] != "not evaluated"
+
+
+def test_manipulation_check_fails_just_past_halfway() -> None:
+    over = np.nextafter(3.0, 4.0)  # shrink achieved just above (1 + 0.5)/2
+    under = np.nextafter(6.0, 5.0)  # hold achieved just below (1 + 2)/2
+    r = _gate({0: over, 1: 2.0}, {0: under, 1: 8.0})
+    assert r["man"].loc[("shrink-0.5-data", 0, "whole"), "passed"] is False
+    assert r["man"].loc[("shrink-0.5-data", 1, "whole"), "passed"] is True
+    assert r["man"].loc[("hold-data", 0, "whole"), "passed"] is False
+    for cid in ("E3.1", "E3.2"):
+        row = r["claims"].loc[(cid, "whole")]
+        assert row["verdict"] == "not evaluated"
+        assert "manipulation check failed in 1/2 seeds: seed 0" in row["reason"]
+
+
+def test_e3_windows_include_the_quarter_and_leave_out_step_0() -> None:
+    frame = pd.DataFrame({"group": 0, "step": [0, 10, 25, 26, 100, 101]})
+    got = in_windows(frame, {0: 100}).groupby("window")["step"].apply(list).to_dict()
+    assert got == {"early": [10, 25], "whole": [10, 25, 26, 100]}
+
+
+# --- E4: the regime call and E4.1 ------------------------------------------------------------
+
+
+def _call(values, alpha: float = stats.ALPHA) -> dict:
+    return {k: v[0] for k, v in regime_calls(np.asarray(values, dtype=float)[None, :],
+                                             alpha).items()}
+
+
+FOUR_UP_FOUR_DOWN = [0.0, 1.0, 2.0, 3.0, 2.5, 2.0, 1.5]  # peak at index 3: 4 + 4 points
+P_FOUR = float(sst.norm.sf(5 / math.sqrt(26 / 3)))  # a perfect 4-point trend: 0.0448
+
+
+def test_four_points_each_side_are_enough_for_rise_then_fall() -> None:
+    rc = _call(FOUR_UP_FOUR_DOWN)
+    assert rc["call"] == "rise then fall" and rc["peak"] == 3
+    assert rc["p_rise"] == pytest.approx(P_FOUR) and rc["p_fall"] == pytest.approx(P_FOUR)
+    assert rc["share_lost"] == pytest.approx(0.5)  # (3 − 1.5)/(3 − 0)
+
+
+def test_three_points_are_never_tested() -> None:
+    short_rise = [0.0, 1.0, 3.0, 2.5, 2.0, 1.5, 1.0]  # peak at index 2: 3 points up
+    rc = _call(short_rise)
+    assert np.isnan(rc["p_rise"]) and rc["call"] == "none"
+    short_fall = [0.0, 1.0, 2.0, 3.0, 2.5, 2.0]  # 3 points from the peak down
+    rc = _call(short_fall)
+    assert np.isnan(rc["p_fall"]) and rc["call"] == "rise then flat"
+    assert _call([0.0, 1.0, 2.0])["call"] == "none"  # a 3-point monotone rise: untestable
+    assert _call([0.0, 1.0, 2.0, 3.0])["call"] == "monotone rise"
+
+
+def test_the_regime_level_is_strict() -> None:
+    assert _call(FOUR_UP_FOUR_DOWN, alpha=P_FOUR)["call"] == "none"
+    assert _call(FOUR_UP_FOUR_DOWN, alpha=np.nextafter(P_FOUR, 1.0))["call"] == "rise then fall"
+
+
+def test_the_peak_is_the_first_largest_and_a_last_peak_is_never_a_regime() -> None:
+    rc = _call([0.0, 1.0, 2.0, 5.0, 5.0, 4.0, 3.0, 2.0])
+    assert rc["peak"] == 3 and rc["call"] == "rise then fall"
+    flat_top = _call([0.0, 1.0, 2.0, 3.0, 3.0, 3.0, 3.0])  # peak at its first checkpoint
+    assert flat_top["peak"] == 3 and flat_top["call"] == "rise then flat"
+    assert flat_top["share_lost"] == 0.0
+    assert np.isnan(_call([5.0, 4.0, 3.0, 2.0])["share_lost"])  # no gain: undefined
+
+
+def _trends(calls: list[str]) -> pd.DataFrame:
+    return pd.DataFrame({"metric": "contrast_token_heads", "level": "token_heads",
+                         "layer": range(len(calls)), "n": 8, "call": calls,
+                         "peak_step": 100.0, "share_lost": 0.5})
+
+
+def _e4(calls: list[str], claim: str) -> pd.Series:
+    heads = pd.DataFrame(columns=["checkpoint", "step", "level", "layer", "n_heads", "rho", "p"])
+    rows = e4_claims(_trends(calls), heads).set_index(["claim_id", "level"])
+    return rows.loc[(claim, "token_heads")]
+
+
+def test_e4_1_needs_one_layer_that_is_not_a_monotone_rise() -> None:
+    assert _e4(["monotone rise"] * 3, "E4.1")["verdict"] == "not supported"
+    one = _e4(["monotone rise", "monotone rise", "rise then flat"], "E4.1")
+    assert (one["k"], one["n"], one["verdict"]) == (1, 3, "supported")
+
+
+def test_e4_2_and_e4_3_follow_the_verdict_rule_over_layers() -> None:
+    e42 = _e4(["rise then fall"] * 4 + ["rise then flat"], "E4.2")
+    assert (e42["k"], e42["n"], e42["verdict"]) == (5, 5, "supported")
+    e42 = _e4(["rise then fall"] * 3 + ["none"] * 2, "E4.2")  # 3/5 = 60 %
+    assert e42["verdict"] == "mixed"
+    e43 = _e4(["rise then fall"] * 4 + ["rise then flat", "none"], "E4.3")  # 4/5 with a rise
+    assert (e43["k"], e43["n"]) == (4, 5) and e43["verdict"] == "mixed"  # p = 6/32
+
+
+# --- E1: the reference -----------------------------------------------------------------------
+
+
+def test_the_reference_is_the_first_probe_at_or_after_a_quarter_of_the_run() -> None:
+    assert TrainConfig(steps=100).ref_step == 25
+    assert TrainConfig(steps=30).ref_step == 8  # 7.5 rounded up
+    assert TrainConfig(steps=100, reference_step=0).ref_step == 0  # explicit wins
+    assert reference_probe([0, 10, 20, 25, 30], 25) == 25  # at: that probe
+    assert reference_probe([0, 10, 20, 30], 25) == 30  # else the next one
