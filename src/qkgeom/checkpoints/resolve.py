@@ -37,7 +37,8 @@ from qkgeom.arch import ModelAdapter
 from qkgeom.errors import QKGeomError
 from qkgeom.runs import CHECKPOINTS, is_run_folder, list_checkpoints, read_record
 
-__all__ = ["CheckpointSpec", "analysis_memory", "check_analysis_fits", "free_model",
+__all__ = ["CheckpointSpec", "analysis_memory", "auto_device_map", "check_analysis_fits",
+           "free_model",
            "load_checkpoint", "load_run_model", "qk_hash", "resolve_checkpoints"]
 
 _STEP = re.compile(r"(?:^|[^a-z])(?:global_step|step|checkpoint|ckpt)[-_]?(\d+)$", re.IGNORECASE)
@@ -226,6 +227,8 @@ def check_analysis_fits(specs: list[CheckpointSpec], *, text: str | None, max_to
 
     if not specs:
         return
+    if auto_device_map(device) and torch.cuda.device_count() > 1:
+        return  # split over several GPUs by accelerate: no one device's budget applies
     dims = _dims(specs[0])
     if dims is None:
         return
@@ -268,6 +271,9 @@ def load_checkpoint(spec: CheckpointSpec, *, dtype: str = "float32", device: str
                               "trust_remote_code": trust_remote_code}
     if spec.revision is not None:
         kwargs["revision"] = spec.revision
+    mapped = auto_device_map(device)
+    if mapped:
+        kwargs["device_map"] = "auto"
     try:
         model = AutoModel.from_pretrained(spec.source, **kwargs)
     except Exception as err:  # missing files, offline hub, unknown revision: user-fixable
@@ -275,7 +281,21 @@ def load_checkpoint(spec: CheckpointSpec, *, dtype: str = "float32", device: str
         raise QKGeomError(f"cannot load {spec.source}"
                           + (f" (revision {spec.revision})" if spec.revision else "")
                           + f": {type(err).__name__}: {first[:300]}") from None
-    return model.to(device).eval(), None
+    return (model if mapped else model.to(device)).eval(), None
+
+
+def auto_device_map(device: str) -> bool:
+    """Whether Hugging Face checkpoints load with ``device_map="auto"``: on ``--device
+    cuda`` (no index: every visible GPU) where ``accelerate`` is installed, so a model too
+    large for one GPU is split over them layer by layer (the measurement follows each
+    layer's q/k to its device). ``cuda:N`` and other devices load whole onto the device."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def load_tokenizer(spec: CheckpointSpec, name: str | None = None,

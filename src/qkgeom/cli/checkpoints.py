@@ -92,18 +92,33 @@ def register(app: typer.Typer) -> None:
         trust_remote_code: Annotated[bool, typer.Option(
             help="Allow models with custom code from the hub.")] = False,
         quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+        backend: Annotated[str, typer.Option(
+            help="local | ray: where checkpoints are measured (ray: one task per checkpoint, "
+                 "each writing its own cache entry).")] = "local",
+        workers: Annotated[int | None, typer.Option(
+            help="Checkpoints measured at once (local: processes, default 1 = this one; "
+                 "ray: tasks in flight, default as many as the cluster runs).")] = None,
+        address: Annotated[str | None, typer.Option(
+            help="Ray cluster address: auto or host:port (backend ray; default: a local "
+                 "Ray on 127.0.0.1).")] = None,
+        threads: Annotated[int, typer.Option(
+            help="torch threads per worker (with --workers or --backend ray).")] = 1,
     ) -> None:
-        """Token-level Q/K geometry of checkpoints (E4): one at a time, cached, resumable."""
+        """Token-level Q/K geometry of checkpoints (E4): cached per checkpoint, resumable;
+        measured here one at a time, or spread over local processes or Ray workers."""
         from qkgeom.checkpoints.family import analyze_checkpoints
+        from qkgeom.experiments.spread import make_spread
         from qkgeom.training import resolve_device
 
         resolve_device(device)
+        spread = make_spread(backend, workers=workers, threads=threads, address=address,
+                             device=device)
         folder = analyze_checkpoints(
             models, out or _default_out(models), revisions=split_revisions(revisions), text=text,
             max_tokens=tokens, seq_len=seq_len, batch_size=batch_size, qk_site=qk_site,
             dtype=dtype, device=device, keep_duplicates=keep_duplicates, tokenizer=tokenizer,
             logit_spectrum=not no_logit_spectrum, trust_remote_code=trust_remote_code,
-            blocks=blocks, progress=not quiet)
+            blocks=blocks, progress=not quiet, spread=spread)
         summarise(folder)
         typer.echo(f"analysis folder: {folder}  (report: qkgeom report {folder})")
 
