@@ -11,7 +11,7 @@ from qkgeom.errors import QKGeomError
 
 Workers = Annotated[int | None, typer.Option(
     help="Runs trained at once (default: one single-threaded run per CPU on CPU grids, "
-         "one at a time on GPU).")]
+         "--runs-per-gpu per GPU on CUDA grids).")]
 Backend = Annotated[str, typer.Option(help="local | ray")]
 Address = Annotated[str | None, typer.Option(
     help="Ray cluster address: auto or host:port (backend ray).")]
@@ -20,6 +20,9 @@ Threads = Annotated[int | None, typer.Option(
 Retries = Annotated[int, typer.Option(
     help="Backend ray: start a run again, up to N times, when its worker dies (it resumes "
          "from its checkpoint).")]
+RunsPerGpu = Annotated[str, typer.Option(
+    help="CUDA grids: runs sharing one GPU (a number, or auto: measured once per sweep "
+         "folder, see docs/speed.md).")]
 Preset = Annotated[str, typer.Option(help="smoke | demo | paper")]
 Data = Annotated[str, typer.Option(help="Prepared data (default: embedded sample).")]
 Device = Annotated[str | None, typer.Option(help="cpu | cuda | ... for every run")]
@@ -68,20 +71,18 @@ def register(app: typer.Typer) -> None:
         threads: Threads = None,
         retry_failed: Annotated[bool, typer.Option(help="Train failed runs again.")] = False,
         retries: Retries = 0,
+        runs_per_gpu: RunsPerGpu = "1",
         quiet: Quiet = False,
     ) -> None:
         """Train every run of a grid (resumable: done runs are skipped, interrupted ones resume)."""
         from qkgeom.experiments import load_grid, run_sweep
-        from qkgeom.experiments.runner import available_cpus
 
         spec = load_grid(grid)
         out = out or Path("sweeps") / spec.folder_name
-        if workers is None:
-            on_cpu = spec.expand()[0].config.device == "cpu"
-            workers = available_cpus() if on_cpu else 1
         summary = run_sweep(spec, out, workers=workers, backend=backend, address=address,
                             threads_per_run=threads, progress=not quiet,
-                            retry_failed=retry_failed, retries=retries)
+                            retry_failed=retry_failed, retries=retries,
+                            runs_per_gpu=runs_per_gpu)
         _print_summary(summary, out)
         _exit_if_failed(summary)
 
@@ -131,6 +132,7 @@ def register(app: typer.Typer) -> None:
         tokens: Annotated[int | None, typer.Option(
             help="e4: text tokens analysed per checkpoint (default: the preset's).")] = None,
         retries: Retries = 0,
+        runs_per_gpu: RunsPerGpu = "1",
         quiet: Quiet = False,
     ) -> None:
         """One of the paper's experiments end to end (resumable), then the report."""
@@ -153,7 +155,8 @@ def register(app: typer.Typer) -> None:
         out = out or Path("sweeps") / f"{experiment}-{preset}"
         summary = reproduce(experiment, preset, out, data, workers=workers, backend=backend,
                             address=address, threads_per_run=threads, progress=not quiet,
-                            overrides=overrides or None, retries=retries)
+                            overrides=overrides or None, retries=retries,
+                            runs_per_gpu=runs_per_gpu)
         _print_summary(summary, out)
         report(out, None)
         _exit_if_failed(summary)
