@@ -26,33 +26,43 @@ def _same_run(a: Path, b: Path) -> None:
                                   check_exact=True)
 
 
+# Dropout on: the runs draw from torch's global generator, so a generator left behind by
+# an earlier run in the process would show in the metrics.
+DROPOUT = {"model": {"dropout": 0.1}}
+
+
+@pytest.fixture(scope="module")
+def fresh_seed0(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """seed=0 trained as the only run of a fresh worker process."""
+    out = tmp_path_factory.mktemp("fresh")
+    run_sweep(tiny_grid(sample_data, name="fresh", seeds=[0], **DROPOUT), out, workers=1,
+              threads_per_run=1, progress=False, max_runs_per_worker=1)
+    return run_dir(out, "seed=0")
+
+
 def test_a_reused_worker_trains_a_run_exactly_as_a_fresh_process(
-        local_tiny_sweep, sample_data: Path, tmp_path: Path) -> None:
-    """seed=1 then seed=0 in one worker process; seed=0 equals the fixture's seed=0, which
-    a worker trained as its first and only run."""
-    fresh_out, _ = local_tiny_sweep
+        fresh_seed0: Path, sample_data: Path, tmp_path: Path) -> None:
+    """seed=1 then seed=0 in one worker process; seed=0 equals the fresh-process one."""
     out = tmp_path / "reused"
-    summary = run_sweep(tiny_grid(sample_data, seeds=[1, 0]), out, workers=1,
+    summary = run_sweep(tiny_grid(sample_data, seeds=[1, 0], **DROPOUT), out, workers=1,
                         threads_per_run=1, progress=False)
     assert summary.counts["done"] == 2 and summary.trained == ["seed=1", "seed=0"]
     first, second = (attempts(run_dir(out, r))[0] for r in ("seed=1", "seed=0"))
     assert first["pid"] == second["pid"] != os.getpid()  # one process trained both
-    fresh = attempts(run_dir(fresh_out, "seed=0"))[0]["pid"]
-    assert fresh != second["pid"]
-    _same_run(run_dir(fresh_out, "seed=0"), run_dir(out, "seed=0"))
+    assert attempts(fresh_seed0)[0]["pid"] != second["pid"]
+    _same_run(fresh_seed0, run_dir(out, "seed=0"))
     log = (run_dir(out, "seed=0") / WORKER_LOG).read_text()
     assert "seed=1" not in log  # each run's output in its own worker.log
 
 
 def test_run_one_resets_what_an_earlier_run_in_the_process_changed(
-        local_tiny_sweep, sample_data: Path, tmp_path: Path) -> None:
-    """In this very process: a 2-thread run (another seed, which also moves torch's global
-    RNG), then the 1-thread seed=0 run; the latter equals the fresh-process one."""
+        fresh_seed0: Path, sample_data: Path, tmp_path: Path) -> None:
+    """In this very process: a 2-thread run (another seed), a draw from torch's global
+    generator, then the 1-thread seed=0 run; the latter equals the fresh-process one."""
     import torch
 
-    fresh_out, _ = local_tiny_sweep
     before = torch.get_num_threads()
-    specs = {s.run_id: s for s in tiny_grid(sample_data, seeds=[0, 2]).expand()}
+    specs = {s.run_id: s for s in tiny_grid(sample_data, seeds=[0, 2], **DROPOUT).expand()}
     try:
         other = run_one(str(tmp_path / "runs" / "seed=2"), specs["seed=2"].config.to_dict(), 2)
         assert other["state"] == "done" and torch.get_num_threads() == 2
@@ -61,7 +71,7 @@ def test_run_one_resets_what_an_earlier_run_in_the_process_changed(
     finally:
         torch.set_num_threads(before)
     assert result["state"] == "done"
-    _same_run(run_dir(fresh_out, "seed=0"), tmp_path / "runs" / "seed=0")
+    _same_run(fresh_seed0, tmp_path / "runs" / "seed=0")
 
 
 def test_a_fresh_process_per_run_is_still_available(sample_data: Path, tmp_path: Path) -> None:
@@ -110,6 +120,7 @@ def test_fresh_run_state_drops_compiled_graphs_and_sets_threads() -> None:
     f = torch.compile(lambda x: torch.sin(x) * 2, backend=backend)
     x = torch.ones(3)
     before = torch.get_num_threads()
+    torch.set_num_threads(1)  # dynamo guards on the thread count: keep it fixed here
     try:
         f(x)
         f(x)
