@@ -16,8 +16,9 @@ sweep's ``workers`` runs at once are packed ``runs_per_gpu`` to a GPU.
 on a GPU) and ``max_retries=retries`` (default 0: a crashed run is recorded ``failed`` and
 rerunning the sweep resumes it from its checkpoint; with ``--retries N`` Ray itself starts
 a task whose worker died again, up to N times, and the retry resumes from the run's newest
-checkpoint under the run's lock). Ray reuses its worker processes across tasks as the local
-pool does (``run_one`` resets the process state a run could leave behind). Results go to
+checkpoint under the run's lock). CPU runs reuse Ray's worker processes as the local pool
+does (``run_one`` resets the process state a run could leave behind); a GPU run gets a fresh
+worker (``max_calls=1``: a process cannot follow Ray to another GPU). Results go to
 the sweep folder, so that folder must be on a filesystem every node sees, and qkgeom must
 be installed on every node. A local Ray instance that qkgeom starts itself (no
 ``--address``) listens on 127.0.0.1 only (its node address is the loopback one, no
@@ -208,17 +209,21 @@ class RayBackend:
 
     def __init__(self, address: str | None, retries: int = 0, runs_per_gpu: int = 1) -> None:
         self._ray, self._owns = connect_ray(address)
+        # CPU runs reuse Ray's worker processes; a GPU run gets a fresh one (max_calls=1):
+        # a process cannot move its CUDA context to the GPU Ray assigns the next task.
         self._task = self._ray.remote(max_retries=retries)(_ray_run_one)
+        self._gpu_task = self._ray.remote(max_retries=retries, max_calls=1)(_ray_run_one)
         self._gpu_share = gpu_share(runs_per_gpu)
         self._refs: dict[Any, Path] = {}
 
     def submit(self, run_dir: Path, config_dict: dict[str, Any], threads: int,
                retry_failed: bool) -> None:
         options: dict[str, Any] = {"num_cpus": threads}
+        task = self._task
         if str(config_dict.get("device", "cpu")).startswith("cuda"):
             options["num_gpus"] = self._gpu_share
-        ref = self._task.options(**options).remote(str(run_dir), config_dict, threads,
-                                                   retry_failed)
+            task = self._gpu_task
+        ref = task.options(**options).remote(str(run_dir), config_dict, threads, retry_failed)
         self._refs[ref] = run_dir
 
     def capacity(self, on_cuda: bool, runs_per_gpu: int) -> int | None:
