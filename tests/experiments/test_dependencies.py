@@ -69,7 +69,7 @@ class Scripted:
 
 def sweep(grid: Grid, out: Path, backend: Scripted, monkeypatch: pytest.MonkeyPatch,
           **kw: Any):
-    monkeypatch.setattr(runner_mod, "make_backend", lambda name, address=None, retries=0: backend)
+    monkeypatch.setattr(runner_mod, "make_backend", lambda name, address=None, retries=0, **kw: backend)
     return run_sweep(grid, out, threads_per_run=1, progress=False, **kw)
 
 

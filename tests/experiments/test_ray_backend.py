@@ -1,22 +1,11 @@
-"""The Ray backend against a real local Ray head: same runs, same metrics as local.
-
-The head listens on loopback only (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` makes Ray keep
-127.0.0.1 instead of swapping in the machine's network address), with 2 CPUs and a 100 MB
-object store. Teardown stops exactly the processes this test started (the head's process
-group), also when the test fails, rather than ``ray stop``, which would stop every Ray
-instance of this user on the machine.
-"""
+"""The Ray backend against a real local Ray head (tests/ray_cluster.py): same runs, same
+metrics as local."""
 
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,60 +18,14 @@ from qkgeom.runs.sweep import WORKER_LOG, run_dir
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'qkgeom[ray]')")
 
-LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from ray_cluster import LOOPBACK_ENV  # noqa: E402
+from ray_cluster import ray_head as _ray_head  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def ray_head() -> Iterator[str]:
-    """A Ray head on 127.0.0.1:<free port>; yields its address."""
-    port = _free_port()
-    # A short temp dir: Ray puts unix sockets under it (107-character path limit).
-    temp = Path(tempfile.mkdtemp(prefix="qkray-", dir="/tmp"))
-    log = open(temp / "head.log", "wb")  # noqa: SIM115 - closed in teardown
-    env = dict(os.environ, **LOOPBACK_ENV)
-    cmd = [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; "
-           "sys.exit(main())", "start", "--head", "--node-ip-address=127.0.0.1",
-           f"--port={port}", "--num-cpus=2", "--object-store-memory=100000000",
-           "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp}",
-           "--block"]
-    head = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while b"Ray runtime started" not in (temp / "head.log").read_bytes():
-            if head.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("ray head did not start:\n"
-                            + (temp / "head.log").read_text(errors="replace")[-3000:])
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
-    finally:
-        _stop_group(head)
-        log.close()
-        shutil.rmtree(temp, ignore_errors=True)
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    """SIGTERM the head's process group, then SIGKILL whatever is left of it."""
-    for sig, grace in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                break
-            proc.poll()
-            time.sleep(0.1)
-    proc.poll()
+    with _ray_head() as address:
+        yield address
 
 
 @pytest.mark.slow

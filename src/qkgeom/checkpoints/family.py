@@ -1,7 +1,10 @@
-"""Analyse a family of checkpoints, one at a time, into an analysis folder.
+"""Analyse a family of checkpoints into an analysis folder, here or spread over workers.
 
 Each checkpoint is loaded, hashed, analysed and freed before the next, so 150 revisions of
-a 1B model need one model's memory. Its results go to ``DIR/checkpoints/<name>.parquet``
+a 1B model need one model's memory per worker; by default one process measures them in
+turn, and with ``spread`` (``qkgeom analyze --backend ray`` / ``--workers N``) each
+checkpoint is a job of its own (:class:`CheckpointJob`, :func:`measure_checkpoint`) on
+Ray workers or local processes. Its results go to ``DIR/checkpoints/<name>.parquet``
 plus ``<name>.json`` (written last: the completion marker), so an interrupted analysis
 resumes where it stopped; a cached result is reused only if it was made with the same
 settings. The folder (``analysis.json`` marks it):
@@ -32,7 +35,8 @@ import json
 import platform
 import re
 import warnings
-from dataclasses import asdict
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,9 +56,12 @@ from qkgeom.version import __version__
 if TYPE_CHECKING:
     from qkgeom.checkpoints.resolve import CheckpointSpec
 
-__all__ = ["analyze_checkpoints", "flag_duplicates"]
+__all__ = ["CheckpointJob", "Spread", "analyze_checkpoints", "flag_duplicates", "measure_checkpoint"]
 
 PROBE_SET = "probe-set"  # the ``text`` of an analysis on a run's own probe set
+#: The columns of checkpoints.parquet before ``duplicate_of`` and ``in_trends``, in order.
+ROW_COLUMNS = ("checkpoint", "step", "step_source", "kind", "source", "qk_hash", "arch",
+               "n_head", "n_kv_head", "tokens", "seq_len", "blocks", "seconds", "tokens_per_s")
 
 
 def _slug(name: str) -> str:
@@ -89,6 +96,36 @@ def _hash(settings: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class CheckpointJob:
+    """Everything needed to measure one checkpoint into an analysis folder's cache, in any
+    process (a Ray task, a pool worker): plain, picklable values only."""
+
+    spec: CheckpointSpec
+    out: str  # the analysis folder
+    key: str  # its settings hash, written beside the cached result
+    label: str  # the ``run_id`` column
+    text: str | None  # an open_text spec; None: the run's own probe set
+    max_tokens: int
+    seq_len: int | None
+    batch_size: int | None
+    qk_site: str
+    dtype: str
+    device: str
+    logit_spectrum: bool
+    blocks: int
+    tokenizer: str | None
+    tokenizer_spec: CheckpointSpec  # the checkpoint whose tokenizer the family uses
+    trust_remote_code: bool
+
+
+#: ``spread(measure, jobs)``: runs ``measure(job)`` for every job somewhere, yielding
+#: ``(job, row or exception)`` as each ends (``qkgeom.experiments.spread`` has Ray and
+#: local-process ones).
+Spread = Callable[[Callable[[CheckpointJob], dict[str, Any]], list[CheckpointJob]],
+                  Iterable[tuple[CheckpointJob, "dict[str, Any] | BaseException"]]]
+
+
 def analyze_checkpoints(
     models: list[str],
     out: str | Path,
@@ -107,6 +144,7 @@ def analyze_checkpoints(
     trust_remote_code: bool = False,
     blocks: int = 8,
     progress: bool = False,
+    spread: Spread | None = None,
 ) -> Path:
     """Analyse every checkpoint of ``models``/``revisions`` into ``out``; returns ``out``.
 
@@ -119,19 +157,16 @@ def analyze_checkpoints(
     not apply). ``qk_site`` defaults to ``pre-rotary`` (rotary models also get the
     post-rotary PRs, ``pr_*_token_post``); ``blocks`` (default 8) token blocks are recorded
     beside all tokens for the E4 bootstrap.
+
+    ``spread`` (default: one checkpoint after another in this process) measures the
+    checkpoints not cached yet elsewhere, e.g. over Ray workers
+    (:func:`qkgeom.experiments.spread.make_spread`); each writes its own cache entry, so
+    an interrupted or partly failed analysis resumes with what is missing, and the tables
+    are the same whichever way the checkpoints were measured.
     Raises :class:`QKGeomError` for bad input, before any model is loaded where possible.
     """
-    from qkgeom.arch import QK_SITES, adapter_for
-    from qkgeom.checkpoints.analyze import analyze_model
-    from qkgeom.checkpoints.resolve import (
-        check_analysis_fits,
-        free_model,
-        load_checkpoint,
-        load_tokenizer,
-        qk_hash,
-        resolve_checkpoints,
-    )
-    from qkgeom.data.text import open_text
+    from qkgeom.arch import QK_SITES
+    from qkgeom.checkpoints.resolve import check_analysis_fits, resolve_checkpoints
 
     if qk_site not in QK_SITES:
         raise QKGeomError(f"unknown --qk-site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
@@ -143,13 +178,15 @@ def analyze_checkpoints(
     specs = resolve_checkpoints(models, revisions)
     check_analysis_fits(specs, text=text, max_tokens=max_tokens, seq_len=seq_len,
                         batch_size=batch_size, dtype=dtype, device=device)
-    probe_ids = None
-    if text is None and specs[0].kind == "run":
-        probe_ids, probe_batch = _run_probe_set(Path(specs[0].source))
-        text, max_tokens, blocks = PROBE_SET, int(probe_ids.numel()), 1
-    texts = open_text(text or "sample") if probe_ids is None else None
-    settings = _settings(specs, text or "sample", max_tokens, seq_len, qk_site, dtype,
-                         logit_spectrum, tokenizer, blocks)
+    probe_set = text is None and specs[0].kind == "run"
+    if probe_set:
+        max_tokens, blocks = int(_run_probe_set(Path(specs[0].source))[0].numel()), 1
+    else:
+        from qkgeom.data.text import open_text
+
+        open_text(text or "sample")  # a bad --text fails here, before any model loads
+    settings = _settings(specs, PROBE_SET if probe_set else text or "sample", max_tokens,
+                         seq_len, qk_site, dtype, logit_spectrum, tokenizer, blocks)
     key = _hash(settings)
     if (out / MARKER).is_file():
         prev = read_json(out / MARKER)
@@ -169,6 +206,13 @@ def analyze_checkpoints(
             "versions": {"qkgeom": __version__, "python": platform.python_version()}}
     write_json(out / MARKER, meta)
 
+    jobs = [CheckpointJob(spec=spec, out=str(out), key=key, label=label,
+                          text=None if probe_set else text or "sample", max_tokens=max_tokens,
+                          seq_len=seq_len, batch_size=batch_size, qk_site=qk_site, dtype=dtype,
+                          device=device, logit_spectrum=logit_spectrum, blocks=blocks,
+                          tokenizer=tokenizer, tokenizer_spec=specs[0],
+                          trust_remote_code=trust_remote_code) for spec in specs]
+    results: dict[str, tuple[pd.DataFrame, dict[str, Any]]] = {}
     bar = task = None
     if progress:
         from qkgeom.ui import progress_bar
@@ -176,66 +220,25 @@ def analyze_checkpoints(
         bar = progress_bar("analyse", "{task.fields[ckpt]}", stderr=True)
         bar.start()
         task = bar.add_task("", total=len(specs) * max_tokens, ckpt="")
-    frames, rows = [], []
-    tok = None
     try:
-        for spec in specs:
-            cache = out / CACHE / _slug(spec.name)
-            done_path = cache.with_suffix(".json")
-            if done_path.is_file() and cache.with_suffix(".parquet").is_file():
-                done = read_json(done_path)
-                if done.get("settings_hash") == key:
-                    frames.append(pd.read_parquet(cache.with_suffix(".parquet")))
-                    rows.append(done["row"])
-                    if bar is not None:
-                        bar.update(task, advance=max_tokens, ckpt=f"{spec.name} (cached)")
-                    continue
+        todo = []
+        for job in jobs:
+            cached = read_cached(job)
+            if cached is None:
+                todo.append(job)
+                continue
+            results[job.spec.name] = cached
             if bar is not None:
-                bar.update(task, ckpt=spec.name)
-            model, own_tok = load_checkpoint(spec, dtype=dtype, device=device,
-                                             trust_remote_code=trust_remote_code)
-            try:
-                if own_tok is not None:
-                    tok = own_tok
-                elif tok is None:
-                    tok = load_tokenizer(spec, tokenizer, trust_remote_code)
-                digest = qk_hash(adapter_for(model))
-                advanced = 0
-
-                def tick(n: int) -> None:
-                    nonlocal advanced
-                    advanced += n
-                    if bar is not None:
-                        bar.update(task, advance=n)
-
-                columns = {"run_id": label, "checkpoint": spec.name, "step": spec.step}
-                if probe_ids is not None:
-                    frame = _measure_probe_set(model, probe_ids, probe_batch, logit_spectrum,
-                                               tick, **columns)
-                else:
-                    frame = analyze_model(
-                        model, tok, texts, max_tokens=max_tokens, seq_len=seq_len,
-                        batch_size=batch_size, qk_site=qk_site, logit_spectrum=logit_spectrum,
-                        blocks=blocks, progress=tick, **columns)
-            finally:
-                free_model(model)
-                model = None
-            if bar is not None and advanced < max_tokens:
-                bar.update(task, advance=max_tokens - advanced)
-            row = {"checkpoint": spec.name, "step": spec.step, "step_source": spec.step_source,
-                   "kind": spec.kind, "source": spec.source, "qk_hash": digest,
-                   "arch": frame.attrs["arch"], "n_head": frame.attrs["n_head"],
-                   "n_kv_head": frame.attrs["n_kv_head"], "tokens": frame.attrs["tokens"],
-                   "seq_len": frame.attrs["seq_len"], "blocks": frame.attrs["blocks"],
-                   "seconds": frame.attrs["seconds"],
-                   "tokens_per_s": frame.attrs["tokens_per_s"]}
-            write_parquet(cache.with_suffix(".parquet"), frame)
-            write_json(done_path, {"settings_hash": key, "row": row})
-            frames.append(frame)
-            rows.append(row)
+                bar.update(task, advance=max_tokens, ckpt=f"{job.spec.name} (cached)")
+        if spread is None:
+            _measure_here(todo, results, bar, task)
+        else:
+            _measure_spread(spread, todo, results, bar, task, out)
     finally:
         if bar is not None:
             bar.stop()
+    frames = [results[s.name][0] for s in specs]
+    rows = [results[s.name][1] for s in specs]
     finish(out, frames, rows, keep_duplicates)
     meta["state"] = "done"
     write_json(out / MARKER, meta)
@@ -243,6 +246,115 @@ def analyze_checkpoints(
     if short:
         warnings.warn(short, stacklevel=2)
     return out
+
+
+def _cache(job: CheckpointJob) -> Path:
+    return Path(job.out) / CACHE / _slug(job.spec.name)
+
+
+def read_cached(job: CheckpointJob) -> tuple[pd.DataFrame, dict[str, Any]] | None:
+    """A checkpoint's cached (frame, row), when it was measured with these settings."""
+    cache = _cache(job)
+    done_path = cache.with_suffix(".json")
+    if not (done_path.is_file() and cache.with_suffix(".parquet").is_file()):
+        return None
+    done = read_json(done_path)
+    if not isinstance(done, dict) or done.get("settings_hash") != job.key:
+        return None
+    return pd.read_parquet(cache.with_suffix(".parquet")), done["row"]
+
+
+def _measure_here(jobs: list[CheckpointJob],
+                  results: dict[str, tuple[pd.DataFrame, dict[str, Any]]],
+                  bar: Any, task: Any) -> None:
+    """One checkpoint after another in this process, the tokenizer loaded once."""
+    tok = None
+    for job in jobs:
+        if bar is not None:
+            bar.update(task, ckpt=job.spec.name)
+        advanced = 0
+
+        def tick(n: int) -> None:
+            nonlocal advanced
+            advanced += n
+            if bar is not None:
+                bar.update(task, advance=n)
+
+        frame, row, tok = _measure(job, tok, tick)
+        results[job.spec.name] = (frame, row)
+        if bar is not None and advanced < job.max_tokens:
+            bar.update(task, advance=job.max_tokens - advanced)
+
+
+def _measure_spread(spread: Spread, jobs: list[CheckpointJob],
+                    results: dict[str, tuple[pd.DataFrame, dict[str, Any]]],
+                    bar: Any, task: Any, out: Path) -> None:
+    """The jobs through ``spread``; each result is read back from its cache entry. Every
+    job runs even when some fail; then one line names the failures."""
+    failed: list[str] = []
+    for job, outcome in spread(measure_checkpoint, jobs):
+        cached = None if isinstance(outcome, BaseException) else read_cached(job)
+        if cached is None:
+            why = outcome if isinstance(outcome, BaseException) else "no cache entry written"
+            text = str(why) if isinstance(why, QKGeomError) else \
+                f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else why
+            failed.append(f"{job.spec.name}: {' '.join(text.split())[:200]}")
+        else:
+            results[job.spec.name] = cached
+        if bar is not None:
+            bar.update(task, advance=job.max_tokens, ckpt=job.spec.name)
+    if failed:
+        raise QKGeomError(f"{len(failed)} of {len(jobs)} checkpoint(s) failed ({failed[0]}"
+                          + (f"; and {len(failed) - 1} more" if len(failed) > 1 else "")
+                          + f"); the others are cached in {out / CACHE}: run the same "
+                          "command again to measure only what is missing")
+
+
+def measure_checkpoint(job: CheckpointJob) -> dict[str, Any]:
+    """Measure one checkpoint and write its cache entry; returns its row of
+    checkpoints.parquet. What a remote worker runs."""
+    return _measure(job, None, None)[1]
+
+
+def _measure(job: CheckpointJob, tok: Any, tick: Callable[[int], None] | None
+             ) -> tuple[pd.DataFrame, dict[str, Any], Any]:
+    """(frame, row, tokenizer) of one checkpoint, its cache entry written (the .json
+    completion marker last). ``tok``: the family's tokenizer when already loaded."""
+    from qkgeom.arch import adapter_for
+    from qkgeom.checkpoints import analyze as analyze_mod
+    from qkgeom.checkpoints.resolve import free_model, load_checkpoint, load_tokenizer, qk_hash
+    from qkgeom.data.text import open_text
+
+    spec = job.spec
+    model, own_tok = load_checkpoint(spec, dtype=job.dtype, device=job.device,
+                                     trust_remote_code=job.trust_remote_code)
+    try:
+        if own_tok is not None:
+            tok = own_tok
+        elif tok is None:
+            tok = load_tokenizer(job.tokenizer_spec, job.tokenizer, job.trust_remote_code)
+        digest = qk_hash(adapter_for(model))
+        columns = {"run_id": job.label, "checkpoint": spec.name, "step": spec.step}
+        if job.text is None:
+            probe_ids, probe_batch = _run_probe_set(Path(spec.source))
+            frame = _measure_probe_set(model, probe_ids, probe_batch, job.logit_spectrum,
+                                       tick or (lambda n: None), **columns)
+        else:
+            frame = analyze_mod.analyze_model(
+                model, tok, open_text(job.text), max_tokens=job.max_tokens,
+                seq_len=job.seq_len, batch_size=job.batch_size, qk_site=job.qk_site,
+                logit_spectrum=job.logit_spectrum, blocks=job.blocks, progress=tick,
+                **columns)
+    finally:
+        free_model(model)
+        model = None
+    row = {"checkpoint": spec.name, "step": spec.step, "step_source": spec.step_source,
+           "kind": spec.kind, "source": spec.source, "qk_hash": digest,
+           **{k: frame.attrs[k] for k in ROW_COLUMNS[6:]}}
+    cache = _cache(job)
+    write_parquet(cache.with_suffix(".parquet"), frame)
+    write_json(cache.with_suffix(".json"), {"settings_hash": job.key, "row": row})
+    return frame, row, tok
 
 
 def _run_probe_set(run: Path) -> tuple[Any, int]:
@@ -278,7 +390,9 @@ def _measure_probe_set(model: Any, ids: Any, batch_size: int, logit_spectrum: bo
 def finish(out: Path, frames: list[pd.DataFrame], rows: list[dict[str, Any]],
            keep_duplicates: bool) -> None:
     """Write the combined tables of an analysis folder."""
-    ckpts = flag_duplicates(pd.DataFrame(rows), keep_duplicates)
+    table = pd.DataFrame(rows)  # rows read back from a cache entry have sorted keys
+    ckpts = flag_duplicates(table[[*ROW_COLUMNS, *(c for c in table if c not in ROW_COLUMNS)]],
+                            keep_duplicates)
     metrics = pd.concat(frames, ignore_index=True)
     by_name = ckpts.set_index("checkpoint")
     metrics["duplicate_of"] = metrics["checkpoint"].map(by_name["duplicate_of"])

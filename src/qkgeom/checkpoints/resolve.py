@@ -48,9 +48,9 @@ from qkgeom.arch import ModelAdapter
 from qkgeom.errors import QKGeomError
 from qkgeom.runs import CHECKPOINTS, is_run_folder, list_checkpoints, read_record
 
-__all__ = ["CheckpointSpec", "analysis_memory", "check_analysis_fits", "free_model",
-           "hub_reachable", "load_checkpoint", "load_run_model", "qk_hash", "require_hub",
-           "resolve_checkpoints"]
+__all__ = ["CheckpointSpec", "analysis_memory", "auto_device_map", "check_analysis_fits",
+           "free_model", "hub_reachable", "load_checkpoint", "load_run_model", "qk_hash",
+           "require_hub", "resolve_checkpoints"]
 
 _STEP = re.compile(r"(?:^|[^a-z])(?:global_step|step|checkpoint|ckpt)[-_]?(\d+)$", re.IGNORECASE)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -241,6 +241,8 @@ def check_analysis_fits(specs: list[CheckpointSpec], *, text: str | None, max_to
     if not specs:
         return
     require_hub(specs)
+    if auto_device_map(device) and torch.cuda.device_count() > 1:
+        return  # split over several GPUs by accelerate: no one device's budget applies
     dims = _dims(specs[0])
     if dims is None:
         return
@@ -345,6 +347,9 @@ def load_checkpoint(spec: CheckpointSpec, *, dtype: str = "float32", device: str
     if spec.revision is not None:
         kwargs["revision"] = spec.revision
     cached_only = spec.kind == "hub" and _hub_only_cached()
+    mapped = auto_device_map(device)
+    if mapped:
+        kwargs["device_map"] = "auto"
     try:
         model = AutoModel.from_pretrained(spec.source, local_files_only=cached_only, **kwargs)
     except Exception as err:  # missing files, offline hub, unknown revision: user-fixable
@@ -354,7 +359,21 @@ def load_checkpoint(spec: CheckpointSpec, *, dtype: str = "float32", device: str
         raise QKGeomError(f"cannot load {spec.source}"
                           + (f" (revision {spec.revision})" if spec.revision else "")
                           + f": {type(err).__name__}: {first[:300]}") from None
-    return model.to(device).eval(), None
+    return (model if mapped else model.to(device)).eval(), None
+
+
+def auto_device_map(device: str) -> bool:
+    """Whether Hugging Face checkpoints load with ``device_map="auto"``: on ``--device
+    cuda`` (no index: every visible GPU) where ``accelerate`` is installed, so a model too
+    large for one GPU is split over them layer by layer (the measurement follows each
+    layer's q/k to its device). ``cuda:N`` and other devices load whole onto the device."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return False
+    try:
+        import accelerate  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def load_tokenizer(spec: CheckpointSpec, name: str | None = None,

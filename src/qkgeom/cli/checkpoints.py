@@ -109,9 +109,22 @@ def register(app: typer.Typer) -> None:
         fmt: Format = "table",
         quiet: Annotated[bool, typer.Option(
             "--quiet", "-q", help="No progress bar; print only the result.")] = False,
+        backend: Annotated[str, typer.Option(
+            help="local | ray: where checkpoints are measured (ray: one task per checkpoint, "
+                 "each writing its own cache entry).")] = "local",
+        workers: Annotated[int | None, typer.Option(
+            help="Checkpoints measured at once (local: processes, default 1 = this one; "
+                 "ray: tasks in flight, default as many as the cluster runs).")] = None,
+        address: Annotated[str | None, typer.Option(
+            help="Ray cluster address: auto or host:port (backend ray; default: a local "
+                 "Ray on 127.0.0.1).")] = None,
+        threads: Annotated[int, typer.Option(
+            help="torch threads per worker (with --workers or --backend ray).")] = 1,
     ) -> None:
-        """Token-level Q/K geometry of checkpoints (E4): one at a time, cached, resumable."""
+        """Token-level Q/K geometry of checkpoints (E4): cached per checkpoint, resumable;
+        measured here one at a time, or spread over local processes or Ray workers."""
         from qkgeom.checkpoints.family import analyze_checkpoints
+        from qkgeom.experiments.spread import make_spread
         from qkgeom.training import resolve_device
 
         check_format(fmt)
@@ -119,13 +132,16 @@ def register(app: typer.Typer) -> None:
             from qkgeom.data.text import open_text
 
             open_text(text)
+        device = str(resolve_device(device))
+        spread = make_spread(backend, workers=workers, threads=threads, address=address,
+                             device=device)
         folder = analyze_checkpoints(
             models, out or _default_out(models), revisions=split_revisions(revisions), text=text,
             max_tokens=tokens, seq_len=seq_len, batch_size=batch_size, qk_site=qk_site,
-            dtype=dtype, device=str(resolve_device(device)), keep_duplicates=keep_duplicates,
+            dtype=dtype, device=device, keep_duplicates=keep_duplicates,
             tokenizer=tokenizer, logit_spectrum=logit_spectrum,
             trust_remote_code=trust_remote_code, blocks=blocks,
-            progress=not quiet and fmt == "table")
+            progress=not quiet and fmt == "table", spread=spread)
         summarise(folder, fmt)
         info(f"analysis folder: {folder}  (report: qkgeom report {folder})", fmt)
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 Workers = Annotated[int | None, typer.Option(
     help="Runs trained at once (default: one single-threaded run per CPU on CPU grids, "
-         "one at a time on GPU).", show_default=False)]
+         "--runs-per-gpu per GPU on CUDA grids).", show_default=False)]
 Backend = Annotated[str, typer.Option(help="local (processes here) | ray (a Ray cluster).")]
 Address = Annotated[str | None, typer.Option(
     help="Ray cluster address: auto or host:port (backend ray).", show_default=False)]
@@ -26,6 +26,9 @@ Threads = Annotated[int | None, typer.Option(
 Retries = Annotated[int, typer.Option(
     help="Backend ray: start a run again, up to N times, when its worker dies (it resumes "
          "from its checkpoint).")]
+RunsPerGpu = Annotated[str, typer.Option(
+    help="CUDA grids: runs sharing one GPU (a number, or auto: measured once per sweep "
+         "folder, see docs/speed.md).")]
 Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | "
                                           "paper (GPU-hours; pass --data).")]
 Data = Annotated[str, typer.Option(
@@ -151,24 +154,19 @@ def register(app: typer.Typer) -> None:
         retry_failed: Annotated[bool, typer.Option(
             "--retry-failed", help="Train failed runs again.")] = False,
         retries: Retries = 0,
+        runs_per_gpu: RunsPerGpu = "1",
         quiet: Quiet = False,
     ) -> None:
         """Train every run of a grid (resumable: done runs are skipped, interrupted ones resume)."""
-        from qkgeom.config import detect_device
         from qkgeom.experiments import load_grid, run_sweep
-        from qkgeom.experiments.runner import available_cpus
 
         spec = load_grid(grid)
         out = out or Path("sweeps") / spec.folder_name
-        runs = spec.expand()
-        warn_long_sweep([r.config for r in unfinished(out, runs)], None)
-        if workers is None:
-            device = runs[0].config.device
-            on_cpu = (detect_device() if device == "auto" else device) == "cpu"
-            workers = available_cpus() if on_cpu else 1
+        warn_long_sweep([r.config for r in unfinished(out, spec.expand())], None)
         summary = run_sweep(spec, out, workers=workers, backend=backend, address=address,
                             threads_per_run=threads, progress=not quiet,
-                            retry_failed=retry_failed, retries=retries)
+                            retry_failed=retry_failed, retries=retries,
+                            runs_per_gpu=runs_per_gpu)
         _print_summary(summary, out)
         _exit_if_failed(summary)
 
@@ -232,6 +230,7 @@ def register(app: typer.Typer) -> None:
             help="e4: text tokens analysed per checkpoint (default: the preset's).",
             show_default=False)] = None,
         retries: Retries = 0,
+        runs_per_gpu: RunsPerGpu = "1",
         quiet: Quiet = False,
     ) -> None:
         """One of the paper's experiments end to end (resumable), then the report."""
@@ -258,7 +257,8 @@ def register(app: typer.Typer) -> None:
         _warn_reproduce(experiment, preset, data, overrides, device, out)
         summary = reproduce(experiment, preset, out, data, workers=workers, backend=backend,
                             address=address, threads_per_run=threads, progress=not quiet,
-                            overrides=overrides or None, retries=retries)
+                            overrides=overrides or None, retries=retries,
+                            runs_per_gpu=runs_per_gpu)
         _print_summary(summary, out)
         report(out, None)
         _exit_if_failed(summary)

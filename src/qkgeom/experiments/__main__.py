@@ -1,17 +1,26 @@
-"""``python -m qkgeom.experiments worker RUN_DIR --config JSON --threads N``: the local
-backend starts each run of a sweep in a fresh process this way
-(:func:`qkgeom.experiments.worker.main`). Users run sweeps with ``qkgeom sweep run``."""
+"""Internal process entries of the sweep (users run ``qkgeom sweep run``):
+
+- ``python -m qkgeom.experiments worker [--max-runs N]``: the local backend's persistent
+  worker, which reads runs to train on stdin and answers on stdout
+  (:func:`qkgeom.experiments.worker.main`);
+- ``python -m qkgeom.experiments probe ...``: one process of the packing probe
+  (:func:`qkgeom.experiments.packing.probe_main`).
+"""
 
 from __future__ import annotations
 
 import sys
 
-from qkgeom.experiments.worker import main
-
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    if argv[:1] != ["worker"]:
-        print("python -m qkgeom.experiments is the sweep's internal worker entry; "
-              "use `qkgeom sweep run GRID.yaml` or `qkgeom reproduce e1`", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(main(argv[1:]))
+    if argv[:1] == ["worker"]:
+        from qkgeom.experiments.worker import main
+
+        sys.exit(main(argv[1:]))
+    if argv[:1] == ["probe"]:
+        from qkgeom.experiments.packing import probe_main
+
+        sys.exit(probe_main(argv[1:]))
+    print("python -m qkgeom.experiments is the sweep's internal worker entry; "
+          "use `qkgeom sweep run GRID.yaml` or `qkgeom reproduce e1`", file=sys.stderr)
+    sys.exit(2)

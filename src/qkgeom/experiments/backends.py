@@ -1,39 +1,40 @@
-"""Where a sweep's runs execute: local subprocesses or Ray tasks, both calling ``run_one``.
+"""Where a sweep's runs execute: local worker processes or Ray tasks, both calling ``run_one``.
 
 A backend only starts runs and reports finished ones; skipping, locking and recording are
 :func:`~qkgeom.experiments.worker.run_one`'s job, identical for both.
 
-**Local** starts one ``python -m qkgeom.experiments worker`` subprocess per run rather than
-a ``ProcessPoolExecutor``: a worker that dies hard (out-of-memory kill, segfault) breaks a
-process pool and fails every pending future with it, whereas a dead subprocess is one failed
-run; ``max_tasks_per_child`` (a fresh process per run) needs Python 3.11; and the worker's
-stderr goes straight to the run's worker.log. The cost is the interpreter start (about 3 s
-of importing torch) per run, small next to training.
+**Local** keeps persistent worker processes (:mod:`~qkgeom.experiments.pool`): each trains
+the runs it is handed one after another, so the torch import and the first-step warm-up
+are paid once per worker instead of once per run (``max_runs_per_worker=1`` restores a
+fresh process per run). A worker that dies hard is one failed run, recorded as such, and
+a new worker takes the next run. On a CUDA grid (device ``cuda``) every worker is pinned
+to one GPU (``CUDA_VISIBLE_DEVICES``) and runs go to the GPU with the fewest runs, so the
+sweep's ``workers`` runs at once are packed ``runs_per_gpu`` to a GPU.
 
 **Ray** submits ``run_one`` as one task per run with ``num_cpus=threads`` (plus
-``num_gpus=1`` for a CUDA config), ``max_calls=1`` (a fresh worker process per run, as
-locally) and ``max_retries=retries`` (default 0: a crashed run is recorded ``failed`` and
+``num_gpus=1/runs_per_gpu`` for a CUDA config: Ray's fractional GPUs pack that many runs
+on a GPU) and ``max_retries=retries`` (default 0: a crashed run is recorded ``failed`` and
 rerunning the sweep resumes it from its checkpoint; with ``--retries N`` Ray itself starts
 a task whose worker died again, up to N times, and the retry resumes from the run's newest
-checkpoint under the run's lock). Results go to the sweep folder, so that folder must be on
-a filesystem every node sees, and qkgeom must be installed on every node. A local Ray
-instance that qkgeom starts itself (no ``--address``) listens on 127.0.0.1 only (its node
-address is the loopback one, no dashboard): nothing of it is reachable from the network.
+checkpoint under the run's lock). CPU runs reuse Ray's worker processes as the local pool
+does (``run_one`` resets the process state a run could leave behind); a GPU run gets a fresh
+worker (``max_calls=1``: a process cannot follow Ray to another GPU). Results go to
+the sweep folder, so that folder must be on a filesystem every node sees, and qkgeom must
+be installed on every node. A local Ray instance that qkgeom starts itself (no
+``--address``) listens on 127.0.0.1 only (its node address is the loopback one, no
+dashboard): nothing of it is reachable from the network.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 from qkgeom.errors import QKGeomError
+from qkgeom.experiments.pool import WorkerPool
 from qkgeom.experiments.worker import record_failure
 from qkgeom.runs.sweep import WORKER_LOG
 
@@ -51,8 +52,15 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
-def make_backend(name: str, address: str | None = None, retries: int = 0) -> Backend:
-    """The backend called ``name``; Ray is imported (and connected) only when asked for."""
+def make_backend(name: str, address: str | None = None, retries: int = 0, *,
+                 runs_per_gpu: int = 1, gpus: list[str] | None = None,
+                 max_runs_per_worker: int | None = None) -> Backend:
+    """The backend called ``name``; Ray is imported (and connected) only when asked for.
+
+    ``runs_per_gpu`` (Ray: ``num_gpus=1/runs_per_gpu`` per CUDA run), ``gpus`` (local:
+    the CUDA device ids to spread runs over) and ``max_runs_per_worker`` (local: runs per
+    worker process, None for no limit) are described in the module docstring.
+    """
     if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
         raise QKGeomError(f"--retries must be a whole number >= 0, got {retries!r}")
     if name == "local":
@@ -61,9 +69,9 @@ def make_backend(name: str, address: str | None = None, retries: int = 0) -> Bac
         if retries:
             raise QKGeomError("--retries is for the ray backend; locally, run the sweep again "
                               "(it resumes interrupted runs)")
-        return LocalBackend()
+        return LocalBackend(gpus, max_runs_per_worker)
     if name == "ray":
-        return RayBackend(address, retries)
+        return RayBackend(address, retries, runs_per_gpu)
     raise QKGeomError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 
 
@@ -75,49 +83,57 @@ def crashed(run_dir: Path, message: str) -> dict[str, Any]:
 
 
 class LocalBackend:
-    """One subprocess per run on this machine; ``wait`` polls them."""
+    """Persistent worker processes on this machine (:class:`~qkgeom.experiments.pool.WorkerPool`).
 
-    def __init__(self) -> None:
-        self._procs: dict[str, tuple[subprocess.Popen[str], Path, IO[bytes]]] = {}
+    ``gpus``: the CUDA device ids runs of device ``cuda`` are spread over (least-loaded
+    first; each worker pinned to one); ``max_runs_per_worker``: None keeps workers for
+    the whole sweep, 1 starts a fresh process per run.
+    """
+
+    def __init__(self, gpus: list[str] | None = None,
+                 max_runs_per_worker: int | None = None) -> None:
+        self._pool = WorkerPool(max_runs_per_worker)
+        self._gpus = list(gpus or [])
+        self._placed: dict[str, str | None] = {}  # run_id -> the GPU it runs on
 
     def submit(self, run_dir: Path, config_dict: dict[str, Any], threads: int,
                retry_failed: bool) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        log = open(run_dir / WORKER_LOG, "ab")  # noqa: SIM115 - closed when the run ends
-        env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-        cmd = [sys.executable, "-m", "qkgeom.experiments", "worker", str(run_dir),
-               "--config", json.dumps(config_dict), "--threads", str(threads)]
-        if retry_failed:
-            cmd.append("--retry-failed")
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=log, env=env, text=True)
-        self._procs[run_dir.name] = (proc, run_dir, log)
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        gpu = self._place(str(config_dict.get("device", "cpu")))
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        self._placed[run_dir.name] = gpu
+        self._pool.start(run_dir, {"config": config_dict, "threads": threads,
+                                   "retry_failed": retry_failed}, key=(threads, gpu), env=env)
+
+    def _cluster_has_gpus(self) -> bool:
+        """``device: auto`` on a cluster: a run asks for a GPU share when the cluster has
+        GPUs (the worker then resolves auto to cuda), else it runs on CPUs."""
+        return self._ray.cluster_resources().get("GPU", 0) > 0
+
+    def capacity(self, on_cuda: bool, runs_per_gpu: int) -> int | None:
+        """Runs at once this machine takes for a grid: ``runs_per_gpu`` per visible GPU on
+        a CUDA grid; None (no limit of its own) otherwise."""
+        return len(self._gpus) * runs_per_gpu if on_cuda and self._gpus else None
+
+    def _place(self, device: str) -> str | None:
+        """The GPU with the fewest runs of this sweep on it, for a run on ``cuda``; None for
+        CPU runs and runs that name their device (``cuda:1``)."""
+        if device != "cuda" or not self._gpus:
+            return None
+        busy = list(self._placed.values())
+        return min(self._gpus, key=busy.count)
 
     def wait(self, timeout: float) -> list[dict[str, Any]]:
         """Results of the runs that finished within ``timeout`` seconds (maybe none)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            done = [k for k, (p, _, _) in self._procs.items() if p.poll() is not None]
-            if done or time.monotonic() >= deadline:
-                break
-            time.sleep(min(0.1, max(deadline - time.monotonic(), 0)))
-        return [self._finish(run_id) for run_id in done]
-
-    def _finish(self, run_id: str) -> dict[str, Any]:
-        proc, run_dir, log = self._procs.pop(run_id)
-        out = proc.stdout.read() if proc.stdout else ""
-        proc.wait()
-        log.close()
-        if proc.stdout:
-            proc.stdout.close()
-        if proc.returncode == 0:
-            with contextlib.suppress(json.JSONDecodeError, IndexError):
-                return json.loads(out.strip().splitlines()[-1])
-        code = proc.returncode
-        why = (f"killed by signal {-code}" + (" (out of memory?)" if code == -9 else "")
-               if code < 0 else f"exit code {code}")
-        return crashed(run_dir, f"worker process died ({why}) without recording a result; "
-                                f"see {run_dir / WORKER_LOG}")
+        results = []
+        for run_dir, result, why in self._pool.wait(timeout):
+            self._placed.pop(run_dir.name, None)
+            if result is None:
+                result = crashed(run_dir, f"worker process died ({why}) without recording a "
+                                          f"result; see {run_dir / WORKER_LOG}")
+            results.append(result)
+        return results
 
     def cancel(self) -> None:
         """Stop every running worker (Ctrl-C): SIGINT first so runs stop cleanly, then kill.
@@ -125,22 +141,12 @@ class LocalBackend:
         Cancelled runs are not recorded as failed: their status stays ``running`` and the
         next sweep resumes them from their newest checkpoint.
         """
-        for proc, _, _ in self._procs.values():
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGINT)
-        deadline = time.monotonic() + 10
-        for proc, _, log in self._procs.values():
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            log.close()
-        self._procs.clear()
+        self._pool.cancel()
+        self._placed.clear()
 
     def close(self) -> None:
-        self.cancel()
+        self._pool.close()
+        self._placed.clear()
 
 
 # Ray takes the loopback address as the node's own only when its "cluster" mode is off (the
@@ -167,6 +173,29 @@ def _loopback_only(ray: Any) -> None:
         constants.ENABLE_RAY_CLUSTER = False
 
 
+def connect_ray(address: str | None) -> tuple[Any, bool]:
+    """``(ray, owns)``: Ray connected to the cluster at ``address`` (None: a local instance
+    on 127.0.0.1 only, no dashboard); ``owns`` says this call started the connection, so
+    its caller shuts it down."""
+    ray = _ray()
+    if ray.is_initialized():
+        return ray, False
+    kwargs: dict[str, Any] = {"log_to_driver": False}
+    if address is None:
+        kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
+        _loopback_only(ray)
+    try:
+        ray.init(address=address, **kwargs)
+    except ConnectionError as err:
+        raise QKGeomError(f"cannot connect to Ray at {address!r}: {err}") from None
+    return ray, True
+
+
+def gpu_share(runs_per_gpu: int) -> float:
+    """Ray's ``num_gpus`` for one run when ``runs_per_gpu`` runs share a GPU."""
+    return 1.0 / runs_per_gpu
+
+
 def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
                  retry_failed: bool) -> dict[str, Any]:
     """The Ray task: ``run_one`` with the run's prints in its worker.log, as locally."""
@@ -180,32 +209,35 @@ def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
 
 class RayBackend:
     """One Ray task per run on the cluster at ``address`` (None: a local Ray instance on
-    127.0.0.1); a task whose worker dies is retried up to ``retries`` times."""
+    127.0.0.1); a task whose worker dies is retried up to ``retries`` times; a CUDA run
+    takes ``1/runs_per_gpu`` of a GPU."""
 
-    def __init__(self, address: str | None, retries: int = 0) -> None:
-        ray = _ray()
-        self._ray = ray
-        self._owns = not ray.is_initialized()
-        if self._owns:
-            kwargs: dict[str, Any] = {"log_to_driver": False}
-            if address is None:
-                kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
-                _loopback_only(ray)
-            try:
-                ray.init(address=address, **kwargs)
-            except ConnectionError as err:
-                raise QKGeomError(f"cannot connect to Ray at {address!r}: {err}") from None
-        self._task = ray.remote(max_calls=1, max_retries=retries)(_ray_run_one)
+    def __init__(self, address: str | None, retries: int = 0, runs_per_gpu: int = 1) -> None:
+        self._ray, self._owns = connect_ray(address)
+        # CPU runs reuse Ray's worker processes; a GPU run gets a fresh one (max_calls=1):
+        # a process cannot move its CUDA context to the GPU Ray assigns the next task.
+        self._task = self._ray.remote(max_retries=retries)(_ray_run_one)
+        self._gpu_task = self._ray.remote(max_retries=retries, max_calls=1)(_ray_run_one)
+        self._gpu_share = gpu_share(runs_per_gpu)
         self._refs: dict[Any, Path] = {}
 
     def submit(self, run_dir: Path, config_dict: dict[str, Any], threads: int,
                retry_failed: bool) -> None:
         options: dict[str, Any] = {"num_cpus": threads}
-        if str(config_dict.get("device", "cpu")).startswith("cuda"):
-            options["num_gpus"] = 1
-        ref = self._task.options(**options).remote(str(run_dir), config_dict, threads,
-                                                   retry_failed)
+        task = self._task
+        device = str(config_dict.get("device", "auto"))
+        if device.startswith("cuda") or (device == "auto" and self._cluster_has_gpus()):
+            options["num_gpus"] = self._gpu_share
+            task = self._gpu_task
+        ref = task.options(**options).remote(str(run_dir), config_dict, threads, retry_failed)
         self._refs[ref] = run_dir
+
+    def capacity(self, on_cuda: bool, runs_per_gpu: int) -> int | None:
+        """Runs at once the cluster takes now: its GPUs x ``runs_per_gpu`` on a CUDA grid,
+        else its CPUs (one thread per run)."""
+        resources = self._ray.cluster_resources()
+        n = resources.get("GPU", 0) * runs_per_gpu if on_cuda else resources.get("CPU", 0)
+        return max(1, int(n)) if n else None
 
     def wait(self, timeout: float) -> list[dict[str, Any]]:
         if not self._refs:

@@ -51,7 +51,7 @@ from typing import Any
 from qkgeom.config import QK_INITS, TrainConfig, deep_merge, make_config
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.grid import Grid, nest_keys
-from qkgeom.experiments.runner import SweepSummary, available_cpus, run_sweep
+from qkgeom.experiments.runner import SweepSummary, available_cpus, on_this_machine, run_sweep
 
 PAPER_DEPTHS = [4, 6, 8]
 
@@ -198,6 +198,7 @@ def reproduce(
     retry_failed: bool = False,
     overrides: dict[str, Any] | None = None,
     retries: int = 0,
+    runs_per_gpu: int | str = 1,
 ) -> SweepSummary:
     """Expand the grid of ``experiment`` (``e1`` | ``e3``) at size ``preset`` and run it into
     ``out_dir`` (resumable; see :func:`~qkgeom.experiments.runner.run_sweep`).
@@ -205,21 +206,25 @@ def reproduce(
     ``workers=None`` picks the layout measured fastest for each size: for ``smoke`` and
     ``demo`` (small CPU models that do not scale across threads) one single-threaded run
     per CPU, at most one per run (benchmarks/sweep_scaling.py: 2 workers x 1 thread was
-    3.5x faster than 1 worker x 2 threads on 2 shared cores); for ``paper`` one run at a
-    time (one GPU). ``overrides`` (nested or dotted config keys) apply to every run.
-    ``retries``: Ray task retries (see :func:`~qkgeom.experiments.runner.run_sweep`).
+    3.5x faster than 1 worker x 2 threads on 2 shared cores); for ``paper`` on CUDA
+    ``runs_per_gpu`` runs per GPU (a number or ``"auto"``), on a CPU one run at a time.
+    ``overrides`` (nested or dotted config keys) apply to every run. ``retries``: Ray task
+    retries (see :func:`~qkgeom.experiments.runner.run_sweep`).
     """
     if experiment not in GRIDS:
         raise QKGeomError(f"unknown experiment {experiment!r}; choose one of "
                           f"{', '.join(GRIDS)}")
     grid = GRIDS[experiment](preset, data, overrides)
-    if workers is None:
-        workers = 1 if preset == "paper" else max(1, min(available_cpus(), len(grid.expand())))
-        if preset != "paper" and threads_per_run is None:
+    if workers is None and preset != "paper":
+        workers = max(1, min(available_cpus(), len(grid.expand())))
+        if threads_per_run is None:
             threads_per_run = 1
+    elif workers is None and not on_this_machine(grid.expand()[0]).config.device.startswith(
+            "cuda"):
+        workers = 1  # the paper preset on a CPU: one run with every thread
     return run_sweep(grid, out_dir, workers=workers, backend=backend, address=address,
                      threads_per_run=threads_per_run, progress=progress,
-                     retry_failed=retry_failed, retries=retries)
+                     retry_failed=retry_failed, retries=retries, runs_per_gpu=runs_per_gpu)
 
 
 def reproduce_e1(preset: str, out_dir: str | Path, data: str = "", **options: Any) -> SweepSummary:

@@ -16,10 +16,17 @@
   its dependents ``failed`` with a one-line reason ("reference run seed=0,arm=none
   diverged"); one held by another sweep process leaves them ``pending`` for a later call.
 
-``workers`` runs train at once (local subprocesses, or Ray tasks in flight), each with
+``workers`` runs train at once (local worker processes, or Ray tasks in flight), each with
 ``threads_per_run`` torch threads, by default ``max(1, cpus // workers)`` where ``cpus``
 counts the CPUs this process may use (its affinity mask, else ``os.cpu_count()``); the
 ``threads`` field is outside the config hash, so it never changes a run's identity.
+``workers=None`` picks: one run per CPU on a CPU grid (at most one per run), and on a CUDA
+grid ``runs_per_gpu`` runs per GPU (local: every visible GPU; Ray: the cluster's GPUs).
+Locally a CUDA grid never has more than ``runs_per_gpu`` runs on one GPU; ``runs_per_gpu
+="auto"`` measures the number (:mod:`~qkgeom.experiments.packing`) once per sweep folder
+and records it in ``packing.json``. Local workers are persistent processes that train
+several runs in turn (:mod:`~qkgeom.experiments.pool`; ``max_runs_per_worker=1`` for a
+fresh process per run).
 """
 
 from __future__ import annotations
@@ -38,11 +45,12 @@ import pandas as pd
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.backends import BACKENDS, make_backend
 from qkgeom.experiments.grid import Grid, RunSpec
+from qkgeom.experiments.packing import parse_runs_per_gpu
 from qkgeom.experiments.progress import SweepView
 from qkgeom.experiments.worker import record_failure
 from qkgeom.io import read_json, write_json
 from qkgeom.runs import lock_is_held, read_status
-from qkgeom.runs.sweep import SWEEP_FILE, run_dir
+from qkgeom.runs.sweep import PACKING_FILE, SWEEP_FILE, run_dir
 from qkgeom.version import __version__
 
 STATES = ("done", "diverged", "failed", "locked", "pending")
@@ -88,18 +96,22 @@ def run_sweep(
     grid: Grid,
     out_dir: str | Path,
     *,
-    workers: int = 1,
+    workers: int | None = 1,
     backend: str = "local",
     address: str | None = None,
     threads_per_run: int | None = None,
     progress: bool = True,
     retry_failed: bool = False,
     retries: int = 0,
+    runs_per_gpu: int | str = 1,
+    max_runs_per_worker: int | None = None,
 ) -> SweepSummary:
     """Train every run of ``grid`` into ``out_dir/runs/<run_id>`` (see the module doc).
 
     ``retries`` (ray backend): times Ray starts a run again whose worker process died; the
-    retry resumes from the run's newest checkpoint.
+    retry resumes from the run's newest checkpoint. ``runs_per_gpu``: runs sharing one GPU
+    on a CUDA grid, or ``"auto"``; ``max_runs_per_worker`` (local): runs one worker
+    process trains before it is replaced (None: no limit).
 
     Everything is validated before any work: the grid (every run's config), the arguments,
     the data (see :func:`resolve_data`), the backend (Ray importable and reachable), and
@@ -107,21 +119,36 @@ def run_sweep(
     :class:`QKGeomError` for any of those.
     """
     t0 = time.perf_counter()
-    if not isinstance(workers, int) or workers < 1:
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise QKGeomError(f"workers must be a positive integer, got {workers!r}")
     if threads_per_run is not None and (not isinstance(threads_per_run, int)
                                         or threads_per_run < 1):
         raise QKGeomError(f"threads_per_run must be a positive integer, got {threads_per_run!r}")
+    if max_runs_per_worker is not None and (not isinstance(max_runs_per_worker, int)
+                                            or max_runs_per_worker < 1):
+        raise QKGeomError("max_runs_per_worker must be a positive integer or None, got "
+                          f"{max_runs_per_worker!r}")
     if backend not in BACKENDS:
         raise QKGeomError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    per_gpu = parse_runs_per_gpu(runs_per_gpu)
     specs = resolve_data(grid.expand())
-    threads = threads_per_run or max(1, available_cpus() // workers)
+    if backend == "local":  # device auto means this machine's device (Ray: each worker's)
+        specs = [on_this_machine(s) for s in specs]
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise QKGeomError(f"{out} exists and is not a folder")
     check_sweep_file(out, grid, specs)  # before connecting to anything
-    runner = make_backend(backend, address, retries)
+    on_cuda = any(s.config.device.startswith("cuda") for s in specs)
+    gpus = cuda_devices() if on_cuda and backend == "local" else []
+    if per_gpu == "auto":
+        per_gpu = runs_per_gpu_for(out, specs, backend, address, gpus, threads_per_run) \
+            if on_cuda else 1
+    runner = make_backend(backend, address, retries, runs_per_gpu=per_gpu, gpus=gpus,
+                          max_runs_per_worker=max_runs_per_worker)
     try:
+        workers = sweep_workers(workers, specs, runner, on_cuda=on_cuda, runs_per_gpu=per_gpu,
+                                local=backend == "local")
+        threads = threads_per_run or max(1, available_cpus() // workers)
         write_sweep_file(out, grid, specs)
         return _schedule(specs, out, runner, workers=workers, threads=threads,
                          retry_failed=retry_failed, progress=progress, title=grid.name, t0=t0)
@@ -130,6 +157,75 @@ def run_sweep(
         raise
     finally:
         runner.close()
+
+
+def cuda_devices() -> list[str]:
+    """The CUDA device ids this process sees, as ``CUDA_VISIBLE_DEVICES`` names them for
+    its children (none without CUDA)."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible is not None \
+        else [str(i) for i in range(n)]
+    return ids[:n]
+
+
+def sweep_workers(workers: int | None, specs: list[RunSpec], runner: Any, *, on_cuda: bool,
+                  runs_per_gpu: int, local: bool) -> int:
+    """Runs at once (module doc): ``workers`` as given, or the default for the grid from
+    the backend's capacity; a local CUDA grid never more than its GPUs' slots."""
+    capacity = getattr(runner, "capacity", None)
+    cap = capacity(on_cuda, runs_per_gpu) if capacity is not None else None
+    if workers is None:
+        return cap or (runs_per_gpu if on_cuda else max(1, min(available_cpus(), len(specs))))
+    return min(workers, cap) if cap and on_cuda and local else workers
+
+
+def on_this_machine(spec: RunSpec) -> RunSpec:
+    """``spec`` with ``device: auto`` resolved here (CUDA, MPS or CPU), so that placement
+    and packing see the device the run will use; the config hash leaves the device out."""
+    if spec.config.device != "auto":
+        return spec
+    from qkgeom.config import detect_device
+
+    return dataclasses.replace(spec, config=dataclasses.replace(spec.config,
+                                                                device=detect_device()))
+
+
+def runs_per_gpu_for(out: Path, specs: list[RunSpec], backend: str, address: str | None,
+                     gpus: list[str], threads: int | None) -> int:
+    """``runs_per_gpu="auto"``: the number recorded in ``out/packing.json`` for this grid's
+    first run config, else measured now on one GPU (this machine's, or one Ray task's)
+    and recorded."""
+    from qkgeom.experiments.packing import probe_packing_record
+
+    spec = specs[0]
+    path = out / PACKING_FILE
+    if path.is_file():
+        saved = read_json(path)
+        if isinstance(saved, dict) and saved.get("config_hash") == spec.config_hash:
+            return int(saved["runs_per_gpu"])
+    config = spec.config.to_dict()
+    threads = threads or 1
+    if backend == "ray":
+        from qkgeom.experiments.backends import connect_ray
+
+        ray, owns = connect_ray(address)
+        try:
+            task = ray.remote(num_gpus=1, num_cpus=threads)(probe_packing_record)
+            record = ray.get(task.remote(config, threads, None))
+        finally:
+            if owns:
+                ray.shutdown()
+    else:
+        if not gpus:
+            raise QKGeomError("--runs-per-gpu auto needs a CUDA device on this machine; "
+                              "none is visible")
+        record = probe_packing_record(config, threads, {"CUDA_VISIBLE_DEVICES": gpus[0]})
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"config_hash": spec.config_hash, "run_id": spec.run_id, **record})
+    return int(record["runs_per_gpu"])
 
 
 def resolve_data(specs: list[RunSpec]) -> list[RunSpec]:

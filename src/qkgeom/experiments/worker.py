@@ -1,15 +1,23 @@
-"""One run of a sweep, in its own process: lock, skip or resume, train, record the outcome.
+"""One run of a sweep: lock, skip or resume, train, record the outcome; and the worker loop.
 
 :func:`run_one` is the only code that trains a sweep's run, whatever the backend: the local
-backend calls it in a fresh ``python -m qkgeom.experiments worker`` subprocess, the Ray
-backend as a Ray task (a fresh worker process per task). A process per run means
-``torch.set_num_threads`` and allocator state never leak from one run into the next, and a
-hard crash (segfault, out-of-memory kill) takes down one run, not the sweep.
+backend calls it in a persistent ``python -m qkgeom.experiments worker`` subprocess that
+trains the runs it is handed one after another (:func:`serve`), the Ray backend in a Ray
+task. A process that trains several runs in turn pays the torch import and the first-step
+warm-up once, not once per run; what one run could leave behind for the next is reset
+before each run (:func:`fresh_run_state`: torch's thread count, torch.compile's caches,
+freed memory; the trainer seeds every generator it uses), so a run gives the same metrics
+bit for bit in a fresh process or in one that trained other runs before
+(tests/experiments/test_worker_reuse.py). A hard crash (segfault, out-of-memory kill) takes
+down the worker and the one run it held, which is recorded ``failed``; the sweep starts a
+new worker for the next run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import socket
@@ -22,7 +30,7 @@ from typing import Any
 from qkgeom.errors import DivergedError, QKGeomError
 from qkgeom.io import write_json
 from qkgeom.runs import STATUS, RunLock, list_checkpoints, read_status
-from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG
+from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG, WORKER_LOG
 
 _MAX_MESSAGE = 300
 
@@ -70,6 +78,7 @@ def _train(run: Path, config_dict: dict[str, Any],
     steps = int(config_dict.get("steps", 0))
     try:
         cfg = from_dict(config_dict)
+        fresh_run_state(int(config_dict.get("threads") or 0))
         result = train(cfg, run, resume=True, progress=False, run_id=run.name)
     except DivergedError:
         return _result(run, "diverged", action, read_status(run))
@@ -129,27 +138,102 @@ def _result(run: Path, state: str, action: str,
             "action": action}
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Subprocess entry of the local backend: the result is the only thing on stdout.
+def fresh_run_state(threads: int) -> None:
+    """Leave nothing of an earlier run in this process that could change the next one.
 
-    Everything else the run prints goes to stderr (the parent sends it to worker.log), so
-    stdout carries exactly one JSON line the parent can parse.
+    The trainer seeds every generator it draws from, so what is left is process state:
+    torch's intra-op thread count (``threads``; 0 leaves it), torch.compile's in-memory
+    caches (a reused process would otherwise accumulate one compiled graph per model
+    until dynamo's recompile limit sends later runs to eager mode; the on-disk inductor
+    cache still makes the recompile quick), and the memory the last run's model and
+    optimiser held (returned, on CUDA too, so a packed GPU sees it free).
+    """
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _output_to(log: Path):
+    """File descriptors 1 and 2 (print, warnings, C-level messages) into ``log`` for the
+    block, then back where they were."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(log, "ab") as fh:
+        os.dup2(fh.fileno(), 1)
+        os.dup2(fh.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved, 1)
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def serve(requests: Any, results: Any, max_runs: int | None = None) -> int:
+    """Train the runs requested on ``requests`` (one JSON object per line: ``run_dir``,
+    ``config``, ``threads``, ``retry_failed``) one after another, each with its output in
+    its own worker.log, writing each :func:`run_one` result as one JSON line to
+    ``results``. Ends at the end of ``requests`` or after ``max_runs`` runs; returns the
+    exit code (130 when interrupted: the run it held stays resumable)."""
+    done = 0
+    try:
+        for line in requests:
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            with _output_to(Path(req["run_dir"]) / WORKER_LOG):
+                result = run_one(req["run_dir"], req["config"], int(req["threads"]),
+                                 retry_failed=bool(req.get("retry_failed")))
+            results.write(json.dumps(result) + "\n")
+            results.flush()
+            done += 1
+            if max_runs is not None and done >= max_runs:
+                break
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def warm_up() -> None:
+    """Pay a process's one-time costs before the first run: importing torch and the
+    trainer, and what torch imports on the first optimiser it builds (torch._dynamo,
+    sympy: 1-4 s, measured by benchmarks/run_fixed_costs.py)."""
+    import torch
+
+    import qkgeom.launch  # noqa: F401
+
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Subprocess entry of the local backend: requests on stdin, results on stdout.
+
+    Everything else the process prints goes to stderr (and, during a run, to that run's
+    worker.log), so stdout carries exactly the result lines the parent parses. The
+    process warms up (:func:`warm_up`) before it reads the first request.
     """
     parser = argparse.ArgumentParser(prog="python -m qkgeom.experiments worker")
-    parser.add_argument("run_dir")
-    parser.add_argument("--config", required=True, help="the run's config as JSON")
-    parser.add_argument("--threads", type=int, required=True)
-    parser.add_argument("--retry-failed", action="store_true")
+    parser.add_argument("--max-runs", type=int, default=None,
+                        help="exit after this many runs (1: a fresh process per run)")
     args = parser.parse_args(argv)
     result_fd = os.dup(1)
     sys.stdout.flush()
     os.dup2(2, 1)
     try:
-        result = run_one(args.run_dir, json.loads(args.config), args.threads,
-                         retry_failed=args.retry_failed)
+        warm_up()
     except KeyboardInterrupt:
         return 130
-    with os.fdopen(result_fd, "w", encoding="utf-8") as out:
-        out.write(json.dumps(result) + "\n")
-    return 0
-
+    with os.fdopen(result_fd, "w", encoding="utf-8") as results:
+        return serve(sys.stdin, results, args.max_runs)

@@ -213,8 +213,8 @@ class StreamingEntropy:
         """Σ s and Σ s² of visible scores ``s`` (B·Hk, n, R, k) per (B·Hk, R) into
         ``moments`` (2, B·Hk, R), one read each (none for Σ s when the caller has ``sums``
         from the queries and keys); no temporary the size of ``s``."""
-        moments[0] += s.sum(dim=(1, 3)) if sums is None else sums
-        moments[1] += torch.linalg.vector_norm(s, dim=(1, 3)).square_()
+        moments[0].add_(s.sum(dim=(1, 3)) if sums is None else sums)  # in place: no copy back
+        moments[1].add_(torch.linalg.vector_norm(s, dim=(1, 3)).square_())
 
     @staticmethod
     def _pair_sums(qb: Tensor, kb: Tensor, R: int) -> Tensor:

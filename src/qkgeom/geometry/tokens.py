@@ -191,8 +191,9 @@ class LayerGeometry:
                              f"and {tuple(k_attn.shape)}")
         scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
         tensors = {id(t): t for t in (q_site, k_site, q_attn, k_attn)}  # site = attn: once
-        amax = dict(zip(tensors, torch.stack([t.detach().abs().amax().double()
-                                              for t in tensors.values()]).tolist(), strict=True))
+        amax = dict(zip(tensors, torch.stack([torch.stack(t.detach().aminmax()).abs().amax()
+                                              .double() for t in tensors.values()]).tolist(),
+                        strict=True))  # max |x| in one pass, no |x| temporary; NaN stays NaN
         peak = max(amax.values())  # one host sync for all of them
         if not peak <= _MAX_ABS_ACTIVATION:  # NaN fails this too
             raise NonFiniteError(f"queries/keys are non-finite or beyond {_MAX_ABS_ACTIVATION:g} "

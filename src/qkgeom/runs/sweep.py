@@ -4,6 +4,7 @@
 
     SWEEP/
       sweep.json              the grid, every run id with its axes and config hash, created
+      packing.json            runs per GPU measured for --runs-per-gpu auto (if asked for)
       runs/<run_id>/          a normal run folder (config.json, metrics.parquet, status.json,
                               train_log.parquet, checkpoints/) plus the sweep's own
                               attempts.jsonl (one line per training attempt), worker.log
@@ -20,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 SWEEP_FILE = "sweep.json"
+PACKING_FILE = "packing.json"
 RUNS_DIR = "runs"
 ATTEMPTS_FILE = "attempts.jsonl"
 WORKER_LOG = "worker.log"
