@@ -80,8 +80,8 @@ def first_step(monkeypatch: pytest.MonkeyPatch) -> _StopAfterFirstStep:
     def with_stopper(cfg, out_dir=None):
         return [*callbacks_for(cfg, out_dir), stopper]
 
-    def in_process_backend(name, address=None, retries=0):
-        make_backend(name, address, retries).close()  # its argument checks, as they are
+    def in_process_backend(name, address=None, retries=0, **placement):
+        make_backend(name, address, retries, **placement).close()  # its argument checks
         return _InProcessBackend()
 
     monkeypatch.setattr(qkgeom.launch, "callbacks_for", with_stopper)

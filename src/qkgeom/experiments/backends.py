@@ -106,11 +106,6 @@ class LocalBackend:
         self._pool.start(run_dir, {"config": config_dict, "threads": threads,
                                    "retry_failed": retry_failed}, key=(threads, gpu), env=env)
 
-    def _cluster_has_gpus(self) -> bool:
-        """``device: auto`` on a cluster: a run asks for a GPU share when the cluster has
-        GPUs (the worker then resolves auto to cuda), else it runs on CPUs."""
-        return self._ray.cluster_resources().get("GPU", 0) > 0
-
     def capacity(self, on_cuda: bool, runs_per_gpu: int) -> int | None:
         """Runs at once this machine takes for a grid: ``runs_per_gpu`` per visible GPU on
         a CUDA grid; None (no limit of its own) otherwise."""
@@ -231,6 +226,11 @@ class RayBackend:
             task = self._gpu_task
         ref = task.options(**options).remote(str(run_dir), config_dict, threads, retry_failed)
         self._refs[ref] = run_dir
+
+    def _cluster_has_gpus(self) -> bool:
+        """``device: auto`` on a cluster: a run asks for a GPU share when the cluster has
+        GPUs (the worker then resolves auto to cuda), else it runs on CPUs."""
+        return self._ray.cluster_resources().get("GPU", 0) > 0
 
     def capacity(self, on_cuda: bool, runs_per_gpu: int) -> int | None:
         """Runs at once the cluster takes now: its GPUs x ``runs_per_gpu`` on a CUDA grid,
