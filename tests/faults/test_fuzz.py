@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 from fault_helpers import clean_error, cli, in_process, tally
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qkgeom.io import read_json
@@ -67,12 +67,19 @@ class _InProcessBackend:
 
 
 @pytest.fixture
-def first_step(monkeypatch: pytest.MonkeyPatch) -> _StopAfterFirstStep:
+def first_step(monkeypatch: pytest.MonkeyPatch, sample_data: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> _StopAfterFirstStep:
     """Accepted inputs run for real up to their first update (see the module doc). The
     test process keeps its torch thread count and RNG: a fuzzed ``threads`` is recorded,
-    not applied (1000 OpenMP threads on a test machine would only slow the suite)."""
+    not applied (1000 OpenMP threads on a test machine would only slow the suite). A grid
+    without ``data`` trains on the default corpus: the session's prepared sample, in a
+    cache of the test's own (never the user's)."""
     import qkgeom.experiments.runner as runner
     import qkgeom.launch
+
+    cache = tmp_path_factory.mktemp("qkgeom-cache")
+    shutil.copytree(sample_data, cache / "data" / "sample")
+    monkeypatch.setenv("QKGEOM_CACHE", str(cache))
 
     stopper = _StopAfterFirstStep()
     callbacks_for, make_backend = qkgeom.launch.callbacks_for, runner.make_backend
@@ -177,6 +184,8 @@ def _set(key: str, value: object) -> str:
 
 @FUZZ
 @given(pairs=st.lists(st.tuples(KEYS, VALUES), min_size=1, max_size=3))
+@example(pairs=[("steps", 6), ("probe_every", 1), ("model.dropout", 0.5)])  # accepted: runs
+@example(pairs=[("key_control.mode", "hold"), ("key_control.scope", "head")])
 def test_train_set_fuzz(pairs: list[tuple[str, object]], sample_data: Path,
                         tmp_path_factory: pytest.TempPathFactory,
                         capsys: pytest.CaptureFixture[str],
@@ -235,6 +244,7 @@ GRIDS = st.one_of(
 
 @FUZZ
 @given(text=GRIDS)
+@example(text="name: g\npreset: smoke\naxes: {seed: [0, 1], lr: [0.001]}\n")  # accepted: runs
 def test_sweep_grid_fuzz(text: str, sample_data: Path, tmp_path_factory: pytest.TempPathFactory,
                          capsys: pytest.CaptureFixture[str],
                          first_step: _StopAfterFirstStep) -> None:
