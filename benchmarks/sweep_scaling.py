@@ -6,7 +6,7 @@ scale across threads (dispatch overhead, small matmuls) while independent runs d
 is fixed: 4 runs (2 layers x width 64 x context 64, batch 16, 150 steps, probes every 50)
 on the embedded sample. Layouts run interleaved (rep 1 of every layout, then rep 2, ...) so
 machine noise hits them alike; the medians are compared. Each wall time includes the
-worker processes' start (about 3 s of imports per run). Last line: the ratio.
+worker processes' start (about 3 s of imports per worker). Last line: the ratio.
 
 Besides wall time, the table gives the sweep's throughput (training tokens of all runs /
 wall time) and the speed-up over 1 worker x 1 thread; the layout with the highest

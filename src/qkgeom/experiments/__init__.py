@@ -1,8 +1,9 @@
 """Experiments: sweep grids, the sweep runner (local processes or Ray), the paper's grids.
 
 ``load_grid`` / ``Grid.from_dict`` read a grid; ``Grid.expand`` gives its runs with stable
-ids; ``run_sweep`` trains them into a resumable sweep folder (each run in its own process
-through ``run_one``); ``sweep_status`` tabulates a sweep folder; ``e1_grid`` /
+ids; ``run_sweep`` trains them into a resumable sweep folder (every run through
+``run_one``, in persistent local worker processes or Ray tasks, packed ``runs_per_gpu`` to a
+GPU on CUDA grids); ``sweep_status`` tabulates a sweep folder; ``e1_grid`` /
 ``reproduce_e1`` are experiment E1 of the paper and ``e3_grid`` / ``reproduce_e3`` experiment
 E3, whose conditions are named arms (``e3_arm``) crossed with the seeds
 (docs/definitions.md).

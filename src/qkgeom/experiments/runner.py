@@ -333,8 +333,9 @@ def _settle_blocked(waiting: list[RunSpec], states: dict[str, str], out: Path,
 def _precheck(folder: Path, retry_failed: bool) -> str | None:
     """A run's known outcome without starting a worker: finished, or locked by another.
 
-    Saves a worker start (about 3 s of imports) per skipped run; the worker checks again
-    under the lock, which is what makes skipping race-free.
+    Saves handing a skipped run to a worker (and starting one, about 3 s of imports, when
+    none is idle); the worker checks again under the lock, which is what makes skipping
+    race-free.
     """
     status = read_status(folder)
     state = status.get("state") if status else None

@@ -60,7 +60,10 @@ def run_one(run_dir: str, config_dict: dict[str, Any], threads: int, *,
         state = status.get("state") if status else None
         if state in ("done", "diverged") or (state == "failed" and not retry_failed):
             return _result(run, state, "skipped", status)
-        return _train(run, dict(config_dict, threads=threads), status)
+        try:
+            return _train(run, dict(config_dict, threads=threads), status)
+        finally:
+            fresh_run_state(0)  # hand back what the run held (a packed GPU's memory) now
     finally:
         lock.release()
 
