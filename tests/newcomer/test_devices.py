@@ -97,3 +97,19 @@ def test_a_sweep_warns_only_about_the_runs_it_still_has_to_train(tmp_path) -> No
     write_json(run_dir(tmp_path, runs[30].run_id) / "status.json",
                {"state": "running", "step": 1})
     assert [r.run_id for r in unfinished(tmp_path, runs)] == [r.run_id for r in runs[30:]]
+
+
+def test_the_python_api_analyses_on_auto_by_default(smoke_run, tmp_path) -> None:
+    """``analyze_checkpoints`` and ``reproduce_e4`` default to ``auto`` as the CLI does (a
+    GPU user of the API gets the GPU; ``auto`` was an unknown torch device here before)."""
+    import inspect
+
+    from qkgeom import analyze_checkpoints
+    from qkgeom.experiments import reproduce_e4
+
+    assert inspect.signature(analyze_checkpoints).parameters["device"].default == "auto"
+    out = analyze_checkpoints([str(smoke_run.path)], tmp_path / "an")
+    metrics = pd.read_parquet(out / "metrics.parquet")
+    pr_k = metrics[metrics["metric"] == "pr_k_token"]
+    assert pr_k["checkpoint"].nunique() >= 2 and pr_k["value"].notna().all()
+    assert inspect.signature(reproduce_e4).parameters["device"].default is None  # -> auto

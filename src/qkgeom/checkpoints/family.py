@@ -137,7 +137,7 @@ def analyze_checkpoints(
     batch_size: int | None = None,
     qk_site: str = "pre-rotary",
     dtype: str = "float32",
-    device: str = "cpu",
+    device: str = "auto",
     keep_duplicates: bool = False,
     tokenizer: str | None = None,
     logit_spectrum: bool = True,
@@ -156,7 +156,8 @@ def analyze_checkpoints(
     ``metrics.parquet`` (``max_tokens``, ``seq_len``, ``batch_size`` and ``blocks`` then do
     not apply). ``qk_site`` defaults to ``pre-rotary`` (rotary models also get the
     post-rotary PRs, ``pr_*_token_post``); ``blocks`` (default 8) token blocks are recorded
-    beside all tokens for the E4 bootstrap.
+    beside all tokens for the E4 bootstrap. ``device`` defaults to ``auto`` (CUDA, then
+    MPS, then CPU), as on the command line.
 
     ``spread`` (default: one checkpoint after another in this process) measures the
     checkpoints not cached yet elsewhere, e.g. over Ray workers
@@ -167,6 +168,7 @@ def analyze_checkpoints(
     """
     from qkgeom.arch import QK_SITES
     from qkgeom.checkpoints.resolve import check_analysis_fits, resolve_checkpoints
+    from qkgeom.training import resolve_device
 
     if qk_site not in QK_SITES:
         raise QKGeomError(f"unknown --qk-site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
@@ -174,6 +176,7 @@ def analyze_checkpoints(
         raise QKGeomError(f"--tokens must be >= 1, got {max_tokens}")
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
         raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
+    device = str(resolve_device(device))
     out = Path(out)
     specs = resolve_checkpoints(models, revisions)
     check_analysis_fits(specs, text=text, max_tokens=max_tokens, seq_len=seq_len,

@@ -333,7 +333,9 @@ def reproduce_e4(preset: str, out: str | Path | None = None, *, data: str = "",
     family into ``OUT/analysis``. With ``model`` (a hub id or local HF folders) and
     ``revisions``: analyse that family into ``OUT/analysis``. Then the E4 report. ``OUT``
     defaults to ``sweeps/e4-<preset>`` (``sweeps/e4-<model>`` for a family). Resumable:
-    rerunning trains nothing twice and reuses every analysed checkpoint."""
+    rerunning trains nothing twice and reuses every analysed checkpoint. ``device``
+    (default ``auto``: CUDA, then MPS, then CPU) is where the run trains and the family is
+    measured."""
     from qkgeom.analysis import write_report
     from qkgeom.checkpoints.family import analyze_checkpoints
     from qkgeom.training import resolve_device
@@ -356,7 +358,7 @@ def reproduce_e4(preset: str, out: str | Path | None = None, *, data: str = "",
         models = [model]
     folder = analyze_checkpoints(models, out / E4_ANALYSIS, revisions=revisions,
                                  text=text or spec.text, max_tokens=tokens or spec.tokens,
-                                 blocks=spec.blocks, device=device or "cpu",
+                                 blocks=spec.blocks, device=device or "auto",
                                  progress=progress)
     write_report(folder)
     return folder
