@@ -53,8 +53,10 @@ def test_reproduce_e1_smoke_then_status_and_report(sample_data: Path, tmp_path: 
     assert {"E1.1", "E1.2", "E2.1"} <= {c["claim_id"] for c in doc["claims"]}
 
     again = run("reproduce", "e1", "--preset", "smoke", "--data", str(sample_data), "--out",
-                "sweeps/e1", "--quiet", cwd=tmp_path)  # everything is skipped
+                "sweeps/e1", cwd=tmp_path)  # everything is skipped
     assert again.returncode == 0 and "done 6" in again.stdout
+    # its progress, in a log: the runs finished before are counted, not listed
+    assert ": steps 240/240 (100 %)  done 6" in again.stderr and ": run " not in again.stderr
 
 
 def test_sweep_and_report_bad_input_is_one_line_exit_2(tmp_path: Path,

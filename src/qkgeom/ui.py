@@ -78,7 +78,8 @@ def step_progress(label: str, total: int, done: int, every: int) -> StepProgress
     return PlainSteps(label, total, done, every)
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """``h:mm:ss`` of a duration (negative counts as 0)."""
     seconds = int(max(seconds, 0))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
@@ -155,10 +156,10 @@ class PlainSteps:
         elapsed = time.perf_counter() - self._t0
         did = self.step - self._start
         rate = did / elapsed if elapsed > 0 and did > 0 else 0.0
-        eta = _clock((self.total - self.step) / rate) if rate else "?"
+        eta = clock((self.total - self.step) / rate) if rate else "?"
         share = 100 * self.step / max(self.total, 1)
         parts = [f"{self.label} step {self.step}/{self.total} ({share:.0f} %)",
-                 *_numbers(self._latest), f"elapsed {_clock(elapsed)}", f"eta {eta}"]
+                 *_numbers(self._latest), f"elapsed {clock(elapsed)}", f"eta {eta}"]
         print("  ".join(parts), file=self.stream, flush=True)
         self._printed = self.step
         self._next = self._after(self.step)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from qkgeom.errors import QKGeomError
+from qkgeom.experiments.pool import SAFE_PATH
 
 COUNTS = (1, 2, 4, 8)
 CONTEXT_BYTES = 0.75 * 2**30  # a CUDA context per process, beside what torch reserves
@@ -147,7 +148,7 @@ def measure_packing(config: dict[str, Any], runs: int, *, threads: int = 1,
                    json.dumps(config), "--warmup", str(warmup), "--steps", str(steps),
                    "--barrier", str(folder / "barrier"), "--runs", str(runs),
                    "--out", str(folder / f"out-{i}.json"), "--run-dir", str(folder / f"run-{i}")]
-            child_env = {**os.environ, "OMP_NUM_THREADS": str(threads),
+            child_env = {**os.environ, **SAFE_PATH, "OMP_NUM_THREADS": str(threads),
                          "MKL_NUM_THREADS": str(threads), **(env or {})}
             procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

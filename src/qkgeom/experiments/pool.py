@@ -31,6 +31,11 @@ from typing import IO, Any
 
 from qkgeom.runs.sweep import WORKER_LOG
 
+#: Environment for the worker processes this package starts (``python -m ...``): without
+#: it, Python puts the working directory first on ``sys.path``, so a user's ``timeit.py``
+#: or ``random.py`` in the folder a sweep is started from would shadow the standard
+#: library in every worker (Python >= 3.11 honours it).
+SAFE_PATH = {"PYTHONSAFEPATH": "1"}
 _TAIL = 4000  # bytes of a dead worker's own output copied into the run's worker.log
 
 
@@ -90,7 +95,7 @@ class WorkerPool:
             cmd += ["--max-runs", str(self.max_runs)]
         errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed when the worker ends
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=errors, env={**os.environ, **env}, text=True,
+                                stderr=errors, env={**os.environ, **SAFE_PATH, **env}, text=True,
                                 bufsize=1)
         worker = Worker(key, proc, errors)
         self.workers.append(worker)

@@ -46,7 +46,7 @@ from qkgeom.errors import QKGeomError
 from qkgeom.experiments.backends import BACKENDS, make_backend
 from qkgeom.experiments.grid import Grid, RunSpec
 from qkgeom.experiments.packing import parse_runs_per_gpu
-from qkgeom.experiments.progress import SweepView
+from qkgeom.experiments.progress import sweep_view
 from qkgeom.experiments.worker import record_failure
 from qkgeom.io import read_json, write_json
 from qkgeom.runs import lock_is_held, read_status
@@ -260,7 +260,7 @@ def _schedule(specs: list[RunSpec], out: Path, runner: Any, *, workers: int, thr
     states: dict[str, str] = {}
     in_flight: set[str] = set()
     trained: list[str] = []
-    view = SweepView(title, {s.run_id: s.config.steps for s in specs}) if progress else None
+    view = sweep_view(title, {s.run_id: s.config.steps for s in specs}) if progress else None
     try:
         while waiting or in_flight:
             _settle_blocked(waiting, states, out, retry_failed)
