@@ -244,19 +244,58 @@ def render_layers(table: pd.DataFrame, title: str, legend: Sequence[str] = (),
         out.print(line, highlight=False)  # a line wider than the console wraps
 
 
-def render_frame(frame: pd.DataFrame, title: str, legend: Sequence[str] = ()) -> None:
-    """Print any small table (sweep status, claims) with rich; floats to 3 significant
-    digits. Text columns wrap at spaces to fit the console; numbers never wrap."""
+def _frame_table(frame: pd.DataFrame, title: str, rows: list[list[str]],
+                 sections: list[bool], group: Sequence[str], keep_short: bool) -> Table:
     from rich.table import Table
 
     table = Table(title=title)
     for col in frame.columns:
         numeric = frame[col].map(lambda v: isinstance(v, (int, float))).all()
-        table.add_column(str(col), no_wrap=bool(numeric), overflow="fold")
-    for row in frame.itertuples(index=False):
-        table.add_row(*("" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
-                        for v in row))
+        short = keep_short and col not in group and frame[col].astype(str).str.len().max() <= 24
+        table.add_column(str(col), no_wrap=bool(numeric or short), overflow="fold")
+    for cells, section in zip(rows, sections, strict=True):
+        if section:
+            table.add_section()
+        table.add_row(*cells)
+    return table
+
+
+def _narrowest(frame: pd.DataFrame, rows: list[list[str]], group: Sequence[str]) -> int:
+    """Characters the table needs when its short texts keep their line and every other
+    text wraps at spaces (rich's borders and padding: 3 per column and 1)."""
+    width = 3 * len(frame.columns) + 1
+    for i, col in enumerate(frame.columns):
+        cells = [str(col), *(r[i] for r in rows)]
+        if col in group or max(map(len, cells[1:]), default=0) > 24:
+            width += max(len(w) for c in cells for w in (c.split() or [""]))
+        else:
+            width += max(map(len, cells))
+    return width
+
+
+def render_frame(frame: pd.DataFrame, title: str, legend: Sequence[str] = (),
+                 group: Sequence[str] = ()) -> None:
+    """Print any small table (sweep status, claims) with rich; floats to 3 significant
+    digits; numbers never wrap, texts wrap at spaces to fit the console (short ones only
+    when the console is too narrow otherwise). ``group``: columns that name a group of
+    consecutive rows (a claim's id and text): written on the group's first row only, with
+    a rule between groups, so a long text is read once."""
     out = console()
-    out.print(table)
+    where = [list(frame.columns).index(c) for c in group]
+    rows: list[list[str]] = []
+    sections: list[bool] = []
+    previous = None
+    for row in frame.itertuples(index=False):
+        cells = ["" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+                 for v in row]
+        key = tuple(cells[i] for i in where)
+        sections.append(bool(where) and previous is not None and key != previous)
+        if where and key == previous:
+            for i in where:
+                cells[i] = ""
+        previous = key
+        rows.append(cells)
+    keep_short = _narrowest(frame, rows, group) <= out.width
+    out.print(_frame_table(frame, title, rows, sections, group, keep_short))
     for line in legend_lines(legend, out.width):
         out.print(line, highlight=False)  # a line wider than the console wraps

@@ -71,3 +71,32 @@ def test_an_unknown_format_is_one_line(smoke_run, capsys) -> None:
         main(["show", str(smoke_run.path), "--format", "yaml"])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().endswith("choose one of table, json, csv")
+
+
+def _claims_frame():
+    text = "Key shrinkage goes with a narrower QK spectrum"
+    return pd.DataFrame({
+        "claim_id": ["E1.2"] * 2 + ["E2.1"] * 2, "claim": ["PR_K shrinks"] * 2 + [text] * 2,
+        "level": ["weight", "token"] * 2,
+        "from": ["step 0", "reference, step 120"] * 2,
+        "measured": ["18/18 runs", "7/18 runs", "18/18 runs", "16/18 runs"],
+        "p_value": [3.81e-06, 0.808, 3.81e-06, 2.29e-05],
+        "verdict": ["supported", "not supported", "supported", "supported"]})
+
+
+@pytest.mark.parametrize("columns", [100, 60])
+def test_a_claims_table_names_each_claim_once(columns: int, monkeypatch, capsys) -> None:
+    """The claim's text on its group's first row only, a rule between groups; at 100
+    columns short texts keep their line; at 60 every cell still shows, wrapped."""
+    from qkgeom.ui import render_frame
+
+    monkeypatch.setenv("COLUMNS", str(columns))
+    render_frame(_claims_frame(), "claims", group=["claim_id", "claim"])
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line) for line in out.splitlines()) <= columns
+    assert out.count("E1.2") == out.count("E2.1") == 1 and out.count("├") == 1
+    assert out.count("PR_K") == 1 and out.count("├") == 1
+    if columns == 100:
+        assert out.count("reference, step 120") == 2 and "narrower QK" in out
+    else:  # too narrow to keep texts on one line: they fold, the numbers stay whole
+        assert "0.808" in out and out.count("3.81e-06") == 2 and "refer" in out

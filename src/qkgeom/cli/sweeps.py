@@ -74,7 +74,8 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
             if c in claims]
     render_frame(claims[cols], "claims (verdicts computed from the numbers; see report.md)",
                  ["measured = units with the predicted sign / units (a unit is a run, or "
-                  "a seed: docs/protocols.md)", "p = exact sign-flip p-value"])
+                  "a seed: docs/protocols.md)", "p = exact sign-flip p-value"],
+                 group=[c for c in ("claim_id", "claim") if c in cols])
     if excluded:
         typer.echo(f"{excluded} run(s) left out (diverged/failed/unfinished): see the report")
     typer.echo(summary_line(path.parent))
