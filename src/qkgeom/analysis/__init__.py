@@ -36,17 +36,22 @@ _EXPORTS = {
     "CLAIMS": "qkgeom.analysis.e1.claims", "evaluate_claims": "qkgeom.analysis.e1.claims",
     "e3_analysis": "qkgeom.analysis.e3.analysis",
     "claims_table": "qkgeom.analysis.report", "write_report": "qkgeom.analysis.report",
-    "summary_line": "qkgeom.analysis.report",
+    "summary_line": "qkgeom.analysis.report", "excluded_count": "qkgeom.analysis.report",
     "layer_table": "qkgeom.analysis.tables",
 }
 
 __all__ = ["collate", "trajectories", "write_report", "claims_table", "summary_line", "runs_table",
-           "excluded_runs", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]
+           "excluded_runs", "excluded_count", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]
 
 if TYPE_CHECKING:
     from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
     from qkgeom.analysis.e3.analysis import e3_analysis
-    from qkgeom.analysis.report import claims_table, summary_line, write_report
+    from qkgeom.analysis.report import (
+        claims_table,
+        excluded_count,
+        summary_line,
+        write_report,
+    )
     from qkgeom.analysis.tables import layer_table
 
 __getattr__ = lazy_getattr(__name__, _EXPORTS, globals())

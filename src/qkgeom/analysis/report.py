@@ -86,7 +86,22 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)
     claim_report_dir(out, folder)
     write = write_e3_report if is_e3(table) else write_e1_report
-    return write(table, folder, out, figures)
+    path = write(table, folder, out, figures)
+    # what was left out, for a command to say so without collating the folder again
+    write_json(out / REPORT_MARKER, {**read_json(out / REPORT_MARKER),
+                                      "excluded": len(table.attrs.get("excluded", []))})
+    return path
+
+
+def excluded_count(report_dir: str | Path) -> int:
+    """How many runs a written report left out (diverged, failed, unfinished): 0 for an
+    E4 report (an analysis folder has no runs to leave out) or a report written before
+    the count was recorded."""
+    try:
+        record = read_json(Path(report_dir) / REPORT_MARKER)
+    except QKGeomError:
+        return 0
+    return int(record.get("excluded", 0)) if isinstance(record, dict) else 0
 
 
 def summary_line(report_dir: str | Path) -> str:

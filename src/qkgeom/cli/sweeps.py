@@ -51,7 +51,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     """Write the report of any result folder and print its claims table (``fmt``)."""
     import pandas as pd
 
-    from qkgeom.analysis import summary_line, write_report
+    from qkgeom.analysis import excluded_count, summary_line, write_report
     from qkgeom.ui import render_frame
 
     path = write_report(folder, out)
@@ -59,7 +59,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     # The report wrote its claims: read them back rather than analyse the folder twice.
     claims = pd.read_csv(path.parent / "claims.csv", keep_default_na=False,
                          na_values=[""])
-    excluded = _left_out(folder)
+    excluded = excluded_count(path.parent)
     if fmt == "json":
         write_json({"folder": str(folder), "report": str(path),
                     "html": str(html) if html.is_file() else None,
@@ -82,15 +82,6 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     typer.echo(f"report: {path}")
     if html.is_file():
         typer.echo(f"report (HTML): {html}")
-
-
-def _left_out(folder: Path) -> int:
-    """How many runs of a sweep or run folder the report left out (collating reads the
-    folders' records only; an E4 analysis folder has no runs to leave out)."""
-    from qkgeom.analysis import collate, excluded_runs
-    from qkgeom.runs.family import is_analysis_folder
-
-    return 0 if is_analysis_folder(folder) else len(excluded_runs(collate(folder)))
 
 
 def _status_table(status: pd.DataFrame) -> pd.DataFrame:
