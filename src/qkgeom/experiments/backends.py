@@ -186,11 +186,6 @@ def connect_ray(address: str | None) -> tuple[Any, bool]:
     return ray, True
 
 
-def gpu_share(runs_per_gpu: int) -> float:
-    """Ray's ``num_gpus`` for one run when ``runs_per_gpu`` runs share a GPU."""
-    return 1.0 / runs_per_gpu
-
-
 def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
                  retry_failed: bool) -> dict[str, Any]:
     """The Ray task: ``run_one`` with the run's prints in its worker.log, as locally."""
@@ -213,7 +208,7 @@ class RayBackend:
         # a process cannot move its CUDA context to the GPU Ray assigns the next task.
         self._task = self._ray.remote(max_retries=retries)(_ray_run_one)
         self._gpu_task = self._ray.remote(max_retries=retries, max_calls=1)(_ray_run_one)
-        self._gpu_share = gpu_share(runs_per_gpu)
+        self._gpu_share = 1.0 / runs_per_gpu  # Ray's num_gpus of one run on a shared GPU
         self._refs: dict[Any, Path] = {}
 
     def submit(self, run_dir: Path, config_dict: dict[str, Any], threads: int,
