@@ -8,7 +8,7 @@
   origin) and :func:`claims_markdown`, which writes it grouped by claim (the claim's id and
   text once, in a group row, then its rows) with the cells an experiment's report chooses
   (:data:`SWEEP_CLAIM_CELLS` by default); :func:`claims_summary`, the one line that opens
-  every report ("E1/E2: k of n claim rows supported, …").
+  every report ("E1/E2: k of n claims supported, …", read on the primary rows).
 - **Sections of a sweep or run report**: :func:`setup_markdown`, :func:`excluded_markdown`,
   :func:`metrics_note` (metrics a folder does not record).
 - **The page**: :func:`render_html` (standalone HTML: raw HTML never passes, links only to
@@ -420,6 +420,8 @@ td.verdict { min-width: 7em; }
 td.v-supported { background: #d8f0de; color: #0f5132; }
 td.v-not-supported { background: #f8dcd9; color: #842029; }
 td.v-mixed { background: #fff0c2; color: #664d03; }
+td.v-equivalent-to-no-effect { background: #dbe7f7; color: #0b3d6b; }
+td.v-inconclusive { background: #f4f4f4; color: #333; }
 td.v-not-evaluated { background: #ebebeb; color: #444; }
 blockquote { margin: 1em 0; padding: 0.6em 1em; border-left: 4px solid #0072B2;
              background: #f2f7fb; font-size: 1.05em; }
