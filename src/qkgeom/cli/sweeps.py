@@ -29,8 +29,9 @@ Retries = Annotated[int, typer.Option(
 RunsPerGpu = Annotated[str, typer.Option(
     help="CUDA grids: runs sharing one GPU (a number, or auto: measured once per sweep "
          "folder, see docs/speed.md).")]
-Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | "
-                                          "paper (GPU-hours; pass --data).")]
+Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | lab "
+                                          "(e1, e3: 5x longer runs, about an hour each on 2 "
+                                          "CPU cores) | paper (GPU-hours; pass --data).")]
 Data = Annotated[str, typer.Option(
     help="sample (the embedded Wikipedia text) or a prepared data folder (default: "
          "sample).", show_default=False)]
