@@ -20,9 +20,10 @@ key heads), where the default pre-rotary site also keeps the post-rotary covaria
    post-rotary one (one site), interleaved in the same rounds;
 5. the cost of 8 token blocks (``blocks=8``, E4's bootstrap: a second set of running
    totals), as the time of a blocked analysis over the plain one, in the same rounds;
-6. the cost of ``logit_std`` (the sums of the visible scores and of their squares, taken
-   in the entropy's score blocks), as the time of the analysis over that of the same
-   analysis with those two sums patched out, in the same rounds.
+6. the cost of the scale-free entropy (``attn_entropy_scalefree``: a second softmax of
+   each score block, its rows divided by their own standard deviation), as the time of the
+   analysis over that of the same analysis with that softmax patched out, in the same
+   rounds.
 
 Run: ``python benchmarks/analysis_throughput.py [--arch gpt2|llama] [--tokens 1000000]
 [--threads 1,2] [--quick]``. The last line printed is the analysis/forward throughput ratio
@@ -150,18 +151,23 @@ def speed_run(n_tokens: int, rounds: int) -> dict:
         analyze_model(m, Chars(), texts, max_tokens=ids.numel(), seq_len=SEQ, batch_size=BATCH,
                       qk_site=site, blocks=blocks)
 
-    def without_logit_moments() -> None:
+    def without_scale_free() -> None:
         from qkgeom.geometry.entropy import StreamingEntropy
 
-        real = StreamingEntropy._add_moments
-        StreamingEntropy._add_moments = staticmethod(lambda s, moments, sums=None: None)
+        real = StreamingEntropy._entropy_rows
+
+        def raw_only(s, logp, neg_ent, top):  # the scale-free call is the one without top
+            if top is not None:
+                real(s, logp, neg_ent, top)
+
+        StreamingEntropy._entropy_rows = staticmethod(raw_only)
         try:
             analysis()
         finally:
-            StreamingEntropy._add_moments = staticmethod(real)
+            StreamingEntropy._entropy_rows = staticmethod(real)
 
     runs = [("forward", forward), ("analysis", analysis), ("blocks8", lambda: analysis(blocks=8)),
-            ("no_moments", without_logit_moments)]
+            ("no_scale_free", without_scale_free)]
     if ARCH == "llama":  # the same analysis without the post-rotary covariances
         runs.append(("post_site", lambda: analysis("post-rotary")))
     out: dict = {"tokens": ids.numel(), **{name: [] for name, _ in runs}}
@@ -220,7 +226,7 @@ def main() -> None:
               f"tokens/s ({min(ana):,.0f}-{max(ana):,.0f}); ratio of medians {ratio:.2f} "
               f"(per round {min(per_round):.2f}-{max(per_round):.2f})")
         costs = [("8 token blocks", "blocks8", "analysis"),
-                 ("logit_std", "analysis", "no_moments")]
+                 ("scale-free entropy", "analysis", "no_scale_free")]
         if "post_site" in r:
             costs.append(("post-rotary covariances", "analysis", "post_site"))
         for what, with_it, without in costs:
