@@ -31,8 +31,10 @@ TABLES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
                         ("step", "layer", "head", "metric", "value")),
     "train_log.parquet": ({"step": "int", "loss": "float", "val_loss": "float", "lr": "float",
                            "tokens_per_s": "float"}, ("step",)),
-    # key-control trajectory: further columns a newer control adds are not checked
-    "key_pr.parquet": ({"step": "int", "unit": "str", "pr": "float"}, ("step", "unit", "pr")),
+    # key-control trajectory: the reader names the columns it needs (control/trajectory.py);
+    # further columns a newer control adds are not checked
+    "key_pr.parquet": ({"step": "int", "unit": "str", "pr": "float", "pr_token": "float",
+                        "spread": "float"}, ("step", "unit", "pr")),
 }
 #: The table a part file (``metrics.parts/p…-L0.parquet``) belongs to.
 PARTS = {"metrics.parts": "metrics.parquet", "train_log.parts": "train_log.parquet"}
