@@ -450,6 +450,28 @@ def _build(cls: type, full: dict[str, Any], defaults: dict[str, Any], prefix: st
     return cls(**kw)
 
 
+def check_config_types(d: dict[str, Any], prefix: str = "") -> None:
+    """QKGeomError unless every key of ``d`` that :class:`TrainConfig` knows holds a value of
+    its type (as :func:`from_dict` would coerce it); unknown keys and values a newer rule
+    would refuse are left alone. For readers of recorded configs (a report): a value of
+    the wrong type (``"warmup_steps": "five"``) is one line, while a run recorded under
+    older or newer rules still reads."""
+    defaults = TrainConfig().to_dict()
+    node = defaults
+    for part in filter(None, prefix.rstrip(".").split(".")):
+        node = node[part]
+    for key, value in d.items():
+        if key not in node:
+            continue
+        if isinstance(node[key], dict):
+            if not isinstance(value, dict):
+                raise QKGeomError(f"config key {prefix + key!r} must be a mapping, got "
+                                  f"{value!r}")
+            check_config_types(value, f"{prefix}{key}.")
+        else:
+            _coerce(value, node[key], prefix + key)
+
+
 def from_dict(d: dict[str, Any]) -> TrainConfig:
     """Build a validated config from a (possibly partial) nested mapping."""
     if not isinstance(d, dict):

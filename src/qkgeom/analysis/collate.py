@@ -27,12 +27,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qkgeom.config import TrainConfig
+from qkgeom.config import TrainConfig, check_config_types
 from qkgeom.errors import QKGeomError
 from qkgeom.runs import (
     has_metrics,
     is_run_folder,
-    load_config,
     read_log,
     read_metrics,
     read_record,
@@ -181,8 +180,10 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             continue
         try:
             prov = read_record(folder)
-            if prov.get("config"):  # typed like a config qkgeom accepts (monitor: maybe {})
-                load_config(folder)
+            try:  # the values of the types a config has (a monitor's may be {})
+                check_config_types(prov["config"])
+            except QKGeomError as err:
+                raise QKGeomError(f"{folder / 'config.json'}: {err}") from None
         except QKGeomError as err:  # one unreadable run is listed, never sinks the report
             row.update(state="unreadable", excluded=f"unreadable run: {err}")
             rows.append(row)
@@ -337,9 +338,11 @@ def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> pd.DataF
         table[col] = table[col].astype("int64")
     table["metric"] = table["metric"].astype(str)
     table.attrs["runs"] = _records(runs)
-    table.attrs["excluded"] = _records(
-        runs.loc[runs["excluded"] != "", ["run_id", "depth", "qk_init", "seed", "state",
-                                          "excluded"]])
+    left_out = runs.reindex(columns=[*runs.columns, *(c for c in ("depth", "qk_init", "seed")
+                                                       if c not in runs.columns)])
+    table.attrs["excluded"] = _records(  # every run may be unreadable: no depth column then
+        left_out.loc[left_out["excluded"] != "", ["run_id", "depth", "qk_init", "seed",
+                                                  "state", "excluded"]])
     table.attrs["sweep"] = spec
     table.attrs["name"] = sweep_name(spec, sweep_dir)
     return table

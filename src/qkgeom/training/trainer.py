@@ -285,7 +285,10 @@ class Trainer:
         except (DivergedError, CheckpointError):
             raise  # diverged is recorded as such; a foreign checkpoint changed nothing
         except KeyboardInterrupt as err:  # SIGINT / SIGTERM: recorded, resumable
-            raise self._interrupted(err) from None
+            stopped = self._interrupted(err)
+            if isinstance(err, Interrupted):  # a signal: raised again with the line to print
+                raise stopped from None
+            raise  # a KeyboardInterrupt of the caller's own (a callback's): as it came
         except BaseException as err:
             if is_out_of_memory(err):
                 message = self._oom_message(err)
