@@ -216,8 +216,8 @@ class Trainer:
         self.cfg = cfg = with_vocab(cfg, self.data.vocab.vocab_size)
         cfg.validate()
         self.probe_tokens = probe_set(self.data.val, cfg.probe_sequences, cfg.model.block_size)
-        check_eval_fits(cfg, len(self.data.val))
         check_training_fits(cfg, self.device)
+        check_eval_fits(cfg, len(self.data.val))
         if not resume:  # a resumed run was told when it started
             warn_if_long_on_cpu(cfg, self.device)
         record = run_record(cfg, self.run_id, execution=execution, data_dir=str(self.data.dir),
