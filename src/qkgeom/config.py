@@ -486,6 +486,28 @@ def _build(cls: type, full: dict[str, Any], defaults: dict[str, Any], prefix: st
     return cls(**kw)
 
 
+def check_config_types(d: dict[str, Any], prefix: str = "") -> None:
+    """QKGeomError unless every key of ``d`` that :class:`TrainConfig` knows holds a value of
+    its type (as :func:`from_dict` would coerce it); unknown keys and values a newer rule
+    would refuse are left alone. For readers of recorded configs (a report): a value of
+    the wrong type (``"warmup_steps": "five"``) is one line, while a run recorded under
+    older or newer rules still reads."""
+    defaults = TrainConfig().to_dict()
+    node = defaults
+    for part in filter(None, prefix.rstrip(".").split(".")):
+        node = node[part]
+    for key, value in d.items():
+        if key not in node:
+            continue
+        if isinstance(node[key], dict):
+            if not isinstance(value, dict):
+                raise QKGeomError(f"config key {prefix + key!r} must be a mapping, got "
+                                  f"{value!r}")
+            check_config_types(value, f"{prefix}{key}.")
+        else:
+            _coerce(value, node[key], prefix + key)
+
+
 def from_dict(d: dict[str, Any]) -> TrainConfig:
     """Build a validated config from a (possibly partial) nested mapping."""
     if not isinstance(d, dict):
@@ -494,6 +516,109 @@ def from_dict(d: dict[str, Any]) -> TrainConfig:
     cfg = _build(TrainConfig, _merge(defaults, d), defaults)
     cfg.validate()
     return cfg
+
+
+#: A config or grid file is a few hundred bytes; these bound what a crafted one can cost
+#: before it is refused (a 450-byte YAML alias bomb expands to gigabytes).
+MAX_YAML_BYTES = 1 * 2**20
+MAX_YAML_NODES = 20_000
+
+
+def _yaml_loader() -> type:
+    """The YAML loader of config and grid files: ``yaml.SafeLoader`` that refuses aliases
+    (``*name``: each one can multiply what follows, the "billion laughs"), counts nodes
+    (at most :data:`MAX_YAML_NODES`), reads ``1e-3`` as a float (YAML 1.2) and refuses a
+    key given twice in one mapping. Built on first use, so the config imports no YAML."""
+    global _LOADER
+    if _LOADER is not None:
+        return _LOADER
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        nodes = 0
+
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.events.AliasEvent):
+                event = self.peek_event()
+                raise yaml.composer.ComposerError(
+                    None, None, "YAML aliases (*name) are not accepted in a config or grid "
+                    "file: write the values out", event.start_mark)
+            self.nodes += 1
+            if self.nodes > MAX_YAML_NODES:
+                raise yaml.composer.ComposerError(
+                    None, None, f"more than {MAX_YAML_NODES:,} YAML nodes; a config or grid "
+                    "file is far smaller", self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    repeated = key in seen
+                    seen.add(key)
+                except TypeError:  # an unhashable key: construct_mapping refuses it
+                    continue
+                if repeated:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"key {key!r} is given twice", node.start_mark)
+            return super().construct_mapping(node, deep=deep)
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+                        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+                        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+                        |[-+]?\.(?:inf|Inf|INF)
+                        |\.(?:nan|NaN|NAN))$""", re.X),
+        list("-+0123456789."),
+    )
+    _LOADER = Loader
+    return Loader
+
+
+_LOADER: type | None = None
+
+
+def load_yaml_file(path: Any, what: str = "config file") -> Any:
+    """A YAML (or JSON) config or grid file, parsed with :func:`_yaml_loader`'s limits; a
+    missing, unreadable, oversized or invalid file is a one-line QKGeomError naming it."""
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_YAML_BYTES + 1)
+    except FileNotFoundError:
+        raise QKGeomError(f"{path}: {what} not found") from None
+    except IsADirectoryError:
+        raise QKGeomError(f"{path}: is a folder, not a {what}") from None
+    except OSError as err:
+        raise QKGeomError(f"{path}: cannot read the {what} ({err.strerror})") from None
+    if len(data) > MAX_YAML_BYTES:
+        raise QKGeomError(f"{path}: larger than {MAX_YAML_BYTES // 2**20} MiB; a {what} is a "
+                          "few hundred bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise QKGeomError(f"{path}: not UTF-8 text; a {what} is YAML or JSON") from None
+    try:
+        return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None)
+        mark = getattr(err, "problem_mark", None)
+        if problem:
+            where = f", line {mark.line + 1}" if mark is not None else ""
+            text = f"{' '.join(problem.split())}{where}"
+        else:
+            text = " ".join(" ".join(str(err).strip().splitlines()[:2]).split())
+        raise QKGeomError(f"{path}: not valid YAML ({text[:240]})") from None
+    except RecursionError:
+        raise QKGeomError(f"{path}: not valid YAML (nested too deeply)") from None
 
 
 def _scalar(raw: str) -> Any:

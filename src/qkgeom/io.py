@@ -26,6 +26,15 @@ the one that retries it (a Ray task's retry, a resumed run).
 Temp files are named ``.<name>.<8 random characters>.tmp`` beside their target
 (:func:`temp_name_pattern`): the only files a resumed run may delete as leftovers of a
 killed write, so a user's own ``*.tmp`` files are never touched.
+
+Links: a result folder may come from someone else (a downloaded sweep), so nothing qkgeom
+writes inside one follows a symbolic link planted there. :func:`atomic_write` refuses a
+target that is a link (replacing it would hide the link's file; writing through it would
+overwrite that file), :func:`open_private` opens the files qkgeom appends to or locks
+(``attempts.jsonl``, ``worker.log``, lock files) with ``O_NOFOLLOW`` and refuses anything
+but a plain file, and :func:`refuse_link` / :func:`make_dir` refuse a sub-folder that is a
+link. Each refusal is one line naming the link. The folder a user names on the command
+line may itself be a link: that is the user's choice, not something found in a folder.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import json
 import os
 import re
 import signal
+import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +93,30 @@ def fsync_dir(folder: str | Path) -> None:
         os.close(fd)
 
 
+_FAULT_ACTIONS = ("kill", "enospc", "erofs", "pause")
+
+
+def fault_entries(spec: str) -> list[tuple[str, str, str, int]]:
+    """``QKGEOM_FAULT`` parsed: ``(entry, action, glob, n)`` per comma-separated entry; a
+    malformed one is a one-line QKGeomError (a typo must not pass as "no fault")."""
+    out = []
+    for entry in spec.split(","):
+        if not entry.strip():
+            continue
+        action, _, rest = entry.strip().partition(":")
+        pattern, _, nth = rest.partition(":")
+        if action not in _FAULT_ACTIONS or not pattern or not (nth or "1").isdigit() \
+                or int(nth or 1) < 1:
+            raise QKGeomError(f"{_FAULT_ENV}={spec!r}: {entry.strip()!r} is not action:glob[:n] "
+                              f"(action one of {', '.join(_FAULT_ACTIONS)}, n >= 1); unset it "
+                              "or fix it")
+        if action == "pause" and not os.environ.get(_FAULT_PAUSE_ENV):
+            raise QKGeomError(f"{_FAULT_ENV}: a pause fault needs {_FAULT_PAUSE_ENV} (a flag "
+                              "file path)")
+        out.append((entry, action, pattern, int(nth or 1)))
+    return out
+
+
 def _inject_fault(path: Path, tmp_path: Path) -> None:
     """Apply ``QKGEOM_FAULT`` (see the module doc) to this write of ``path``, if it matches."""
     spec = os.environ.get(_FAULT_ENV)
@@ -91,13 +125,11 @@ def _inject_fault(path: Path, tmp_path: Path) -> None:
     once = os.environ.get(_FAULT_ONCE_ENV)
     if once and os.path.exists(once):
         return
-    for entry in spec.split(","):
-        action, _, rest = entry.strip().partition(":")
-        pattern, _, nth = rest.partition(":")
+    for entry, action, pattern, nth in fault_entries(spec):
         if not fnmatch.fnmatch(path.name, pattern):
             continue
         _fault_counts[entry] = count = _fault_counts.get(entry, 0) + 1
-        if count < int(nth or 1) or (action in ("kill", "pause") and count > int(nth or 1)):
+        if count < nth or (action in ("kill", "pause") and count > nth):
             continue
         if action == "pause":
             _pause(os.environ[_FAULT_PAUSE_ENV])
@@ -123,20 +155,118 @@ def _pause(flag: str, timeout: float = 600.0) -> None:
         time.sleep(0.01)
 
 
+class LinkError(QKGeomError):
+    """A symbolic link where qkgeom would write (a file or a folder inside a result folder)."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(f"{path}: is a symbolic link; qkgeom never writes through a link "
+                         "found in a folder it writes (it could point at any file): remove "
+                         "the link, or use a folder without it")
+
+
+def refuse_link(path: str | Path) -> None:
+    """:class:`LinkError` when ``path`` is a symbolic link (dangling or not)."""
+    if os.path.islink(path):
+        raise LinkError(path)
+
+
+def links_in(folder: str | Path) -> list[Path]:
+    """The symbolic links among ``folder``'s entries and one level inside each of its real
+    sub-folders, sorted (none when it is not a folder): what a result folder must not
+    hold before qkgeom writes into it."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for entry in folder.iterdir():
+        if entry.is_symlink():
+            found.append(entry)
+        elif entry.is_dir():
+            found.extend(p for p in entry.iterdir() if p.is_symlink())
+    return sorted(found)
+
+
+def make_dir(path: str | Path) -> Path:
+    """``path`` as a folder (created with its parents if missing), refusing a link there:
+    for the sub-folders qkgeom writes into (``checkpoints/``, ``report/``, ``runs/`` ...)."""
+    path = Path(path)
+    refuse_link(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise QKGeomError(f"{path}: exists and is not a folder") from None
+    except OSError as err:
+        raise _os_error(path, err) from None
+    return path
+
+
+def _os_error(path: str | Path, err: OSError) -> QKGeomError:
+    """An OSError of a write as one line: a storage error (disk, permissions) or, for
+    anything else (a file where a folder should be ...), the reason as the OS gives it."""
+    if err.errno in StorageError.ERRNOS:
+        return StorageError.of(path, err)
+    if err.errno in (errno.EEXIST, errno.ENOTDIR):
+        return QKGeomError(f"{path}: cannot write (a file is where a folder should be on "
+                           "that path); choose another place")
+    return QKGeomError(f"{path}: cannot write ({err.strerror or type(err).__name__})")
+
+
+def open_private(path: str | Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open(path, flags)`` for a file qkgeom appends to or locks inside a result
+    folder, never following a link: a link, a file with other hard links (another name
+    for someone's file) or anything but a plain file (a FIFO would block) is refused in
+    one line. Returns the descriptor."""
+    path = Path(path)
+    nofollow = getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP or os.path.islink(path):
+            raise LinkError(path) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise QKGeomError(f"{path}: is not a plain file; qkgeom writes only plain files "
+                              "here: remove it")
+        if info.st_nlink > 1 and flags & (os.O_WRONLY | os.O_RDWR):
+            raise QKGeomError(f"{path}: has other hard links (another name for some file); "
+                              "qkgeom does not write into it: remove it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def append_file(path: str | Path) -> Any:
+    """A binary file object appending to ``path`` (created if missing) without following a
+    link (:func:`open_private`); storage errors are one line."""
+    try:
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    except OSError as err:
+        raise _os_error(path, err) from None
+    return os.fdopen(fd, "ab")
+
+
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp_path)`` then atomically move ``tmp_path`` onto ``path``.
 
     The file gets the permissions a plain ``open(path, "w")`` would (0666 minus the umask),
     not ``mkstemp``'s owner-only 0600, so results stay readable by collaborators. The file's
     data is fsynced before the rename and the folder after it, so a completed write
-    survives a power cut.
+    survives a power cut. A ``path`` that is a symbolic link is refused (:class:`LinkError`):
+    neither the link's file nor the link is overwritten.
     """
     path = Path(path)
+    refuse_link(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.parent.is_dir():
+            refuse_link(path.parent)  # a dangling link where the folder should be
+            path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as err:
-        raise StorageError.of(path, err) from None
+        raise _os_error(path, err) from None
     os.close(fd)
     tmp_path = Path(tmp)
     try:
@@ -171,14 +301,28 @@ def write_parquet(path: str | Path, frame: Any) -> None:
     atomic_write(path, lambda p: frame.to_parquet(p, index=False))
 
 
+#: The largest JSON record qkgeom reads from a result folder (its own are a few kB; a
+#: sweep.json of 10,000 runs about 3 MB): a bigger file is refused, not parsed.
+MAX_JSON_BYTES = 64 * 2**20
+
+
 def read_json(path: str | Path) -> Any:
-    """Read JSON, turning a missing or torn file into a one-line QKGeomError."""
+    """Read JSON, turning a missing, torn or oversized file into a one-line QKGeomError."""
     path = Path(path)
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         raise QKGeomError(f"{path}: file not found") from None
     except OSError as err:
         raise QKGeomError(f"{path}: cannot be read ({err.strerror})") from None
+    if len(data) > MAX_JSON_BYTES:
+        raise QKGeomError(f"{path}: larger than {MAX_JSON_BYTES // 2**20} MiB; not a record "
+                          "qkgeom wrote")
+    try:
+        return json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise QKGeomError(f"{path}: not valid JSON ({err}); the file is corrupt") from None
+    except RecursionError:
+        raise QKGeomError(f"{path}: not valid JSON (nested too deeply); the file is "
+                          "corrupt") from None

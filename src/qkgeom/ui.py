@@ -8,11 +8,17 @@ Tables: values to 3 decimals, changes (Δ columns) signed. A table wider than th
 is split into several, each repeating the index column, so no number is ever cut to
 ``1.…``; a legend line can follow. The width is the terminal's, ``$COLUMNS`` when set,
 else :data:`LOG_WIDTH` when the output is not a terminal.
+
+Text from files (run ids, folder names, a run's error message, checkpoint names) may hold
+terminal control sequences (ESC, OSC 52 that sets the clipboard, a bidi override that
+reorders a line): every cell and title goes through :func:`printable`, which escapes them,
+and is handed to rich as plain text, never as markup.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -26,6 +32,25 @@ if TYPE_CHECKING:
 
 #: Width of tables written to a file or pipe (no terminal to ask), unless $COLUMNS says.
 LOG_WIDTH = 100
+# C0 and C1 controls, DEL, and the bidi marks and overrides that reorder what a line shows
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: object) -> str:
+    """``text`` with every control character escaped (``\\x1b``, ``\\n``, ``\\u202e``):
+    safe to show on a terminal, on one line, whatever a file held."""
+    def escape(m: re.Match[str]) -> str:
+        code = ord(m.group())
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return _CONTROL.sub(escape, str(text))
+
+
+def plain(text: object) -> Any:
+    """``text`` as a rich ``Text``: control characters escaped, no markup parsed."""
+    from rich.text import Text
+
+    return Text(printable(text))
 
 
 def console(stderr: bool = False) -> Console:
@@ -184,12 +209,12 @@ def rich_table(table: pd.DataFrame, title: str | None = None, index: str = "laye
     changes (Δ columns) signed, numbers never wrapped."""
     from rich.table import Table
 
-    out = Table(title=title)
-    out.add_column(index, justify="right", no_wrap=True)
+    out = Table(title=plain(title) if title is not None else None)
+    out.add_column(plain(index), justify="right", no_wrap=True)
     for col in table.columns:
-        out.add_column(str(col), justify="right", no_wrap=True)
+        out.add_column(plain(col), justify="right", no_wrap=True)
     for key, row in table.iterrows():
-        out.add_row(str(key), *(_cell(str(col), v) for col, v in row.items()))
+        out.add_row(plain(key), *(plain(_cell(str(col), v)) for col, v in row.items()))
     return out
 
 
@@ -241,22 +266,22 @@ def render_layers(table: pd.DataFrame, title: str, legend: Sequence[str] = (),
         part = f" ({i + 1}/{len(chunks)})" if len(chunks) > 1 else ""
         out.print(rich_table(table[cols], title + part, index))
     for line in legend_lines(legend, out.width):
-        out.print(line, highlight=False)  # a line wider than the console wraps
+        out.print(plain(line), highlight=False)  # a line wider than the console wraps
 
 
 def _frame_table(frame: pd.DataFrame, title: str, rows: list[list[str]],
                  sections: list[bool], group: Sequence[str], keep_short: bool) -> Table:
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=plain(title))
     for col in frame.columns:
         numeric = frame[col].map(lambda v: isinstance(v, (int, float))).all()
         short = keep_short and col not in group and frame[col].astype(str).str.len().max() <= 24
-        table.add_column(str(col), no_wrap=bool(numeric or short), overflow="fold")
+        table.add_column(plain(col), no_wrap=bool(numeric or short), overflow="fold")
     for cells, section in zip(rows, sections, strict=True):
         if section:
             table.add_section()
-        table.add_row(*cells)
+        table.add_row(*(plain(c) for c in cells))
     return table
 
 
@@ -286,7 +311,7 @@ def render_frame(frame: pd.DataFrame, title: str, legend: Sequence[str] = (),
     sections: list[bool] = []
     previous = None
     for row in frame.itertuples(index=False):
-        cells = ["" if v is None else f"{v:.3g}" if isinstance(v, float) else str(v)
+        cells = ["" if v is None else f"{v:.3g}" if isinstance(v, float) else printable(v)
                  for v in row]
         key = tuple(cells[i] for i in where)
         sections.append(bool(where) and previous is not None and key != previous)
@@ -298,4 +323,4 @@ def render_frame(frame: pd.DataFrame, title: str, legend: Sequence[str] = (),
     keep_short = _narrowest(frame, rows, group) <= out.width
     out.print(_frame_table(frame, title, rows, sections, group, keep_short))
     for line in legend_lines(legend, out.width):
-        out.print(line, highlight=False)  # a line wider than the console wraps
+        out.print(plain(line), highlight=False)  # a line wider than the console wraps

@@ -25,6 +25,30 @@ def figure(name: str, text: str) -> None:
     FIGURES.append(line)
 
 
+def held(results: dict[str, bool]) -> str:
+    """A group's figure: ``k/n attacks held (name; name ...)``."""
+    return (f"{sum(results.values())}/{len(results)} attacks held "
+            f"({'; '.join(results) or 'none ran'})")
+
+
+def tree(root: Path) -> dict[str, tuple[str, int, int]]:
+    """Every entry under ``root`` (links not followed): kind, size and mtime, for "nothing
+    created, changed or truncated" checks."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        info = path.lstat()
+        kind = "link" if path.is_symlink() else "dir" if path.is_dir() else "file"
+        out[str(path.relative_to(root))] = (kind, info.st_size if kind == "file" else 0,
+                                            info.st_mtime_ns if kind == "file" else 0)
+    return out
+
+
+def files(folder: Path) -> dict[str, bytes]:
+    """Every plain file under ``folder`` (links not followed) with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
+            if p.is_file() and not p.is_symlink()}
+
+
 def tally(attack: str, ok: bool, ran: bool = False) -> None:
     """Count one fuzzed input of ``attack`` (shown in the end-of-run summary); ``ran``: it
     was accepted and really trained."""
@@ -83,6 +107,13 @@ def train_args(data: Path, out: Path, steps: int, every: int = 4, *extra: str) -
             "--threads", "1", "--steps", str(steps), "--set", f"checkpoint_every={every}",
             "--set", f"probe_every={every}", "--set", f"eval_every={every}",
             "--set", f"log_every={every}", "--set", "warmup_steps=2", *extra]
+
+
+def tiny_base(data: Path, steps: int = 4, every: int = 4) -> dict[str, Any]:
+    """A grid's ``base`` for the run of :func:`train_args` (``steps``, ``every``)."""
+    return {"data": str(data), "steps": steps, "checkpoint_every": every,
+            "probe_every": every, "eval_every": every, "log_every": every,
+            "warmup_steps": min(2, steps)}
 
 
 def train_in_process(data: Path, out: Path, steps: int, every: int = 4, **over: Any) -> Path:

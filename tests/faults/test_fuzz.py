@@ -4,7 +4,7 @@ error with exit code 2; no traceback, and nothing half-written in the output fol
 Config validation is fuzzed in-process (``qkgeom.cli.main`` and the Python API). An input
 that is accepted really runs: the real trainer builds the run (data, model, run folder),
 probes step 0 and trains one step, then a callback stops it (the CLI exits 130, as for
-Ctrl-C) and its folder must be a valid run folder; an accepted sweep grid goes through the
+Ctrl-C) and its folder must be a valid run folder, recorded ``interrupted``; an accepted sweep grid goes through the
 real sweep runner with its runs trained in this process (the same ``run_one`` the workers
 call), stopped the same way in its first run. A handful of real subprocesses check the same
 path end to end."""
@@ -61,7 +61,7 @@ class _InProcessBackend:
         done, self.done = self.done, []
         return done
 
-    def cancel(self) -> None: ...
+    def cancel(self, signum: int = 2) -> None: ...
 
     def close(self) -> None: ...
 
@@ -107,7 +107,7 @@ def _outcome(args: list[str], capsys: pytest.CaptureFixture[str],
     before = stopper.fired
     code, _, err = in_process(args, capsys)
     if stopper.fired > before:
-        return code == 130 and "Traceback" not in err and _run_state(out) == "running"
+        return code == 130 and "Traceback" not in err and _run_state(out) == "interrupted"
     if clean_error(code, err, expect=3):
         return _run_state(out) == "diverged"
     return clean_error(code, err) and not out.exists()
@@ -257,7 +257,7 @@ def test_sweep_grid_fuzz(text: str, sample_data: Path, tmp_path_factory: pytest.
     if first_step.fired > before:  # sweep.json records the grid; its first run really ran
         started = [p for p in (out / "runs").iterdir() if (p / "status.json").exists()]
         ok = (code == 130 and "Traceback" not in err and bool(read_json(out / "sweep.json")
-              ["runs"]) and len(started) == 1 and _run_state(started[0]) == "running")
+              ["runs"]) and len(started) == 1 and _run_state(started[0]) == "interrupted")
     else:
         ok = clean_error(code, err) and not out.exists()
     tally("sweep run grid", ok, first_step.fired > before)
@@ -318,7 +318,7 @@ def test_python_api_fuzz(change: tuple[tuple[str, str], object], overrides: dict
         qkgeom.train(cfg, out)
         ok = False  # steps >= 1 always: the stopper ends every run that starts
     except _FirstStepDone:
-        ok = _run_state(out) == "running"
+        ok = _run_state(out) == "interrupted"
     except DivergedError:
         ok = _run_state(out) == "diverged"
     except QKGeomError:

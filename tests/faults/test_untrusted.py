@@ -76,7 +76,8 @@ def test_poisoned_checkpoint_is_refused_on_resume_and_the_payload_never_runs(
     assert_clean_error(res.returncode, res.stderr, words=(str(path), "need unpickling",
                                                           "weights only"))
     assert not marker.exists(), "the payload ran"
-    assert path.exists() and status(run)["state"] == "failed"  # recorded, file left in place
+    # refused before the resume wrote anything: the file left in place, the status as it was
+    assert path.exists() and status(run)["state"] == "running"
     assert _payload_is_live(path, marker)  # the same file does run code when unpickled
     RESULTS["pickle payload on train --resume"] = True
 

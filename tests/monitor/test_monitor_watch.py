@@ -60,7 +60,10 @@ def test_watch_live_waits_then_returns_when_the_run_is_done(tmp_path, monkeypatc
     from rich.console import Console
 
     import qkgeom.monitor.watch as watch_mod
+    from qkgeom.runs import RunLock
 
+    writer = RunLock(tmp_path)  # a writer holds the run until it has recorded its end
+    assert writer.acquire()
     (tmp_path / "status.json").write_text(json.dumps({"state": "running", "step": 0}))
     console = Console(record=True, width=150, force_terminal=False)
     waits: list[float] = []
@@ -70,6 +73,7 @@ def test_watch_live_waits_then_returns_when_the_run_is_done(tmp_path, monkeypatc
         if len(waits) == 1:
             write_parquet(tmp_path / "metrics.parquet", metrics())  # atomic, as a trainer
             write_json(tmp_path / "status.json", {"state": "done", "step": 3, "steps": 3})
+            writer.release()
 
     shown: list[str] = []  # what each refresh showed: the state, and whether a probe
     render = watch_mod.render

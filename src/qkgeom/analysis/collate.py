@@ -5,7 +5,11 @@ docs/definitions.md). Every fact the analysis needs (depth, Q/K init, seed, warm
 reference step) is read from each run's own ``config.json``, so the analysis works whatever
 ``sweep.json`` records, on a bare folder of runs, and on one run folder. Runs that did not
 finish (``diverged``, ``failed``, still ``running``, or with no metrics) are left out of
-every average and listed, with the reason, in ``table.attrs["excluded"]``.
+every average and listed, with the reason, in ``table.attrs["excluded"]``. So is a run
+whose files are unreadable or of the wrong types (checked against their schemas,
+:mod:`qkgeom.runs.schema`): one bad run never sinks the report. A run folder that
+``sweep.json`` places outside the sweep folder (``"dir": "/abs/run"``, ``../x``) is
+listed as unreadable and never read.
 
 Trajectory: a metric against training step for one (run, layer[, head]); a seed-averaged
 trajectory averages runs that differ only by seed. Runs that differ in any
@@ -23,10 +27,17 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qkgeom.config import TrainConfig
+from qkgeom.config import TrainConfig, check_config_types
 from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json
-from qkgeom.runs import has_metrics, is_run_folder, read_log, read_metrics, read_record
+from qkgeom.runs import (
+    has_metrics,
+    is_run_folder,
+    read_log,
+    read_metrics,
+    read_record,
+    status_of,
+)
+from qkgeom.runs.sweep import read_sweep_record
 
 # Group keys of a seed-averaged trajectory (one per layer).
 GROUP = ["depth", "qk_init", "variant"]
@@ -68,7 +79,7 @@ def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]
     if is_single_run(sweep_dir):
         return spec, [{"run_id": sweep_dir.resolve().name, "dir": sweep_dir, "axes": {}}]
     if (sweep_dir / "sweep.json").exists():
-        spec = read_json(sweep_dir / "sweep.json")
+        spec = read_sweep_record(sweep_dir)  # its schema, else one line naming it
         listed = spec.get("runs") or []
         if isinstance(listed, dict):  # {run_id: axes} or {run_id: {...}}
             listed = [{"run_id": k, **(v if isinstance(v, dict) and "axes" in v else
@@ -84,15 +95,37 @@ def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]
                 continue
             where = run.get("dir") or run.get("out_dir") or run.get("path")
             # A listed folder is relative to the sweep folder; the default one already is.
-            folder = sweep_dir / where if where else sweep_dir / "runs" / rid
-            entries.append({"run_id": rid, "dir": folder, "axes": run.get("axes", {})})
+            folder = sweep_dir / str(where) if where else sweep_dir / "runs" / rid
+            axes = run.get("axes", {})
+            entry = {"run_id": rid, "dir": folder, "axes": axes if isinstance(axes, dict) else {}}
+            if where and not _inside(sweep_dir, str(where)):
+                entry["refused"] = (f"unreadable run: {sweep_dir / 'sweep.json'} places it at "
+                                    f"{str(where)[:80]!r}, outside the sweep folder; not read")
+            elif folder.is_symlink():
+                entry["refused"] = f"unreadable run: {folder} is a symbolic link; not read"
+            entries.append(entry)
     listed = {e["dir"].resolve() for e in entries}
     runs_dir = sweep_dir / "runs"
     if runs_dir.is_dir():  # folders sweep.json does not (yet) list
         for folder in sorted(p for p in runs_dir.iterdir() if (p / "config.json").exists()):
-            if folder.resolve() not in listed:
+            if folder.is_symlink():  # someone else's run folder, linked in: never read
+                if all(e["dir"] != folder for e in entries):
+                    entries.append({"run_id": folder.name, "dir": folder, "axes": {},
+                                    "refused": f"unreadable run: {folder} is a symbolic "
+                                               "link; not read"})
+            elif folder.resolve() not in listed:
                 entries.append({"run_id": folder.name, "dir": folder, "axes": {}})
     return spec, entries
+
+
+def _inside(sweep_dir: Path, where: str) -> bool:
+    """Whether ``where`` (a folder sweep.json lists) is a relative path that stays inside
+    the sweep folder, links resolved."""
+    rel = Path(where)
+    if rel.is_absolute() or ".." in rel.parts:
+        return False
+    root = sweep_dir.resolve()
+    return (sweep_dir / rel).resolve().is_relative_to(root)
 
 
 def is_single_run(folder: str | Path) -> bool:
@@ -132,6 +165,11 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
         folder: Path = entry["dir"]
         row: dict[str, Any] = {"run_id": entry["run_id"], "dir": str(folder), "excluded": ""}
         flat: dict[str, Any] = {}
+        if entry.get("refused"):
+            row.update(state="unreadable", excluded=entry["refused"])
+            rows.append(row)
+            flat_cfgs.append(flat)
+            continue
         if not (folder / "config.json").exists():
             row.update(state="pending", excluded="not started (no config.json)")
             axes = entry["axes"]
@@ -142,6 +180,10 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             continue
         try:
             prov = read_record(folder)
+            try:  # the values of the types a config has (a monitor's may be {})
+                check_config_types(prov["config"])
+            except QKGeomError as err:
+                raise QKGeomError(f"{folder / 'config.json'}: {err}") from None
         except QKGeomError as err:  # one unreadable run is listed, never sinks the report
             row.update(state="unreadable", excluded=f"unreadable run: {err}")
             rows.append(row)
@@ -151,33 +193,40 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
         # A field a run's config lacks (written by an older qkgeom) has its default value,
         # so adding a config field never splits one setting into two variants.
         flat = {**_DEFAULT_FLAT, **_flatten(cfg)}
-        facts = prov.get("model") if isinstance(prov.get("model"), dict) else {}
-        known = {"n_layer": facts.get("n_layer"), "n_head": facts.get("n_head"),
-                 "n_embd": facts.get("d_model")}
-        model = {**{k: v for k, v in known.items() if v is not None}, **cfg.get("model", {})}
-        warmup = int(cfg.get("warmup_steps", 0))
-        steps = int(cfg.get("steps", 0))
-        # the one rule (TrainConfig.ref_step): explicit reference_step, else 25 % of steps
-        ref = TrainConfig(steps=steps, reference_step=int(cfg.get("reference_step", -1))).ref_step
-        row.update(
-            run_id=prov.get("run_id", entry["run_id"]),
-            depth=int(model.get("n_layer", 0)), qk_init=str(model.get("qk_init", "?")),
-            seed=int(cfg.get("seed", 0)), steps=steps, warmup_steps=warmup,
-            ref_step=ref, batch_size=int(cfg.get("batch_size", 0)),
-            block_size=int(model.get("block_size", 0)), n_embd=int(model.get("n_embd", 0)),
-            n_head=int(model.get("n_head", 0)), bias=bool(model.get("bias", False)),
-            lr=cfg.get("lr"),
-            probe_every=cfg.get("probe_every"), probe_sequences=cfg.get("probe_sequences"),
-            vocab_size=int(prov.get("vocab_size", model.get("vocab_size", 0))),
-            data_source=str(prov.get("data_source") or cfg.get("data") or "?"),
-            config_hash=prov.get("config_hash", ""),
-            key_control=str(flat.get("key_control.mode", "none")),
-            control={k.removeprefix(CONTROL_PREFIX): v for k, v in _flatten(cfg).items()
-                     if k.startswith(CONTROL_PREFIX)},
-            pair_key=_digest(flat, _EXECUTION), cell_key=_digest(flat, _EXECUTION | {"seed"}),
-            source=str(prov.get("source") or ""),
-            n_params=facts.get("n_params", np.nan),
-        )
+        try:  # record facts of the wrong types: this run is unreadable, not the report
+            facts = prov.get("model") if isinstance(prov.get("model"), dict) else {}
+            known = {"n_layer": facts.get("n_layer"), "n_head": facts.get("n_head"),
+                     "n_embd": facts.get("d_model")}
+            model = {**{k: v for k, v in known.items() if v is not None}, **cfg.get("model", {})}
+            warmup = int(cfg.get("warmup_steps", 0))
+            steps = int(cfg.get("steps", 0))
+            # the one rule (TrainConfig.ref_step): explicit reference_step, else 25 % of steps
+            ref = TrainConfig(steps=steps, reference_step=int(cfg.get("reference_step", -1))).ref_step
+            row.update(
+                run_id=prov.get("run_id", entry["run_id"]),
+                depth=int(model.get("n_layer", 0)), qk_init=str(model.get("qk_init", "?")),
+                seed=int(cfg.get("seed", 0)), steps=steps, warmup_steps=warmup,
+                ref_step=ref, batch_size=int(cfg.get("batch_size", 0)),
+                block_size=int(model.get("block_size", 0)), n_embd=int(model.get("n_embd", 0)),
+                n_head=int(model.get("n_head", 0)), bias=bool(model.get("bias", False)),
+                lr=cfg.get("lr"),
+                probe_every=cfg.get("probe_every"), probe_sequences=cfg.get("probe_sequences"),
+                vocab_size=int(prov.get("vocab_size", model.get("vocab_size", 0))),
+                data_source=str(prov.get("data_source") or cfg.get("data") or "?"),
+                config_hash=prov.get("config_hash", ""),
+                key_control=str(flat.get("key_control.mode", "none")),
+                control={k.removeprefix(CONTROL_PREFIX): v for k, v in _flatten(cfg).items()
+                         if k.startswith(CONTROL_PREFIX)},
+                pair_key=_digest(flat, _EXECUTION), cell_key=_digest(flat, _EXECUTION | {"seed"}),
+                source=str(prov.get("source") or ""),
+                n_params=facts.get("n_params", np.nan),
+            )
+        except (TypeError, ValueError, AttributeError) as err:
+            row.update(state="unreadable", excluded=f"unreadable run: {folder / 'config.json'}: "
+                       f"a value of the wrong type ({' '.join(str(err).split())[:100]})")
+            rows.append(row)
+            flat_cfgs.append({})
+            continue
         row["tokens"] = steps * row["batch_size"] * row["block_size"]
         status, problem = _read_status(folder / "status.json")
         state = status.get("state", "unknown")
@@ -218,17 +267,13 @@ def _digest(flat: dict[str, Any], leave_out: set[str]) -> str:
 
 
 def _read_status(path: Path) -> tuple[dict[str, Any], str]:
-    """``(status, problem)``: a missing file is ``({}, "")``; a torn or foreign one is
-    ``({}, reason)``, so the run is listed as left out instead of failing the report."""
-    if not path.exists():
-        return {}, ""
-    try:
-        status = read_json(path)
-    except QKGeomError:
-        return {}, f"unreadable {path.name} (not valid JSON)"
-    if not isinstance(status, dict):
-        return {}, f"unreadable {path.name} (not a JSON object)"
-    return status, ""
+    """``(status, problem)``: a missing file is ``({}, "")``; a torn or foreign one, or one
+    of the wrong types, is ``({}, reason)``, so the run is listed as left out instead of
+    failing the report."""
+    status, problem = status_of(path.parent)
+    if problem:
+        return {}, f"unreadable {path.name} ({problem.split(': ', 1)[-1]})"
+    return status or {}, ""
 
 
 def _log_facts(log: pd.DataFrame, tokens_per_step: int) -> dict[str, float]:
@@ -275,11 +320,11 @@ def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> pd.DataF
     for row in runs[runs["excluded"] == ""].itertuples():
         try:  # metrics.parquet with the probes written since its last compaction
             m = read_metrics(row.dir)
-            missing = set() if m is not None else {"no file"}
-        except QKGeomError as err:  # names the torn file and why
-            m, missing = None, {str(err).split(";")[0].split(": ", 1)[-1]}
-        if m is None or missing:
-            runs.loc[row.Index, "excluded"] = f"unreadable metrics.parquet ({', '.join(missing)})"
+            why = "" if m is not None else "no file"
+        except QKGeomError as err:  # names the torn or mistyped file and why
+            m, why = None, str(err).split(";")[0]
+        if m is None or why:
+            runs.loc[row.Index, "excluded"] = f"unreadable metrics.parquet ({why})"
             continue
         m = m.assign(run_id=row.run_id, depth=row.depth, qk_init=row.qk_init,
                      variant=row.variant, seed=row.seed, state=row.state)
@@ -293,9 +338,11 @@ def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> pd.DataF
         table[col] = table[col].astype("int64")
     table["metric"] = table["metric"].astype(str)
     table.attrs["runs"] = _records(runs)
-    table.attrs["excluded"] = _records(
-        runs.loc[runs["excluded"] != "", ["run_id", "depth", "qk_init", "seed", "state",
-                                          "excluded"]])
+    left_out = runs.reindex(columns=[*runs.columns, *(c for c in ("depth", "qk_init", "seed")
+                                                       if c not in runs.columns)])
+    table.attrs["excluded"] = _records(  # every run may be unreadable: no depth column then
+        left_out.loc[left_out["excluded"] != "", ["run_id", "depth", "qk_init", "seed",
+                                                  "state", "excluded"]])
     table.attrs["sweep"] = spec
     table.attrs["name"] = sweep_name(spec, sweep_dir)
     return table

@@ -37,7 +37,7 @@ from qkgeom.analysis.e4.bootstrap import N_BOOT
 from qkgeom.analysis.e4.report import e4_claims_table, write_e4_report
 from qkgeom.analysis.kit import claims_summary
 from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json, write_json
+from qkgeom.io import read_json, refuse_link, write_json
 from qkgeom.runs import is_run_folder
 from qkgeom.runs.family import MARKER, is_analysis_folder
 from qkgeom.runs.sweep import RUNS_DIR, SWEEP_FILE
@@ -79,11 +79,15 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     resamples of E4's token-block bootstrap (an analysis folder only).
     """
     folder = Path(folder)
-    out = folder / "report" if out is None else Path(out)
+    if out is None:  # inside the folder: a planted report/ link is refused, never followed
+        out = folder / "report"
+        refuse_link(out)
+    out = Path(out)
     if is_analysis_folder(folder):  # a checkpoint family (qkgeom analyze): E4
         claim_report_dir(out, folder)
         return write_e4_report(folder, out, figures=figures, n_boot=n_boot)
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)
+    _refuse_unfinished_run(folder, table)
     claim_report_dir(out, folder)
     write = write_e3_report if is_e3(table) else write_e1_report
     path = write(table, folder, out, figures)
@@ -91,6 +95,25 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     write_json(out / REPORT_MARKER, {**read_json(out / REPORT_MARKER),
                                       "excluded": len(table.attrs.get("excluded", []))})
     return path
+
+
+def _refuse_unfinished_run(folder: Path, table: pd.DataFrame) -> None:
+    """One run folder that is not finished (interrupted, killed, still running) or whose
+    files are unreadable: one line saying so, instead of a claims table of nothing.
+    (A diverged or failed run is reported, with the reason it is left out.)"""
+    from qkgeom.analysis.collate import is_single_run
+
+    left_out = table.attrs.get("excluded", [])
+    if not (is_single_run(folder) and left_out):
+        return
+    reason = str(left_out[0].get("excluded", ""))
+    if reason.startswith("incomplete"):
+        state = reason.removeprefix("incomplete").strip(" ()")
+        raise QKGeomError(f"{folder}: the run is not finished ({state}); nothing to report "
+                          "yet: resume it (qkgeom train ... --resume) and report it when it "
+                          "is done")
+    if reason.startswith("unread"):
+        raise QKGeomError(f"{folder}: nothing to report: {reason}")
 
 
 def excluded_count(report_dir: str | Path) -> int:
@@ -101,7 +124,8 @@ def excluded_count(report_dir: str | Path) -> int:
         record = read_json(Path(report_dir) / REPORT_MARKER)
     except QKGeomError:
         return 0
-    return int(record.get("excluded", 0)) if isinstance(record, dict) else 0
+    excluded = record.get("excluded", 0) if isinstance(record, dict) else 0
+    return excluded if isinstance(excluded, int) and not isinstance(excluded, bool) else 0
 
 
 def summary_line(report_dir: str | Path) -> str:
@@ -144,6 +168,8 @@ def claim_report_dir(out: Path, source: Path) -> None:
     files are not qkgeom's to overwrite); marks it with ``report.json``."""
     if out.exists() and not out.is_dir():
         raise QKGeomError(f"{out} exists and is not a folder; choose another --out")
+    if out.is_symlink() and not out.exists():  # dangling: nothing to write into
+        refuse_link(out)
     if out.is_dir() and any(out.iterdir()) and not _is_report_folder(out):
         raise QKGeomError(f"{out} is not empty and is not a qkgeom report folder (no "
                           f"{REPORT_MARKER}); choose an empty or new --out: a report never "

@@ -69,6 +69,8 @@ def export_run(run_dir: str | Path, out: str | Path, step: int | None = None) ->
 
     require_transformers()
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise QKGeomError(f"{out} exists and is not a folder; choose another --out")
     if out.exists() and any(out.iterdir()):
         raise QKGeomError(f"{out} exists and is not empty; choose another --out")
     model, vocab, step = load_run_model(run_dir, step)

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json, write_json, write_parquet
+from qkgeom.io import LinkError, links_in, read_json, write_json, write_parquet
 from qkgeom.runs.family import (
     CACHE,
     CHECKPOINT_TABLE,
@@ -176,6 +176,10 @@ def analyze_checkpoints(
         raise QKGeomError(f"--tokens must be >= 1, got {max_tokens}")
     if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
         raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
+    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise QKGeomError(f"{flag} must be a whole number >= 1, got {value!r}")
     device = str(resolve_device(device))
     out = Path(out)
     specs = resolve_checkpoints(models, revisions)
@@ -191,8 +195,14 @@ def analyze_checkpoints(
     settings = _settings(specs, PROBE_SET if probe_set else text or "sample", max_tokens,
                          seq_len, qk_site, dtype, logit_spectrum, tokenizer, blocks)
     key = _hash(settings)
+    links = links_in(out)  # a planted link (checkpoints/ -> elsewhere) is never written through
+    if links:
+        raise LinkError(links[0])
     if (out / MARKER).is_file():
         prev = read_json(out / MARKER)
+        if not isinstance(prev, dict):
+            raise QKGeomError(f"{out / MARKER}: not a qkgeom analysis record (a JSON object "
+                              f"is expected, got {type(prev).__name__}); use another --out")
         if prev.get("settings_hash") != key:
             raise QKGeomError(f"{out} holds an analysis with other settings "
                               f"({prev.get('settings', {})}); use another --out")

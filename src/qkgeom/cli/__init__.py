@@ -6,13 +6,17 @@ One module per group of subcommands: :mod:`.data` (``data prepare``), :mod:`.tra
 
 Exit codes: 0 done, 2 bad input, not enough memory or a missing optional package (one
 line on stderr, no traceback; a missing package names the extra that brings it), 3
-diverged, 130 interrupted.
+diverged, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (one line saying where the
+run stopped and how to resume it). Every line printed from a message goes through
+:func:`qkgeom.ui.printable`: text a file held cannot drive the terminal.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
-from typing import Annotated
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
@@ -31,6 +35,38 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Geometry of attention queries and keys.")
 for group in (data, train, sweeps, checkpoints, watch):
     group.register(app)
+
+
+class _Stopped(BaseException):
+    """An interrupt carried past typer, which would turn it into a silent exit 130: main
+    prints its line (where the run stopped, how to resume) and exits with its code."""
+
+    def __init__(self, interrupt: KeyboardInterrupt) -> None:
+        super().__init__(str(interrupt))
+        self.interrupt = interrupt
+
+
+def _carry_interrupts(command: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(command)  # typer reads the parameters through __wrapped__
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return command(*args, **kwargs)
+        except KeyboardInterrupt as err:
+            raise _Stopped(err) from None
+
+    return run
+
+
+def _wrap_commands(typer_app: typer.Typer) -> None:
+    for info in typer_app.registered_commands:
+        if info.callback is not None:
+            info.callback = _carry_interrupts(info.callback)
+    for sub in typer_app.registered_groups:
+        if sub.typer_instance is not None:
+            _wrap_commands(sub.typer_instance)
+
+
+_wrap_commands(app)
 
 
 def _print_version(value: bool) -> None:
@@ -64,17 +100,19 @@ def main(argv: list[str] | None = None) -> None:
     """
     import warnings
 
-    from qkgeom.errors import DivergedError, StorageError
+    from qkgeom.errors import DivergedError, Interrupted, StorageError, signals_interrupt
+    from qkgeom.ui import printable
 
     # Warnings (e.g. "torn checkpoint, falling back") as one line, not file:line + source.
-    warnings.formatwarning = lambda message, *_, **__: f"qkgeom: warning: {message}\n"
+    warnings.formatwarning = lambda message, *_, **__: f"qkgeom: warning: {printable(message)}\n"
     try:
-        app(args=argv, standalone_mode=True)
+        with signals_interrupt():  # SIGTERM stops a command as Ctrl-C does, and says so
+            app(args=argv, standalone_mode=True)
     except DivergedError as err:
-        typer.echo(f"qkgeom: {err}", err=True)
+        typer.echo(f"qkgeom: {printable(err)}", err=True)
         sys.exit(err.exit_code)
     except QKGeomError as err:
-        typer.echo(f"qkgeom: error: {err}", err=True)
+        typer.echo(f"qkgeom: error: {printable(err)}", err=True)
         sys.exit(err.exit_code)
     except ModuleNotFoundError as err:
         message = missing_package(err)
@@ -85,7 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as err:  # a folder qkgeom may not create (read-only, full disk)
         if err.errno not in StorageError.ERRNOS:
             raise
-        typer.echo(f"qkgeom: error: {StorageError.of(err.filename or '?', err)}", err=True)
+        typer.echo(f"qkgeom: error: {printable(StorageError.of(err.filename or '?', err))}",
+                   err=True)
         sys.exit(StorageError.exit_code)
     except (MemoryError, RuntimeError) as err:  # an allocation the host or device refused
         from qkgeom.training.resources import is_out_of_memory
@@ -96,6 +135,11 @@ def main(argv: list[str] | None = None) -> None:
         typer.echo(f"qkgeom: error: out of memory ({type(err).__name__}{': ' if first else ''}"
                    f"{first}); lower --batch-size or the context length", err=True)
         sys.exit(QKGeomError.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, _Stopped) as caught:
+        err = caught.interrupt if isinstance(caught, _Stopped) else caught
+        if isinstance(err, Interrupted):
+            typer.echo(f"qkgeom: {printable(err.message or f'interrupted ({err.signal_name})')}",
+                       err=True)
+            sys.exit(err.exit_code)
         typer.echo("qkgeom: interrupted", err=True)
         sys.exit(130)

@@ -63,15 +63,11 @@ def train_overrides(**flags: Any) -> dict[str, Any]:
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
-    """A YAML/JSON mapping of config overrides, or a one-line error."""
-    import yaml
+    """A YAML/JSON mapping of config overrides, or a one-line error (the YAML limits of
+    :func:`qkgeom.config.load_yaml_file`: no aliases, a node budget)."""
+    from qkgeom.config import load_yaml_file
 
-    try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise QKGeomError(f"{path}: config file not found") from None
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        raise QKGeomError(f"{path}: not valid YAML/JSON ({type(err).__name__})") from None
+    loaded = load_yaml_file(path, "config file")
     if not isinstance(loaded, dict):
         raise QKGeomError(f"{path}: a config file must be a mapping of keys to values")
     return loaded

@@ -18,11 +18,14 @@ def register(app: typer.Typer) -> None:
         once: Annotated[bool, typer.Option("--once", help="Print the table once and exit.")] = False,
     ) -> None:
         """Live per-layer PR_Q, PR_K, contrast and attention entropy of the latest probe."""
+        import math
+
         from qkgeom.errors import QKGeomError
         from qkgeom.monitor.watch import watch
 
-        if interval <= 0:
-            raise QKGeomError(f"--interval must be positive, got {interval}")
+        if not (math.isfinite(interval) and 0 < interval <= 86_400):
+            raise QKGeomError(f"--interval must be a number of seconds in (0, 86400], got "
+                              f"{interval}")
         try:
             watch(run, interval=interval, once=once)
         except KeyboardInterrupt:

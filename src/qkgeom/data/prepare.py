@@ -337,7 +337,11 @@ def _ready_sample(folder: Path) -> bool:
 
 
 def _check_replaceable(folder: Path) -> None:
-    """Refuse to overwrite a folder that holds anything but (broken) prepared sample data."""
+    """Refuse to overwrite a folder that holds anything but (broken) prepared sample data,
+    or a symbolic link where the folder should be (dangling or not: never replaced)."""
+    if folder.is_symlink():
+        raise QKGeomError(f"{folder}: is a symbolic link, not prepared data; remove it (or "
+                          "point $QKGEOM_CACHE elsewhere) and run again")
     if not folder.exists():
         return
     if not folder.is_dir():
@@ -368,7 +372,13 @@ def ensure_sample_data(dir: str | Path | None = None) -> Path:
     target = Path(dir) if dir is not None else default_data_dir()
     if _ready_sample(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        where = " ($QKGEOM_CACHE)" if dir is None and os.environ.get("QKGEOM_CACHE") else ""
+        raise QKGeomError(f"{target.parent}: cannot create the data cache folder{where} "
+                          f"({err.strerror or type(err).__name__}); set QKGEOM_CACHE to a "
+                          "writable folder") from None
     with FileLock(str(target.parent / f".{target.name}.lock")):
         if _ready_sample(target):
             return target

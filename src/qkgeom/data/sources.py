@@ -177,18 +177,25 @@ def _wikitext103_from_datasets() -> dict[str, str]:
 
 
 def text_files(path: Path) -> list[Path]:
-    """The file itself, or every non-hidden file under a folder, sorted by relative path."""
+    """The file itself, or every non-hidden file under a folder, sorted by relative path.
+
+    A symbolic link inside the folder is refused in one line naming it: it could pull any
+    file of the machine into the corpus (``rglob`` does not descend into linked folders,
+    but it lists linked files)."""
     if path.is_file():
         return [path]
     if not path.is_dir():
         raise QKGeomError(
             f"{path}: no such file or folder; pass a UTF-8 text file or a folder of them"
         )
-    files = sorted(
-        p
-        for p in path.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
+    visible = [p for p in path.rglob("*")
+               if not any(part.startswith(".") for part in p.relative_to(path).parts)]
+    linked = sorted(p for p in visible if p.is_symlink())
+    if linked:
+        raise QKGeomError(f"{linked[0]}: is a symbolic link inside the corpus folder; qkgeom "
+                          "reads only the files in the folder: copy the file in, or remove "
+                          "the link")
+    files = sorted(p for p in visible if p.is_file())
     if not files:
         raise QKGeomError(f"{path}: folder holds no files; add UTF-8 text files to it")
     return files

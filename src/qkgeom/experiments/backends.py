@@ -22,13 +22,18 @@ worker (``max_calls=1``: a process cannot follow Ray to another GPU). Results go
 the sweep folder, so that folder must be on a filesystem every node sees, and qkgeom must
 be installed on every node. A local Ray instance that qkgeom starts itself (no
 ``--address``) listens on 127.0.0.1 only (its node address is the loopback one, no
-dashboard): nothing of it is reachable from the network.
+dashboard): nothing of it is reachable from the network. Before a run is submitted the
+cluster's resources are checked (:meth:`RayBackend.check_fits`): a run asking for more CPUs
+or GPUs than the whole cluster has would wait for ever, so it is refused in one line.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -36,6 +41,7 @@ from typing import Any, Protocol
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.pool import WorkerPool
 from qkgeom.experiments.worker import record_failure
+from qkgeom.io import append_file, make_dir
 from qkgeom.runs.sweep import WORKER_LOG
 
 BACKENDS = ("local", "ray")
@@ -47,7 +53,7 @@ class Backend(Protocol):
 
     def wait(self, timeout: float) -> list[dict[str, Any]]: ...
 
-    def cancel(self) -> None: ...
+    def cancel(self, signum: int = signal.SIGINT) -> None: ...
 
     def close(self) -> None: ...
 
@@ -130,13 +136,15 @@ class LocalBackend:
             results.append(result)
         return results
 
-    def cancel(self) -> None:
-        """Stop every running worker (Ctrl-C): SIGINT first so runs stop cleanly, then kill.
+    def cancel(self, signum: int = signal.SIGINT) -> None:
+        """Stop every running worker (Ctrl-C, SIGTERM): the signal passed on so runs stop
+        cleanly, waited for, then killed if they have not ended.
 
-        Cancelled runs are not recorded as failed: their status stays ``running`` and the
-        next sweep resumes them from their newest checkpoint.
+        Cancelled runs are not recorded as failed: their status says ``interrupted`` (or
+        ``running`` after a kill) and the next sweep resumes them from their newest
+        checkpoint.
         """
-        self._pool.cancel()
+        self._pool.cancel(signum)
         self._placed.clear()
 
     def close(self) -> None:
@@ -175,24 +183,34 @@ def connect_ray(address: str | None) -> tuple[Any, bool]:
     ray = _ray()
     if ray.is_initialized():
         return ray, False
-    kwargs: dict[str, Any] = {"log_to_driver": False}
+    # Ray's own INFO lines ("Connecting to existing Ray cluster ...") stay out of the
+    # command's output: its result, or its one error line
+    kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
     if address is None:
         kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
         _loopback_only(ray)
     try:
         ray.init(address=address, **kwargs)
-    except ConnectionError as err:
-        raise QKGeomError(f"cannot connect to Ray at {address!r}: {err}") from None
+    except Exception as err:  # a refused connection, an address Ray cannot parse ...
+        first = " ".join((str(err).strip().splitlines() or [""])[0].split())[:200]
+        raise QKGeomError(f"cannot connect to Ray at {address!r} ({type(err).__name__}: "
+                          f"{first}); pass --address auto or host:port of a running Ray "
+                          "cluster, or leave it out for a local one") from None
     return ray, True
 
 
 def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
                  retry_failed: bool) -> dict[str, Any]:
     """The Ray task: ``run_one`` with the run's prints in its worker.log, as locally."""
-    from qkgeom.experiments.worker import run_one
+    from qkgeom.experiments.worker import one_line, run_one
 
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    with open(Path(run_dir) / WORKER_LOG, "a", encoding="utf-8") as log, \
+    try:
+        make_dir(run_dir)
+        raw = append_file(Path(run_dir) / WORKER_LOG)  # never through a planted link
+    except QKGeomError as err:
+        return {"run_id": Path(run_dir).name, "state": "failed", "step": 0, "steps": 0,
+                "error": one_line(err), "action": "refused"}
+    with io.TextIOWrapper(raw, encoding="utf-8", write_through=True) as log, \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return run_one(run_dir, config_dict, threads, retry_failed=retry_failed)
 
@@ -227,6 +245,19 @@ class RayBackend:
         GPUs (the worker then resolves auto to cuda), else it runs on CPUs."""
         return self._ray.cluster_resources().get("GPU", 0) > 0
 
+    def check_fits(self, threads: int, on_cuda: bool) -> None:
+        """Refuse, in one line, runs that ask for more of a resource than the whole cluster
+        has (Ray would keep them pending for ever): ``threads`` CPUs per run, and a GPU
+        share for a CUDA grid."""
+        resources = self._ray.cluster_resources()
+        cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+        if threads > cpus:
+            raise QKGeomError(f"each run asks Ray for {threads} CPUs (--threads) but the whole "
+                              f"cluster has {cpus:g}; lower --threads (at most {int(cpus)})")
+        if on_cuda and gpus < self._gpu_share:
+            raise QKGeomError(f"the grid trains on CUDA but the Ray cluster has {gpus:g} GPUs; "
+                              "add GPU nodes or train with --set device=cpu")
+
     def capacity(self, on_cuda: bool, runs_per_gpu: int) -> int | None:
         """Runs at once the cluster takes now: its GPUs x ``runs_per_gpu`` on a CUDA grid,
         else its CPUs (one thread per run)."""
@@ -252,7 +283,7 @@ class RayBackend:
                 results.append(crashed(run_dir, f"ray task failed: {one_line(err)}"))
         return results
 
-    def cancel(self) -> None:
+    def cancel(self, signum: int = signal.SIGINT) -> None:
         for ref in self._refs:
             with contextlib.suppress(Exception):
                 self._ray.cancel(ref, force=True)

@@ -54,6 +54,11 @@ key, an unknown or invalid config value (through :func:`qkgeom.config.make_confi
 empty axis, a repeated value, two runs with the same id, or an arm that is unnamed,
 repeated, sets an axis, or references an unknown arm, itself, a cycle or an arm whose runs
 do not record their key PR is a one-line :class:`~qkgeom.errors.QKGeomError`.
+
+Limits, checked before anything is built: the file is read with the config's YAML limits
+(no aliases, a node budget: :func:`qkgeom.config.load_yaml_file`), and a grid expands to
+at most :data:`MAX_RUNS` runs (the product of the axis lengths and the arms, computed, not
+enumerated). Every check is linear in the size of the grid.
 """
 
 from __future__ import annotations
@@ -62,13 +67,12 @@ import hashlib
 import itertools
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from qkgeom.config import PRESETS, TrainConfig, deep_merge, make_config
+from qkgeom.config import PRESETS, TrainConfig, deep_merge, load_yaml_file, make_config
 from qkgeom.errors import QKGeomError
 
 GRID_KEYS = ("name", "preset", "base", "axes", "arms", "distinct_seeds")
@@ -79,6 +83,8 @@ RUNNER_KEYS = ("threads",)
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]")
 _UNSAFE_NAME = re.compile(r"[/\\\x00-\x1f\x7f]")
 _MAX_VALUE_CHARS = 40
+#: The most runs one grid may expand to (the paper's E1 grid has 36).
+MAX_RUNS = 10_000
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,20 @@ class Grid:
                               "replicates of each combination of the other axes)")
         grid = cls(name=name, preset=preset, base=nest_keys(base, f"grid {name!r}: base"),
                    axes=axes, arms=_arms(d.get("arms"), name, axes), distinct_seeds=distinct)
+        runs = grid.size
+        if runs > MAX_RUNS:
+            raise QKGeomError(f"grid {name!r} expands to {runs:,} runs; a sweep holds at most "
+                              f"{MAX_RUNS:,}: split it into several grids")
         grid.expand()  # validates every run before anyone starts one
         return grid
+
+    @property
+    def size(self) -> int:
+        """How many runs the grid expands to (axes × arms), without expanding it."""
+        runs = max(len(self.arms), 1)
+        for values in self.axes.values():
+            runs *= len(values)
+        return runs
 
     @property
     def folder_name(self) -> str:
@@ -243,17 +261,7 @@ class Grid:
 def load_grid(path: str | Path) -> Grid:
     """Read and validate a grid file (YAML or JSON); the name defaults to the file's stem."""
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise QKGeomError(f"{path}: grid file not found") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise QKGeomError(f"{path}: cannot read the grid file ({type(err).__name__})") from None
-    try:
-        loaded = yaml.load(text, Loader=_GridLoader)  # a SafeLoader subclass
-    except yaml.YAMLError as err:
-        first = str(err).strip().splitlines()
-        raise QKGeomError(f"{path}: not valid YAML ({' '.join(first[:2])})") from None
+    loaded = load_yaml_file(path, "grid file")
     if not isinstance(loaded, dict):
         raise QKGeomError(f"{path}: a grid file must be a mapping with keys "
                           f"{', '.join(GRID_KEYS)}")
@@ -324,10 +332,12 @@ def _flat_axes(axes: dict[str, Any], name: str, prefix: str = "") -> dict[str, l
             if isinstance(v, (dict, list)) or v is None:
                 raise QKGeomError(f"grid {name!r}: axis {full!r} values must be scalars, "
                                   f"got {v!r}")
-        keys = [json.dumps(v) for v in values]
-        dup = next((v for v, k in zip(values, keys, strict=True) if keys.count(k) > 1), None)
-        if dup is not None:
-            raise QKGeomError(f"grid {name!r}: axis {full!r} lists {dup!r} twice")
+        seen: set[str] = set()
+        for v in values:  # linear: a set, not a count per value
+            key = json.dumps(v)
+            if key in seen:
+                raise QKGeomError(f"grid {name!r}: axis {full!r} lists {v!r} twice")
+            seen.add(key)
         out[full] = list(values)
     return out
 
@@ -364,6 +374,7 @@ def _arms(arms_in: Any, name: str, axes: dict[str, list[Any]]) -> tuple[Arm, ...
         raise QKGeomError(f"{where}: an axis is labelled {ARM_LABEL!r}, which names the arms "
                           "in run ids")
     arms: list[Arm] = []
+    names_seen: set[str] = set()
     for item in arms_in:
         if not isinstance(item, dict):
             raise QKGeomError(f"{where}: each arm must be a mapping with keys "
@@ -376,8 +387,9 @@ def _arms(arms_in: Any, name: str, axes: dict[str, list[Any]]) -> tuple[Arm, ...
         if not isinstance(arm_name, str) or not arm_name or _SAFE.search(arm_name):
             raise QKGeomError(f"{where}: arm names must be non-empty and use only letters, "
                               f"digits and . _ + -, got {arm_name!r}")
-        if any(a.name == arm_name for a in arms):
+        if arm_name in names_seen:
             raise QKGeomError(f"{where}: arm {arm_name!r} is given twice")
+        names_seen.add(arm_name)
         sets = item.get("set") or {}
         if not isinstance(sets, dict):
             raise QKGeomError(f"{where}: arm {arm_name!r}: set must be a mapping of config "
@@ -459,7 +471,8 @@ def _get(cfg: TrainConfig, dotted: str) -> Any:
 def _labels(keys: list[str]) -> dict[str, str]:
     """Short id labels: the last dotted part, or the whole key where that part repeats."""
     last = [k.split(".")[-1] for k in keys]
-    return {k: (s if last.count(s) == 1 else k) for k, s in zip(keys, last, strict=True)}
+    counts = Counter(last)  # linear in the number of axes
+    return {k: (s if counts[s] == 1 else k) for k, s in zip(keys, last, strict=True)}
 
 
 def _id_value(value: Any) -> str:
@@ -470,27 +483,5 @@ def _id_value(value: Any) -> str:
         safe = f"{safe[:32]}-{digest}"
     return safe
 
-
-class _GridLoader(yaml.SafeLoader):
-    """A SafeLoader that reads ``1e-3`` as a float (YAML 1.2) and rejects duplicate keys."""
-
-    def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
-        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
-        for k in keys:
-            if keys.count(k) > 1:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {k!r} is given twice", node.start_mark)
-        return super().construct_mapping(node, deep=deep)
-
-
-_GridLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                    |[-+]?\.(?:inf|Inf|INF)
-                    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
 
 __all__ = ["Arm", "Grid", "RunSpec", "load_grid"]

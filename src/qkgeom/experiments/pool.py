@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from qkgeom.errors import QKGeomError
+from qkgeom.io import append_file, make_dir
 from qkgeom.runs.sweep import WORKER_LOG
 
 #: Environment for the worker processes this package starts (``python -m ...``): without
@@ -37,6 +39,9 @@ from qkgeom.runs.sweep import WORKER_LOG
 #: library in every worker (Python >= 3.11 honours it).
 SAFE_PATH = {"PYTHONSAFEPATH": "1"}
 _TAIL = 4000  # bytes of a dead worker's own output copied into the run's worker.log
+#: Seconds a stopped worker gets to record where its run stopped (status ``interrupted``)
+#: and exit, before it is killed.
+STOP_GRACE_S = 30.0
 
 
 @dataclass(eq=False)
@@ -77,7 +82,7 @@ class WorkerPool:
             for idle in [w for w in self.workers if not w.busy]:
                 self._retire(idle)
             worker = self._spawn(key, env)
-        run_dir.mkdir(parents=True, exist_ok=True)
+        make_dir(run_dir)
         worker.run_dir = run_dir
         worker.runs += 1
         try:
@@ -163,14 +168,16 @@ class WorkerPool:
 
     # -------------------------------------------------------------------- ending
 
-    def cancel(self) -> None:
-        """Stop every worker (Ctrl-C): SIGINT first so runs stop cleanly, then kill.
-        Cancelled runs are not recorded: their status stays ``running`` (resumable)."""
+    def cancel(self, signum: int = signal.SIGINT) -> None:
+        """Stop every worker (Ctrl-C, SIGTERM): ``signum`` passed on so the runs stop
+        cleanly (each records ``interrupted`` at its step: resumable), then wait for them,
+        killing only those that have not ended after :data:`STOP_GRACE_S`. A second
+        interrupt while waiting kills them at once (never an orphan left training)."""
         for worker in self.workers:
             if worker.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    worker.proc.send_signal(signal.SIGINT)
-        self._reap(10.0)
+                    worker.proc.send_signal(signum)
+        self._reap(STOP_GRACE_S)
 
     def close(self) -> None:
         """End the idle workers (their stdin closes), stop any still busy."""
@@ -181,18 +188,23 @@ class WorkerPool:
         self._reap(10.0)
 
     def _reap(self, grace: float) -> None:
+        """Wait up to ``grace`` seconds for every worker to end, then kill the rest (also
+        when interrupted while waiting)."""
         deadline = time.monotonic() + grace
-        for worker in self.workers:
-            try:
-                worker.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                worker.proc.kill()
-                worker.proc.wait()
-            with contextlib.suppress(OSError):
-                if worker.proc.stdin is not None:
-                    worker.proc.stdin.close()
-            worker.errors.close()
-        self.workers.clear()
+        try:
+            for worker in self.workers:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    worker.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        finally:
+            for worker in self.workers:
+                if worker.proc.poll() is None:
+                    worker.proc.kill()
+                    worker.proc.wait()
+                with contextlib.suppress(OSError):
+                    if worker.proc.stdin is not None:
+                        worker.proc.stdin.close()
+                worker.errors.close()
+            self.workers.clear()
 
 
 def _append_tail(source: IO[bytes], log: Path) -> None:
@@ -203,5 +215,5 @@ def _append_tail(source: IO[bytes], log: Path) -> None:
         source.seek(max(size - _TAIL, 0))
         tail = source.read()
         if tail:
-            with open(log, "ab") as fh:
+            with contextlib.suppress(QKGeomError), append_file(log) as fh:  # never via a link
                 fh.write(b"--- worker process output ---\n" + tail)

@@ -35,6 +35,7 @@ import dataclasses
 import datetime as dt
 import json
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,19 +43,26 @@ from typing import Any
 
 import pandas as pd
 
-from qkgeom.errors import QKGeomError
+from qkgeom.errors import Interrupted, QKGeomError
 from qkgeom.experiments.backends import BACKENDS, make_backend
 from qkgeom.experiments.grid import Grid, RunSpec
 from qkgeom.experiments.packing import parse_runs_per_gpu
 from qkgeom.experiments.progress import sweep_view
 from qkgeom.experiments.worker import record_failure
-from qkgeom.io import read_json, write_json
-from qkgeom.runs import lock_is_held, read_status
-from qkgeom.runs.sweep import PACKING_FILE, SWEEP_FILE, run_dir
+from qkgeom.io import make_dir, read_json, write_json
+from qkgeom.runs import FolderLock, lock_is_held, read_status, status_of
+from qkgeom.runs.sweep import (
+    PACKING_FILE,
+    SWEEP_FILE,
+    read_sweep_record,
+    refuse_sweep_links,
+    run_dir,
+)
 from qkgeom.version import __version__
 
 STATES = ("done", "diverged", "failed", "locked", "pending")
 _POLL_S = 0.5
+MAX_THREADS = 4096  # the config's own bound on torch threads
 
 
 @dataclass
@@ -122,8 +130,9 @@ def run_sweep(
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise QKGeomError(f"workers must be a positive integer, got {workers!r}")
     if threads_per_run is not None and (not isinstance(threads_per_run, int)
-                                        or threads_per_run < 1):
-        raise QKGeomError(f"threads_per_run must be a positive integer, got {threads_per_run!r}")
+                                        or not 1 <= threads_per_run <= MAX_THREADS):
+        raise QKGeomError(f"--threads must be a whole number in [1, {MAX_THREADS}] (torch "
+                          f"threads per run), got {threads_per_run!r}")
     if max_runs_per_worker is not None and (not isinstance(max_runs_per_worker, int)
                                             or max_runs_per_worker < 1):
         raise QKGeomError("max_runs_per_worker must be a positive integer or None, got "
@@ -137,6 +146,7 @@ def run_sweep(
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise QKGeomError(f"{out} exists and is not a folder")
+    refuse_sweep_links(out, [s.run_id for s in specs])  # a planted link: refused, untouched
     check_sweep_file(out, grid, specs)  # before connecting to anything
     on_cuda = any(s.config.device.startswith("cuda") for s in specs)
     gpus = cuda_devices() if on_cuda and backend == "local" else []
@@ -149,9 +159,19 @@ def run_sweep(
         workers = sweep_workers(workers, specs, runner, on_cuda=on_cuda, runs_per_gpu=per_gpu,
                                 local=backend == "local")
         threads = threads_per_run or max(1, available_cpus() // workers)
+        check_fits = getattr(runner, "check_fits", None)
+        if check_fits is not None:
+            check_fits(threads, on_cuda)
         write_sweep_file(out, grid, specs)
         return _schedule(specs, out, runner, workers=workers, threads=threads,
                          retry_failed=retry_failed, progress=progress, title=grid.name, t0=t0)
+    except KeyboardInterrupt as err:  # SIGINT / SIGTERM: passed on to the runs, waited for
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        runner.cancel(signum)
+        name = signal.Signals(signum).name
+        raise Interrupted(signum, f"interrupted ({name}); the runs in flight were stopped and "
+                                  "recorded where they stopped: run the same command again to "
+                                  "resume them") from None
     except BaseException:
         runner.cancel()
         raise
@@ -204,7 +224,8 @@ def runs_per_gpu_for(out: Path, specs: list[RunSpec], backend: str, address: str
     path = out / PACKING_FILE
     if path.is_file():
         saved = read_json(path)
-        if isinstance(saved, dict) and saved.get("config_hash") == spec.config_hash:
+        if isinstance(saved, dict) and saved.get("config_hash") == spec.config_hash \
+                and isinstance(saved.get("runs_per_gpu"), int) and saved["runs_per_gpu"] >= 1:
             return int(saved["runs_per_gpu"])
     config = spec.config.to_dict()
     threads = threads or 1
@@ -223,7 +244,7 @@ def runs_per_gpu_for(out: Path, specs: list[RunSpec], backend: str, address: str
             raise QKGeomError("--runs-per-gpu auto needs a CUDA device on this machine; "
                               "none is visible")
         record = probe_packing_record(config, threads, {"CUDA_VISIBLE_DEVICES": gpus[0]})
-    out.mkdir(parents=True, exist_ok=True)
+    make_dir(out)
     write_json(path, {"config_hash": spec.config_hash, "run_id": spec.run_id, **record})
     return int(record["runs_per_gpu"])
 
@@ -379,13 +400,15 @@ def check_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
         if (out / "runs").is_dir() and any((out / "runs").iterdir()):
             raise QKGeomError(f"{out} holds runs but no {SWEEP_FILE}; use another folder")
         return
-    saved = read_json(path)
+    saved = read_sweep_record(out)
     mine = _sweep_record(grid, specs)
-    if not isinstance(saved, dict) or saved.get("grid") != mine["grid"]:
-        name = saved.get("grid", {}).get("name") if isinstance(saved, dict) else None
+    if saved.get("grid") != mine["grid"]:
+        name = saved.get("grid", {}).get("name")
         raise QKGeomError(f"{path}: this folder holds sweep {name!r} with a different grid; "
                           "use another output folder, or the grid it was started with")
-    old = {r["run_id"]: r["config_hash"] for r in saved.get("runs", [])}
+    runs = saved.get("runs", [])
+    old = {r.get("run_id"): r.get("config_hash") for r in runs if isinstance(r, dict)} \
+        if isinstance(runs, list) else {}
     new = {r["run_id"]: r["config_hash"] for r in mine["runs"]}
     if old != new:
         changed = sorted(k for k in new if old.get(k) != new[k])
@@ -396,10 +419,8 @@ def check_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
 
 def write_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
     """Create sweep.json once (under a folder lock, so two starters agree), else recheck."""
-    from filelock import FileLock
-
-    out.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(out / ".sweep.lock"), timeout=60):
+    make_dir(out)
+    with FolderLock(out / ".sweep.lock"):  # never through a planted link
         if (out / SWEEP_FILE).exists():
             check_sweep_file(out, grid, specs)
             return
@@ -421,24 +442,33 @@ def sweep_status(out_dir: str | Path) -> pd.DataFrame:
     pending (never started).
     """
     out = Path(out_dir)
-    record = read_json(out / SWEEP_FILE)
-    if not isinstance(record, dict) or "runs" not in record:
-        raise QKGeomError(f"{out / SWEEP_FILE}: not a qkgeom sweep record")
+    record = read_sweep_record(out)
+    if not isinstance(record.get("runs"), list):
+        raise QKGeomError(f"{out / SWEEP_FILE}: not a qkgeom sweep record (no list of runs)")
     grid = record.get("grid", {})
-    axes = [*grid.get("axes", {}), *(["arm"] if grid.get("arms") else [])]
+    axes_of = grid.get("axes", {})
+    axes = [*(axes_of if isinstance(axes_of, dict) else {}),
+            *(["arm"] if grid.get("arms") else [])]
     rows = []
     for run in record["runs"]:
+        if isinstance(run, str):
+            run = {"run_id": run}
         folder = run_dir(out, run["run_id"])
-        status = read_status(folder)
-        if status is None:
+        status, problem = status_of(folder) if not folder.is_symlink() else (
+            None, f"{folder}: is a symbolic link")
+        error = (status or {}).get("error")
+        if problem:  # one line naming the file; the other runs are listed as usual
+            state, step, error = "unreadable", 0, problem
+        elif status is None:
             state, step = ("running" if lock_is_held(folder) else "pending"), 0
         else:
-            state, step = status.get("state", "pending"), int(status.get("step", 0))
+            state, step = status["state"], status["step"]
             if state == "running" and not lock_is_held(folder):
                 state = "interrupted"
-        rows.append({"run_id": run["run_id"], **{k: run["axes"].get(k) for k in axes},
+        rows.append({"run_id": run["run_id"],
+                     **{k: run.get("axes", {}).get(k) for k in axes},
                      "state": state, "step": step, "steps": int(run.get("steps", 0)),
-                     "error": (status or {}).get("error"), "config_hash": run["config_hash"]})
+                     "error": error, "config_hash": run.get("config_hash", "")})
     return pd.DataFrame(rows, columns=["run_id", *axes, "state", "step", "steps", "error",
                                        "config_hash"])
 

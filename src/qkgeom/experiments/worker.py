@@ -11,6 +11,13 @@ bit for bit in a fresh process or in one that trained other runs before
 (tests/experiments/test_worker_reuse.py). A hard crash (segfault, out-of-memory kill) takes
 down the worker and the one run it held, which is recorded ``failed``; the sweep starts a
 new worker for the next run.
+
+The run folder may come from someone else (a sweep folder shared or downloaded): the run
+is refused (recorded ``failed`` with the one-line reason) when its folder holds a symbolic
+link (:func:`qkgeom.runs.refuse_links`), and the files a worker appends to
+(``attempts.jsonl``, ``worker.log``) are opened without following links
+(:func:`qkgeom.io.append_file`). SIGTERM stops a worker as SIGINT does: the run it trains
+records ``interrupted`` and stays resumable.
 """
 
 from __future__ import annotations
@@ -27,9 +34,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from qkgeom.errors import DivergedError, QKGeomError
-from qkgeom.io import write_json
-from qkgeom.runs import STATUS, RunLock, list_checkpoints, read_status
+from qkgeom.errors import DivergedError, QKGeomError, signals_interrupt
+from qkgeom.io import append_file, make_dir, refuse_link, write_bytes, write_json
+from qkgeom.runs import STATUS, RunLock, list_checkpoints, read_status, refuse_links
 from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG, WORKER_LOG
 
 _MAX_MESSAGE = 300
@@ -51,11 +58,19 @@ def run_one(run_dir: str, config_dict: dict[str, Any], threads: int, *,
     so an interrupted run stays resumable.
     """
     run = Path(run_dir)
-    run.mkdir(parents=True, exist_ok=True)
-    lock = RunLock(run)
-    if not lock.acquire():
-        return _result(run, "locked", "locked", read_status(run))
     try:
+        make_dir(run)
+        lock = RunLock(run)
+        if not lock.acquire():
+            return _result(run, "locked", "locked", read_status(run))
+    except QKGeomError as err:  # a link where the run folder or its lock should be
+        return {"run_id": run.name, "state": "failed", "step": 0, "steps": 0,
+                "error": one_line(err), "action": "refused"}
+    try:
+        try:
+            refuse_links(run)
+        except QKGeomError as err:  # recorded (status.json is not a link), nothing else
+            return _refused(run, one_line(err))
         status = read_status(run)
         state = status.get("state") if status else None
         if state in ("done", "diverged") or (state == "failed" and not retry_failed):
@@ -76,10 +91,10 @@ def _train(run: Path, config_dict: dict[str, Any],
     checkpoints = list_checkpoints(run)
     resume_from = checkpoints[-1][0] if checkpoints else None
     action = "resumed" if resume_from is not None else "trained"
-    _append_attempt(run, resume_from, config_dict.get("threads", 0))
-    (run / ERROR_LOG).unlink(missing_ok=True)  # it describes the latest failure only
     steps = int(config_dict.get("steps", 0))
     try:
+        _append_attempt(run, resume_from, config_dict.get("threads", 0))
+        (run / ERROR_LOG).unlink(missing_ok=True)  # it describes the latest failure only
         cfg = from_dict(config_dict)
         fresh_run_state(int(config_dict.get("threads") or 0))
         result = train(cfg, run, resume=True, progress=False, run_id=run.name)
@@ -87,14 +102,27 @@ def _train(run: Path, config_dict: dict[str, Any],
         return _result(run, "diverged", action, read_status(run))
     except Exception as err:  # recorded; the sweep goes on
         message = one_line(err)
-        (run / ERROR_LOG).write_text(traceback.format_exc(), encoding="utf-8")
+        with contextlib.suppress(QKGeomError):
+            write_bytes(run / ERROR_LOG, traceback.format_exc().encode("utf-8"))
         last = read_status(run) or status or {}
         failed = {"state": "failed", "step": int(last.get("step", 0)), "steps": steps,
                   "error": message, "updated": time.time()}
-        write_json(run / STATUS, failed)
+        with contextlib.suppress(QKGeomError):
+            write_json(run / STATUS, failed)
         return _result(run, "failed", action, failed)
     return {"run_id": run.name, "state": "done", "step": result.step, "steps": steps,
             "error": None, "action": action}
+
+
+def _refused(run: Path, message: str) -> dict[str, Any]:
+    """A run this worker will not touch (a link in its folder): recorded ``failed`` with
+    the reason where status.json can be written safely, and reported."""
+    failed = {"state": "failed", "step": 0, "steps": 0, "error": message,
+              "updated": time.time()}
+    with contextlib.suppress(QKGeomError):
+        write_json(run / STATUS, failed)
+    return {"run_id": run.name, **{k: failed[k] for k in ("state", "step", "steps", "error")},
+            "action": "refused"}
 
 
 def one_line(err: BaseException) -> str:
@@ -110,8 +138,12 @@ def record_failure(run: Path, message: str) -> bool:
     Takes the run's lock first, so a run that another process has meanwhile picked up is
     left alone; returns whether the failure was written.
     """
-    lock = RunLock(run)
-    if not lock.acquire():
+    try:
+        refuse_link(run)
+        lock = RunLock(run)
+        if not lock.acquire():
+            return False
+    except (QKGeomError, OSError):  # a link where the folder or its lock should be
         return False
     try:
         status = read_status(run) or {}
@@ -121,6 +153,8 @@ def record_failure(run: Path, message: str) -> bool:
             "state": "failed", "step": int(status.get("step", 0)),
             "steps": int(status.get("steps", 0)), "error": message, "updated": time.time()})
         return True
+    except QKGeomError:
+        return False
     finally:
         lock.release()
 
@@ -129,8 +163,8 @@ def _append_attempt(run: Path, resume_from: int | None, threads: int) -> None:
     """One JSON line per training attempt: provenance of every (re)start of the run."""
     line = json.dumps({"started": time.time(), "host": socket.gethostname(),
                        "pid": os.getpid(), "resume_from": resume_from, "threads": threads})
-    with open(run / ATTEMPTS_FILE, "a", encoding="utf-8") as fh:
-        fh.write(line + "\n")
+    with append_file(run / ATTEMPTS_FILE) as fh:
+        fh.write(line.encode("utf-8") + b"\n")
 
 
 def _result(run: Path, state: str, action: str,
@@ -166,12 +200,19 @@ def fresh_run_state(threads: int) -> None:
 @contextlib.contextmanager
 def _output_to(log: Path):
     """File descriptors 1 and 2 (print, warnings, C-level messages) into ``log`` for the
-    block, then back where they were."""
-    log.parent.mkdir(parents=True, exist_ok=True)
+    block, then back where they were. A log that cannot be opened safely (a link planted
+    in the run folder) is not used: the output stays where it was, and :func:`run_one`
+    refuses the run."""
+    try:
+        make_dir(log.parent)
+        fh = append_file(log)
+    except QKGeomError:
+        yield
+        return
     sys.stdout.flush()
     sys.stderr.flush()
     saved = os.dup(2)
-    with open(log, "ab") as fh:
+    with fh:
         os.dup2(fh.fileno(), 1)
         os.dup2(fh.fileno(), 2)
         try:
@@ -204,8 +245,8 @@ def serve(requests: Any, results: Any, max_runs: int | None = None) -> int:
             done += 1
             if max_runs is not None and done >= max_runs:
                 break
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt as err:  # 130 (SIGINT) or 143 (SIGTERM)
+        return getattr(err, "exit_code", 130)
     return 0
 
 
@@ -234,9 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     result_fd = os.dup(1)
     sys.stdout.flush()
     os.dup2(2, 1)
-    try:
-        warm_up()
-    except KeyboardInterrupt:
-        return 130
-    with os.fdopen(result_fd, "w", encoding="utf-8") as results:
-        return serve(sys.stdin, results, args.max_runs)
+    with signals_interrupt():  # SIGTERM as SIGINT: the run in hand records interrupted
+        try:
+            warm_up()
+        except KeyboardInterrupt as err:
+            return getattr(err, "exit_code", 130)
+        with os.fdopen(result_fd, "w", encoding="utf-8") as results:
+            return serve(sys.stdin, results, args.max_runs)

@@ -3,7 +3,9 @@
 Reads only ``metrics.parquet`` and ``status.json`` (no torch), so it works on any run
 folder -- a monitored run, ``qkgeom train``'s, a sweep's run -- while it trains: the table
 is re-read whenever ``metrics.parquet`` changes and the view ends when the status says the
-run is over (done, failed, diverged) or on Ctrl-C.
+run is over (done, failed, diverged), when nobody writes the run any more (its status says
+it started but no process holds its lock: interrupted or killed; exit 1 with one line), or
+on Ctrl-C.
 
 Per layer (head −1): PR_Q, PR_K and their contrast at the token level (the weight level
 when the run has no token metrics), attention entropy, and the change of each since the
@@ -19,10 +21,17 @@ from typing import Any
 import pandas as pd
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json
-from qkgeom.runs import ALERTS, FINAL_STATES, METRICS, STATUS, read_metrics, read_status
+from qkgeom.runs import (
+    FINAL_STATES,
+    METRICS,
+    STATUS,
+    lock_is_held,
+    read_alerts,
+    read_metrics,
+    read_status,
+)
 
-__all__ = ["latest_layers", "render", "watch"]
+__all__ = ["Abandoned", "latest_layers", "render", "watch"]
 _LEVELS = (("pr_q_token", "pr_k_token", "contrast_token"),
            ("pr_q_weight", "pr_k_weight", "contrast_weight"))
 
@@ -63,31 +72,41 @@ def _read(run: Path) -> tuple[pd.DataFrame | None, dict[str, Any]]:
 def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> Any:
     """The rich renderable: a per-layer table titled with the run's step and state."""
     from rich.console import Group
-    from rich.text import Text
 
-    from qkgeom.ui import rich_table
+    from qkgeom.ui import plain, rich_table
 
     state = status.get("state", "?")
     where = f"step {status.get('step', '?')}/{status.get('steps', '?')}, {state}"
     if metrics is None or metrics.empty:
-        return Text(f"{run} — {where}: waiting for the first probe …")
+        return plain(f"{run} — {where}: waiting for the first probe …")
     step, table = latest_layers(metrics)
     alerts = _alert_count(run)
     title = (f"{run} — probe at step {step} ({where}; {table.attrs['level']} level; "
              f"Δ = change since step {table.attrs['first_step']}"
              + (f"; {alerts} alert(s), see alerts.json" if alerts else "") + ")")
     out = rich_table(table)
-    return Group(Text(title, style="bold"), out)  # the title on its own line, unwrapped
+    heading = plain(title)
+    heading.stylize("bold")
+    return Group(heading, out)  # the title on its own line, unwrapped
 
 
 def _alert_count(run: Path) -> int:
-    path = run / ALERTS
-    if not path.exists():
-        return 0
-    try:
-        return len(read_json(path))
-    except QKGeomError:
-        return 0
+    return len(read_alerts(run))  # a bad alerts.json: one line naming it
+
+
+def _abandoned(run: Path) -> str | None:
+    """The line to end on when the run started but nobody writes it any more (it was
+    interrupted or killed): its status is not final and no process holds its lock."""
+    status = read_status(run) or {}
+    if not status or status.get("state") in FINAL_STATES or lock_is_held(run):
+        return None
+    status = read_status(run) or {}  # a writer records its final state before it lets go
+    state = status.get("state")
+    if not status or state in FINAL_STATES:
+        return None
+    return (f"{run}: nobody is writing this run any more ({state} at step "
+            f"{status.get('step', '?')} of {status.get('steps', '?')}); it stopped before "
+            "finishing: resume it with `qkgeom train ... --resume` (or run its sweep again)")
 
 
 def watch(run: str | Path, *, interval: float = 2.0, once: bool = False,
@@ -121,4 +140,13 @@ def watch(run: str | Path, *, interval: float = 2.0, once: bool = False,
                 live.update(render(run, metrics, status), refresh=True)
                 if status.get("state") in FINAL_STATES:
                     return
+            stopped = _abandoned(run)
+            if stopped is not None:
+                raise Abandoned(stopped)
             time.sleep(interval)
+
+
+class Abandoned(QKGeomError):
+    """The watched run stopped without finishing and nobody writes it (exit 1)."""
+
+    exit_code = 1

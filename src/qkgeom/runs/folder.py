@@ -7,8 +7,9 @@
       metrics.parquet     run_id, step, layer, head (−1 = layer), metric, value
       metrics.parts/      rows written since the last compaction (read_metrics sees both)
       train_log.parquet   step, loss, val_loss, lr, tokens_per_s (+ train_log.parts/)
-      status.json         state (running | done | diverged | failed), step, steps, wall
-                          time, threads
+      status.json         state (running | interrupted | done | diverged | failed), step,
+                          steps, wall time, threads (interrupted: the signal and the
+                          newest checkpoint's step, or null)
       checkpoints/        ckpt_<step:08d>.pt, the newest few
       tensorboard/        event files (``qkgeom train --report-to tensorboard``)
       alerts.json         monitor runs: alerts that fired
@@ -19,7 +20,12 @@ record (flat ``key_control``, ``key_control_scope``, ``shrink_to`` ...) is read 
 Ownership: qkgeom writes into a folder only when it is new, empty, or already a qkgeom run
 folder holding nothing but the entries above (plus a sweep's bookkeeping files, a
 ``report/`` folder and qkgeom's own temp files): :func:`claim_run_dir` refuses anything
-else, so ``--resume`` never overwrites or deletes a file qkgeom did not write.
+else, so ``--resume`` never overwrites or deletes a file qkgeom did not write. A symbolic link
+among those entries (``checkpoints -> another run's``, ``status.json -> ~/notes``) is
+refused in one line naming it, before anything is written (:func:`refuse_links`).
+
+Every file is checked against its schema when read (:mod:`.schema`): a file of the wrong
+types is one line naming it.
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json, temp_name_pattern, write_json
+from qkgeom.io import LinkError, links_in, read_json, temp_name_pattern, write_json
 from qkgeom.runs import table
+from qkgeom.runs.schema import check_alerts, check_status
 from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG, WORKER_LOG
 from qkgeom.version import __version__
 
@@ -53,7 +60,8 @@ REPORT = "report"
 METRIC_COLUMNS = ["run_id", "step", "layer", "head", "metric", "value"]
 LOG_COLUMNS = ["step", "loss", "val_loss", "lr", "tokens_per_s"]
 FINAL_STATES = ("done", "diverged", "failed")
-STATES = ("running", *FINAL_STATES)
+# interrupted: stopped by a signal (SIGINT, SIGTERM), resumable like a killed "running"
+STATES = ("running", "interrupted", *FINAL_STATES)
 _CHECKPOINT = re.compile(r"ckpt_(\d{8})\.pt")
 _OWN_FILES = frozenset({CONFIG, METRICS, TRAIN_LOG, STATUS, ALERTS, KEY_PR, ATTEMPTS_FILE,
                         WORKER_LOG, ERROR_LOG})
@@ -82,15 +90,15 @@ def run_record(cfg: TrainConfig | None, run_id: str, **facts: Any) -> dict[str, 
                          "python": platform.python_version()}}
 
 
-def _migrate(record: dict[str, Any], version: int) -> dict[str, Any]:
-    """An older record in today's format. Format 1 kept the key-control settings flat;
-    formats 1 and 2 gave the control's share as ``shrink_to``/``expand_to`` against
-    ``‖W_K‖_F`` (today: ``dose`` and ``scale: frobenius``); formats 1-3 controlled the
-    weight-level spectrum (today: ``level: weight``). ``migrated_from`` keeps the version
-    the file was written in, so a resume can refuse what it cannot continue."""
+def migrate_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A config mapping written by an older format in today's keys. Format 1 kept the
+    key-control settings flat; formats 1 and 2 gave the control's share as
+    ``shrink_to``/``expand_to`` against ``‖W_K‖_F`` (today: ``dose`` and ``scale:
+    frobenius``); formats 1-3 controlled the weight-level spectrum (today: ``level:
+    weight``). A current mapping comes back unchanged (its ``level`` is there)."""
     from qkgeom.config import KeyControlConfig
 
-    cfg = dict(record["config"])
+    cfg = dict(config)
     if not isinstance(cfg.get("key_control", {}), dict):
         nested = {new: cfg.pop(old) for old, new in _V1_KEY_CONTROL.items() if old in cfg}
         cfg["key_control"] = nested
@@ -99,7 +107,14 @@ def _migrate(record: dict[str, Any], version: int) -> dict[str, Any]:
         if section.get("mode", "none") != "none":
             section.setdefault("level", "weight")
         cfg["key_control"] = section
-    return {**record, "config": cfg, "format_version": FORMAT_VERSION, "migrated_from": version}
+    return cfg
+
+
+def _migrate(record: dict[str, Any], version: int) -> dict[str, Any]:
+    """An older record in today's format (:func:`migrate_config`). ``migrated_from`` keeps
+    the version the file was written in, so a resume can refuse what it cannot continue."""
+    return {**record, "config": migrate_config(record["config"]),
+            "format_version": FORMAT_VERSION, "migrated_from": version}
 
 
 def read_record(run: str | Path) -> dict[str, Any]:
@@ -142,34 +157,46 @@ def is_run_folder(path: str | Path) -> bool:
 
 
 def _is_own_status(path: Path) -> bool:
-    """Whether ``status.json`` reads as a status qkgeom wrote (a mapping with a known state)."""
-    try:
-        status = read_json(path)
-    except QKGeomError:
-        return False
-    return isinstance(status, dict) and status.get("state") in STATES \
-        and isinstance(status.get("step"), int)
+    """Whether ``status.json`` reads as a status qkgeom wrote (its schema)."""
+    return status_of(path.parent)[0] is not None
 
 
 def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
     """Names in ``run`` that qkgeom did not write there (sorted): anything but the run
-    folder's own files and folders, a sweep's bookkeeping, and qkgeom's temp files.
-    ``check_status``: a ``status.json`` that does not read as a qkgeom status counts as
-    foreign too (in a folder without a run record; beside a record it is a damaged status
-    of that run, which a resume rewrites)."""
+    folder's own files and folders, a sweep's bookkeeping, and qkgeom's temp files; a
+    symbolic link is never qkgeom's. ``check_status``: a ``status.json`` that does not
+    read as a qkgeom status counts as foreign too (in a folder without a run record;
+    beside a record it is a damaged status of that run, which a resume rewrites)."""
     run = Path(run)
     if not run.is_dir():
         return []
     foreign = []
     for entry in run.iterdir():
         name = entry.name
-        own = ((name in _OWN_FILES and entry.is_file()) or (name in _OWN_DIRS and entry.is_dir())
-               or (_TEMP.fullmatch(name) is not None and entry.is_file()))
+        own = not entry.is_symlink() and (
+            (name in _OWN_FILES and entry.is_file()) or (name in _OWN_DIRS and entry.is_dir())
+            or (_TEMP.fullmatch(name) is not None and entry.is_file()))
         if name == STATUS and own and check_status:
             own = _is_own_status(entry)
         if not own:
             foreign.append(name)
     return sorted(foreign)
+
+
+def linked_entries(run: str | Path) -> list[Path]:
+    """The symbolic links among a run folder's entries and inside its sub-folders
+    (``checkpoints/``, the table parts, ``report/`` ...), sorted: nothing qkgeom writes
+    there is a link, so each is planted (or a user's), and writing through it could
+    overwrite or delete any file."""
+    return links_in(run)
+
+
+def refuse_links(run: str | Path) -> None:
+    """One line (:class:`~qkgeom.io.LinkError`) naming the first link in the run folder
+    (:func:`linked_entries`), if any."""
+    links = linked_entries(run)
+    if links:
+        raise LinkError(links[0])
 
 
 def _refuse_foreign(out: Path, foreign: list[str]) -> None:
@@ -205,15 +232,27 @@ def _refuse_config_change(cfg_path: Path, saved: TrainConfig, record: dict[str, 
 
 
 def claim_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
-    """Write ``record`` as ``out``'s config.json, refusing to clobber anything else.
+    """Write ``record`` as ``out``'s config.json, refusing to clobber anything else
+    (:func:`check_run_dir` first)."""
+    check_run_dir(out, record, resume)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / CONFIG, record)
+
+
+def check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
+    """Whether ``record``'s run may be written into ``out``: a one-line QKGeomError if not;
+    reads only.
 
     A fresh run needs an empty or missing folder. Resuming needs a qkgeom run folder (or a
-    folder holding only a sweep's files for the run) with nothing foreign in it, the same
-    config (compared by hash, after reading an older format), a vocabulary with the same
-    characters and, where both records have one, the same corpus (``corpus_sha256``)."""
+    folder holding only a sweep's files for the run) with nothing foreign in it and no
+    symbolic link in it, the same config (compared by hash, after reading an older
+    format), a vocabulary with the same characters and, where both records have one, the
+    same corpus (``corpus_sha256``)."""
     cfg_path = out / CONFIG
     if out.exists() and not out.is_dir():
         raise QKGeomError(f"{out} exists and is not a folder; choose another --out")
+    if out.is_dir() and resume:
+        refuse_links(out)
     if cfg_path.exists():
         if not resume:
             raise QKGeomError(f"{out} already holds a run; pass --resume to continue it "
@@ -250,26 +289,40 @@ def claim_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
         foreign = foreign_entries(out)
         if foreign:
             _refuse_foreign(out, foreign)
-    out.mkdir(parents=True, exist_ok=True)
-    write_json(cfg_path, record)
 
 
 # ----------------------------------------------------------------------------- status
 
 
+def status_of(run: str | Path) -> tuple[dict[str, Any] | None, str]:
+    """``(status, problem)``: the run's status.json checked against its schema, or
+    ``(None, "")`` when it has none, or ``(None, reason)`` when it is unreadable or not a
+    status qkgeom wrote (the reason names the file)."""
+    path = Path(run) / STATUS
+    if not path.exists() and not path.is_symlink():
+        return None, ""
+    try:
+        return check_status(read_json(path), path, STATES), ""
+    except QKGeomError as err:
+        return None, str(err)
+
+
 def read_status(run: str | Path) -> dict[str, Any] | None:
     """The run's status.json, or None when it has none (never started) or it is unreadable.
 
-    An unreadable status (atomic writes never leave one; a user may edit it) reads as "never
-    finished": a sweep then resumes the run from its newest checkpoint, cheap and safe."""
-    path = Path(run) / STATUS
+    An unreadable status (atomic writes never leave one; a user may edit it), or one of the
+    wrong types, reads as "never finished": a sweep then resumes the run from its newest
+    checkpoint, cheap and safe."""
+    return status_of(run)[0]
+
+
+def read_alerts(run: str | Path) -> list[dict[str, Any]]:
+    """The alerts a monitored run recorded (``alerts.json``; [] when it has none); a file
+    that is not a list of alerts is a one-line QKGeomError naming it."""
+    path = Path(run) / ALERTS
     if not path.exists():
-        return None
-    try:
-        status = read_json(path)
-    except QKGeomError:
-        return None
-    return status if isinstance(status, dict) else None
+        return []
+    return check_alerts(read_json(path), path)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -314,12 +367,13 @@ def checkpoint_path(run: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint file (exact name ``ckpt_<8 digits>.pt``), oldest first."""
+    """(step, path) of every checkpoint file (exact name ``ckpt_<8 digits>.pt``, a plain
+    file: a link is not a checkpoint of this run), oldest first."""
     folder = checkpoint_dir(run)
     if not folder.is_dir():
         return []
     return sorted((int(m.group(1)), p) for p in folder.iterdir()
-                  if (m := _CHECKPOINT.fullmatch(p.name)))
+                  if (m := _CHECKPOINT.fullmatch(p.name)) and not p.is_symlink())
 
 
 def remove_stale_temp_files(run: str | Path) -> list[Path]:
@@ -333,9 +387,9 @@ def remove_stale_temp_files(run: str | Path) -> list[Path]:
     removed = []
     for folder in (run, checkpoint_dir(run), table.parts_dir(run / METRICS),
                    table.parts_dir(run / TRAIN_LOG)):
-        if folder.is_dir():
+        if folder.is_dir() and (folder == run or not folder.is_symlink()):
             for tmp in folder.iterdir():
-                if _TEMP.fullmatch(tmp.name) and tmp.is_file():
+                if _TEMP.fullmatch(tmp.name) and tmp.is_file() and not tmp.is_symlink():
                     tmp.unlink(missing_ok=True)
                     removed.append(tmp)
     return removed

@@ -12,6 +12,13 @@ must be on a filesystem that supports ``flock`` across nodes (NFSv4, Lustre, GPF
 The lock is exclusive, also between two holders in one process; a holder that works for
 the one already holding it joins it instead (``acquire(reentrant=True)``: the trainer a
 sweep worker calls, inside the worker's lock).
+
+The lock belongs to the folder, not to the path that names it: it lies beside the folder's
+real path (symbolic links in the path resolved), so ``alias -> runs/a`` and ``runs/a`` meet
+one lock. The lock file is opened without following links and must be a plain file
+(:func:`qkgeom.io.open_private`): a planted ``.a.lock -> ~/thesis.tex`` is refused in one
+line, never truncated. Readers (:func:`lock_is_held`, :func:`holder`: ``sweep status``,
+``watch``) open it read-only and create, truncate or write nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from qkgeom.errors import QKGeomError
+from qkgeom.io import open_private
 
 try:
     import fcntl
@@ -40,12 +48,11 @@ if hasattr(os, "register_at_fork"):  # a forked child holds nothing of its paren
 
 
 def lock_path(run: str | Path) -> Path:
-    run = Path(run)
-    return run.with_name(f".{run.name}.lock")
-
-
-def _key(path: Path) -> str:
-    return os.path.join(os.path.realpath(path.parent), path.name)
+    """``.<name>.lock`` beside the run folder's real path (every alias meets the same)."""
+    real = Path(os.path.realpath(run))
+    if not real.name:  # the filesystem root
+        raise QKGeomError(f"{run}: a run folder cannot be the filesystem root")
+    return real.with_name(f".{real.name}.lock")
 
 
 def _try_lock(path: Path) -> Any | None:
@@ -60,7 +67,7 @@ def _try_lock(path: Path) -> Any | None:
         except Timeout:
             return None
         return lock
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    fd = open_private(path, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as err:
@@ -91,7 +98,7 @@ class RunLock:
         self.run = Path(run)
         self.path = lock_path(run)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._key = _key(self.path)
+        self._key = str(self.path)
         self._mine = False
 
     def acquire(self, reentrant: bool = False) -> bool:
@@ -138,27 +145,91 @@ class RunLock:
         self.release()
 
 
+def _open_to_read(path: Path) -> int | None:
+    """A read-only descriptor on the lock file, or None (missing, a link, not a plain
+    file, unreadable): nothing is created or changed."""
+    try:
+        return open_private(path, os.O_RDONLY)
+    except (OSError, QKGeomError):
+        return None
+
+
 def holder(run: str | Path) -> str:
     """Who holds the run's lock, as the holder wrote it: ``pid 123 on host h``."""
-    try:
-        info = json.loads(lock_path(run).read_text(encoding="utf-8") or "{}")
-    except (OSError, ValueError):
-        info = {}
-    if not isinstance(info, dict) or "pid" not in info:
+    fd = _open_to_read(lock_path(run))
+    info: Any = {}
+    if fd is not None:
+        try:
+            info = json.loads(os.read(fd, 4096).decode("utf-8") or "{}")
+        except (OSError, ValueError):
+            info = {}
+        finally:
+            os.close(fd)
+    pid, host = (info.get("pid"), info.get("host", "?")) if isinstance(info, dict) else (None, "")
+    if not isinstance(pid, int) or not isinstance(host, str):
         return "holder unknown"
-    return f"pid {info['pid']} on host {info.get('host', '?')}"
+    return f"pid {pid} on host {host[:64]}"
 
 
 def lock_is_held(run: str | Path) -> bool:
     """Whether a process (this one included) holds the run's lock right now (it is
-    writing the run)."""
-    if not lock_path(run).exists():
-        return False
-    lock = RunLock(run)
-    try:
+    writing the run). Read-only: tries a shared lock on a read-only descriptor and drops
+    it at once; a missing lock file, or one that is a link or not a plain file, means
+    nobody holds the run through it."""
+    path = lock_path(run)
+    with _GUARD:
+        if str(path) in _HELD:
+            return True
+    if fcntl is None:  # filelock's own locking: probe with a second lock
+        lock = RunLock(run)
         if lock.acquire():
             lock.release()
             return False
-    except OSError:  # a read-only folder: cannot tell, assume nobody holds it
+        return True
+    fd = _open_to_read(path)
+    if fd is None:
         return False
-    return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as err:
+        return err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+class FolderLock:
+    """A blocking exclusive lock on a file in a folder (``with FolderLock(path):``), for
+    short critical sections such as creating ``sweep.json`` once when two sweep processes
+    start together. The file is opened like a run's lock (never through a link) and
+    nothing is written into it."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._handle: Any = None
+
+    def __enter__(self) -> FolderLock:
+        if fcntl is None:
+            from filelock import FileLock
+
+            self._handle = FileLock(str(self.path))
+            self._handle.acquire()
+            return self
+        fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._handle = fd
+        return self
+
+    def __exit__(self, *_: Any) -> None:
+        if fcntl is None:
+            self._handle.release()
+        else:
+            fcntl.flock(self._handle, fcntl.LOCK_UN)
+            os.close(self._handle)
+        self._handle = None

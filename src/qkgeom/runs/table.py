@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import fsync_dir, write_parquet
+from qkgeom.io import fsync_dir, make_dir, refuse_link, write_parquet
+from qkgeom.runs.schema import check_table, table_schema
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -43,12 +44,13 @@ def parts_dir(path: str | Path) -> Path:
 
 
 def list_parts(path: str | Path) -> list[tuple[int, int, Path]]:
-    """``(seq, level, file)`` of every part of the table at ``path``, in the order applied."""
+    """``(seq, level, file)`` of every part of the table at ``path``, in the order applied
+    (plain files only: a link among the parts is not one of them)."""
     folder = parts_dir(path)
     if not folder.is_dir():
         return []
     return sorted((int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir()
-                  if (m := _PART.fullmatch(p.name)))
+                  if (m := _PART.fullmatch(p.name)) and not p.is_symlink())
 
 
 def exists(path: str | Path) -> bool:
@@ -64,10 +66,9 @@ def _read_file(file: Path, columns: tuple[str, ...]) -> pd.DataFrame:
     except Exception as err:
         raise QKGeomError(f"{file}: unreadable Parquet ({type(err).__name__}); delete the run "
                           "folder and train again") from None
-    missing = [c for c in columns if c not in frame.columns]
-    if missing:
-        raise QKGeomError(f"{file}: not a qkgeom table (no {', '.join(map(repr, missing))} "
-                          "column)")
+    schema = table_schema(file)
+    kinds, required = schema if schema is not None else ({}, ())
+    check_table(frame, file, (kinds, tuple(dict.fromkeys((*required, *columns)))))
     return frame
 
 
@@ -108,6 +109,7 @@ class TableWriter:
 
     def append(self, frame: pd.DataFrame) -> None:
         """Write ``frame`` as the newest part (its rows replace earlier rows of its steps)."""
+        make_dir(self.parts)  # never into a linked parts folder
         write_parquet(self.parts / f"p{self._seq:010d}-L0.parquet", frame)
         self._seq += 1
         self._merge()
@@ -136,6 +138,7 @@ class TableWriter:
         self.drop_parts()
 
     def drop_parts(self) -> None:
+        refuse_link(self.parts)  # never delete through a link
         for _, _, p in list_parts(self.path):
             p.unlink(missing_ok=True)
         if self.parts.is_dir():

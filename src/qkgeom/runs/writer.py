@@ -10,15 +10,13 @@ the torch thread count of the attempt.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from qkgeom.errors import QKGeomError
-from qkgeom.io import read_json, write_json
+from qkgeom.io import write_json
 from qkgeom.runs.folder import (
     LOG_COLUMNS,
     METRIC_COLUMNS,
@@ -27,6 +25,7 @@ from qkgeom.runs.folder import (
     TRAIN_LOG,
     read_log,
     read_metrics,
+    status_of,
 )
 from qkgeom.runs.table import TableWriter
 
@@ -51,23 +50,28 @@ class RunWriter:
         self._dirty: dict[str, set[int]] = {"metrics": set(), "log": set()}
         self._tables = {"metrics": TableWriter(self.out / METRICS),
                         "log": TableWriter(self.out / TRAIN_LOG)}
-        prev: dict[str, Any] = {}
-        if resume and (self.out / STATUS).exists():
-            with contextlib.suppress(QKGeomError):
-                prev = read_json(self.out / STATUS)
-        self.previous = prev = prev if isinstance(prev, dict) else {}  # garbage is rewritten
+        # a status that is not qkgeom's (garbage, wrong types) is rewritten
+        self.previous = prev = (status_of(self.out)[0] or {}) if resume else {}
         number = (int, float)
         started, wall = prev.get("started"), prev.get("wall_s")
         self.started = started if isinstance(started, number) else time.time()
         self._wall_before = float(wall) if isinstance(wall, number) else 0.0
         self._t0 = time.perf_counter()
 
-    def restore(self, upto: int | None = None) -> None:
-        """Take up the tables an earlier attempt wrote (rows with ``step <= upto``) and
-        compact them: rows after ``upto`` (recomputed by this attempt) are dropped on disk,
-        and a table left with no rows is removed."""
-        metrics = read_metrics(self.out, upto)
-        log = read_log(self.out, upto)
+    def read_previous(self, upto: int | None = None
+                      ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
+        """The tables an earlier attempt wrote (rows with ``step <= upto``), read and
+        checked (a bad file is a one-line QKGeomError) but not yet taken up: a resume
+        reads them before it writes anything."""
+        return read_metrics(self.out, upto), read_log(self.out, upto)
+
+    def restore(self, upto: int | None = None,
+                tables: tuple[pd.DataFrame | None, pd.DataFrame | None] | None = None) -> None:
+        """Take up the tables an earlier attempt wrote (rows with ``step <= upto``; or
+        ``tables``, from :meth:`read_previous`) and compact them: rows after ``upto``
+        (recomputed by this attempt) are dropped on disk, and a table left with no rows is
+        removed."""
+        metrics, log = tables if tables is not None else self.read_previous(upto)
         self._metrics = ({int(s): rows for s, rows in metrics.groupby("step", sort=False)}
                          if metrics is not None else {})
         self._log = {}

@@ -15,28 +15,41 @@ file that needs more (a pickled object, e.g. an injected ``os.system`` call) is 
 in one line naming it, never unpickled and never skipped in silence. So that qkgeom's own
 checkpoints always load that way, :func:`save_checkpoint` refuses a state holding any
 other type (a callback's numpy scalar, say) before writing it.
+
+Belonging: a checkpoint file proves nothing about where it came from (one can be copied
+in from another run, or crafted), so before a resume uses one it must belong to the run
+(:func:`check_checkpoint`): the config it records has the run's config hash (which leaves
+out what a resume may change: device, threads, compile), its step is within the run's
+steps, and its RNG states, loss accumulator and weight mappings are well formed. Anything
+else is a one-line :class:`CheckpointError`, raised before the resume writes anything.
+Checkpoints are plain files in a plain ``checkpoints/`` folder: a link there is never
+read as a checkpoint, and rotation never deletes through one.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import write_bytes
+from qkgeom.io import make_dir, write_bytes
 from qkgeom.runs import (
     checkpoint_dir,
     checkpoint_path,
     list_checkpoints,
     load_config,
-    remove_stale_temp_files,
+    migrate_config,
 )
+
+if TYPE_CHECKING:
+    from qkgeom.config import TrainConfig
 
 FORMAT_VERSION = 1
 # Exact types (numpy.float64 is a float subclass, yet weights_only refuses it).
@@ -46,6 +59,11 @@ _MAPPINGS = (dict, OrderedDict)
 
 class UnsafeCheckpointError(QKGeomError):
     """A checkpoint file that ``torch.load(weights_only=True)`` refuses: it needs unpickling."""
+
+
+class CheckpointError(QKGeomError):
+    """A checkpoint that is not this run's, or not well formed: a resume refuses it before
+    writing anything (the run's status is left as it was)."""
 
 
 def read_checkpoint(path: Path) -> Any:
@@ -108,23 +126,85 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
     buf = io.BytesIO()
     torch.save({"format_version": FORMAT_VERSION, "step": step, **state}, buf)
     path = checkpoint_path(run_dir, step)
+    make_dir(path.parent)  # never a linked checkpoints/ (rotation would delete through it)
     write_bytes(path, buf.getvalue())
     if keep > 0:
-        for _, old in list_checkpoints(run_dir)[:-keep]:
+        for _, old in list_checkpoints(run_dir)[:-keep]:  # plain files only, never links
             old.unlink(missing_ok=True)
     return path
 
 
-def load_latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
+def _rng_size() -> int:
+    return int(torch.Generator().get_state().numel())
+
+
+def check_checkpoint(state: dict[str, Any], path: Path, cfg: TrainConfig) -> None:
+    """:class:`CheckpointError` unless ``state`` (a loaded checkpoint) belongs to the run of
+    ``cfg`` and is well formed enough to resume from (module doc)."""
+    from qkgeom.config import from_dict
+
+    def refuse(why: str) -> None:
+        raise CheckpointError(f"{path}: not a checkpoint of this run ({why}); the resume "
+                              "stopped before writing anything: delete the file if you did "
+                              "not write it, or train into a new --out")
+
+    step = state.get("step")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        refuse(f"its step is {step!r}")
+    if step > cfg.steps:
+        refuse(f"it holds step {step}, beyond the run's {cfg.steps} steps")
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        refuse("it records no config")
+    try:
+        theirs = from_dict(migrate_config(saved))
+    except QKGeomError as err:
+        refuse(f"its config is not valid: {' '.join(str(err).split())[:120]}")
+    if theirs.config_hash() != cfg.config_hash():
+        changed = [k for k in sorted(set(saved) | set(cfg.to_dict()))
+                   if saved.get(k) != cfg.to_dict().get(k)
+                   and k not in ("device", "threads", "compile", "precision")]
+        refuse(f"written by a run with another config ({', '.join(changed[:4]) or 'hash'} "
+               "differ)")
+    for key in ("model", "optimizer", "scaler"):
+        if not isinstance(state.get(key), dict):
+            refuse(f"no {key} state")
+    if not all(isinstance(v, torch.Tensor) for v in state["model"].values()):
+        refuse("its model weights are not all tensors")
+    size = _rng_size()
+    for key in ("data_rng", "torch_rng"):
+        rng = state.get(key)
+        if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.dim() == 1
+                and rng.numel() == size):
+            refuse(f"{key} is not a random-generator state")
+        try:
+            torch.Generator().set_state(rng)
+        except (RuntimeError, ValueError, TypeError):
+            refuse(f"{key} is not a random-generator state")
+    acc = state.get("loss_acc", {})
+    if not isinstance(acc, dict) or not all(
+            k in ("loss_sum", "loss_n") for k in acc) or not (
+            isinstance(acc.get("loss_sum", 0.0), (int, float))
+            and not isinstance(acc.get("loss_sum", 0.0), bool)
+            and math.isfinite(acc.get("loss_sum", 0.0))
+            and isinstance(acc.get("loss_n", 0), int) and not isinstance(acc.get("loss_n", 0), bool)
+            and acc.get("loss_n", 0) >= 0):
+        refuse("its loss accumulator is not {loss_sum: number, loss_n: count}")
+    if not isinstance(state.get("callbacks", []), list):
+        refuse("its callback states are not a list")
+
+
+def load_latest_checkpoint(run_dir: Path, cfg: TrainConfig | None = None
+                           ) -> dict[str, Any] | None:
     """The newest readable checkpoint, or None when there is none.
 
     A torn or unreadable file (or one whose content is not the step its name says) is
     skipped with a one-line warning and the previous one is used; when every checkpoint
     is unreadable, a QKGeomError says so rather than silently starting over. A checkpoint
     written in another format version, or one that needs unpickling
-    (:class:`UnsafeCheckpointError`), raises QKGeomError naming the file.
+    (:class:`UnsafeCheckpointError`), raises QKGeomError naming the file; with ``cfg``, so
+    does one that does not belong to that run (:func:`check_checkpoint`). Reads only.
     """
-    remove_stale_temp_files(run_dir)
     found = list_checkpoints(run_dir)
     for step, path in reversed(found):
         try:
@@ -151,6 +231,8 @@ def load_latest_checkpoint(run_dir: Path) -> dict[str, Any] | None:
             warnings.warn(f"{path}: holds step {state.get('step')!r}, not {step} (renamed?); "
                           "falling back to the previous one", stacklevel=2)
             continue
+        if cfg is not None:
+            check_checkpoint(state, path, cfg)
         return state
     if found:
         raise QKGeomError(f"{checkpoint_dir(run_dir)}: no readable checkpoint (all {len(found)} "

@@ -16,9 +16,14 @@ those a config asks for).
 Trust (docs/faults.md): the trainer holds the run's lock (:class:`~qkgeom.runs.RunLock`)
 from before it writes anything until the run ends, so a second ``train`` or ``--resume`` of
 the same folder stops in one line naming the holder; it refuses, before any write, a run
-whose memory or probe-time estimate cannot fit (:mod:`.resources`); and a run that stops on
-an error (out of memory included) is recorded ``failed`` with the reason, never left
-``running``. Only an interrupt (Ctrl-C) or a kill leaves ``running``: a resumable run.
+whose memory or probe-time estimate cannot fit (:mod:`.resources`), and a resume whose
+checkpoint or tables are not this run's or not well formed
+(:func:`~qkgeom.training.checkpoint.check_checkpoint`, the run folder's schemas); and a run
+that stops on an error (out of memory included) is recorded ``failed`` with the reason,
+never left ``running``. SIGINT or SIGTERM records ``interrupted`` with the step and the
+newest checkpoint (or that there is none yet) and raises
+:class:`~qkgeom.errors.Interrupted` with the line saying how to resume; a kill leaves
+``running``. Both are resumable.
 
 Speed (docs/speed.md): ``precision`` autocasts the forward pass (bf16 by default on CUDA,
 opt-in on CPU; weights and AdamW state stay fp32, probes always run in float64 on the
@@ -35,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -48,13 +54,27 @@ import torch
 from qkgeom.config import TrainConfig, detect_device, with_vocab
 from qkgeom.data import load_data, probe_set, sample_batch
 from qkgeom.data.batches import BatchStream
-from qkgeom.errors import DivergedError, QKGeomError
+from qkgeom.errors import DivergedError, Interrupted, QKGeomError, signals_interrupt
 from qkgeom.geometry import NonFiniteError, measure
 from qkgeom.model import GPT
-from qkgeom.runs import RunLock, RunWriter, claim_run_dir, run_record
+from qkgeom.runs import (
+    STATUS,
+    RunLock,
+    RunWriter,
+    check_run_dir,
+    claim_run_dir,
+    list_checkpoints,
+    remove_stale_temp_files,
+    run_record,
+)
 from qkgeom.seeding import make_generators
 from qkgeom.training.callbacks import Callback, TrainContext
-from qkgeom.training.checkpoint import is_checkpoint_step, load_latest_checkpoint, save_checkpoint
+from qkgeom.training.checkpoint import (
+    CheckpointError,
+    is_checkpoint_step,
+    load_latest_checkpoint,
+    save_checkpoint,
+)
 from qkgeom.training.resources import (
     check_training_fits,
     gib,
@@ -106,13 +126,18 @@ def resolve_device(name: str) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise QKGeomError(f"device {name!r} requested but CUDA is not available; use --device "
                           "auto or cpu")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise QKGeomError("device 'mps' requested but MPS is not available; use --device auto "
-                          "or cpu")
+    if name.startswith("mps") and not torch.backends.mps.is_available():
+        raise QKGeomError(f"device {name!r} requested but MPS is not available; use --device "
+                          "auto or cpu")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError as err:  # "cuda:x" and the like
         raise QKGeomError(f"unknown device {name!r} ({err})") from None
+    if device.type == "cuda" and device.index is not None \
+            and device.index >= torch.cuda.device_count():
+        raise QKGeomError(f"device {name!r} requested but this machine has "
+                          f"{torch.cuda.device_count()} CUDA device(s); use --device cuda")
+    return device
 
 
 def device_facts(device: torch.device, cfg: TrainConfig) -> dict[str, str]:
@@ -177,7 +202,8 @@ class Trainer:
                               "callbacks a config asks for")
         self.out, self.resume, self.progress = Path(out_dir), resume, progress
         self.progress_every = progress_every
-        self.run_id = run_id or self.out.name
+        # the folder's own name, also for --out . or --out ..
+        self.run_id = run_id or Path(os.path.realpath(self.out)).name
         self.device = resolve_device(cfg.device)
         # auto -> concrete: the record says where the run computed and in which precision
         execution = device_facts(self.device, cfg)
@@ -191,6 +217,7 @@ class Trainer:
         cfg.validate()
         self.probe_tokens = probe_set(self.data.val, cfg.probe_sequences, cfg.model.block_size)
         check_training_fits(cfg, self.device)
+        check_eval_fits(cfg, len(self.data.val))
         if not resume:  # a resumed run was told when it started
             warn_if_long_on_cpu(cfg, self.device)
         record = run_record(cfg, self.run_id, execution=execution, data_dir=str(self.data.dir),
@@ -201,13 +228,22 @@ class Trainer:
         # reentrant: a sweep worker calls the trainer inside its own hold of the run's lock
         self.lock = RunLock(self.out).require("train or resume", reentrant=True)
         try:
-            claim_run_dir(self.out, record, resume)
+            # Everything a resume reads is checked before anything is written: the folder,
+            # the checkpoint it continues from and the tables it takes up.
+            check_run_dir(self.out, record, resume)
+            self._state = load_latest_checkpoint(self.out, cfg) if resume else None
             self.writer = RunWriter(self.out, self.run_id, steps=cfg.steps, resume=resume,
                                     threads=torch.get_num_threads())
+            upto = self._state["step"] if self._state is not None else -1
+            self._previous = self.writer.read_previous(upto) if resume else None
+            claim_run_dir(self.out, record, resume)
+            if resume:
+                remove_stale_temp_files(self.out)
         except BaseException:
             self.lock.release()
             raise
         self._warn_thread_change()
+        self._warn_restart()
 
     def _warn_thread_change(self) -> None:
         """One line when a resume runs with another torch thread count than the attempt
@@ -220,6 +256,15 @@ class Trainer:
                           f"{before}; the results may differ from an uninterrupted run in the "
                           f"last bits (pass --threads {before} for a bit-exact resume)",
                           stacklevel=3)
+
+    def _warn_restart(self) -> None:
+        """One line when a resume finds no checkpoint although an earlier attempt got
+        somewhere: the run starts over from step 0 (said, never silent)."""
+        before = self.writer.previous.get("step", 0) if self.resume else 0
+        if self._state is None and before > 0:
+            warnings.warn(f"{self.out}: no checkpoint yet (the earlier attempt stopped at step "
+                          f"{before}, before its first checkpoint); the run starts over from "
+                          "step 0", stacklevel=3)
 
     def close(self) -> None:
         """Release the run's lock (done by :meth:`run`; for a Trainer never run)."""
@@ -235,9 +280,15 @@ class Trainer:
         raised; running out of memory becomes a one-line QKGeomError saying so."""
         self.step, self._tables_taken = 0, not self.resume
         try:
-            return self._run()
-        except (DivergedError, KeyboardInterrupt):
-            raise  # diverged is recorded as such; an interrupted run stays resumable
+            with signals_interrupt():
+                return self._run()
+        except (DivergedError, CheckpointError):
+            raise  # diverged is recorded as such; a foreign checkpoint changed nothing
+        except KeyboardInterrupt as err:  # SIGINT / SIGTERM: recorded, resumable
+            stopped = self._interrupted(err)
+            if isinstance(err, Interrupted):  # a signal: raised again with the line to print
+                raise stopped from None
+            raise  # a KeyboardInterrupt of the caller's own (a callback's): as it came
         except BaseException as err:
             if is_out_of_memory(err):
                 message = self._oom_message(err)
@@ -256,6 +307,26 @@ class Trainer:
                 f"{gib(need)} by qkgeom's estimate (batch_size {cfg.batch_size} × block_size "
                 f"{cfg.model.block_size}); lower batch_size or block_size, then --resume; "
                 f"recorded in {self.out / 'status.json'}")
+
+    def _interrupted(self, err: KeyboardInterrupt) -> Interrupted:
+        """Record ``interrupted`` (the step reached, the signal, the newest checkpoint or
+        None) as far as the disk allows, and the one line that says how to resume."""
+        import signal
+
+        signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
+        name = signal.Signals(signum).name
+        found = list_checkpoints(self.out)
+        ckpt = found[-1][0] if found else None
+        with contextlib.suppress(Exception):
+            self.writer.status("interrupted", self.step, signal=name, checkpoint=ckpt)
+        where = f"recorded in {self.out / STATUS}"
+        if ckpt is None:
+            how = ("no checkpoint exists yet, so --resume starts the run over from step 0 "
+                   f"({where})")
+        else:
+            how = (f"resume it from its step-{ckpt} checkpoint: the same command with --resume "
+                   f"(--out {self.out}; {where})")
+        return Interrupted(signum, f"interrupted ({name}) at step {self.step}; {how}")
 
     def _fail(self, message: str) -> None:
         """Record ``failed`` (the reason in status.json; the tables compacted once this
@@ -325,29 +396,31 @@ class Trainer:
                                       "t": time.perf_counter()}
 
     def _restore(self) -> None:
-        """Continue from the newest readable checkpoint, when resuming and there is one
-        (with none, records an earlier attempt left are dropped: the run starts over)."""
-        state = load_latest_checkpoint(self.out) if self.resume else None
+        """Continue from the newest readable checkpoint (read and checked when the trainer
+        was built), when resuming and there is one (with none, records an earlier attempt
+        left are dropped: the run starts over)."""
+        state, self._state = self._state, None
         if state is None:
             if self.resume:
-                self.writer.restore(upto=-1)
+                self.writer.restore(upto=-1, tables=(None, None))
                 self._tables_taken = True
             return
         try:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.scaler.load_state_dict(state["scaler"])
-        except (KeyError, RuntimeError, ValueError) as err:
-            raise QKGeomError(f"{self.out / 'checkpoints'}: step {state.get('step')} checkpoint "
-                              f"does not fit this run's model ({type(err).__name__}: "
-                              f"{' '.join(str(err).split())[:160]}); train into a new --out"
-                              ) from None
+        except (KeyError, RuntimeError, ValueError, TypeError) as err:
+            raise CheckpointError(f"{self.out / 'checkpoints'}: step {state.get('step')} "
+                                  "checkpoint does not fit this run's model "
+                                  f"({type(err).__name__}: {' '.join(str(err).split())[:160]}); "
+                                  "train into a new --out") from None
         self.gens.data.set_state(state["data_rng"])
         torch.set_rng_state(state["torch_rng"])
         for cb, cb_state in zip(self.callbacks, state.get("callbacks", []), strict=False):
             cb.load_state_dict(cb_state)
         self.step = self.resumed_at = self.ctx.step = int(state["step"])
-        self.writer.restore(upto=self.step)
+        self.writer.restore(upto=self.step, tables=self._previous)
+        self._previous = None
         self._tables_taken = True
         self.acc.update(state.get("loss_acc", {}), t=time.perf_counter())
 
@@ -470,6 +543,19 @@ class Trainer:
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "loss_acc": {"loss_sum": self.acc["loss_sum"], "loss_n": self.acc["loss_n"]},
         }, keep=self.cfg.keep_checkpoints)
+
+
+def check_eval_fits(cfg: TrainConfig, val_tokens: int) -> None:
+    """Refuse an eval that asks for more windows than the val split has positions
+    (``eval_batches × batch_size`` random windows of ``block_size``): more cannot measure
+    anything new, and a huge count (``eval_batches=1e9``) would hang the step-0 eval."""
+    windows = cfg.eval_batches * cfg.batch_size
+    positions = max(val_tokens - cfg.model.block_size, 1)
+    if windows > positions:
+        raise QKGeomError(f"eval_batches {cfg.eval_batches:,} × batch_size {cfg.batch_size:,} "
+                          f"= {windows:,} eval windows, but the val split has only "
+                          f"{positions:,} window positions; lower eval_batches (at most "
+                          f"{max(positions // cfg.batch_size, 1):,})")
 
 
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,

@@ -1,0 +1,166 @@
+"""One schema per file of a run or sweep folder, checked when the file is read.
+
+Why: a result folder may come from someone else, or be edited by hand, and a file that
+is valid JSON or Parquet can still hold the wrong types (``"step": "five"``, a ``value``
+column of strings, ``alerts.json`` = ``5``). Every reader checks the file against its
+schema here first, so a bad file is one line naming it and the reason (a
+:class:`~qkgeom.errors.QKGeomError`), never a ``TypeError`` deep in a table or a run
+written over. Extra keys and extra columns are allowed (a newer qkgeom, or a feature
+that adds its own): only what the readers use is checked.
+
+Tables: a column is ``int`` (an integer dtype: a NaN in it makes it float and is refused),
+``float`` (any real number dtype; NaN allowed) or ``str`` (text values). JSON records:
+each key has its Python types, required keys must be present.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qkgeom.errors import QKGeomError
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+#: Run-folder tables: column -> kind, and which columns must be there.
+TABLES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
+    "metrics.parquet": ({"step": "int", "layer": "int", "head": "int", "metric": "str",
+                         "value": "float", "run_id": "str"},
+                        ("step", "layer", "head", "metric", "value")),
+    "train_log.parquet": ({"step": "int", "loss": "float", "val_loss": "float", "lr": "float",
+                           "tokens_per_s": "float"}, ("step",)),
+    # key-control trajectory: the reader names the columns it needs (control/trajectory.py);
+    # further columns a newer control adds are not checked
+    "key_pr.parquet": ({"step": "int", "unit": "str", "pr": "float", "pr_token": "float",
+                        "spread": "float"}, ("step", "unit", "pr")),
+}
+#: The table a part file (``metrics.parts/p…-L0.parquet``) belongs to.
+PARTS = {"metrics.parts": "metrics.parquet", "train_log.parts": "train_log.parquet"}
+
+_INT = (int,)
+_NUM = (int, float)
+_TEXT = (str,)
+_NONE = (type(None),)
+
+#: status.json: key -> (allowed types, required).
+STATUS_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "state": (_TEXT, True), "step": (_INT, True), "steps": (_INT, False),
+    "started": (_NUM, False), "updated": (_NUM, False), "wall_s": (_NUM, False),
+    "threads": (_INT, False), "diverged_step": (_INT, False),
+    "error": (_TEXT + _NONE, False), "message": (_TEXT + _NONE, False),
+    "checkpoint": (_INT + _NONE, False), "signal": (_TEXT, False),
+}
+#: One entry of sweep.json's ``runs``.
+SWEEP_RUN_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "run_id": (_TEXT, True), "axes": ((dict,), False), "config_hash": (_TEXT, False),
+    "steps": (_INT, False), "depends_on": (_TEXT, False),
+}
+
+
+def table_schema(path: Path) -> tuple[dict[str, str], tuple[str, ...]] | None:
+    """The schema of the run table at ``path`` (a base file or one of its parts); None
+    for a file qkgeom has no schema for."""
+    if path.name in TABLES:
+        return TABLES[path.name]
+    table = PARTS.get(path.parent.name)
+    return TABLES[table] if table else None
+
+
+def _kind_ok(series: pd.Series, kind: str) -> bool:
+    from pandas.api import types
+
+    if kind == "int":
+        return types.is_integer_dtype(series.dtype) and not types.is_bool_dtype(series.dtype)
+    if kind == "float":
+        return (types.is_float_dtype(series.dtype) or types.is_integer_dtype(series.dtype)) \
+            and not types.is_bool_dtype(series.dtype)
+    if types.is_string_dtype(series.dtype) or types.is_object_dtype(series.dtype):
+        return bool(series.map(lambda v: isinstance(v, str)).all())
+    return False
+
+
+_KIND_WORDS = {"int": "whole numbers", "float": "numbers", "str": "text"}
+
+
+def check_table(frame: pd.DataFrame, path: Path,
+                schema: tuple[dict[str, str], tuple[str, ...]]) -> None:
+    """QKGeomError naming ``path`` unless ``frame`` has the schema's required columns and
+    every schema column it has is of the schema's kind."""
+    kinds, required = schema
+    missing = [c for c in required if c not in frame.columns]
+    if missing:
+        raise QKGeomError(f"{path}: not a qkgeom table (no {', '.join(map(repr, missing))} "
+                          "column)")
+    for col, kind in kinds.items():
+        if col in frame.columns and not _kind_ok(frame[col], kind):
+            raise QKGeomError(f"{path}: column {col!r} must hold {_KIND_WORDS[kind]}, but it "
+                              f"is {frame[col].dtype}; the file is corrupt or not qkgeom's")
+
+
+def _check_keys(record: Any, path: Path, keys: dict[str, tuple[tuple[type, ...], bool]],
+                what: str) -> dict[str, Any]:
+    if not isinstance(record, dict):
+        raise QKGeomError(f"{path}: not {what} (a JSON object is expected, got "
+                          f"{type(record).__name__})")
+    for key, (types_, required) in keys.items():
+        if key not in record:
+            if required:
+                raise QKGeomError(f"{path}: not {what} (no {key!r})")
+            continue
+        value = record[key]
+        bad = isinstance(value, bool) or not isinstance(value, types_) or (
+            isinstance(value, float) and not math.isfinite(value))
+        if bad:
+            raise QKGeomError(f"{path}: {key!r} is {_short(value)}, not "
+                              f"{' or '.join(_type_word(t) for t in types_)}; the file is "
+                              "corrupt or not qkgeom's")
+    return record
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _type_word(kind: type) -> str:
+    return {int: "a whole number", float: "a number", str: "text", dict: "a mapping",
+            type(None): "null"}.get(kind, kind.__name__)
+
+
+def check_status(record: Any, path: Path, states: tuple[str, ...]) -> dict[str, Any]:
+    """``status.json`` as qkgeom writes it (a known state, a whole-number step ...)."""
+    record = _check_keys(record, path, STATUS_KEYS, "a qkgeom run status")
+    if record["state"] not in states:
+        raise QKGeomError(f"{path}: state {_short(record['state'])} is not one of "
+                          f"{', '.join(states)}")
+    if record["step"] < 0 or record.get("steps", 0) < 0:
+        raise QKGeomError(f"{path}: a negative step; the file is corrupt or not qkgeom's")
+    return record
+
+
+def check_sweep_record(record: Any, path: Path) -> dict[str, Any]:
+    """``sweep.json``: a mapping whose ``runs`` (when present) is a list of run entries
+    (or the older mapping of run id -> axes)."""
+    if not isinstance(record, dict):
+        raise QKGeomError(f"{path}: not a qkgeom sweep record (a JSON object is expected, "
+                          f"got {type(record).__name__})")
+    runs = record.get("runs", [])
+    if isinstance(runs, list):
+        for entry in runs:
+            if not isinstance(entry, str):
+                _check_keys(entry, path, SWEEP_RUN_KEYS, "a qkgeom sweep record (a run entry)")
+    elif not isinstance(runs, dict):
+        raise QKGeomError(f"{path}: 'runs' is {type(runs).__name__}, not a list of runs")
+    if "grid" in record and not isinstance(record["grid"], dict):
+        raise QKGeomError(f"{path}: 'grid' is {type(record['grid']).__name__}, not a mapping")
+    return record
+
+
+def check_alerts(record: Any, path: Path) -> list[dict[str, Any]]:
+    """``alerts.json``: a list of alert mappings."""
+    if not isinstance(record, list) or not all(isinstance(a, dict) for a in record):
+        raise QKGeomError(f"{path}: not a qkgeom alerts record (a JSON list of alerts is "
+                          f"expected, got {type(record).__name__})")
+    return record
