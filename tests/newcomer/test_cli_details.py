@@ -10,9 +10,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from rich.cells import cell_len
-
 from cli_helpers import in_process
+from rich.cells import cell_len
 
 from .conftest import invoke
 from .test_cli import commands, help_text
