@@ -622,10 +622,8 @@ def render_html(markdown_text: str, folder: Path, title: str) -> str:
     (its alt text stays), so the page never carries a script or a file from elsewhere on
     the machine. Claims tables get group rows and coloured verdict cells
     (:func:`_style_table`)."""
-    try:
-        import markdown
-    except ImportError as err:  # declared dependency; a clear message if it is missing
-        raise ImportError("report.html needs the 'markdown' package: pip install markdown") from err
+    import markdown  # the report extra; a missing one is named by the CLI (one line)
+
     body = markdown.markdown(markdown_text, extensions=["tables", _page_extension(folder)])
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n"

@@ -23,10 +23,15 @@ from qkgeom.version import __version__
 
 __all__ = ["EXTRAS", "app", "main"]
 
-#: Optional packages -> the qkgeom extra that installs them (pyproject.toml).
+#: Optional packages -> the qkgeom extra that installs them (pyproject.toml); the
+#: packages those bring (huggingface_hub, safetensors with transformers) name it too.
 EXTRAS = {"scipy": "report", "matplotlib": "report", "markdown": "report",
-          "transformers": "hf", "tokenizers": "hf", "datasets": "data",
-          "tensorboard": "tensorboard", "ray": "ray"}
+          "transformers": "hf", "tokenizers": "hf", "huggingface_hub": "hf",
+          "safetensors": "hf", "datasets": "data", "tensorboard": "tensorboard",
+          "ray": "ray"}
+#: Optional packages no extra brings: how to install them.
+OWN_INSTALL = {"wandb": "pip install wandb",
+               "lightning": "pip install lightning", "pytorch_lightning": "pip install lightning"}
 
 
 
@@ -86,6 +91,8 @@ def missing_package(err: ModuleNotFoundError) -> str | None:
     """The one-line message for an optional package that is not installed (None for a
     module no extra provides: that is a bug, shown as one)."""
     top = (err.name or "").split(".")[0]
+    if top in OWN_INSTALL:
+        return f"this needs the {top} package: {OWN_INSTALL[top]}"
     if top not in EXTRAS:
         return None
     return f"this needs the {top} package: pip install 'qkgeom[{EXTRAS[top]}]'"
