@@ -11,10 +11,10 @@ import pandas as pd
 import pytest
 from cli_helpers import in_process
 
-from qkgeom.checkpoints.analyze import fitting_blocks
-
 
 def test_fitting_blocks() -> None:
+    from qkgeom.checkpoints.analyze import fitting_blocks
+
     assert fitting_blocks(20, 8) == 8
     assert fitting_blocks(6, 8) == 6  # the 3 000 tokens in windows of 512
     assert fitting_blocks(1, 8) == 1 and fitting_blocks(0, 8) == 1

@@ -14,14 +14,6 @@ import pandas as pd
 import pytest
 import torch
 
-from qkgeom.analysis.kit import (
-    MIN_UNITS,
-    claims_markdown,
-    claims_summary,
-    descriptive_reason,
-    signed,
-)
-
 from .conftest import invoke
 
 pytest.importorskip("matplotlib", reason="reports need qkgeom[report]")
@@ -105,6 +97,8 @@ def _claims(n: int) -> pd.DataFrame:
 
 @pytest.mark.parametrize("n", [1, 4, 5, 18])
 def test_verdicts_need_five_units_and_say_so_below(n: int) -> None:
+    from qkgeom.analysis.kit import MIN_UNITS, claims_markdown, claims_summary, descriptive_reason
+
     assert MIN_UNITS == 5  # the fewest units whose sign-flip p can be below 0.05
     md = claims_markdown(_claims(n))
     if n < MIN_UNITS:
@@ -143,6 +137,8 @@ def test_a_monitored_model_is_labelled_as_what_it_is(monitored) -> None:
 
 
 def test_numbers_print_at_a_sensible_precision() -> None:
+    from qkgeom.analysis.kit import signed
+
     assert signed(9.25e-18) == "0.000" and signed(-3e-7) == "0.000"
     assert signed(0.0) == "0.000"
     assert signed(0.004) == "+0.004" and signed(-1.234567) == "-1.235"
