@@ -190,8 +190,8 @@ def descriptive_reason(claims: pd.DataFrame) -> str:
     floor = (f"the exact sign-flip p of {n} {_unit_word(n, unit)} is at least "
              f"1/2^{n} = {0.5 ** n:.3g}" if n else f"no {_unit_word(2, unit)} measured")
     return (f"Descriptive: {n} {_unit_word(n, unit)}. A verdict needs at least {MIN_UNITS} "
-            f"{unit} ({floor}, never below {ALPHA}), so the rows below show what was "
-            "measured and no verdict.")
+            f"{unit} ({floor}, never below {ALPHA}), so its claims table shows what was "
+            "measured, with no verdict.")
 
 
 def _note(r: dict[str, Any]) -> str:
@@ -377,7 +377,8 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
             what = "model" if len(monitored) and not len(trained) else "init"
             seeds = (f"**Seeds per depth × init**: {per.min()}–{per.max()}; "
                      if len(trained) else "")
-            lines.append(f"- {seeds}**trajectories** (depth × {what} × layer): {cells}")
+            label = "**trajectories**" if seeds else "**Trajectories**"
+            lines.append(f"- {seeds}{label} (depth × {what} × layer): {cells}")
         variants = [v for v in inc["variant"].unique() if v]
         if variants:
             lines.append(f"- **Other varying settings** (kept apart): "

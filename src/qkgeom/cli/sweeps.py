@@ -102,7 +102,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
 
 #: The terminal claims table: claims.csv column -> its header (words, not field names).
 TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "level": "level", "from": "from",
-                   "measured": "units with the sign", "p_value": "p (sign-flip)",
+                   "measured": "sign k/n", "p_value": "p (sign-flip)",
                    "verdict": "verdict"}
 SIGN_HEADER = TERMINAL_CLAIMS["measured"]
 
