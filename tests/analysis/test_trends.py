@@ -160,7 +160,7 @@ def test_claims_from_known_calls() -> None:
     assert (e41["k"], e41["n"], e41["verdict"]) == (2, 3, "supported")  # layer 2 only rises
     assert "2 rise then fall, 1 monotone rise" in e41["estimate"]
     e42 = claims.loc[("E4.2", "token_heads")]
-    assert (e42["k"], e42["n"]) == (2, 3) and e42["verdict"] == "mixed"
+    assert (e42["k"], e42["n"]) == (2, 3) and e42["verdict"] == "inconclusive"
     e43 = claims.loc[("E4.3", "token_heads")]
     assert (e43["k"], e43["n"]) == (2, 3)
     assert "0.33" in e43["estimate"]  # (0.5 + 0.5 + 0) / 3 layers with a rise

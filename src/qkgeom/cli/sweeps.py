@@ -37,8 +37,9 @@ Retries = Annotated[int, typer.Option(
 RunsPerGpu = Annotated[str, typer.Option(
     help="CUDA grids: runs sharing one GPU (a number, or auto: measured once per sweep "
          "folder, see docs/speed.md).")]
-Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | "
-                                          "paper (GPU-hours; pass --data).")]
+Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | lab "
+                                          "(e1, e3: 5x longer runs, about an hour each on 2 "
+                                          "CPU cores) | paper (GPU-hours; pass --data).")]
 Data = Annotated[str, typer.Option(
     help="sample (the embedded Wikipedia text) or a prepared data folder (default: "
          "sample).", show_default=False)]
@@ -81,11 +82,15 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
         return
     shown = terminal_claims(claims)
     descriptive = descriptive_reason(claims)
+    p_note = ("p (Holm) = exact sign-flip p-value, Holm-adjusted within the row's family"
+              if "p (Holm)" in shown else "p (sign-flip) = exact one-sided sign-flip p-value")
     render_frame(shown, "claims (measured only: too few units for a verdict; see report.md)"
                  if descriptive else "claims (verdicts computed from the numbers; see "
                  "report.md)",
                  [f"{SIGN_HEADER} = units with the predicted sign / units (a unit is a run, "
-                  "or a seed: docs/protocols.md)", "p = exact one-sided sign-flip p-value"],
+                  "or a seed: docs/protocols.md)", p_note,
+                  *(["role: the primary row decides the claim, secondary rows are "
+                     "descriptive"] if "role" in shown else [])],
                  group=[c for c in ("id", "claim") if c in shown])
     if descriptive:
         typer.echo(descriptive)
@@ -101,20 +106,22 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
 
 
 #: The terminal claims table: claims.csv column -> its header (words, not field names).
-TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "level": "level", "from": "from",
-                   "measured": "sign k/n", "p_value": "p (sign-flip)",
-                   "verdict": "verdict"}
+TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "role": "role", "level": "level",
+                   "from": "from", "measured": "sign k/n", "p_adj": "p (Holm)",
+                   "p_value": "p (sign-flip)", "verdict": "verdict"}
 SIGN_HEADER = TERMINAL_CLAIMS["measured"]
 
 
 def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
     """The claims table as the terminal shows it: the columns of :data:`TERMINAL_CLAIMS`
-    under their headers, without the verdict when the table is descriptive (too few units
-    for any verdict: :func:`qkgeom.analysis.kit.descriptive_reason`)."""
+    under their headers (the Holm-adjusted p where the table has one, else the sign-flip
+    p), without the verdict when the table is descriptive (too few units for any verdict:
+    :func:`qkgeom.analysis.kit.descriptive_reason`)."""
     from qkgeom.analysis.kit import descriptive_reason
 
     cols = [c for c in TERMINAL_CLAIMS if c in claims
-            and not (c == "verdict" and descriptive_reason(claims))]
+            and not (c == "verdict" and descriptive_reason(claims))
+            and not (c == "p_value" and "p_adj" in claims)]  # the Holm p when there is one
     return claims[cols].rename(columns=TERMINAL_CLAIMS)
 
 
