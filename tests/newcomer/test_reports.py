@@ -80,7 +80,7 @@ def test_a_one_run_report_is_descriptive(one_run) -> None:
     out = one_run.stdout
     header = next(line for line in out.splitlines() if "claim" in line and "┃" in line)
     assert "claim_id" not in header and "p_value" not in header and "verdict" not in header
-    assert "┃ id " in header and "p (sign-flip)" in header
+    assert "┃ id " in header and ("p (Holm)" in header or "p (sign-flip)" in header)
     assert sum(line.startswith("Descriptive: 1 run.") for line in out.splitlines()) == 1
     assert "verdict v-" not in one_run.html  # no coloured verdict cell
 
@@ -108,7 +108,7 @@ def test_verdicts_need_five_units_and_say_so_below(n: int) -> None:
     else:
         assert descriptive_reason(_claims(n)) == ""
         assert "verdict" in md.splitlines()[0] and "**supported**" in md
-        assert claims_summary(_claims(n)).startswith("E1: 1 of 2 claim rows supported")
+        assert claims_summary(_claims(n)).startswith("E1: 1 of 2 claims supported")
 
 
 def test_rows_without_recorded_metrics_name_the_setting(monitored) -> None:
