@@ -133,9 +133,8 @@ def all_figures(tmp_path: Path) -> dict:
     from qkgeom.analysis.e3.figures import fig_e3_paired, fig_e3_trajectories
     from qkgeom.analysis.e4.figures import fig_contrast, fig_heads, fig_prefix
 
-    e1 = e1_table()
-    figs = {f"e1_{kind}_{level}": make(e1, level) for kind, make in FIGURES.items()
-            for level in ("weight", "token")}
+    e1 = e1_table()  # the token level: the weight level's figures have the same layout
+    figs = {f"e1_{kind}_token": make(e1, "token") for kind, make in FIGURES.items()}
     one = e1_table(depths=(2,), inits=("normal",), seeds=(0,))  # one run: one panel
     figs |= {f"e1_one_run_{kind}_token": make(one, "token") for kind, make in FIGURES.items()}
     series, paired = e3_frames()
@@ -242,7 +241,7 @@ def expected_rho(table: pd.DataFrame, level: str) -> dict[str, float]:
 
 def test_each_heads_panel_prints_its_rho_over_shared_axes(figures: dict) -> None:
     table = e1_table()
-    for level in ("weight", "token"):
+    for level in ("token",):
         fig = figures[f"e1_heads_{level}"]
         panels = [ax for ax in fig.axes if ax.collections]
         assert len(panels) == 9  # 3 depths × 3 inits
