@@ -221,23 +221,33 @@ def rich_table(table: pd.DataFrame, title: str | None = None, index: str = "laye
 def column_chunks(table: pd.DataFrame, width: int, index: str = "layer") -> list[list[str]]:
     """The columns of ``table`` in consecutive groups, each of which fits ``width``
     characters as a rich table together with the ``index`` column (a column too wide on
-    its own still gets a group of its own)."""
+    its own still gets a group of its own). As few groups as fit, and as even as they can
+    be: never a lone last column split off from a full table."""
     from rich.cells import cell_len
 
     def need(name: str, cells: list[str]) -> int:  # text + padding (2) + one border
         return max([cell_len(name), *map(cell_len, cells)]) + 3
 
     base = 1 + need(index, [str(k) for k in table.index])  # the left border + index
-    chunks: list[list[str]] = []
-    used = width  # forces a first chunk
-    for col in table.columns:
-        w = need(str(col), [_cell(str(col), v) for v in table[col]])
-        if used + w > width and (not chunks or chunks[-1]):
-            chunks.append([])
-            used = base
-        chunks[-1].append(col)
-        used += w
-    return chunks
+    widths = [need(str(c), [_cell(str(c), v) for v in table[c]]) for c in table.columns]
+
+    def pack(limit: int) -> list[list[str]]:
+        chunks: list[list[str]] = []
+        used = limit  # forces a first chunk
+        for col, w in zip(table.columns, widths, strict=True):
+            if used + w > limit and (not chunks or chunks[-1]):
+                chunks.append([])
+                used = base
+            chunks[-1].append(col)
+            used += w
+        return chunks
+
+    fewest = pack(width)
+    # the narrowest limit that still needs no more tables: the widths even out
+    limit = width
+    while limit > base + max(widths, default=0) and len(pack(limit - 1)) <= len(fewest):
+        limit -= 1
+    return pack(limit)
 
 
 def legend_lines(entries: Sequence[str], width: int, sep: str = "; ") -> list[str]:
@@ -260,11 +270,15 @@ def render_layers(table: pd.DataFrame, title: str, legend: Sequence[str] = (),
                   index: str = "layer") -> None:
     """Print a per-layer ``table`` (see :func:`rich_table`), split into as many tables as
     the console width needs, then the ``legend`` entries (what the column names mean)."""
+    from rich.cells import cell_len
+
     out = console()
     chunks = column_chunks(table, out.width, index) or [[]]
     for i, cols in enumerate(chunks):
         part = f" ({i + 1}/{len(chunks)})" if len(chunks) > 1 else ""
-        out.print(rich_table(table[cols], title + part, index))
+        shown = rich_table(table[cols], title + part, index)
+        shown.min_width = min(cell_len(title + part), out.width)  # the title never wraps
+        out.print(shown)
     for line in legend_lines(legend, out.width):
         out.print(plain(line), highlight=False)  # a line wider than the console wraps
 

@@ -107,7 +107,10 @@ def test_real_tiny_sweep_end_to_end(sample_data: Path, tmp_path: Path):
     md = write_report(root)
     text = md.read_text(encoding="utf-8")
     assert text.splitlines()[2].startswith("> **E1/E2: ")  # the summary line
-    assert text.splitlines()[4].startswith("| claim / level |")
+    # 3 runs: too few for any verdict, said in one line; the table has no verdict column
+    assert text.splitlines()[4].startswith("**Descriptive: 3 runs. A verdict needs at least 5")
+    assert text.splitlines()[6].startswith("| claim / level |")
+    assert "verdict" not in text.splitlines()[6]
     assert "e2e" in text.splitlines()[0]
     image = plt_image.imread(md.parent / "pr_token.png")  # a real figure with curves on it
     assert image.shape[0] > 200 and len(np.unique(image.reshape(-1, image.shape[-1]),

@@ -21,6 +21,7 @@ from qkgeom.analysis.e4.figures import fig_heads as e4_fig_heads
 from qkgeom.analysis.e4.labels import checkpoint_label
 from qkgeom.analysis.figstyle import (
     BAND_MIN_UNITS,
+    PANEL_W,
     SCREEN_DPI,
     SEED_LINEWIDTH,
     grid,
@@ -219,7 +220,7 @@ def test_figures_are_png_at_screen_dpi_and_svg(tmp_path: Path) -> None:
         dpi = im.info["dpi"][0]
         width = im.width
     assert dpi <= 200 and round(dpi) == SCREEN_DPI
-    assert width == round(2 * 3.4 * SCREEN_DPI)  # 2 paper-column panels
+    assert width == round(2 * PANEL_W * SCREEN_DPI)  # 2 panels
     assert svg.suffix == ".svg" and svg.read_text().lstrip().startswith("<?xml")
 
 

@@ -88,7 +88,8 @@ def test_report_lists_excluded_run_and_setup(report):
     setup = text.split("## Setup", 1)[1].split("## Excluded", 1)[0]
     assert "6,400 tokens per run" in setup  # 100 steps x 4 x 16
     assert "9 runs, 8 analysed, 1 excluded" in setup
-    assert "Wall time" in setup and "seeds" in setup
+    assert "Training time" in setup and "summed over 8 runs" in setup and "seeds" in setup
+    assert "Wall time" not in setup  # (their status.json records no start: no wall-clock)
 
 
 def test_html_shows_every_figure(report):

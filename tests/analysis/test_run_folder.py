@@ -130,7 +130,8 @@ def test_monitored_run_whose_config_holds_no_training_config(monitored: Path,
     text = md.read_text(encoding="utf-8")
     assert len(_claim_rows(md)) == 22
     setup = text.split("## Setup", 1)[1].split("## Excluded", 1)[0]
-    assert "**Depths** (n_layer): 2" in setup  # from the monitor's model facts
+    assert "**Monitored model**: GPT, depth 2" in setup  # from the monitor's model facts
+    assert "Q/K inits" not in setup  # the monitor did not build the model
     assert "n/a steps" in setup and "**Training**" not in setup
     assert _pngs(md) == MONITOR_FIGURES
     tables_only = write_report(run, tmp_path / "tables", figures=False)

@@ -56,8 +56,8 @@ def test_monitor_writes_only_on_rank_zero(tmp_path: Path) -> None:
 
     assert sorted(read_metrics(out)["step"].unique()) == [0, 1, 2]
     assert read_status(out)["state"] == "done"
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".mon")) == [
-        ".mon.lock"]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".mon")]
+    assert (out / ".qkgeom-monitor.lock").is_file()  # rank 0's lock, inside its folder
     RESULTS["monitor under DDP (2 ranks)"] = True
 
 

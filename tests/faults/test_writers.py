@@ -133,17 +133,21 @@ def test_monitor_takes_the_same_lock(tmp_path: Path) -> None:
     from qkgeom.errors import QKGeomError
     from qkgeom.model import GPT
     from qkgeom.monitor import GeometryMonitor
+    from qkgeom.monitor.monitor import MONITOR_LOCK
 
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=8, block_size=8, vocab_size=11))
     ids = torch.randint(0, 11, (2, 8), generator=torch.Generator().manual_seed(0))
     first = GeometryMonitor(model, ids, out=tmp_path / "mon", tensorboard=None, wandb=False)
     first.start(0)
-    holder = RunLock(tmp_path / "mon")
+    lock_file = tmp_path / "mon" / MONITOR_LOCK  # inside the folder: nothing beside it
+    assert lock_file.is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["mon"]
+    holder = RunLock(tmp_path / "mon", lock_file)
     import subprocess
     import sys
 
     code = (f"from qkgeom.runs import RunLock; import sys; "
-            f"sys.exit(0 if RunLock({str(tmp_path / 'mon')!r}).acquire() else 3)")
+            f"sys.exit(0 if RunLock({str(tmp_path / 'mon')!r}, {str(lock_file)!r}).acquire() "
+            "else 3)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 3  # held by the monitor
     first.close()
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0  # released at close

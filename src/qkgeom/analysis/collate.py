@@ -52,6 +52,7 @@ _NOT_VARIANT = {"seed", "model.n_layer", "model.qk_init", "device", "threads", "
 # How fast, not what (left out of the config hash too): runs differing only in these pair.
 _EXECUTION = {"device", "threads", "compile"}
 CONTROL_PREFIX = "key_control."
+MONITOR_SOURCE = "qkgeom.monitor"  # the "source" a GeometryMonitor writes into config.json
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -140,10 +141,14 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
     Columns: ``run_id, dir, depth, qk_init, variant, seed, state, step, steps, warmup_steps,
     ref_step, batch_size, block_size, n_embd, n_head, lr, probe_every, probe_sequences,
     vocab_size, data_source, key_control, control, pair_key, cell_key, tokens, source,
-    n_params, train_seconds, final_val_loss, excluded`` (``""`` = included, else the reason).
-    ``source`` is who wrote the run (``"qkgeom.monitor"`` for a
+    n_params, model, started, ended, train_seconds, final_val_loss, excluded`` (``""`` =
+    included, else the reason). ``source`` is who wrote the run (``"qkgeom.monitor"`` for a
     :class:`~qkgeom.monitor.GeometryMonitor`, ``""`` for the trainer); ``n_params`` is the
-    parameter count the record states (a monitored model's), else NaN. A record without a
+    parameter count the record states (a monitored model's), else NaN. A monitored run did
+    not build its model, so its Q/K init is unknown (a pretrained model has none):
+    ``model`` and ``qk_init`` then hold the model's class (``""`` and the init for a
+    trained run). ``started`` and ``ended`` are the run's first start and last write
+    (``status.json``, seconds since the epoch; NaN when not recorded). A record without a
     training config (a monitored model qkgeom could not map) takes depth, heads and width
     from the model facts it records.
     ``ref_step`` is the configured post-transient reference (:attr:`TrainConfig.ref_step`:
@@ -204,7 +209,9 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             ref = TrainConfig(steps=steps, reference_step=int(cfg.get("reference_step", -1))).ref_step
             row.update(
                 run_id=prov.get("run_id", entry["run_id"]),
-                depth=int(model.get("n_layer", 0)), qk_init=str(model.get("qk_init", "?")),
+                depth=int(model.get("n_layer", 0)),
+                qk_init=(_model_name(facts) if prov.get("source") == MONITOR_SOURCE
+                         else str(model.get("qk_init", "?"))),
                 seed=int(cfg.get("seed", 0)), steps=steps, warmup_steps=warmup,
                 ref_step=ref, batch_size=int(cfg.get("batch_size", 0)),
                 block_size=int(model.get("block_size", 0)), n_embd=int(model.get("n_embd", 0)),
@@ -220,6 +227,7 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
                 pair_key=_digest(flat, _EXECUTION), cell_key=_digest(flat, _EXECUTION | {"seed"}),
                 source=str(prov.get("source") or ""),
                 n_params=facts.get("n_params", np.nan),
+                model=_model_name(facts) if prov.get("source") == MONITOR_SOURCE else "",
             )
         except (TypeError, ValueError, AttributeError) as err:
             row.update(state="unreadable", excluded=f"unreadable run: {folder / 'config.json'}: "
@@ -230,7 +238,8 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
         row["tokens"] = steps * row["batch_size"] * row["block_size"]
         status, problem = _read_status(folder / "status.json")
         state = status.get("state", "unknown")
-        row.update(state=state, step=status.get("step"))
+        row.update(state=state, step=status.get("step"), started=status.get("started"),
+                   ended=status.get("updated"))
         if state in ("diverged", "failed"):
             where = status.get("diverged_step", status.get("step"))
             msg = status.get("error") or status.get("message") or ""
@@ -256,6 +265,12 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
     dup = table["run_id"].duplicated(keep="first")
     table.loc[dup, "excluded"] = "duplicate run_id"
     return table
+
+
+def _model_name(facts: dict[str, Any]) -> str:
+    """What a monitored run watched: its model's class (the monitor did not build the
+    model, so its Q/K init is not known; a pretrained model has none)."""
+    return str(facts.get("class") or facts.get("arch") or "monitored model")
 
 
 def _digest(flat: dict[str, Any], leave_out: set[str]) -> str:

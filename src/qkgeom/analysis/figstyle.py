@@ -1,11 +1,16 @@
 """The figure house style every report shares (E1/E2, E3, E4).
 
-- **Size and type**: paper-column panels (:data:`PANEL_W` × :data:`PANEL_H` inches), 8 pt
-  text (:data:`STYLE`), :func:`new_figure`, :func:`grid`, :func:`suptitle`,
-  :func:`step_axis`.
+- **Size and type**: panels of :data:`PANEL_W` × :data:`PANEL_H` inches, at most
+  :data:`MAX_COLS` across, 9 pt text (:data:`STYLE`): a figure is read in report.html,
+  where a page 800 px wide shows it about 750 px wide, and there every text's em is still
+  about 10 px (docs/report.md#figures). :func:`new_figure`, :func:`grid` (room for a
+  legend beside the panels: :data:`LEGEND_W`), :func:`suptitle` (wrapped to the figure's
+  width), :func:`step_axis`.
 - **Colour**: colour-blind-safe and readable on white. Layers are told apart by
-  :func:`layer_colors` (Okabe–Ito without its yellow for up to 8 layers, a truncated
-  cividis for more); key-control modes by :data:`MODE_COLORS`; reference lines in grey
+  :func:`layer_colors` (Okabe–Ito without its yellow, black and grey, then two of Tol's
+  muted colours, for up to 8 layers; a truncated plasma for more): never black or grey,
+  the colour of legend keys that are not layers (:data:`KEY_COLOR`: PR_Q solid, PR_K
+  dashed); key-control modes by :data:`MODE_COLORS`; reference lines in grey
   (:data:`REF_LINE`, dotted, so a dashed data line is never mistaken for one).
 - **Spread over seeds** (:func:`draw_spread`, :func:`spread_note`): the seed mean, and
   either one thin line per seed (fewer than :data:`BAND_MIN_UNITS` seeds) or its 95 %
@@ -36,13 +41,18 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-PANEL_W, PANEL_H = 3.4, 2.1  # inches per panel (a paper column)
+PANEL_W, PANEL_H = 2.9, 2.1  # inches per panel
+#: Panels across a figure at most: 3 × PANEL_W plus a legend is about 9.7 in, which an
+#: 800-px page shows at about 1.1 px per point (9 pt text: a 10-px em).
+MAX_COLS = 3
+LEGEND_W = 1.0  # inches beside the panels for a legend of layers
 #: PNG resolution: sharp on a screen (2x a 100-dpi layout) at a quarter of 300 dpi's
 #: pixels; the SVG beside each PNG is the copy for print.
 SCREEN_DPI = 150
+TITLE_PT = 10  # the figure's title (suptitle)
 STYLE = {
-    "font.size": 8, "axes.titlesize": 8, "axes.labelsize": 8, "xtick.labelsize": 7,
-    "ytick.labelsize": 7, "legend.fontsize": 7, "legend.title_fontsize": 7,
+    "font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "xtick.labelsize": 9,
+    "ytick.labelsize": 9, "legend.fontsize": 9, "legend.title_fontsize": 9,
     "axes.spines.top": False, "axes.spines.right": False, "svg.fonttype": "none",
     "figure.dpi": 100, "savefig.dpi": SCREEN_DPI, "lines.linewidth": 1.3,
 }
@@ -51,11 +61,16 @@ ZERO_LINE = {"color": "0.6", "linewidth": 0.6, "zorder": 0}
 # Key-control modes in Okabe–Ito colours (colour-blind safe); the baseline in grey.
 MODE_COLORS = {"none": "0.35", "hold": "#0072B2", "shrink": "#D55E00", "expand": "#009E73",
                "sham": "#CC79A7"}
-# Okabe–Ito without its yellow (1.3:1 on white), the four of highest contrast first, so
-# shallow models get those; black and grey last (the deepest layers of an 8-layer model).
+#: Legend keys that are not layers (PR_Q solid, PR_K dashed): a colour no layer has.
+KEY_COLOR = "black"
+# Okabe–Ito without its yellow (1.3:1 on white), black and grey (the legend keys' and
+# the reference lines' colours), the four of highest contrast first, so shallow models get
+# those; then Tol's muted wine and olive (the deepest layers of an 8-layer model).
 LAYER_PALETTE = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9",
-                 "#000000", "#7F7F7F")
-CIVIDIS_TOP = 0.72  # cividis above this is too pale on white (contrast < 2.3:1)
+                 "#882255", "#999933")
+#: More layers than the palette: plasma from its dark end to here (above, it is too pale
+#: on white: contrast < 2.4:1); plasma has no grey, unlike cividis' middle.
+PLASMA_TOP = 0.75
 
 #: Seeds from which a 95 % t-band is drawn instead of one thin line per seed.
 BAND_MIN_UNITS = 5
@@ -63,15 +78,15 @@ SEED_LINEWIDTH = 0.6  # the thin line of one seed beside the mean
 
 
 def layer_colors(n: int) -> list[Any]:
-    """``n`` colours for layers 0 … n−1: qualitative (Okabe–Ito, no yellow) up to
-    ``len(LAYER_PALETTE)`` layers, so each layer can be named from the legend; beyond that
-    cividis from dark to :data:`CIVIDIS_TOP` (ordered by depth, colour-blind safe, no pale
-    end)."""
+    """``n`` colours for layers 0 … n−1: qualitative (:data:`LAYER_PALETTE`) up to 8
+    layers, so each layer can be named from the legend; beyond that plasma from dark to
+    :data:`PLASMA_TOP` (ordered by depth, perceptually uniform, no pale end). Never black
+    or grey: those are the legend keys' (:data:`KEY_COLOR`) and the reference lines'."""
     if n <= len(LAYER_PALETTE):
         return list(LAYER_PALETTE[:max(n, 0)])
     import matplotlib
 
-    return list(matplotlib.colormaps["cividis"](np.linspace(0.0, CIVIDIS_TOP, n)))
+    return list(matplotlib.colormaps["plasma"](np.linspace(0.0, PLASMA_TOP, n)))
 
 
 def mode_color(arm: str) -> str:
@@ -150,17 +165,28 @@ def new_figure(width: float, height: float) -> Figure:
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def grid(n_rows: int, n_cols: int, height: float = PANEL_H, **kw: Any) -> tuple[Figure, np.ndarray]:
-    """A figure of ``n_rows`` × ``n_cols`` paper-column panels; axes as a 2-D array."""
-    fig = new_figure(PANEL_W * n_cols, height * n_rows)
+def grid(n_rows: int, n_cols: int, height: float = PANEL_H, legend: bool = False,
+         **kw: Any) -> tuple[Figure, np.ndarray]:
+    """A figure of ``n_rows`` × ``n_cols`` panels (``legend``: with :data:`LEGEND_W`
+    inches beside them for a legend); axes as a 2-D array."""
+    fig = new_figure(PANEL_W * n_cols + (LEGEND_W if legend else 0.0), height * n_rows)
     axes = fig.subplots(n_rows, n_cols, squeeze=False, **kw)
     return fig, axes
 
 
-def suptitle(fig: Figure, text: str, n_cols: int) -> None:
-    """A figure title wrapped to the figure's width (~48 characters of 9 pt text per
-    panel column: a longer line would be cut at the figure's edges)."""
-    fig.suptitle(textwrap.fill(text, width=max(48 * n_cols, 60)), fontsize=9)
+#: Average width of a character of the title, in ems (DejaVu Sans, mixed text; generous,
+#: so a wrapped line never reaches the edges).
+_CHAR_EM = 0.58
+
+
+def suptitle(fig: Figure, text: str) -> None:
+    """A figure title wrapped to the figure's width (a longer line would be cut at the
+    figure's edges); the figure grows by the title's height, so its panels keep theirs."""
+    chars = int(fig.get_figwidth() * 72 / (TITLE_PT * _CHAR_EM))
+    wrapped = textwrap.fill(text, width=max(chars, 20))
+    fig.suptitle(wrapped, fontsize=TITLE_PT)
+    lines = wrapped.count("\n") + 1
+    fig.set_figheight(fig.get_figheight() + lines * TITLE_PT * 1.25 / 72)
 
 
 def blank_panel(ax: Axes, text: str) -> None:

@@ -34,8 +34,14 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import excluded_runs, is_single_run, runs_of, sweep_axes
-from qkgeom.analysis.stats import SUPPORTED
+from qkgeom.analysis.collate import (
+    MONITOR_SOURCE,
+    excluded_runs,
+    is_single_run,
+    runs_of,
+    sweep_axes,
+)
+from qkgeom.analysis.stats import ALPHA, SUPPORTED
 from qkgeom.io import atomic_write
 
 # ---------------------------------------------------------------------------------------
@@ -81,12 +87,20 @@ def fmt_p(p: float) -> str:
     return f"{p:.2g}" if p < 0.001 else f"{p:.3f}"
 
 
+#: Below this magnitude an estimate is printed as 0: what is left is rounding noise of
+#: float sums (a mean of ρ = ±1 over heads, a difference of equal PRs), not a measurement.
+ZERO_BELOW = 1e-6
+
+
 def signed(x: float, digits: int = 3) -> str:
     """A signed number: ``digits`` decimals, or ``digits`` significant digits when
-    0 < |x| < 0.01; ``n/a`` when not finite."""
+    1e-6 ≤ |x| < 0.01; ``0.000`` (no sign) below :data:`ZERO_BELOW`; ``n/a`` when not
+    finite."""
     if not np.isfinite(x):
         return "n/a"
-    return f"{x:+.{digits}g}" if abs(x) < 1e-2 and x != 0 else f"{x:+.{digits}f}"
+    if abs(x) < ZERO_BELOW:
+        return f"{0.0:.{digits}f}"
+    return f"{x:+.{digits}g}" if abs(x) < 1e-2 else f"{x:+.{digits}f}"
 
 
 # ---------------------------------------------------------------------------------------
@@ -182,6 +196,74 @@ SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
     ("beside", field("beside")), VERDICT_CELL)
 
 
+#: Units a claims table may decide verdicts over: independent runs (E1/E2) or seeds (E3).
+#: E4's unit, a layer of one model, is not independent; its report says so itself.
+INDEPENDENT_UNITS = ("runs", "seeds")
+
+
+def _min_units(alpha: float = ALPHA) -> int:
+    """The fewest units whose exact sign-flip p can fall below ``alpha``: with n units
+    the smallest p is 1/2^n (every unit with the predicted sign)."""
+    n = 1
+    while 0.5 ** n >= alpha:
+        n += 1
+    return n
+
+
+#: Fewer independent units than this give a descriptive report: no verdicts.
+MIN_UNITS = _min_units()
+
+
+def _unit_word(n: int, unit: str) -> str:
+    return unit[:-1] if n == 1 and unit.endswith("s") else unit
+
+
+def units_measured(claims: pd.DataFrame) -> tuple[int, str] | None:
+    """``(n, unit)``: the most independent units any row of ``claims`` measured, and what
+    they are; None for a table whose unit is not independent (E4) or that has no rows."""
+    if claims.empty or not {"n", "unit"} <= set(claims.columns):
+        return None
+    units = [str(u) for u in claims["unit"].dropna().unique()]
+    if not units or not set(units) <= set(INDEPENDENT_UNITS):
+        return None
+    n = pd.to_numeric(claims["n"], errors="coerce").max()
+    return (int(n) if np.isfinite(n) else 0), units[0]
+
+
+def descriptive_reason(claims: pd.DataFrame) -> str:
+    """The one line that makes a report descriptive ("" when it is not): fewer than
+    :data:`MIN_UNITS` independent units, whose sign-flip p can never fall below the
+    verdict's level, so no row gets a verdict."""
+    measured = units_measured(claims)
+    if measured is None or measured[0] >= MIN_UNITS:
+        return ""
+    n, unit = measured
+    floor = (f"the exact sign-flip p of {n} {_unit_word(n, unit)} is at least "
+             f"1/2^{n} = {0.5 ** n:.3g}" if n else f"no {_unit_word(2, unit)} measured")
+    return (f"Descriptive: {n} {_unit_word(n, unit)}. A verdict needs at least {MIN_UNITS} "
+            f"{unit} ({floor}, never below {ALPHA}), so its claims table shows what was "
+            "measured, with no verdict.")
+
+
+def _note(r: dict[str, Any]) -> str:
+    reason = r.get("reason")
+    return reason if isinstance(reason, str) else ""
+
+
+NOTE_CELL: Cell = ("note", _note)
+
+
+def descriptive_cells(claims: pd.DataFrame, cells: Sequence[Cell]) -> tuple[Cell, ...]:
+    """``cells`` without the verdict for a descriptive table (:func:`descriptive_reason`);
+    a row's reason (why it could not be measured) then stands in a ``note`` column, when
+    any row has one."""
+    if not descriptive_reason(claims):
+        return tuple(cells)
+    kept = tuple(c for c in cells if c[0] != VERDICT_CELL[0])
+    has_note = "reason" in claims and claims["reason"].fillna("").astype(str).str.len().any()
+    return (*kept, NOTE_CELL) if has_note else kept
+
+
 def claim_groups(claims: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     """``(claim_id, claim, rows)`` per claim (one id and text: an E3 claim is one claim per
     arm, its text names the arm), in the order claims first appear, each with its rows in
@@ -200,7 +282,9 @@ def claim_groups(claims: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
 def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CELLS) -> str:
     """The claims table as Markdown, grouped by claim: a group row holding the claim's id
     and text (its other cells empty; ``report.html`` spans it across the table), then one
-    row per claims record in the columns ``cells``."""
+    row per claims record in the columns ``cells`` (a descriptive table, of fewer than
+    :data:`MIN_UNITS` units, has no verdict column: :func:`descriptive_cells`)."""
+    cells = descriptive_cells(claims, cells)
     header = [f"claim / {cells[0][0]}", *(h for h, _ in cells[1:])]
     rows: list[list[Any]] = []
     for claim_id, claim, group in claim_groups(claims):
@@ -229,6 +313,14 @@ def claims_summary(claims: pd.DataFrame) -> str:
         return "No claims could be evaluated."
     families = sorted({str(c).split(".", 1)[0] for c in claims["claim_id"]},
                       key=lambda f: (len(f), f))
+    measured = units_measured(claims) if descriptive_reason(claims) else None
+    if measured is not None:  # too few units for any verdict: count what was measured
+        n, unit = measured
+        empty = int((pd.to_numeric(claims["n"], errors="coerce").fillna(0) == 0).sum())
+        return (f"{'/'.join(families)}: descriptive, {n} {_unit_word(n, unit)} (a verdict "
+                f"needs at least {MIN_UNITS}): {len(claims)} claim rows, "
+                f"{len(claims) - empty} measured, {empty} not measurable "
+                f"({len(claim_groups(claims))} claims)")
     primary = primary_rows(claims)
     counts = verdict_counts(primary)
     rest = ", ".join(f"{counts[v]} {v}" for v in VERDICTS[1:] if counts[v])
@@ -248,7 +340,6 @@ def summary_markdown(claims: pd.DataFrame) -> str:
 # Sections of a sweep or run-folder report
 # ---------------------------------------------------------------------------------------
 
-MONITOR_SOURCE = "qkgeom.monitor"  # the "source" a GeometryMonitor writes into config.json
 
 
 def _n_params(r: pd.Series) -> int:
@@ -277,9 +368,23 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def _wall_clock(runs: pd.DataFrame) -> float | None:
+    """Seconds from the first run's start to the last run's last write (None when the
+    runs do not record both)."""
+    if not {"started", "ended"} <= set(runs.columns) or runs.empty:
+        return None
+    start = pd.to_numeric(runs["started"], errors="coerce")
+    end = pd.to_numeric(runs["ended"], errors="coerce")
+    if start.isna().any() or end.isna().any():
+        return None
+    return float(end.max() - start.min())
+
+
 def _model_line(sizes: pd.DataFrame) -> str:
     def one(r: pd.Series) -> str:
         context = f"context {int(r['block_size'])}" if r["block_size"] else "context n/a"
+        if r.get("source") == MONITOR_SOURCE:  # the probe's length, not the model's context
+            context = f"probes of {int(r['block_size'])} tokens"
         return (f"depth {int(r['depth'])}: {int(r['n_head'])} heads, d_model "
                 f"{int(r['n_embd'])}, {context}, {_n_params(r) / 1e6:.2f} M parameters")
     return "- **Models**: " + "; ".join(one(r) for _, r in sizes.iterrows())
@@ -318,13 +423,21 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
         monitored = inc[inc["source"] == MONITOR_SOURCE] if "source" in inc else inc.iloc[:0]
         trained = inc.drop(monitored.index)
         unknown = inc[inc["depth"] == 0]
-        lines.append(f"- **Depths** (n_layer): {_range(inc['depth'])}; **Q/K inits**: "
-                     f"{_range(inc['qk_init'])}; **seeds**: {_range(inc['seed'])}")
+        if len(trained):
+            lines.append(f"- **Depths** (n_layer): {_range(trained['depth'])}; **Q/K inits**: "
+                         f"{_range(trained['qk_init'])}; **seeds**: {_range(trained['seed'])}")
+        if len(monitored):  # the monitor did not build the model: no init, no seed
+            lines.append(f"- **Monitored model**: {_range(monitored['qk_init'])}, depth "
+                         f"{_range(monitored['depth'])} (the monitor watched a model it did "
+                         "not build: its Q/K init, e.g. pretrained, and seed are not known)")
         per = inc.groupby(["depth", "qk_init", "variant"])["seed"].nunique()
         if trajectories:
-            lines.append(f"- **Seeds per depth × init**: {per.min()}–{per.max()}; "
-                         f"**trajectories** (depth × init × layer): "
-                         f"{int(inc.drop_duplicates(['depth', 'qk_init', 'variant'])['depth'].sum())}")
+            cells = int(inc.drop_duplicates(['depth', 'qk_init', 'variant'])['depth'].sum())
+            what = "model" if len(monitored) and not len(trained) else "init"
+            seeds = (f"**Seeds per depth × init**: {per.min()}–{per.max()}; "
+                     if len(trained) else "")
+            label = "**trajectories**" if seeds else "**Trajectories**"
+            lines.append(f"- {seeds}{label} (depth × {what} × layer): {cells}")
         variants = [v for v in inc["variant"].unique() if v]
         if variants:
             lines.append(f"- **Other varying settings** (kept apart): "
@@ -348,8 +461,8 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
             lines.append(f"- **Monitored** ({len(monitored)} run(s), `GeometryMonitor` in the "
                          f"user's own training loop): "
                          f"{_range(monitored['steps'].where(monitored['steps'] > 0))} steps; the "
-                         "loop's data, batch, learning rate, warm-up and Q/K init are not "
-                         "recorded (config.json holds defaults for them).")
+                         "loop's data, batch, learning rate and warm-up are not recorded "
+                         "(config.json holds defaults for them) and not shown.")
         ref_used = (sorted(traj.loc[traj["origin"] == "reference", "start_step"].unique())
                     if len(traj) else [])
         if trajectories:
@@ -359,9 +472,17 @@ def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
                      f"last, on {_range(inc['probe_sequences'])} held-out sequences × context")
         if "train_seconds" in trained and trained["train_seconds"].notna().any():
             ts = trained["train_seconds"].dropna()
-            lines.append(f"- **Wall time** (training steps, from train_log throughput; probes "
-                         f"and evals not counted): median {_duration(float(ts.median()))} per "
-                         f"run, {_duration(float(ts.sum()))} in all")
+            summed = (f", {_duration(float(ts.sum()))} summed over {len(ts)} runs"
+                      if len(ts) > 1 else "")
+            lines.append(f"- **Training time** (training steps only, from train_log "
+                         f"throughput; probes and evals not counted): "
+                         f"{'median ' if len(ts) > 1 else ''}{_duration(float(ts.median()))}"
+                         f"{' per run' if len(ts) > 1 else ''}{summed}")
+        wall = _wall_clock(trained)
+        if wall is not None:
+            lines.append(f"- **Wall-clock time**: {_duration(wall)} from the first run's "
+                         "start to the last run's end (status.json; runs side by side "
+                         "overlap, a pause between attempts counts)")
         if "final_val_loss" in inc and inc["final_val_loss"].notna().any():
             vl = inc.groupby(["depth", "qk_init", "variant"])["final_val_loss"].agg(["mean", "std"])
             lines += ["", "Final validation loss (nats/char), mean ± sd over seeds:", ""]
@@ -395,13 +516,24 @@ def missing_metrics(table: pd.DataFrame, wanted: Iterable[str]) -> list[str]:
     return [m for m in wanted if m not in have]
 
 
+#: The setting that records every metric, named wherever a report misses some: the
+#: trainer always records all of them; a GeometryMonitor records its ``metrics=`` only.
+RECORD_ALL = 'GeometryMonitor(..., metrics="all")'
+
+
 def metrics_note(missing: Sequence[str], what: str) -> str:
-    """One line saying which metrics are not recorded and what is skipped for it ("" if
-    nothing is missing)."""
+    """One line saying which metrics are not recorded, what is skipped for it and which
+    setting records them ("" if nothing is missing)."""
     if not missing:
         return ""
     names = ", ".join(f"`{m}`" for m in missing)
-    return f"**Not recorded here**: {names}. {what}"
+    return (f"**Not recorded here**: {names}. {what} `{RECORD_ALL}` records every metric "
+            "(`qkgeom train` always does).")
+
+
+def not_recorded_reason(missing: Iterable[str]) -> str:
+    """A claim row's reason when the metrics it needs were not recorded."""
+    return f"not recorded: {', '.join(missing)} ({RECORD_ALL} records them)"
 
 
 # ---------------------------------------------------------------------------------------
@@ -552,10 +684,8 @@ def render_html(markdown_text: str, folder: Path, title: str) -> str:
     (its alt text stays), so the page never carries a script or a file from elsewhere on
     the machine. Claims tables get group rows and coloured verdict cells
     (:func:`_style_table`)."""
-    try:
-        import markdown
-    except ImportError as err:  # declared dependency; a clear message if it is missing
-        raise ImportError("report.html needs the 'markdown' package: pip install markdown") from err
+    import markdown  # the report extra; a missing one is named by the CLI (one line)
+
     body = markdown.markdown(markdown_text, extensions=["tables", _page_extension(folder)])
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n"

@@ -78,6 +78,7 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     figures a folder lacks the metrics for are skipped with a note in the report. ``n_boot``:
     resamples of E4's token-block bootstrap (an analysis folder only).
     """
+    require_report_packages(figures)
     folder = Path(folder)
     if out is None:  # inside the folder: a planted report/ link is refused, never followed
         out = folder / "report"
@@ -114,6 +115,17 @@ def _refuse_unfinished_run(folder: Path, table: pd.DataFrame) -> None:
                           "is done")
     if reason.startswith("unread"):
         raise QKGeomError(f"{folder}: nothing to report: {reason}")
+
+
+def require_report_packages(figures: bool = True) -> None:
+    """Import the packages of the ``report`` extra a report needs (scipy, markdown, and
+    matplotlib for figures) before anything is written: a missing one raises
+    ``ModuleNotFoundError`` naming it, which the CLI turns into one line naming the
+    extra."""
+    import importlib
+
+    for name in ("scipy.stats", "markdown", *(("matplotlib",) if figures else ())):
+        importlib.import_module(name)
 
 
 def excluded_count(report_dir: str | Path) -> int:

@@ -9,7 +9,8 @@ Token blocks (``blocks=K``, for the bootstrap of docs/checkpoints.md): the windo
 into K contiguous runs of (nearly) equal size, window i in block ⌊i·K/n⌋, so the same
 text and settings give the same blocks for every checkpoint; the metrics are recorded for
 all tokens (``block = -1``) and per block from one pass (the window ids are held in memory
-to count them: 8 bytes per token).
+to count them: 8 bytes per token). A text of fewer windows than blocks asked for gets one
+block per window (:func:`fitting_blocks`): a short analysis is measured, not refused.
 """
 
 from __future__ import annotations
@@ -73,16 +74,18 @@ def _batches(windows: Iterable[tuple[int, np.ndarray]], before: list[int], after
         yield from emit()
 
 
-def _block_plan(windows: Iterable[np.ndarray], blocks: int, seq_len: int
+def fitting_blocks(windows: int, blocks: int) -> int:
+    """The token blocks a text of ``windows`` windows is cut into when ``blocks`` are asked
+    for: a block needs a window, so a short text gets as many blocks as it has windows,
+    and one block (none: every token together) when it has fewer than two."""
+    return blocks if windows >= blocks else (windows if windows >= 2 else 1)
+
+
+def _block_plan(held: list[np.ndarray], blocks: int
                 ) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
     """Every window with its block (window i of n in block ⌊i·blocks/n⌋: contiguous runs
     whose sizes differ by at most one window) and the text tokens of each block."""
-    held = list(windows)
     n = len(held)
-    if n < blocks:
-        raise QKGeomError(f"{blocks} token blocks need at least {blocks} windows; the text gave "
-                          f"{n} window(s) of up to {seq_len} tokens: raise --tokens or lower "
-                          "--blocks (1: no token blocks)")
     plan = [(i * blocks // n, w) for i, w in enumerate(held)]
     sizes = [0] * blocks
     for k, w in plan:
@@ -122,7 +125,9 @@ def analyze_model(
             ``logit_std`` and ``pr_qk_token`` always use the post-rotary q/k.
         logit_spectrum: compute ``pr_qk_token`` (left out when False).
         precision: ``float32`` (default: long corpora) or ``float64`` products.
-        blocks: K > 1 also records every metric per token block (module docstring).
+        blocks: K > 1 also records every metric per token block (module docstring); a
+            text of fewer than K windows gets one block per window (``attrs["blocks"]``
+            says how many; none below two windows).
         progress: called with the number of text tokens of each finished batch.
         **columns: constant columns put in front (e.g. ``checkpoint="step1000"``).
 
@@ -146,8 +151,12 @@ def analyze_model(
     batch_size = batch_size or max(1, _TOKENS_PER_BATCH // seq_len)
     windows = token_windows(tokenizer, _texts(texts), max_tokens, seq_len)
     sizes: list[int] = []
+    if blocks > 1:  # a text shorter than the blocks asked for gets fewer (fitting_blocks)
+        held = list(windows)
+        blocks = fitting_blocks(len(held), blocks)
+        windows = iter(held)
     if blocks > 1:
-        numbered, sizes = _block_plan(windows, blocks, seq_len)
+        numbered, sizes = _block_plan(held, blocks)
     else:
         numbered = ((-1, w) for w in windows)
     stream = _batches(numbered, before, after, batch_size, progress)

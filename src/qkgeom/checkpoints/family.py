@@ -258,7 +258,25 @@ def analyze_checkpoints(
     short = record_text_shortfall(out)
     if short:
         warnings.warn(short, stacklevel=2)
+    fewer = _fewer_blocks(rows, blocks)
+    if fewer:
+        warnings.warn(fewer, stacklevel=2)
     return out
+
+
+def _fewer_blocks(rows: list[dict[str, Any]], asked: int) -> str | None:
+    """One line when the text was too short for the token blocks asked for, so that
+    checkpoints were measured in fewer (:func:`qkgeom.checkpoints.analyze.fitting_blocks`);
+    None when each got them all."""
+    got = min((int(r.get("blocks", asked)) for r in rows), default=asked)
+    if asked <= 1 or got >= asked:
+        return None
+    first = rows[0]
+    text = (f"the text gave {int(first['tokens']):,} tokens, windows of up to "
+            f"{int(first['seq_len'])}: too few for the {asked} token blocks asked for "
+            "(--blocks); ")
+    return text + (f"measured in {got} blocks instead" if got > 1 else
+                   "measured without token blocks (the E4 bootstrap needs at least 2)")
 
 
 def _cache(job: CheckpointJob) -> Path:

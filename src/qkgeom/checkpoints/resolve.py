@@ -317,9 +317,11 @@ def require_hub(specs: list[CheckpointSpec]) -> None:
     the hub is reachable or (offline) it is in the local cache (a one-line QKGeomError
     otherwise; see the module doc)."""
     hub = [s for s in specs if s.kind == "hub"]
-    if not hub or not _hub_only_cached():
+    if not hub:
         return
-    require_transformers()
+    require_transformers()  # before the hub client it brings is asked anything
+    if not _hub_only_cached():
+        return
     from transformers import AutoConfig
 
     for spec in hub:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from typer.core import TyperCommand, TyperGroup
 
 from qkgeom.cli import checkpoints, data, sweeps, train, watch
 from qkgeom.errors import QKGeomError
@@ -26,15 +27,55 @@ from qkgeom.version import __version__
 
 __all__ = ["EXTRAS", "app", "main"]
 
-#: Optional packages -> the qkgeom extra that installs them (pyproject.toml).
+#: Optional packages -> the qkgeom extra that installs them (pyproject.toml); the
+#: packages those bring (huggingface_hub, safetensors with transformers) name it too.
 EXTRAS = {"scipy": "report", "matplotlib": "report", "markdown": "report",
-          "transformers": "hf", "tokenizers": "hf", "datasets": "data",
-          "tensorboard": "tensorboard", "ray": "ray"}
+          "transformers": "hf", "tokenizers": "hf", "huggingface_hub": "hf",
+          "safetensors": "hf", "datasets": "data", "tensorboard": "tensorboard",
+          "ray": "ray"}
+#: Optional packages no extra brings: how to install them.
+OWN_INSTALL = {"wandb": "pip install wandb",
+               "lightning": "pip install lightning", "pytorch_lightning": "pip install lightning"}
+
+
+
+def _plain_flags(params: list[Any]) -> list[Any]:
+    """Flags (``--resume``, ``--help``) take no value, so their help shows no value type:
+    typer's rich help prints one for every option (``<bool>``) unless a metavar is set."""
+    for param in params:
+        if getattr(param, "is_flag", False) and not getattr(param, "count", False):
+            param.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_flags(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _plain_flags(super().get_params(ctx))
+
+
+def _use_plain_flags(typer_app: typer.Typer) -> None:
+    """Every command and group of ``typer_app`` (and its sub-apps) as :class:`_Command`
+    and :class:`_Group`."""
+    typer_app.info.cls = _Group
+    for command in typer_app.registered_commands:
+        if command.cls in (None, TyperCommand):
+            command.cls = _Command
+    for group in typer_app.registered_groups:
+        group.cls = _Group
+        if group.typer_instance is not None:
+            _use_plain_flags(group.typer_instance)
+
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Geometry of attention queries and keys.")
 for group in (data, train, sweeps, checkpoints, watch):
     group.register(app)
+_use_plain_flags(app)
 
 
 class _Stopped(BaseException):
@@ -86,6 +127,8 @@ def missing_package(err: ModuleNotFoundError) -> str | None:
     """The one-line message for an optional package that is not installed (None for a
     module no extra provides: that is a bug, shown as one)."""
     top = (err.name or "").split(".")[0]
+    if top in OWN_INSTALL:
+        return f"this needs the {top} package: {OWN_INSTALL[top]}"
     if top not in EXTRAS:
         return None
     return f"this needs the {top} package: pip install 'qkgeom[{EXTRAS[top]}]'"

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from qkgeom.cli.output import Format, check_format, info, records, show_layers
+from qkgeom.cli.output import AnalysisFormat, check_format, info, records, show_layers
 from qkgeom.config import DEVICE_HELP
 from qkgeom.errors import QKGeomError
 
@@ -106,7 +106,7 @@ def register(app: typer.Typer) -> None:
         trust_remote_code: Annotated[bool, typer.Option(
             "--trust-remote-code", help="Allow models with custom code from the hub.")]
             = False,
-        fmt: Format = "table",
+        fmt: AnalysisFormat = "table",
         quiet: Annotated[bool, typer.Option(
             "--quiet", "-q", help="No progress bar; print only the result.")] = False,
         backend: Annotated[str, typer.Option(

@@ -21,9 +21,26 @@ if TYPE_CHECKING:
     import pandas as pd
 
 FORMATS = ("table", "json", "csv")
-Format = Annotated[str, typer.Option(
-    "--format", help="table (for people) | json | csv (for programs: stdout holds only the "
-                     "data, with metric names as keys).")]
+
+
+def format_option(data: str) -> Any:
+    """The ``--format`` option of a command whose machine form (json, csv) prints
+    ``data`` (each command says what it prints)."""
+    return Annotated[str, typer.Option(
+        "--format", help=f"table (for people) | json | csv (for programs: stdout holds "
+                         f"only {data}).")]
+
+
+#: ``--format`` of the per-layer tables (``show``).
+Format = format_option("the per-layer table, with metric names as keys")
+#: ``--format`` of ``report`` and ``reproduce``'s claims.
+ClaimsFormat = format_option("the claims table, one row per claim, level and origin "
+                             "(json: with the report's paths)")
+#: ``--format`` of ``sweep status``.
+StatusFormat = format_option("the state of each run, one row per run")
+#: ``--format`` of ``analyze``.
+AnalysisFormat = format_option("the last checkpoint's per-layer table, with metric names "
+                               "as keys (json: also the contrast trends)")
 
 #: What the per-layer table's column names mean (docs/definitions.md#metrics).
 _LEGEND = (

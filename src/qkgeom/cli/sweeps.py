@@ -7,7 +7,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from qkgeom.cli.output import Format, check_format, info, records, write_csv, write_json
+from qkgeom.cli.output import (
+    ClaimsFormat,
+    StatusFormat,
+    check_format,
+    info,
+    records,
+    write_csv,
+    write_json,
+)
 from qkgeom.cli.train import data_spec
 from qkgeom.config import DEVICE_HELP
 from qkgeom.errors import QKGeomError
@@ -53,6 +61,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     import pandas as pd
 
     from qkgeom.analysis import excluded_count, summary_line, write_report
+    from qkgeom.analysis.kit import descriptive_reason
     from qkgeom.ui import render_frame
 
     path = write_report(folder, out)
@@ -71,22 +80,66 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
         write_csv(claims)
         info(f"report: {path}", fmt)
         return
-    cols = [c for c in ("claim_id", "claim", "role", "level", "from", "measured", "p_adj",
-                        "verdict") if c in claims]
-    if "p_adj" not in cols and "p_value" in claims:
-        cols.insert(-1, "p_value")
-    render_frame(claims[cols], "claims (verdicts computed from the numbers; see report.md)",
-                 ["measured = units with the predicted sign / units (a unit is a run, or "
-                  "a seed: docs/protocols.md)", "p = exact sign-flip p-value (p_adj: "
-                  "Holm-adjusted within the row's family); role: the primary row decides the "
-                  "claim, secondary rows are descriptive"],
-                 group=[c for c in ("claim_id", "claim") if c in cols])
+    shown = terminal_claims(claims)
+    descriptive = descriptive_reason(claims)
+    p_note = ("p (Holm) = exact sign-flip p-value, Holm-adjusted within the row's family"
+              if "p (Holm)" in shown else "p (sign-flip) = exact one-sided sign-flip p-value")
+    render_frame(shown, "claims (measured only: too few units for a verdict; see report.md)"
+                 if descriptive else "claims (verdicts computed from the numbers; see "
+                 "report.md)",
+                 [f"{SIGN_HEADER} = units with the predicted sign / units (a unit is a run, "
+                  "or a seed: docs/protocols.md)", p_note,
+                  *(["role: the primary row decides the claim, secondary rows are "
+                     "descriptive"] if "role" in shown else [])],
+                 group=[c for c in ("id", "claim") if c in shown])
+    if descriptive:
+        typer.echo(descriptive)
+    unmeasured = _not_recorded(claims)
+    if unmeasured:
+        typer.echo(unmeasured)
     if excluded:
         typer.echo(f"{excluded} run(s) left out (diverged/failed/unfinished): see the report")
     typer.echo(summary_line(path.parent))
     typer.echo(f"report: {path}")
     if html.is_file():
         typer.echo(f"report (HTML): {html}")
+
+
+#: The terminal claims table: claims.csv column -> its header (words, not field names).
+TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "role": "role", "level": "level",
+                   "from": "from", "measured": "sign k/n", "p_adj": "p (Holm)",
+                   "p_value": "p (sign-flip)", "verdict": "verdict"}
+SIGN_HEADER = TERMINAL_CLAIMS["measured"]
+
+
+def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
+    """The claims table as the terminal shows it: the columns of :data:`TERMINAL_CLAIMS`
+    under their headers (the Holm-adjusted p where the table has one, else the sign-flip
+    p), without the verdict when the table is descriptive (too few units for any verdict:
+    :func:`qkgeom.analysis.kit.descriptive_reason`)."""
+    from qkgeom.analysis.kit import descriptive_reason
+
+    cols = [c for c in TERMINAL_CLAIMS if c in claims
+            and not (c == "verdict" and descriptive_reason(claims))
+            and not (c == "p_value" and "p_adj" in claims)]  # the Holm p when there is one
+    return claims[cols].rename(columns=TERMINAL_CLAIMS)
+
+
+def _not_recorded(claims: pd.DataFrame) -> str:
+    """One line for the rows that measured nothing because their metrics were not
+    recorded, naming the setting that records them ("" when there are none)."""
+    from qkgeom.analysis.kit import RECORD_ALL
+
+    if "reason" not in claims:
+        return ""
+    reasons = claims["reason"].fillna("").astype(str)
+    rows = reasons.str.startswith("not recorded")
+    if not rows.any():
+        return ""
+    names = sorted({m.strip() for r in reasons[rows]
+                    for m in r.removeprefix("not recorded:").split("(")[0].split(",")})
+    return (f"{int(rows.sum())} claim row(s) measured nothing: the run(s) did not record "
+            f"{', '.join(names)}; {RECORD_ALL} records every metric")
 
 
 def _status_table(status: pd.DataFrame) -> pd.DataFrame:
@@ -169,7 +222,7 @@ def register(app: typer.Typer) -> None:
 
     @sweep_app.command("status")
     def sweep_status_cmd(sweep: Annotated[Path, typer.Argument(help="Sweep folder.")],
-                         fmt: Format = "table") -> None:
+                         fmt: StatusFormat = "table") -> None:
         """done / running / interrupted / failed / diverged / pending per run."""
         from qkgeom.experiments import sweep_status
         from qkgeom.ui import render_frame
@@ -189,7 +242,7 @@ def register(app: typer.Typer) -> None:
         folder: ResultFolder,
         out: Annotated[Path | None, typer.Option(
             help="Report folder (default: FOLDER/report).", show_default=False)] = None,
-        fmt: Format = "table",
+        fmt: ClaimsFormat = "table",
     ) -> None:
         """Figures + report.md/report.html of a sweep, analysis or run folder, opening with
         the claims table (verdicts computed from the numbers)."""
@@ -198,8 +251,8 @@ def register(app: typer.Typer) -> None:
     @app.command("reproduce")
     def reproduce_cmd(
         experiment: Annotated[str, typer.Argument(
-            help="e1 (E1 + E2: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: seeds x "
-                 "key-control arms, paired by seed) | e4 (E4: a run with log-spaced "
+            help="e1 (E1 and E2, one grid: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: "
+                 "seeds x key-control arms, paired by seed) | e4 (E4: a run with log-spaced "
                  "checkpoints, or --model, analysed as a checkpoint family)")],
         preset: Preset = "demo",
         data: Data = "",
@@ -234,6 +287,7 @@ def register(app: typer.Typer) -> None:
         from qkgeom.config import deep_merge, parse_dotted
         from qkgeom.experiments import reproduce, reproduce_e4
 
+        _check_experiment(experiment)
         data = data_spec(data) or ""
         overrides = deep_merge({"device": device} if device else {}, parse_dotted(set_ or []))
         if experiment == "e4":
@@ -259,6 +313,20 @@ def register(app: typer.Typer) -> None:
         _print_summary(summary, out)
         report(out, None)
         _exit_if_failed(summary)
+
+
+EXPERIMENTS = ("e1", "e3", "e4")
+
+
+def _check_experiment(experiment: str) -> None:
+    """A one-line error for an experiment ``reproduce`` does not run; E2 has no grid of
+    its own (its claims are measured on the E1 runs), so ``e2`` is pointed at ``e1``."""
+    if experiment in EXPERIMENTS:
+        return
+    hint = ("E2 is part of e1 (`qkgeom reproduce e1` runs E1 and E2 on one grid); "
+            if experiment.lower() == "e2" else "")
+    raise QKGeomError(f"unknown experiment {experiment!r}; {hint}choose one of "
+                      f"{', '.join(EXPERIMENTS)}")
 
 
 def _warn_reproduce(experiment: str, preset: str, data: str, overrides: dict[str, Any],

@@ -29,8 +29,8 @@ Writing (docs/faults.md): only one process writes a run. Under ``torch.distribut
 an HF Trainer or Lightning on several GPUs) only rank 0 opens the run folder and the
 TensorBoard/W&B sinks; the other ranks still probe (the numbers are in their
 :attr:`history`) but write nothing. The folder is opened when the run starts
-(:meth:`GeometryMonitor.start`), under the run's lock (:class:`~qkgeom.runs.RunLock`, held
-until :meth:`~GeometryMonitor.close`), and only if it is new, empty, or (``resume=True``)
+(:meth:`GeometryMonitor.start`), under the run's lock (:class:`~qkgeom.runs.RunLock` on
+:data:`MONITOR_LOCK` inside the folder, held until :meth:`~GeometryMonitor.close`), and only if it is new, empty, or (``resume=True``)
 a qkgeom run folder with nothing foreign in it.
 """
 
@@ -71,6 +71,10 @@ __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "GeometryMonitor", "train_config_
 DEFAULT_EVERY = 200
 # The paired token-level PRs and their contrast, the interaction PR of the weights, and
 # attention entropy (what the closed loop and the alerts read).
+#: The monitor's lock file, inside its run folder (a trained run's lock sits beside its
+#: folder, :func:`qkgeom.runs.lock_path`; the monitor's out= is often inside a folder
+#: another tool owns, such as a Trainer's output_dir, where it writes nothing).
+MONITOR_LOCK = ".qkgeom-monitor.lock"
 DEFAULT_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight", "attn_entropy")
 
 
@@ -189,7 +193,9 @@ class GeometryMonitor:
         if _rank() != 0:  # distributed, not rank 0: probe, write nothing
             self.tensorboard, self._wandb_mode, self._tb_auto = None, False, False
         elif self._out is not None:
-            self._lock = RunLock(self._out).require("start the monitor")
+            # inside its own folder: nothing is written beside out= (a Trainer's folder)
+            self._lock = RunLock(self._out, self._out / MONITOR_LOCK).require(
+                "start the monitor")
             try:
                 self.folder = _open_folder(self._out, self.run_id, self._resume)
             except BaseException:
@@ -412,14 +418,15 @@ def _check_folder(out: Path, resume: bool) -> None:
     folder holding files qkgeom did not write, or a ``config.json`` of another tool."""
     if out.exists() and not out.is_dir():
         raise QKGeomError(f"{out} exists and is not a folder; choose another out=")
-    if not out.is_dir() or not any(out.iterdir()):
+    if not out.is_dir() or all(p.name == MONITOR_LOCK for p in out.iterdir()):
         return
     if (out / CONFIG).exists() and not resume:
         raise QKGeomError(f"{out} already holds a run; pass resume=True to append to it or "
                           "choose another out=")
     if (out / CONFIG).exists():
         read_record(out)  # a one-line error for a config.json that is not a run record
-    foreign = foreign_entries(out, check_status=not (out / CONFIG).exists())
+    foreign = [name for name in foreign_entries(out, check_status=not (out / CONFIG).exists())
+               if name != MONITOR_LOCK]
     if foreign or not resume:
         what = ", ".join(foreign[:4]) or "files of an unfinished run"
         raise QKGeomError(f"{out} holds files the monitor did not write ({what}); choose an "

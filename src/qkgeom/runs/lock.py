@@ -94,9 +94,12 @@ def _unlock(handle: Any) -> None:
 class RunLock:
     """Non-blocking per-run lock: ``acquire()`` says whether this process now holds it."""
 
-    def __init__(self, run: str | Path) -> None:
+    def __init__(self, run: str | Path, path: str | Path | None = None) -> None:
+        """``path``: the lock file, when not the default beside the run folder
+        (:func:`lock_path`; the monitor keeps its lock inside its own folder)."""
         self.run = Path(run)
-        self.path = lock_path(run)
+        self.path = (Path(os.path.realpath(Path(path).parent)) / Path(path).name if path is not None
+                     else lock_path(run))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._key = str(self.path)
         self._mine = False
@@ -134,7 +137,7 @@ class RunLock:
         """Acquire, or raise a one-line QKGeomError naming the process that holds the run."""
         if not self.acquire(reentrant):
             raise QKGeomError(f"{self.run}: another process is writing this run "
-                              f"({holder(self.run)}); wait for it to finish or stop it, then "
+                              f"({_holder(self.path)}); wait for it to finish or stop it, then "
                               f"{action} again")
         return self
 
@@ -156,7 +159,11 @@ def _open_to_read(path: Path) -> int | None:
 
 def holder(run: str | Path) -> str:
     """Who holds the run's lock, as the holder wrote it: ``pid 123 on host h``."""
-    fd = _open_to_read(lock_path(run))
+    return _holder(lock_path(run))
+
+
+def _holder(path: Path) -> str:
+    fd = _open_to_read(path)
     info: Any = {}
     if fd is not None:
         try:

@@ -1,9 +1,9 @@
 """Figures of E1/E2 from a collated sweep table (matplotlib; PNG 150 dpi + SVG).
 
-One panel per depth × Q/K initialisation (columns: inits, rows: depths) in the house style
-of :mod:`qkgeom.analysis.figstyle`: a paper column per panel, 8 pt text, one colour per
-layer (Okabe–Ito up to 8 layers), a dotted vertical line at the post-transient reference
-step. The spread over seeds (:func:`~qkgeom.analysis.figstyle.draw_spread`): the seed mean
+One panel per depth × Q/K initialisation (columns: inits, rows: depths; a monitored run's
+column is its model, whose init the monitor does not know) in the house style of
+:mod:`qkgeom.analysis.figstyle`: 9 pt text, one colour per layer (never the black of the
+PR_Q/PR_K keys), a dotted vertical line at the post-transient reference step. The spread over seeds (:func:`~qkgeom.analysis.figstyle.draw_spread`): the seed mean
 with one thin line per seed below 5 seeds, a 95 % t-band from 5 seeds on. Each figure
 exists at the weight and at the token level:
 
@@ -12,7 +12,8 @@ exists at the weight and at the token level:
 - ``contrast_<level>``: the paired contrast PR_Q − PR_K per layer against step, 0 marked;
 - ``qk_entropy_<level>``: the interaction PR (pr_qk) and the attention entropy against step;
 - ``heads_<level>``: pr_qk against attention entropy for every head of every run at its
-  last probe (E2.3 is a last-checkpoint claim), coloured by layer.
+  last probe (E2.3 is a last-checkpoint claim), coloured by layer, every panel on the same
+  axes and printing its ρ (E2.3's statistic).
 
 A figure whose metrics the runs do not record (e.g. a monitored run that measured only some)
 is not drawn: :func:`missing_for` names what it lacks; nor is a trajectory figure of runs
@@ -25,15 +26,18 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from qkgeom.analysis import stats
 from qkgeom.analysis.collate import GROUP, bare
 from qkgeom.analysis.e1.trajectories import LEVELS, reference_probe
 from qkgeom.analysis.figstyle import (
+    KEY_COLOR,
     REF_LINE,
     STYLE,
     ZERO_LINE,
@@ -107,7 +111,8 @@ def _legend(ax: Axes, layers: list[int], styles: tuple[tuple[str, str], ...] = (
     look = {"linestyle": "", "marker": "o", "markersize": 4} if points else {}
     handles = [Line2D([], [], color=c, label=f"layer {layer}", **look)
                for c, layer in zip(layer_colors(len(layers)), layers, strict=True)]
-    handles += [Line2D([], [], color="0.2", linestyle=ls, label=label) for ls, label in styles]
+    handles += [Line2D([], [], color=KEY_COLOR, linestyle=ls, label=label)
+                for ls, label in styles]
     ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5), frameon=False,
               ncols=1 + len(handles) // 12)
 
@@ -134,7 +139,8 @@ def _trajectory_rows(table: pd.DataFrame, level: str,
     outer panels only: easier to compare, and much less text to lay out)."""
     refs, table = _ref_steps(table), bare(table)  # attrs: deep-copied by every filter
     depths, cols = _settings(table)
-    fig, axes = grid(len(depths) * len(rows), len(cols), sharex=True, sharey="row")
+    fig, axes = grid(len(depths) * len(rows), len(cols), legend=True, sharex=True,
+                     sharey="row")
     panels = _panels(table, {m for lines, _, _ in rows for m, _, _ in lines})
     for di, depth in enumerate(depths):
         for r, (lines, ylabel, log) in enumerate(rows):
@@ -174,7 +180,7 @@ def _trajectory_rows(table: pd.DataFrame, level: str,
                 styles = tuple((s, lab) for _, s, lab in lines) if len(lines) > 1 else ()
                 _legend(axes[row, -1], layers, styles)
     suptitle(fig, f"{title} — {LEVEL_TITLE[level]}; {spread_note(seeds_per_panel(table))}; "
-             "dotted line: reference step", len(cols))
+             "dotted line: reference step")
     return fig
 
 
@@ -211,9 +217,25 @@ def _last_probe(heads: pd.DataFrame) -> pd.DataFrame:
     return heads[heads["step"] == last]
 
 
+def heads_rho(wide: pd.DataFrame, qk: str) -> tuple[float, int]:
+    """E2.3's statistic in one panel: Spearman ρ across the heads of each layer of each
+    run (``wide``: one row per head, columns ``qk`` and ``attn_entropy``), then the mean
+    over those (run, layer) pairs; and how many there were (NaN, 0 when none has two heads
+    with distinct values)."""
+    rhos = []
+    for _, g in wide.groupby(["run_id", "layer"]):
+        g = g.dropna(subset=[qk, "attn_entropy"])
+        if len(g) >= 2:
+            rho, _ = stats.spearman(g[qk].to_numpy(), g["attn_entropy"].to_numpy())
+            if np.isfinite(rho):
+                rhos.append(float(rho))
+    return (float(np.mean(rhos)) if rhos else float("nan")), len(rhos)
+
+
 def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
     """(d) pr_qk vs attention entropy for every head of every run at its last probe,
-    coloured by layer (the E2.3 statistic is a ρ across the heads of a layer there)."""
+    coloured by layer (the E2.3 statistic is a ρ across the heads of a layer there; each
+    panel prints it, :func:`heads_rho`); every panel on the same axes."""
     with matplotlib.rc_context(STYLE):
         table = bare(table)
         depths, cols = _settings(table)
@@ -222,7 +244,8 @@ def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
         wide = heads.pivot_table(index=["depth", "qk_init", "variant", "run_id", "layer",
                                         "head", "step"], columns="metric",
                                  values="value").reset_index()
-        fig, axes = grid(len(depths), len(cols))
+        # one x and y range for every panel: E2.3 is compared across depths and inits
+        fig, axes = grid(len(depths), len(cols), legend=True, sharex=True, sharey=True)
         for r, depth in enumerate(depths):
             layers: list[int] = []
             for c, (init, variant) in enumerate(cols):
@@ -238,18 +261,23 @@ def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
                     g = w[w["layer"] == layer]
                     ax.scatter(g[f"pr_qk_{level}"], g["attn_entropy"], color=color, s=9,
                                alpha=0.8, linewidths=0)
+                rho, n = heads_rho(w, f"pr_qk_{level}")
+                if n:
+                    ax.text(0.03, 0.96, f"ρ = {rho:+.2f}", transform=ax.transAxes,
+                            ha="left", va="top")
                 ax.ticklabel_format(useOffset=False)  # no "1e-5+1" corner labels
                 ax.xaxis.set_major_locator(MaxNLocator(4))
                 if c == 0:
-                    ax.set_ylabel("attention entropy (nats)")
+                    ax.set_ylabel("entropy (nats)")
                 if r == len(depths) - 1:
-                    ax.set_xlabel("PR of QKᵀ spectrum (dims)")
+                    ax.set_xlabel(f"pr_qk, {level} (dims)")
             if layers:
                 _legend(axes[r, -1], layers, points=True)
         steps = sorted(int(s) for s in heads["step"].unique())
         at = (f"step {steps[0]}" if len(steps) == 1 else "each run's last probe")
         suptitle(fig, f"Heads at the last probe ({at}): interaction PR vs attention entropy — "
-                 f"{LEVEL_TITLE[level]}; one point per head and run", len(cols))
+                 f"{LEVEL_TITLE[level]}; one point per head and run; ρ: the across-head "
+                 "Spearman ρ, mean over the panel's layers and runs")
         return fig
 
 

@@ -30,12 +30,14 @@ from qkgeom.analysis.e1.trajectories import (
 )
 from qkgeom.analysis.kit import (
     claims_markdown,
+    descriptive_reason,
     excluded_markdown,
     fmt_p,
     md_table,
     md_text,
     metrics_note,
     missing_metrics,
+    not_recorded_reason,
     setup_markdown,
     signed,
     summary_markdown,
@@ -64,16 +66,47 @@ CAPTIONS = {
 }
 
 
+#: The metrics (stems; ``_<level>`` appended, entropy has one level) each claim needs:
+#: a row none of whose runs recorded one of them says which, and the setting that does.
+CLAIM_METRICS = {"E1.1": ("pr_q",), "E1.2": ("pr_k",), "E1.3": ("contrast",),
+                 "E2.1": ("pr_k", "pr_qk"), "E2.2": ("pr_qk", "attn_entropy"),
+                 "E2.3": ("pr_qk", "attn_entropy")}
+
+
+def _needed(claim_id: str, level: str) -> list[str]:
+    return [m if m == "attn_entropy" else f"{m}_{level}" for m in CLAIM_METRICS.get(claim_id, ())]
+
+
+def name_missing_metrics(claims: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
+    """``claims`` with the reason of every row that measured no run because the metrics
+    it needs are not recorded (a monitored run records only its ``metrics=``): which
+    metrics, and the setting that records them."""
+    if claims.empty or table.empty:
+        return claims
+    claims = claims.copy()
+    heads = table[table["head"] >= 0]
+    for i, r in claims.iterrows():
+        if int(r["n"]) or (isinstance(r["reason"], str) and r["reason"]):
+            continue
+        rows = heads if r["claim_id"] == "E2.3" else table  # E2.3 is measured per head
+        missing = missing_metrics(rows, _needed(str(r["claim_id"]), str(r["level"])))
+        if missing:
+            claims.at[i, "reason"] = not_recorded_reason(missing)
+    return claims
+
+
 def e1_claims(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """Everything the E1/E2 report shows of a collated table: ``claims``, ``readings``
-    (E1.3 four ways), ``runs`` (one row per run, level and origin), ``cells``,
-    ``trajectories`` (seed-averaged layers) and ``run_layers`` (per run and layer)."""
+    """Everything the E1/E2 report shows of a collated table: ``claims`` (a row that
+    could not be measured for want of recorded metrics names them in ``reason``),
+    ``readings`` (E1.3 four ways), ``runs`` (one row per run, level and origin),
+    ``cells``, ``trajectories`` (seed-averaged layers) and ``run_layers`` (per run and
+    layer)."""
     if table.empty:
         per_layer = traj = pd.DataFrame()
     else:
         per_layer, traj = layer_statistics(table)
     runs = run_stats(per_layer)
-    return {"claims": evaluate_claims(per_layer, traj),
+    return {"claims": name_missing_metrics(evaluate_claims(per_layer, traj), table),
             "readings": contrast_readings(per_layer, traj), "runs": runs,
             "cells": cell_stats(runs), "trajectories": traj, "run_layers": per_layer}
 
@@ -103,16 +136,11 @@ def _rules_text() -> str:
     )
 
 
-def _caveats(per_layer: pd.DataFrame, runs: pd.DataFrame) -> list[str]:
+def _caveats(per_layer: pd.DataFrame) -> list[str]:
     out = []
     if len(per_layer) and (per_layer["n_heads"] < 3).any():
         out.append("- Layers with fewer than 3 heads make the across-head Spearman ρ (E2.3) "
                    "±1 by construction; read E2.3 as a sign only.")
-    n_runs = runs["run_id"].nunique() if len(runs) else 0
-    if 0 < n_runs < 5:
-        out.append(f"- {n_runs} run(s): the sign-flip p cannot fall below 1/2^{n_runs} = "
-                   f"{0.5 ** n_runs:.3g}, so no claim can be *supported* with fewer than 5 "
-                   "runs.")
     if len(per_layer):
         short = per_layer[(per_layer["origin"] == "reference") & (per_layer["n_steps"] < 3)]
         if len(short):
@@ -121,8 +149,9 @@ def _caveats(per_layer: pd.DataFrame, runs: pd.DataFrame) -> list[str]:
     return out
 
 
-def readings_markdown(readings: pd.DataFrame) -> str:
-    """E1.3 read four ways, side by side (the primary reading in bold)."""
+def readings_markdown(readings: pd.DataFrame, descriptive: bool = False) -> str:
+    """E1.3 read four ways, side by side (the primary reading in bold); ``descriptive``
+    (too few runs for a verdict): without the verdict column."""
     if readings.empty:
         return ""
     rows = []
@@ -132,7 +161,7 @@ def readings_markdown(readings: pd.DataFrame) -> str:
         ci = f" [{signed(r.ci_low)}, {signed(r.ci_high)}]" if np.isfinite(r.ci_low) else ""
         rows.append([label, r.criterion, r.level, r.origin, f"{r.k}/{r.n}",
                      f"{signed(r.mean)}{ci}", fmt_p(r.p_value), f"{r.cells_k}/{r.cells_n}",
-                     f"{r.traj_k}/{r.traj_n}", f"**{r.verdict}**"])
+                     f"{r.traj_k}/{r.traj_n}", *([] if descriptive else [f"**{r.verdict}**"])])
     return "\n".join([
         "## E1.3 read four ways", "",
         "\"PR_Q − PR_K > 0 in all trajectories\" can mean any of these; each is counted over "
@@ -142,7 +171,8 @@ def readings_markdown(readings: pd.DataFrame) -> str:
         "a time average is not decided by one noisy probe. File: `contrast_readings.csv`.",
         "", md_table(["reading", "criterion (per layer)", "level", "origin", "runs",
                       "mean over runs [95 % t]", "p (sign-flip)", "cells",
-                      "layer trajectories", "verdict as a universal claim"], rows)])
+                      "layer trajectories",
+                      *([] if descriptive else ["verdict as a universal claim"])], rows)])
 
 
 def _claim_metrics() -> list[str]:
@@ -191,20 +221,24 @@ def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
     ``spread`` says how the figures show the seeds; ``drawn=False`` when figures were not
     asked for. Opens with the one-line summary, then the claims table."""
     name = table.attrs.get("name") or sweep_dir.name
-    parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(e1["claims"]), "",
-             claims_markdown(e1["claims"]), "", _rules_text(), ""]
+    descriptive = descriptive_reason(e1["claims"])
+    parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(e1["claims"]), ""]
+    if descriptive:
+        parts += [f"**{descriptive}**", ""]
+    parts += [claims_markdown(e1["claims"]), "", _rules_text(), ""]
     note = metrics_note(missing_metrics(table, _claim_metrics()) if len(table) else [],
-                        "The claims that need them read *not evaluated* (0/0).")
+                        "The claim rows that need them measure no run (0/0)" +
+                        ("." if descriptive else " and read *not evaluated*."))
     if note:
         parts += [note, ""]
-    caveats = _caveats(e1["run_layers"], e1["runs"])
+    caveats = _caveats(e1["run_layers"])
     if caveats:
         parts += [*caveats, ""]
     parts += ["Claims: E1, E2 (see `docs/definitions.md`; protocol: `docs/protocols.md`). "
               "Numbers: `claims.csv` (this table), `run_stats.csv` (one row per run: the "
               "unit of the tests), `cell_stats.csv`, `trajectory_stats.csv` (seed-averaged "
               "layers) and `trajectory_stats_runs.csv` (per run and layer).", ""]
-    readings = readings_markdown(e1["readings"])
+    readings = readings_markdown(e1["readings"], bool(descriptive))
     if readings:
         parts += [readings, ""]
     parts += [setup_markdown(table, sweep_dir, e1["trajectories"]), "",

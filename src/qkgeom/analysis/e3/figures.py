@@ -1,15 +1,17 @@
 """Figures of E3 (key-spectrum control): trajectories per arm and paired differences.
 
-House style of :mod:`qkgeom.analysis.figstyle` (paper-column panels, 8 pt text, PNG
-150 dpi + SVG, key-control modes in Okabe–Ito colours, weight-level arms dashed). A
+House style of :mod:`qkgeom.analysis.figstyle` (at most three panels across, 9 pt text,
+PNG 150 dpi + SVG, key-control modes in Okabe–Ito colours, weight-level arms dashed). A
 dotted vertical line marks the end of the early window (25 % of the run).
 
 - ``e3_trajectories``: attention entropy, the logit scale, pr_qk (token), PR_K (weight) and
   validation loss against step, whole-model (layer mean), one line per arm: the seed mean
   with a 95 % t-band from 5 seeds on, one thin line per seed below
-  (:func:`~qkgeom.analysis.figstyle.draw_spread`).
+  (:func:`~qkgeom.analysis.figstyle.draw_spread`); two rows of three panels, the arms'
+  legend in the sixth.
 - ``e3_paired``: the paired differences (arm − none) per seed against step, one thin line
-  per seed and the seed mean thick, one row per controlled arm.
+  per seed and the seed mean thick; per controlled arm a block of two rows of panels (the
+  quantities, three across), titled with the arm.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from matplotlib.figure import Figure
 from qkgeom.analysis.e3.arms import BASELINE
 from qkgeom.analysis.e3.paired import EARLY_SHARE
 from qkgeom.analysis.figstyle import (
+    MAX_COLS,
     REF_LINE,
     STYLE,
     ZERO_LINE,
@@ -70,10 +73,15 @@ def seeds_per_arm(runs: pd.DataFrame) -> list[int]:
     return [int(n) for n in runs.groupby("arm")["run_id"].nunique()] if len(runs) else []
 
 
+def _rows(n: int) -> int:
+    return -(-n // MAX_COLS)
+
+
 def _trajectories(series: pd.DataFrame, steps: int) -> Figure:
-    fig, axes = grid(1, len(TRAJ_QUANTITIES))
+    fig, axes = grid(_rows(len(TRAJ_QUANTITIES)), MAX_COLS)
+    flat = list(axes.flat)
     arms = sorted(series["arm"].unique(), key=lambda m: (m != BASELINE, m))
-    for ax, quantity in zip(axes[0], TRAJ_QUANTITIES, strict=True):
+    for ax, quantity in zip(flat, TRAJ_QUANTITIES, strict=False):
         sel = series[series["quantity"] == quantity].rename(columns={"run_id": "unit"})
         ax.set_title(SHORT[quantity])
         if sel.empty:
@@ -87,11 +95,16 @@ def _trajectories(series: pd.DataFrame, steps: int) -> Figure:
         ax.set_xlabel("step")
         _early(ax, steps)
         step_axis(ax, steps)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    axes[0][-1].legend(handles, labels, title="arm", frameon=False, loc="center left",
-                       bbox_to_anchor=(1.02, 0.5))
+    for ax in flat[len(TRAJ_QUANTITIES):]:
+        ax.axis("off")
+    handles, labels = flat[0].get_legend_handles_labels()
+    spare = flat[len(TRAJ_QUANTITIES):]
+    if spare:  # the legend in the first empty panel
+        spare[0].legend(handles, labels, title="arm", frameon=False, loc="center")
+    else:
+        flat[-1].legend(handles, labels, title="arm", frameon=False, loc="best")
     suptitle(fig, "E3: training with key-spectrum control — "
-             f"{spread_note(seeds_per_arm(series))}", len(TRAJ_QUANTITIES))
+             f"{spread_note(seeds_per_arm(series))}")
     return fig
 
 
@@ -105,14 +118,18 @@ def fig_e3_paired(paired: pd.DataFrame, steps: int) -> Figure:
 def _paired(paired: pd.DataFrame, steps: int) -> Figure:
     paired = paired[paired["baseline"] == BASELINE]
     arms = sorted(paired["arm"].unique()) or ["hold"]
-    fig, axes = grid(len(arms), len(PAIRED_QUANTITIES), sharex=True)
+    per_arm = _rows(len(PAIRED_QUANTITIES))
+    fig, axes = grid(len(arms) * per_arm, MAX_COLS)
     for i, arm in enumerate(arms):
+        block = list(axes[i * per_arm:(i + 1) * per_arm].flat)
+        for ax in block[len(PAIRED_QUANTITIES):]:
+            ax.axis("off")
         for j, quantity in enumerate(PAIRED_QUANTITIES):
-            ax = axes[i][j]
+            ax = block[j]
             sel = paired[(paired["arm"] == arm) & (paired["quantity"] == quantity)]
-            if i == 0:
-                ax.set_title(f"Δ {SHORT[quantity]}")
-            if j == 0:
+            ax.set_title(f"{arm}: Δ {SHORT[quantity]}" if j == 0 else f"Δ {SHORT[quantity]}",
+                         loc="left" if j == 0 else "center")
+            if j % MAX_COLS == 0:
                 ax.set_ylabel(f"{arm} − none")
             if sel.empty:
                 blank_panel(ax, "not recorded")
@@ -124,9 +141,9 @@ def _paired(paired: pd.DataFrame, steps: int) -> Figure:
             ax.axhline(0.0, **ZERO_LINE)
             _early(ax, steps)
             step_axis(ax, steps)
-            if i == len(arms) - 1:
+            if j + MAX_COLS >= len(PAIRED_QUANTITIES):  # no panel of this arm below
                 ax.set_xlabel("step")
-    suptitle(fig, "E3: paired differences per seed (arm − none)", len(PAIRED_QUANTITIES))
+    suptitle(fig, "E3: paired differences per seed (arm − none)")
     return fig
 
 

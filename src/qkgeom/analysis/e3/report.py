@@ -25,6 +25,7 @@ from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
 from qkgeom.analysis.e3.paired import EARLY_SHARE, QUANTITIES
 from qkgeom.analysis.kit import (
     claims_markdown,
+    descriptive_reason,
     excluded_markdown,
     fmt_p,
     md_table,
@@ -213,7 +214,9 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
              "paired with the uncontrolled run of its seed. Seeds per arm: "
              + (", ".join(f"{m} {n}" for m, n in sorted(per_arm.items())) or "none") + ".", "",
              manipulation_markdown(analysis["manipulation"], gate), "",
-             "## Claims", "", claims_markdown(analysis["claims"]), "", _rules_text(), "",
+             "## Claims", "",
+             *([f"**{why}**", ""] if (why := descriptive_reason(analysis["claims"])) else []),
+             claims_markdown(analysis["claims"]), "", _rules_text(), "",
              "Numbers: `claims.csv` (this table), `e3_manipulation.csv` (per seed), "
              "`e3_manipulation_units.csv` (per seed and unit), `e3_effects.csv`, "
              "`e3_mediation.csv`, `e3_windows.csv` (per seed), `e3_paired.csv` (per seed and "

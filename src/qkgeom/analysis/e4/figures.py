@@ -7,8 +7,8 @@
 - ``prefix_trend`` (descriptive): Mann–Kendall Z of growing prefixes against the prefix's
   last step, per layer, with the one-sided 5 % line (Z = 1.645);
 - ``qk_entropy_heads``: pr_qk (token level) against attention entropy, one panel per
-  checkpoint (at most 12, spread over the run), heads coloured by layer, the mean per-layer
-  ρ in the title.
+  checkpoint (at most 12, spread over the run, three across, on shared axes), heads
+  coloured by layer, the mean per-layer ρ in the title.
 
 A figure that would show nothing is not drawn (:func:`degenerate_figures`: one checkpoint
 has no trajectory, fewer than three no prefix trend, no per-head rows no head scatter)
@@ -33,7 +33,17 @@ from scipy import stats as sst
 
 from qkgeom.analysis.e4.labels import UNKNOWN_STEP, checkpoint_label, names_by_position
 from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS
-from qkgeom.analysis.figstyle import STYLE, ZERO_LINE, layer_colors, new_figure, save_figure
+from qkgeom.analysis.figstyle import (
+    LEGEND_W,
+    MAX_COLS,
+    PANEL_H,
+    PANEL_W,
+    STYLE,
+    ZERO_LINE,
+    layer_colors,
+    new_figure,
+    save_figure,
+)
 
 __all__ = ["degenerate_figures", "make_e4_figures"]
 
@@ -60,7 +70,7 @@ def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame
     layers = sorted(layer["layer"].unique())
     colors = layer_colors(len(layers))[: len(layers)]
     present = [m for m in TREND_METRICS if (layer["metric"] == m).any()] or ["contrast_token"]
-    fig = new_figure(3.5 * len(present), 2.6)
+    fig = new_figure(PANEL_W * len(present) + LEGEND_W, PANEL_H + 0.5)
     axes = np.atleast_1d(fig.subplots(1, len(present)))
     for ax, metric in zip(axes, present, strict=True):
         sel = layer[layer["metric"] == metric]
@@ -81,14 +91,16 @@ def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame
         ax.axhline(0, **ZERO_LINE)
         _xscale(ax, sel["step"].to_numpy(float), names)
         ax.set_ylabel("PR_Q − PR_K")
-        ax.set_title(f"{metric}" + (" (primary)" if metric == PRIMARY else ""))
-    axes[-1].legend(ncol=2 if len(layers) > 8 else 1, frameon=False, loc="best")
+        ax.set_title(f"{metric}" + ("\n(primary)" if metric == PRIMARY else ""))
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, ncols=2 if len(layers) > 8 else 1, frameon=False,
+               loc="outside right center")
     return fig
 
 
 def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame,
                names: dict[float, str] | None = None) -> Figure:
-    fig = new_figure(3.6, 2.6)
+    fig = new_figure(PANEL_W + LEGEND_W, PANEL_H + 0.5)
     ax = fig.subplots()
     level = TREND_METRICS[PRIMARY] if (prefix["level"] == TREND_METRICS[PRIMARY]).any() \
         else "token"
@@ -104,9 +116,11 @@ def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame,
     _xscale(ax, sel["end_step"].to_numpy(float) if len(sel) else np.array([1.0]), names,
             "last step of the prefix")
     ax.set_ylabel("Mann–Kendall Z (increase)")
-    ax.set_title(f"trend of growing prefixes ({level})")
+    ax.set_title(f"trend of growing prefixes\n({level})")
     if len(layers):
-        ax.legend(frameon=False, fontsize=6, ncol=2 if len(layers) > 8 else 1)
+        handles, labels = ax.get_legend_handles_labels()
+        fig.legend(handles, labels, frameon=False, ncols=2 if len(layers) > 8 else 1,
+                   loc="outside right center")
     return fig
 
 
@@ -140,11 +154,10 @@ def fig_heads(metrics: pd.DataFrame, heads: pd.DataFrame, sources: dict[str, str
         idx = np.unique(np.linspace(0, len(ckpts) - 1, _MAX_PANELS).round().astype(int))
         ckpts = ckpts.iloc[idx]
     n = max(1, len(ckpts))
-    cols = min(4, n)
+    cols = min(MAX_COLS, n)
     rows = (n + cols - 1) // cols
-    panel = 2.6 if n <= 2 else 1.9
-    fig = new_figure(panel * cols + 0.8, 0.85 * panel * rows + 0.4)
-    axes = fig.subplots(rows, cols, squeeze=False)
+    fig = new_figure(PANEL_W * cols + LEGEND_W, (PANEL_H + 0.2) * rows + 0.5)
+    axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
     layers = sorted(int(x) for x in wide["layer"].unique()) if len(wide) else []
     colors = dict(zip(layers, layer_colors(len(layers)), strict=True))
     for ax in axes.flat[n:]:
@@ -159,10 +172,9 @@ def fig_heads(metrics: pd.DataFrame, heads: pd.DataFrame, sources: dict[str, str
                   & (heads["layer"] >= 0)]["rho"].dropna()
         rho = f"\nmean layer ρ = {r.mean():+.2f}" if len(r) else ""
         label = checkpoint_label(str(ckpt), step, sources.get(str(ckpt), UNKNOWN_STEP))
-        ax.set_title(label + rho, fontsize=6)
-        ax.tick_params(labelsize=6)
-    fig.supxlabel("pr_qk (token level)", fontsize=7)
-    fig.supylabel("attention entropy (nats)", fontsize=7)
+        ax.set_title(label + rho)
+    fig.supxlabel("pr_qk (token level)", fontsize=STYLE["axes.labelsize"])
+    fig.supylabel("attention entropy (nats)", fontsize=STYLE["axes.labelsize"])
     if layers:
         _layer_key(fig, axes, layers)
     return fig
