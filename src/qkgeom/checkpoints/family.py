@@ -206,6 +206,7 @@ def analyze_checkpoints(
             "model": label, "models": list(models), "revisions": revisions,
             "settings": settings, "settings_hash": key, "keep_duplicates": keep_duplicates,
             "checkpoints": [asdict(s) for s in specs], "state": "running",
+            "warmup_steps": _warmup(specs),
             "versions": {"qkgeom": __version__, "python": platform.python_version()}}
     write_json(out / MARKER, meta)
 
@@ -249,6 +250,17 @@ def analyze_checkpoints(
     if short:
         warnings.warn(short, stacklevel=2)
     return out
+
+
+def _warmup(specs: list[CheckpointSpec]) -> int | None:
+    """The step at which the LR warm-up of a qkgeom run ends (its ``warmup_steps``), for
+    E4's regime rule; None for other families (a pretrained suite's schedule is not
+    recorded with its checkpoints)."""
+    if specs[0].kind != "run":
+        return None
+    from qkgeom.runs import load_config
+
+    return int(load_config(Path(specs[0].source)).warmup_steps)
 
 
 def _cache(job: CheckpointJob) -> Path:
