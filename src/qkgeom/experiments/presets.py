@@ -43,7 +43,8 @@ alone (tokens/s of the 4-, 6- and 8-layer models on one thread), before looking 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -350,6 +351,24 @@ def train_e4(preset: str, out_dir: str | Path, data: str = "", *,
     return {int(s.axes["seed"]): run_dir(out, s.run_id) for s in specs}
 
 
+@contextmanager
+def _one_thread_on_cpu(device: str | None) -> Iterator[None]:
+    """torch on one thread while the runs' checkpoints are analysed here on a CPU: the runs
+    trained in single-threaded workers, and this process would otherwise take a thread per
+    core, which stalls on a shared machine (docs/checkpoints.md has the times)."""
+    import torch
+
+    from qkgeom.training import resolve_device
+
+    before = torch.get_num_threads()
+    if str(resolve_device(device or "auto")) == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def reproduce_e4(preset: str, out: str | Path | None = None, *, data: str = "",
                  model: str | None = None, revisions: list[str] | None = None,
                  text: str | None = None, tokens: int | None = None, device: str | None = None,
@@ -396,11 +415,12 @@ def reproduce_e4(preset: str, out: str | Path | None = None, *, data: str = "",
     over = {**({"device": device} if device else {}), **(overrides or {})}
     runs = train_e4(preset, out, data, overrides=over or None, progress=progress)
     units = {}
-    for seed, run in runs.items():
-        folder = analyze_checkpoints([str(run)], out / E4_ANALYSIS / f"seed-{seed}",
-                                     **analysis)
-        write_report(folder)
-        units[f"seed-{seed}"] = f"{E4_ANALYSIS}/seed-{seed}"
+    with _one_thread_on_cpu(device):
+        for seed, run in runs.items():
+            folder = analyze_checkpoints([str(run)], out / E4_ANALYSIS / f"seed-{seed}",
+                                         **analysis)
+            write_report(folder)
+            units[f"seed-{seed}"] = f"{E4_ANALYSIS}/seed-{seed}"
     cfg = e4_config(preset, data, over or None)
     write_json(marker, {"kind": SET_KIND, "name": f"e4-{preset}", "preset": preset,
                         "seeds": sorted(runs), "warmup_steps": cfg.warmup_steps,
