@@ -254,8 +254,11 @@ def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int |
         _xscale(ax, steps, None)
         counts = [f"{calls.count(c)} {c}" for c in CALLS if calls.count(c)]
         ax.set_title(f"layer {lay}\n" + ", ".join(counts), fontsize=6)
-        ax.set_ylabel("PR_Q − PR_K (token, head mean)", fontsize=6)
-    axes.flat[0].legend(frameon=False, fontsize=5, title="seed", title_fontsize=5)
+    for row in axes:
+        row[0].set_ylabel("PR_Q − PR_K (token, head mean)", fontsize=6)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", frameon=False, fontsize=6,
+               title="seed", title_fontsize=6)
     return fig
 
 
