@@ -73,6 +73,7 @@ class KeyControlConfig:
     """
 
     MODES = ("none", "hold", "shrink", "sham", "expand")
+    LEVELS = ("token", "weight")
     SCALES = ("data", "frobenius")
     SCOPES = ("layer", "head")
     HOWS = ("post_step", "parametrize")
@@ -82,7 +83,8 @@ class KeyControlConfig:
     CAPPED = ("shrink", "sham", "expand")
 
     mode: str = "none"  # none | hold | shrink | sham | expand
-    scale: str = "data"  # data (mean squared key norm on the inputs kept) | frobenius
+    level: str = "token"  # token (spectrum of W_K Σ W_Kᵀ, the keys' covariance) | weight (of W_K)
+    scale: str = "data"  # data (key spread tr(W_K Σ W_Kᵀ), matched to the reference) | frobenius
     dose: float = 0.0  # r: shrink (0, 1], expand >= 1, sham 1; 0 = not given (default)
     reference: str = ""  # the paired uncontrolled run folder ("" = base is PR_K at step 0)
     ramp_steps: int = -1  # steps over which r(t) goes from 1 to dose; -1 = warmup_steps
@@ -96,8 +98,9 @@ class KeyControlConfig:
 
     def validate(self, prefix: str = "key_control.") -> None:
         _check_types(self, prefix)
-        for name, allowed in (("mode", self.MODES), ("scale", self.SCALES),
-                              ("scope", self.SCOPES), ("how", self.HOWS)):
+        for name, allowed in (("mode", self.MODES), ("level", self.LEVELS),
+                              ("scale", self.SCALES), ("scope", self.SCOPES),
+                              ("how", self.HOWS)):
             if getattr(self, name) not in allowed:
                 raise QKGeomError(f"unknown {prefix}{name} {getattr(self, name)!r}; choose one "
                                   f"of {', '.join(allowed)}")
@@ -114,9 +117,12 @@ class KeyControlConfig:
         if mode in ("hold", "none") and dose != 0.0:
             raise QKGeomError(f"{prefix}dose is not used by {mode}; got {dose} (leave it "
                               "unset)")
-        if self.reference and mode not in self.CAPPED:
-            raise QKGeomError(f"{prefix}reference is for {', '.join(self.CAPPED)} (a cap "
-                              f"relative to a reference run); {mode} takes none")
+        if self.reference and not (mode in self.CAPPED or (mode != "none"
+                                                           and self.scale == "data")):
+            raise QKGeomError(f"{prefix}reference is read by {', '.join(self.CAPPED)} (a cap "
+                              "relative to a reference run) and by the data scale rule (the "
+                              f"key spread matched to it); {mode} with the {self.scale} rule "
+                              "reads nothing from it")
         if self.ramp_steps < -1:
             raise QKGeomError(f"{prefix}ramp_steps must be -1 (= warmup_steps) or >= 0, got "
                               f"{self.ramp_steps}")

@@ -26,8 +26,10 @@ from qkgeom.training import train as train_with_callbacks
     ({"key_control": {"mode": "expand", "dose": 0.5}}, "dose must be >= 1 for expand"),
     ({"key_control": {"mode": "sham", "dose": 0.5}}, "dose is fixed at 1 for sham"),
     ({"key_control": {"mode": "hold", "dose": 0.5}}, "dose is not used by hold"),
-    ({"key_control": {"mode": "hold", "reference": "seed=0,arm=none"}}, "hold takes none"),
-    ({"key_control": {"mode": "none", "reference": "x"}}, "none takes none"),
+    ({"key_control": {"mode": "hold", "scale": "frobenius", "reference": "seed=0,arm=none"}},
+     "hold with the frobenius rule reads nothing from it"),
+    ({"key_control": {"mode": "none", "reference": "x"}}, "none with the data rule reads nothing"),
+    ({"key_control": {"mode": "hold", "level": "heads"}}, "unknown key_control.level 'heads'"),
     ({"key_control": {"mode": "shrink", "ramp_steps": -2}}, "ramp_steps"),
     ({"key_control": {"record": "yes"}}, "key_control.record"),
     ({"key_control": {"shrink_to": 0.5}}, "unknown config key 'key_control.shrink_to'"),
@@ -75,7 +77,8 @@ def test_old_key_control_sections_upgrade_to_doses() -> None:
 
 def test_shrink_from_the_config_reaches_its_target(sample_data: Path, tmp_path: Path) -> None:
     cfg = make_config("smoke", {"data": str(sample_data), "steps": 30, "probe_every": 10,
-                                "key_control": {"mode": "shrink", "dose": 0.5},
+                                "key_control": {"mode": "shrink", "dose": 0.5,
+                                                "level": "weight"},
                                 "threads": 1})
     m = train(cfg, tmp_path / "r").metrics
     pr_k = m[(m["metric"] == "pr_k_weight") & (m["head"] == -1)].pivot_table(
@@ -100,12 +103,14 @@ def test_the_bare_trainer_refuses_a_feature_no_callback_serves(sample_data: Path
 
 
 def test_cli_key_control_flags(sample_data: Path, tmp_path: Path) -> None:
-    """``--key-control hold --key-control-scope head``: one control unit per head, each
-    head's weight PR_K held at its own step-0 value at every probe."""
+    """``--key-control hold --key-control-scope head --key-control-level weight``: one
+    control unit per head, each head's weight PR_K held at its own step-0 value at every
+    probe."""
     base = [sys.executable, "-m", "qkgeom.cli", "train", "--preset", "smoke", "--quiet",
             "--data", str(sample_data), "--steps", "10", "--probe-every", "5"]
     res = subprocess.run([*base, "--out", str(tmp_path / "h"), "--key-control", "hold",
-                          "--key-control-scope", "head"], capture_output=True, text=True,
+                          "--key-control-scope", "head", "--key-control-level", "weight"],
+                         capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr
     m = pd.read_parquet(tmp_path / "h" / "metrics.parquet")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from train_helpers import StopAt
 
 from qkgeom import QKGeomError, make_config, train
@@ -24,7 +25,7 @@ def smoke(data: Path, **over: object):
 
 def test_hold_in_the_trainer_records_targets_and_resumes_bit_for_bit(sample_data: Path,
                                                                      tmp_path: Path) -> None:
-    hold = {"key_control": {"mode": "hold"}}
+    hold = {"key_control": {"mode": "hold", "level": "weight"}}
     res = train(smoke(sample_data, **hold), tmp_path / "ref")
     m = res.metrics
     ctl = m[m["metric"].str.startswith("ctl_")]
@@ -59,7 +60,8 @@ def test_mode_none_in_the_trainer_is_bit_identical_to_no_callback(sample_data: P
                 tmp_path / "record").metrics
     pd.testing.assert_frame_equal(plain[COLS], rec[COLS], check_exact=True)
     kp = pd.read_parquet(tmp_path / "record" / KEY_PR)
-    assert list(kp.columns) == ["step", "unit", "pr"] and len(kp) == 21 * 2
+    assert list(kp.columns) == ["step", "unit", "pr", "pr_token", "spread"]
+    assert len(kp) == 21 * 2 and kp[["pr_token", "spread"]].notna().all().all()
     assert sorted(set(kp["step"])) == list(range(21)) and set(kp["unit"]) == {"l0", "l1"}
     probed = plain[(plain["metric"] == "pr_k_weight") & (plain["head"] == -1)]
     for r in probed.itertuples():  # the record at a probe step is the probe's weight PR_K
@@ -67,9 +69,35 @@ def test_mode_none_in_the_trainer_is_bit_identical_to_no_callback(sample_data: P
         assert got == pytest.approx(r.value, rel=1e-5)
 
 
-def pr_k(metrics: pd.DataFrame) -> pd.DataFrame:
-    sel = (metrics["metric"] == "pr_k_weight") & (metrics["head"] == -1)
+def pr_k(metrics: pd.DataFrame, level: str = "weight") -> pd.DataFrame:
+    sel = (metrics["metric"] == f"pr_k_{level}") & (metrics["head"] == -1)
     return metrics[sel].pivot_table(index="step", columns="layer", values="value")
+
+
+def test_the_token_level_reaches_the_keys_attention_sees(sample_data: Path,
+                                                         tmp_path: Path) -> None:
+    """The E3 pair at smoke size, token level (the default): the shrink run caps
+    PR(W_K Σ_ε W_Kᵀ) at 0.5 x the none run's at every step (on its own Σ estimate, exactly),
+    its key spread is the none run's at every step, and on the probe set the token-level
+    PR_K ratio shrink / none ends at or below (1 + 0.5)/2, the manipulation check's bar."""
+    train(smoke(sample_data, key_control={"mode": "none", "record": True}), tmp_path / "none")
+    cfg = smoke(sample_data, key_control={"mode": "shrink", "dose": 0.5, "reference": "none"})
+    m = train(cfg, tmp_path / "shrink").metrics
+    ratio = pr_k(m, "token") / pr_k(pd.read_parquet(tmp_path / "none" / "metrics.parquet"),
+                                    "token")
+    assert (ratio.loc[40] <= 0.75).all()
+    ctl = m[m["metric"].str.startswith("ctl_")].pivot_table(index="step", columns="metric",
+                                                              values="value")
+    kp = pd.read_parquet(tmp_path / "none" / KEY_PR)
+    for layer in (0, 1):
+        ref = kp[kp["unit"] == f"l{layer}"].set_index("step")
+        for step in (10, 20, 30, 40):
+            row = ctl.loc[step]
+            assert row[f"ctl_pr_l{layer}"] == pytest.approx(row[f"ctl_target_l{layer}"], rel=1e-3)
+            assert row[f"ctl_base_l{layer}"] == ref.loc[step, "pr_token"]
+            assert row[f"ctl_spread_target_l{layer}"] == ref.loc[step, "spread"]
+            assert row[f"ctl_spread_l{layer}"] == pytest.approx(ref.loc[step, "spread"],
+                                                                rel=1e-6)
 
 
 def test_shrink_with_a_reference_binds_at_the_dose(sample_data: Path, tmp_path: Path) -> None:
@@ -80,9 +108,11 @@ def test_shrink_with_a_reference_binds_at_the_dose(sample_data: Path, tmp_path: 
     with the learning rate decayed, both PRs barely move: whether the cap or training sets
     the target in a step is then the sign of a tiny difference of drifts, and the share of
     the last window falls towards chance (0.6 for layer 1 here) while the ratio stays at
-    the dose: the ratio is the check that the intervention happened.)"""
+    the dose: the ratio is the check that the intervention happened.) Weight level, the
+    Frobenius rule."""
     train(smoke(sample_data, key_control={"mode": "none", "record": True}), tmp_path / "none")
-    cfg = smoke(sample_data, key_control={"mode": "shrink", "dose": 0.5, "reference": "none"})
+    cfg = smoke(sample_data, key_control={"mode": "shrink", "dose": 0.5, "reference": "none",
+                                          "level": "weight", "scale": "frobenius"})
     m = train(cfg, tmp_path / "shrink").metrics
     ratio = pr_k(m) / pr_k(pd.read_parquet(tmp_path / "none" / "metrics.parquet"))
     assert ((ratio.loc[40] - 0.5).abs() < 0.02 * 0.5).all()
@@ -128,3 +158,35 @@ def test_recorded_and_referencing_runs_resume_bit_for_bit(sample_data: Path,
     b = pd.read_parquet(other / "shrink" / "metrics.parquet")
     b = b.sort_values(COLS[:4]).reset_index(drop=True)[COLS]
     pd.testing.assert_frame_equal(a, b, check_exact=True)
+
+
+@pytest.mark.parametrize("level, scale", [("token", "data"), ("weight", "frobenius")])
+def test_a_sham_run_differs_from_its_none_run_by_round_off_only(sample_data: Path,
+                                                                tmp_path: Path, level: str,
+                                                                scale: str) -> None:
+    """The sham is a pure round trip (decomposition, γ = 1, rescale; never a cap), applied
+    at every step: at width 128, where the eigendecomposition runs in float32, each step
+    changes W_K by float32 round-off (test_invariants.py), which 40 AdamW steps amplify to
+    about 1e-4 relative in some tensors. So after a whole run every weight differs from the
+    paired none run's by less than 1e-3 relative, and does differ (the operation ran),
+    while a shrink arm's keys differ by more than 10 %."""
+    wide = {"model": {"n_embd": 128, "n_head": 4}}
+    train(smoke(sample_data, **wide, key_control={"mode": "none", "record": True}),
+          tmp_path / "none")
+    res = train(smoke(sample_data, **wide, key_control={
+        "mode": "sham", "level": level, "scale": scale, "reference": "none"}), tmp_path / "sham")
+    ctl = res.metrics[res.metrics["metric"].str.startswith("ctl_gamma_")]
+    assert (ctl["value"] == 1.0).all()  # never reshaped on purpose
+    none = torch.load(tmp_path / "none/checkpoints/ckpt_00000040.pt", weights_only=True)["model"]
+    sham = torch.load(tmp_path / "sham/checkpoints/ckpt_00000040.pt", weights_only=True)["model"]
+    diffs = {k: float((sham[k].double() - v.double()).norm() / v.double().norm())
+             for k, v in none.items() if v.is_floating_point() and v.norm() > 0}
+    assert max(diffs.values()) < 1e-3, max(diffs.items(), key=lambda kv: kv[1])
+    assert max(diffs.values()) > 0
+    train(smoke(sample_data, **wide, key_control={
+        "mode": "shrink", "level": level, "scale": scale, "reference": "none"}),
+        tmp_path / "shrink")
+    shrink = torch.load(tmp_path / "shrink/checkpoints/ckpt_00000040.pt",
+                        weights_only=True)["model"]
+    k = "blocks.1.attn.k_proj.weight"
+    assert float((shrink[k] - none[k]).norm() / none[k].norm()) > 0.1

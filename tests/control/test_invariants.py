@@ -1,10 +1,12 @@
 """The control's invariants after every step, at the width where the fast (float32) path runs.
 
 Width 32 (the other control tests) decomposes the Gram matrices in float64; width 128 (the
-demo's) in float32. Each invariant is checked on the stored weights after every step: PR_K
-on target within 1e-3, the kept scale (tr(W S Wᵀ) or ‖W_K‖_F²) within 1e-6, W_Q and W_V
-untouched; sham is a round trip applied at every step; the data rule keeps the key norm on
-low-dimensional inputs where the Frobenius rule does not.
+demo's) in float32. Each invariant is checked on the stored weights after every step, at
+both levels: PR_K on target within 1e-3 (weight level: PR(σ²(W_K)); token level:
+PR(W_K Σ_ε W_Kᵀ) on the control's own input covariance), the kept scale (the key spread
+tr(W Σ Wᵀ), or ‖W_K‖_F²) within 1e-6, or the reference's spread when the data rule matches
+it; W_Q and W_V untouched; sham is a round trip applied at every step; the data rule keeps
+the key norm on low-dimensional inputs where the Frobenius rule does not.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from qkgeom.config import GPTConfig
 from qkgeom.control import KeySpectrumControl
-from qkgeom.geometry.spectra import weight_pr
+from qkgeom.geometry.spectra import participation_ratio
 from qkgeom.model import GPT
 
 V, T = 40, 16
@@ -34,6 +36,16 @@ def scale_of(w: torch.Tensor, s: torch.Tensor | None) -> float:
     return float((w * w).sum() if s is None else ((w @ s) * w).sum())
 
 
+def level_pr(ctl: KeySpectrumControl, w: torch.Tensor, layer: int = 0) -> float:
+    """PR_K of ``w`` at the control's level, computed here from its definition."""
+    w = w.double()
+    if ctl.level == "weight":
+        return float(participation_ratio(torch.linalg.svdvals(w) ** 2))
+    sig = ctl.moments.covariance(layer)
+    sig = sig + 1e-3 * torch.trace(sig) / sig.shape[0] * torch.eye(sig.shape[0], dtype=sig.dtype)
+    return float(participation_ratio(torch.linalg.eigvalsh(w @ sig @ w.T).clamp_min(0)))
+
+
 def train_step(model: GPT, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
     x = torch.randint(0, V, (4, T), generator=gen)
     _, loss = model(x, torch.randint(0, V, (4, T), generator=gen))
@@ -46,23 +58,25 @@ def train_step(model: GPT, opt: torch.optim.Optimizer, gen: torch.Generator) -> 
 @pytest.mark.parametrize("mode, dose", [("hold", None), ("shrink", 0.5), ("expand", 2.0),
                                         ("sham", None)])
 @pytest.mark.parametrize("scale", ["data", "frobenius"])
+@pytest.mark.parametrize("level", ["token", "weight"])
 def test_every_step_is_on_target_and_keeps_the_scale(width: int, mode: str, dose: float | None,
-                                                     scale: str) -> None:
+                                                     scale: str, level: str) -> None:
     model = make_model(width)
-    ctl = KeySpectrumControl.attach(model, mode, scale=scale, dose=dose, ramp_steps=0)
+    ctl = KeySpectrumControl.attach(model, mode, level=level, scale=scale, dose=dose,
+                                    ramp_steps=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     for step in range(1, 4):
         train_step(model, opt, gen)
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         rec = ctl.step(step)
-        s = ctl.moments.matrix(0) if scale == "data" else None
+        s = ctl.moments.covariance(0) if scale == "data" else None
         after = key(model)
         assert abs(scale_of(after, s) / scale_of(before["blocks.0.attn.k_proj.weight"], s)
                    - 1) < 1e-6
         target = rec["ctl_target_l0"]
-        assert abs(float(weight_pr(after)) - target) / target < 1e-3
-        assert rec["ctl_pr_l0"] == pytest.approx(float(weight_pr(after)), rel=1e-5)
+        assert abs(level_pr(ctl, after) - target) / target < 1e-3
+        assert rec["ctl_pr_l0"] == pytest.approx(level_pr(ctl, after), rel=1e-5)
         if mode == "shrink":  # the cap: dose x PR0, never above the current PR
             assert target == pytest.approx(min(0.5 * float(ctl.pr0[0]),
                                                rec["ctl_pr_before_l0"]), rel=1e-12)
@@ -73,13 +87,13 @@ def test_every_step_is_on_target_and_keeps_the_scale(width: int, mode: str, dose
 
 @pytest.mark.parametrize("width", [32, 128])
 @pytest.mark.parametrize("scale", ["data", "frobenius"])
-def test_sham_is_a_round_trip_applied_at_every_step(width: int, scale: str) -> None:
-    """A cap that never binds: every step still reshapes every unit (the count says so),
-    and the weights change by round-off only."""
+@pytest.mark.parametrize("level", ["token", "weight"])
+def test_sham_is_a_round_trip_applied_at_every_step(width: int, scale: str, level: str) -> None:
+    """Never a cap: every step reshapes every unit (the count says so), and the weights
+    change by round-off only."""
     steps = 4
     model = make_model(width, n_layer=2)
-    ctl = KeySpectrumControl.attach(model, "sham", scale=scale)
-    ctl.reference = torch.full((steps + 1, 2), 1e9, dtype=torch.float64)  # base(t) huge
+    ctl = KeySpectrumControl.attach(model, "sham", level=level, scale=scale)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     gen = torch.Generator().manual_seed(1)
     for step in range(1, steps + 1):
@@ -125,7 +139,8 @@ def test_the_data_rule_keeps_the_key_norm_on_low_dimensional_inputs(scale: str,
         return float((keys[0].double() ** 2).sum(-1).mean())
 
     held_out = torch.randint(0, V, (8, T), generator=torch.Generator().manual_seed(99))
-    ctl = KeySpectrumControl.attach(model, "expand", scale=scale, dose=100.0, layers=[0])
+    ctl = KeySpectrumControl.attach(model, "expand", level="weight", scale=scale, dose=100.0,
+                                    layers=[0])
     for _ in range(3):  # training forwards fill S (no update: the weights stay as built)
         model(torch.randint(0, V, (8, T), generator=gen))
     before = mean_key_norm2(held_out)
@@ -136,3 +151,27 @@ def test_the_data_rule_keeps_the_key_norm_on_low_dimensional_inputs(scale: str,
         assert abs(ratio - 1) < 0.05
     else:
         assert ratio < 0.3
+
+
+@pytest.mark.parametrize("level", ["token", "weight"])
+@pytest.mark.parametrize("mode", ["hold", "shrink", "sham"])
+def test_the_data_rule_matches_the_reference_runs_key_spread_at_every_step(
+        level: str, mode: str) -> None:
+    """With a reference, every unit is rescaled to the reference's key spread at the same
+    step (bound or not), on the control's own Σ: tr(W Σ Wᵀ) equals it within 1e-6."""
+    steps = 4
+    model = make_model(32, n_layer=2)
+    ctl = KeySpectrumControl.attach(model, mode, level=level, scale="data", ramp_steps=0)
+    spread = torch.linspace(0.5, 2.0, steps + 1, dtype=torch.float64)[:, None].repeat(1, 2)
+    big = torch.full((steps + 1, 2), 1e9, dtype=torch.float64)  # a cap that never binds
+    ctl.reference = {"pr": big, "pr_token": big, "spread": spread}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(1, steps + 1):
+        train_step(model, opt, gen)
+        rec = ctl.step(step)
+        for i in range(2):
+            got = scale_of(key(model, i), ctl.moments.covariance(i))
+            assert got == pytest.approx(float(spread[step, i]), rel=1e-6)
+            assert rec[f"ctl_spread_target_l{i}"] == float(spread[step, i])
+            assert rec[f"ctl_spread_l{i}"] == pytest.approx(got, rel=1e-9)

@@ -1,4 +1,8 @@
-"""Key-spectrum control on the project's GPT through real AdamW steps on random tokens."""
+"""Key-spectrum control on the project's GPT through real AdamW steps on random tokens.
+
+Most tests here read the weight level (``level="weight"``: the spectrum of W_K itself,
+whose PR they check with :func:`weight_pr`); the resume test runs both levels, and the
+token level's own tests are in test_token_level.py and test_invariants.py."""
 
 from __future__ import annotations
 
@@ -17,6 +21,12 @@ from qkgeom.training.callbacks import TrainContext
 
 STEPS = 20
 LR = 1e-3  # uncontrolled PR_K drifts by ~2 % in 20 steps at this rate (far beyond 1e-3)
+
+
+def attach(model: torch.nn.Module, *args, **kw) -> KeySpectrumControl:
+    """:meth:`KeySpectrumControl.attach` at the weight level unless ``level`` is given."""
+    kw.setdefault("level", "weight")
+    return KeySpectrumControl.attach(model, *args, **kw)
 
 
 def make_model(qk_init: str = "normal") -> GPT:
@@ -69,14 +79,14 @@ def key_scale(w: torch.Tensor, s: torch.Tensor | None) -> float:
 def test_hold_keeps_pr_k_at_step_0_while_the_uncontrolled_run_drifts(scale: str) -> None:
     model = make_model()
     pr0 = layer_pr(model)
-    ctl = KeySpectrumControl.attach(model, "hold", scale=scale)
+    ctl = attach(model, "hold", scale=scale)
     assert ctl.pr0.tolist() == pytest.approx(pr0, rel=1e-12)
 
     def check(m: GPT, before: dict, rec: dict) -> None:
         for i, pr in enumerate(layer_pr(m)):
             assert abs(pr - pr0[i]) / pr0[i] < 1e-3
             assert rec[f"ctl_pr_l{i}"] == pytest.approx(pr, rel=1e-9)
-            s = ctl.moments.matrix(i) if scale == "data" else None  # S of this step
+            s = ctl.moments.covariance(i) if scale == "data" else None  # S of this step
             kept = key_scale(m.qk_weights(i)[1], s) / key_scale(before[k_name(i)], s)
             assert abs(kept - 1) < 1e-6
         for name, p in m.named_parameters():  # only W_K moves: W_Q, W_V, the rest untouched
@@ -91,7 +101,7 @@ def test_hold_keeps_pr_k_at_step_0_while_the_uncontrolled_run_drifts(scale: str)
 
 def test_shrink_follows_the_ramp_to_the_dose_and_never_expands() -> None:
     model = make_model()
-    ctl = KeySpectrumControl.attach(model, "shrink", dose=0.5, ramp_steps=STEPS)
+    ctl = attach(model, "shrink", dose=0.5, ramp_steps=STEPS)
     pr0 = ctl.pr0.clone()
     recs = run(model, ctl)
     for s, rec in enumerate(recs, start=1):
@@ -109,7 +119,7 @@ def test_shrink_follows_the_ramp_to_the_dose_and_never_expands() -> None:
 
 def test_shrink_leaves_a_matrix_alone_when_training_shrank_it_further() -> None:
     model = make_model()
-    ctl = KeySpectrumControl.attach(model, "shrink", scale="frobenius", dose=0.9,
+    ctl = attach(model, "shrink", scale="frobenius", dose=0.9,
                                     ramp_steps=1000)
     with torch.no_grad():  # shrink layer 0 far below any scheduled target
         w = model.qk_weights(0)[1]
@@ -124,7 +134,7 @@ def test_shrink_leaves_a_matrix_alone_when_training_shrank_it_further() -> None:
 
 def test_expand_mirrors_and_is_clamped_to_the_largest_pr() -> None:
     model = make_model()
-    ctl = KeySpectrumControl.attach(model, "expand", dose=2.0, ramp_steps=STEPS)
+    ctl = attach(model, "expand", dose=2.0, ramp_steps=STEPS)
     pr0 = ctl.pr0.clone()
     recs = run(model, ctl)
     for rec in recs:
@@ -142,7 +152,7 @@ def test_the_fast_projection_equals_apply_target(scope: str) -> None:
     """step() uses an eigendecomposition of W·Wᵀ; apply_target uses torch.linalg.svd."""
     model = make_model()
     before = [model.qk_weights(i)[1].detach().clone() for i in range(2)]
-    ctl = KeySpectrumControl.attach(model, "shrink", scope=scope, scale="frobenius", dose=0.6,
+    ctl = attach(model, "shrink", scope=scope, scale="frobenius", dose=0.6,
                                     ramp_steps=4)
     ctl.step(4)
     for i in range(2):
@@ -159,7 +169,7 @@ def test_the_fast_projection_equals_apply_target(scope: str) -> None:
 def test_head_scope_holds_every_head_separately() -> None:
     model = make_model()
     pr0 = head_pr(model)
-    ctl = KeySpectrumControl.attach(model, "hold", scope="head", scale="frobenius")
+    ctl = attach(model, "hold", scope="head", scale="frobenius")
     assert ctl.names == ["l0h0", "l0h1", "l1h0", "l1h1"]
 
     def check(m: GPT, before: dict, rec: dict) -> None:
@@ -176,7 +186,7 @@ def test_head_scope_holds_every_head_separately() -> None:
 
 def test_layers_subset_controls_only_those_layers() -> None:
     model = make_model()
-    ctl = KeySpectrumControl.attach(model, "shrink", scale="frobenius", ramp_steps=STEPS,
+    ctl = attach(model, "shrink", scale="frobenius", ramp_steps=STEPS,
                                     layers=[1])
     assert ctl.names == ["l1"]
     k0 = model.qk_weights(0)[1].detach().clone()
@@ -188,25 +198,27 @@ def test_layers_subset_controls_only_those_layers() -> None:
 @pytest.mark.parametrize("record", [False, True])
 def test_mode_none_is_bit_identical_to_no_control(record: bool) -> None:
     a, b = make_model(), make_model()
-    ctl = KeySpectrumControl.attach(b, "none", record=record)
+    ctl = attach(b, "none", record=record)
     assert ctl.last() == {} and ctl.targets() == {}
     run(a, None)
     recs = run(b, ctl)
     assert all(r == {} for r in recs)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
-    steps, prs = ctl.trajectory  # with record: PR_K at step 0 and after every update
+    steps, values = ctl.trajectory  # with record: PR_K at step 0 and after every update
     if record:
         assert steps == list(range(STEPS + 1))
-        assert prs[-1].tolist() == pytest.approx(layer_pr(a), rel=1e-9)
+        assert values["pr"][-1].tolist() == pytest.approx(layer_pr(a), rel=1e-9)
+        assert all(bool(torch.isfinite(v).all()) for f in ("pr_token", "spread")
+                   for v in values[f])
     else:
         assert steps == [] and ctl.sites == []  # not even the lookup
 
 
 def test_parametrize_puts_pr_on_target_like_post_step() -> None:
     post, par = make_model(), make_model()
-    c_post = KeySpectrumControl.attach(post, "shrink", ramp_steps=STEPS)
-    c_par = KeySpectrumControl.attach(par, "shrink", ramp_steps=STEPS, how="parametrize")
+    c_post = attach(post, "shrink", ramp_steps=STEPS)
+    c_par = attach(par, "shrink", ramp_steps=STEPS, how="parametrize")
     assert "blocks.0.attn.k_proj.parametrizations.weight.original" in dict(par.named_parameters())
     run(post, c_post)
     recs = run(par, c_par)
@@ -222,7 +234,7 @@ def test_parametrize_puts_pr_on_target_like_post_step() -> None:
 
 def test_parametrize_hold_trains_from_an_orthogonal_init_without_nan() -> None:
     model = make_model("orthogonal")  # flat W_K spectra at step 0: SVD autograd would NaN
-    ctl = KeySpectrumControl.attach(model, "hold", scope="head", how="parametrize")
+    ctl = attach(model, "hold", scope="head", how="parametrize")
     assert ctl.pr0.tolist() == pytest.approx([16.0] * 4, rel=1e-9)  # data scale: S in the graph
     run(model, ctl, steps=5)
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -235,20 +247,21 @@ RESUMABLE = [("hold", "data", "post_step"), ("hold", "frobenius", "post_step"),
              ("shrink", "data", "parametrize")]
 
 
+@pytest.mark.parametrize("level", ["token", "weight"])
 @pytest.mark.parametrize("mode, scale, how", RESUMABLE)
 def test_state_dict_resume_reproduces_the_uninterrupted_run(mode: str, scale: str,
-                                                            how: str) -> None:
-    """Every mode: weights, records, counters and S after a resume equal the uninterrupted
-    run's bit for bit (the state carries PR0, the step, the window counters and S)."""
-    kw = dict(scale=scale, ramp_steps=STEPS, how=how)
+                                                            how: str, level: str) -> None:
+    """Every mode: weights, records, counters and Σ after a resume equal the uninterrupted
+    run's bit for bit (the state carries PR0, the step, the window counters and Σ)."""
+    kw = dict(level=level, scale=scale, ramp_steps=STEPS, how=how)
     full = make_model()
-    c_full = KeySpectrumControl.attach(full, mode, **kw)
+    c_full = attach(full, mode, **kw)
     opt_full = torch.optim.AdamW(full.parameters(), lr=LR)
     run(full, c_full, steps=10, opt=opt_full)
     run(full, c_full, steps=10, start=10, opt=opt_full)
 
     first = make_model()
-    c_first = KeySpectrumControl.attach(first, mode, **kw)
+    c_first = attach(first, mode, **kw)
     opt_first = torch.optim.AdamW(first.parameters(), lr=LR)
     run(first, c_first, steps=10, opt=opt_first)
     saved = copy.deepcopy({"model": first.state_dict(), "opt": opt_first.state_dict(),
@@ -256,10 +269,10 @@ def test_state_dict_resume_reproduces_the_uninterrupted_run(mode: str, scale: st
     assert saved["ctl"]["step"] == 10
 
     resumed = make_model()
-    c_res = KeySpectrumControl.attach(resumed, mode, **kw, record_initial=False)
+    c_res = attach(resumed, mode, **kw, record_initial=False)
     resumed.load_state_dict(saved["model"])
-    with pytest.raises(QKGeomError, match="step-0"):
-        c_res.step(11)  # no PR0 yet
+    with pytest.raises(QKGeomError, match="step-0|key inputs"):
+        c_res.step(11)  # no PR0 (nor Σ) yet
     c_res.load_state_dict(saved["ctl"])
     opt_res = torch.optim.AdamW(resumed.parameters(), lr=LR)
     opt_res.load_state_dict(saved["opt"])
@@ -268,11 +281,11 @@ def test_state_dict_resume_reproduces_the_uninterrupted_run(mode: str, scale: st
     for pa, pb in zip(full.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(pa, pb)
     assert c_res.last() == c_full.last() and c_res.reshapes == c_full.reshapes
-    if scale == "data":
+    if c_full.moments is not None:
         for j in range(2):
-            assert torch.equal(c_res.moments.matrix(j), c_full.moments.matrix(j))
-    other = KeySpectrumControl.attach(make_model(), "hold" if mode != "hold" else "shrink",
-                                      record_initial=False)
+            assert torch.equal(c_res.moments.covariance(j), c_full.moments.covariance(j))
+    other = attach(make_model(), "hold" if mode != "hold" else "shrink", level=level,
+                   record_initial=False)
     with pytest.raises(QKGeomError, match="mode"):
         other.load_state_dict(saved["ctl"])
 
@@ -287,12 +300,12 @@ def test_bad_arguments_are_qkgeom_errors() -> None:
     for kw in cases:
         args = {"mode": "hold", **kw}
         with pytest.raises(QKGeomError):
-            KeySpectrumControl.attach(model, args.pop("mode"), **args)
+            attach(model, args.pop("mode"), **args)
     with pytest.raises(QKGeomError, match="supported"):
-        KeySpectrumControl.attach(torch.nn.Sequential(torch.nn.Linear(4, 4)), "hold")
-    KeySpectrumControl.attach(model, "hold", how="parametrize")
+        attach(torch.nn.Sequential(torch.nn.Linear(4, 4)), "hold")
+    attach(model, "hold", how="parametrize")
     with pytest.raises(QKGeomError, match="twice"):
-        KeySpectrumControl.attach(model, "hold", how="parametrize")
+        attach(model, "hold", how="parametrize")
 
 
 # ------------------------------------------------------------------ the trainer callback
@@ -305,7 +318,7 @@ def ctx_for(model: GPT, step: int = 0) -> TrainContext:
 
 def test_callback_attaches_to_the_built_model_steps_and_reports_on_probe() -> None:
     model = make_model()
-    cb = KeyControlCallback(KeyControlConfig("shrink", dose=0.5))  # ramp: warmup_steps
+    cb = KeyControlCallback(KeyControlConfig("shrink", level="weight", dose=0.5))  # ramp: warmup
     ctx = ctx_for(model)
     cb.on_model_built(ctx)
     cb.on_train_start(ctx)
@@ -329,7 +342,7 @@ def test_callback_attaches_to_the_built_model_steps_and_reports_on_probe() -> No
 def test_callback_resume_takes_pr0_from_the_state_not_from_the_weights() -> None:
     """A resumed run's targets come from the checkpoint's state (loaded after the model is
     built), never from the trained weights it attaches to."""
-    hold = KeyControlConfig("hold")
+    hold = KeyControlConfig("hold", level="weight")
     model = make_model()
     cb = KeyControlCallback(hold)
     cb.on_model_built(ctx_for(model))

@@ -13,7 +13,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from qkgeom.control import KeySpectrumControl, apply_target  # noqa: E402
-from qkgeom.geometry.spectra import weight_pr  # noqa: E402
+from qkgeom.geometry.spectra import participation_ratio, weight_pr  # noqa: E402
 
 V, T, STEPS = 50, 12, 20
 
@@ -88,31 +88,45 @@ def train_steps(model: torch.nn.Module, ctl: KeySpectrumControl, arch: str,
     return recs
 
 
+def level_pr(ctl: KeySpectrumControl, w: torch.Tensor, j: int) -> float:
+    """PR_K of the key rows ``w`` at the control's level, from its definition: the weight's
+    singular values, or the keys' covariance W Σ_ε Wᵀ on the control's input moments."""
+    w = w.double()
+    if ctl.level == "weight":
+        return float(weight_pr(w))
+    sig = ctl.moments.covariance(j)
+    sig = sig + 1e-3 * torch.trace(sig) / sig.shape[0] * torch.eye(sig.shape[0], dtype=sig.dtype)
+    return float(participation_ratio(torch.linalg.eigvalsh(w @ sig @ w.mT).clamp_min(0)))
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "bert"])
 @pytest.mark.parametrize("scope", ["layer", "head"])
-def test_hold_keeps_the_key_pr_on_target_through_training(arch: str, scope: str) -> None:
+@pytest.mark.parametrize("level", ["token", "weight"])
+def test_hold_keeps_the_key_pr_on_target_through_training(arch: str, scope: str,
+                                                          level: str) -> None:
     model = build(arch)
-    ctl = KeySpectrumControl.attach(model, "hold", scope=scope)
-    pr0 = ctl.pr0.clone()
+    ctl = KeySpectrumControl.attach(model, "hold", level=level, scope=scope)
     train_steps(model, ctl, arch)
+    pr0 = ctl.pr0.clone()  # token level: W at step 0 on the first batch's Σ
+    assert bool(torch.isfinite(pr0).all())
     now = ctl.current_pr()
     assert (((now - pr0).abs() / pr0) < 1e-3).all()
     # independently: PR of the key slice read straight from the weight
     site = ctl.sites[1]
     w = site.weight("k")
     if scope == "layer":
-        assert float(weight_pr(w)) == pytest.approx(float(pr0[1]), rel=1e-3)
+        assert level_pr(ctl, w, 1) == pytest.approx(float(pr0[1]), rel=1e-3)
     else:
         head0 = w[:site.head_dim]
-        assert float(weight_pr(head0)) == pytest.approx(float(pr0[site.n_kv_head]), rel=1e-3)
+        assert level_pr(ctl, head0, 1) == pytest.approx(float(pr0[site.n_kv_head]), rel=1e-3)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "gpt_neox", "llama", "bert"])
 def test_the_data_rule_sees_each_familys_key_inputs_and_keeps_their_key_scale(
         arch: str) -> None:
     """The input hook sits on the module holding W_K (fused c_attn / query_key_value too):
-    S is the second moment of what that module receives, and each step keeps
-    tr(W_K S W_Kᵀ) of every layer (GQA: the key heads' rows)."""
+    Σ is the centred covariance of every token that module receives, and each step keeps
+    the key spread tr(W_K Σ W_Kᵀ) of every layer (GQA: the key heads' rows)."""
     model = build(arch)
     ctl = KeySpectrumControl.attach(model, "hold", scope="head")
     seen: dict[int, torch.Tensor] = {}
@@ -130,17 +144,19 @@ def test_the_data_rule_sees_each_familys_key_inputs_and_keeps_their_key_scale(
     before = [site.weight("k").double() for site in ctl.sites]
     ctl.step(1)
     for j, site in enumerate(ctl.sites):
-        s = ctl.moments.matrix(j)
-        xs = seen[j]  # 48 tokens, under the 512 the hook keeps: S is their mean x xᵀ
-        torch.testing.assert_close(s, xs.mT @ xs / xs.shape[0], rtol=1e-5, atol=1e-7)
+        s = ctl.moments.covariance(j)
+        xs = seen[j] - seen[j].mean(dim=0)  # 48 tokens: Σ is their covariance (ddof 0)
+        torch.testing.assert_close(s, xs.mT @ xs / xs.shape[0], rtol=1e-5, atol=1e-6)
         after = site.weight("k").double()
         kept = ((after @ s) * after).sum() / ((before[j] @ s) * before[j]).sum()
         assert abs(float(kept) - 1) < 1e-6
 
 
-def test_parametrize_on_a_fused_gpt2_weight_changes_only_the_key() -> None:
+@pytest.mark.parametrize("level", ["token", "weight"])
+def test_parametrize_on_a_fused_gpt2_weight_changes_only_the_key(level: str) -> None:
     model = build("gpt2")
-    ctl = KeySpectrumControl.attach(model, "shrink", ramp_steps=STEPS, how="parametrize")
+    ctl = KeySpectrumControl.attach(model, "shrink", level=level, ramp_steps=STEPS,
+                                    how="parametrize")
     recs = train_steps(model, ctl, "gpt2", steps=5)
     for site in ctl.sites:
         eff, raw = site.key_effective().detach(), site.key_stored().detach()
@@ -162,7 +178,8 @@ def test_a_tall_key_projection_is_reshaped_like_apply_target() -> None:
     model = transformers.LlamaForCausalLM(cfg)
     w0 = model.model.layers[0].self_attn.k_proj.weight.detach().clone()
     assert w0.shape == (64, 32)
-    ctl = KeySpectrumControl.attach(model, "shrink", scale="frobenius", dose=0.7, ramp_steps=2)
+    ctl = KeySpectrumControl.attach(model, "shrink", level="weight", scale="frobenius", dose=0.7,
+                                    ramp_steps=2)
     assert ctl.sites[0].n_kv_head == 4 and ctl.sites[0].head_dim == 16
     ctl.step(2)
     want, _ = apply_target(w0, 0.7 * float(ctl.pr0[0]))

@@ -28,8 +28,19 @@ def explicit(q, k, causal, scale):
     n = (torch.arange(1, T + 1) if causal else torch.full((T,), T)).double()  # visible keys
     ok = n >= 2
     norm = (ent / n.clamp_min(2).log() * ok).sum((0, 2)) / (q.shape[0] * int(ok.sum()))
+    # within-row std of the visible logits, and the entropy of each row divided by it
+    sd = torch.zeros(s.shape[:-1], dtype=torch.float64)
+    ent_sf = torch.zeros(s.shape[:-1], dtype=torch.float64)
+    for t in range(T):
+        row = s[..., t, : t + 1] if causal else s[..., t, :]  # (B, H, n_t)
+        sd[..., t] = row.std(dim=-1, unbiased=False)
+        scaled = row / torch.where(sd[..., t] > 0, sd[..., t], 1.0)[..., None]
+        ps = scaled.softmax(-1)
+        ent_sf[..., t] = -(torch.where(ps > 0, ps * ps.log(), 0.0)).sum(-1)
+    sd_row = (sd * ok).sum((0, 2)) / (q.shape[0] * int(ok.sum()))
     return {"attn_entropy": ent.mean((0, 2)), "attn_entropy_norm": norm,
-            "attn_max": p.amax(-1).mean((0, 2))}
+            "attn_max": p.amax(-1).mean((0, 2)), "attn_entropy_scalefree": ent_sf.mean((0, 2)),
+            "logit_std_row": sd_row}
 
 
 def _close(a: dict, b: dict, **kw) -> None:
@@ -89,6 +100,38 @@ def test_hand_computed_two_key_case_causal() -> None:
     assert float(res["attn_entropy"][0]) == pytest.approx((0.0 + H_34) / 2, rel=1e-6)
     assert float(res["attn_entropy_norm"][0]) == pytest.approx(H_34_BITS, rel=1e-6)
     assert float(res["attn_max"][0]) == pytest.approx((1.0 + 0.75) / 2, rel=1e-6)
+
+
+def test_hand_computed_within_row_scale_and_scale_free_entropy() -> None:
+    # hd = 1, scale 1: query 1 scores (ln 3, 0): σ_1 = ln 3 / 2, so the scale-free row is
+    # (2, 0) -> p = (e²/(e² + 1), 1/(e² + 1)). Query 0 sees one key: σ 0, entropy 0.
+    q = torch.tensor([0.7, math.log(3.0)], dtype=torch.float64).reshape(1, 1, 2, 1)
+    k = torch.tensor([1.0, 0.0], dtype=torch.float64).reshape(1, 1, 2, 1)
+    stats = StreamingEntropy(1, causal=True)
+    stats.update(q, k, scale=1.0)
+    res = stats.result()
+    p1 = math.e**2 / (math.e**2 + 1)
+    h_sf = -(p1 * math.log(p1) + (1 - p1) * math.log(1 - p1))
+    assert float(res["logit_std_row"][0]) == pytest.approx(math.log(3.0) / 2, rel=1e-13)
+    assert float(res["attn_entropy_scalefree"][0]) == pytest.approx(h_sf / 2, rel=1e-13)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("blocks", [None, (4, 5)])
+def test_a_temperature_moves_entropy_but_not_the_scale_free_entropy(causal, blocks) -> None:
+    """Multiplying every logit by 3 (a temperature of 1/3) sharpens attention and triples
+    the within-row scale; the scale-free entropy does not move."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 23, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 23, 4, generator=g, dtype=torch.float64)
+    one, three = StreamingEntropy(2, causal=causal), StreamingEntropy(2, causal=causal)
+    one.update(q, k, blocks=blocks)
+    three.update(3 * q, k, blocks=blocks)
+    a, b = one.result(), three.result()
+    assert bool((b["attn_entropy"] < a["attn_entropy"] - 0.1).all())
+    torch.testing.assert_close(b["logit_std_row"], 3 * a["logit_std_row"], rtol=1e-12, atol=0)
+    torch.testing.assert_close(b["attn_entropy_scalefree"], a["attn_entropy_scalefree"],
+                               rtol=1e-12, atol=1e-12)
 
 
 def test_hand_computed_two_key_case_bidirectional() -> None:

@@ -46,6 +46,8 @@ def test_metric_names_are_the_documented_names() -> None:
         "attn_entropy",
         "attn_entropy_norm",
         "attn_max",
+        "attn_entropy_scalefree",
+        "logit_std_row",
         "pr_q_token_post",
         "pr_k_token_post",
         "contrast_token_post",

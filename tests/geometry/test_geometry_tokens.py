@@ -117,7 +117,8 @@ def test_qk_and_attention_match_direct_computation(dtype: torch.dtype, rel: floa
     attn = StreamingEntropy(n_head, causal=True)
     attn.update(q, k)
     ref = attn.result()
-    for name in ("attn_entropy", "attn_entropy_norm", "attn_max"):
+    for name in ("attn_entropy", "attn_entropy_norm", "attn_max", "attn_entropy_scalefree",
+                 "logit_std_row"):
         for h in range(n_head):
             assert rec[(h, name)] == pytest.approx(float(ref[name][h]), rel=rel)
         assert rec[(LAYER, name)] == pytest.approx(float(ref[name].mean()), rel=rel)

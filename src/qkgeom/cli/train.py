@@ -16,7 +16,8 @@ _FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth: 
               "n_embd": "model.n_embd", "n_head": "model.n_head",
               "block_size": "model.block_size", "qk_init": "model.qk_init",
               "key_control": "key_control.mode", "dose": "key_control.dose",
-              "key_control_scope": "key_control.scope"}
+              "key_control_scope": "key_control.scope",
+              "key_control_level": "key_control.level"}
 #: The word that names the embedded Wikipedia sample (config ``data: ""``), as in
 #: ``qkgeom analyze --text sample``.
 SAMPLE = "sample"
@@ -169,6 +170,9 @@ def register(app: typer.Typer) -> None:
         key_control_scope: Annotated[str | None, typer.Option(
             help="Key control per layer | head (default: layer).", show_default=False)]
             = None,
+        key_control_level: Annotated[str | None, typer.Option(
+            help="Key control of the keys' spectrum on the layer's inputs (token) or of "
+                 "W_K's (weight) (default: token).", show_default=False)] = None,
         set_: Annotated[list[str] | None, typer.Option(
             "--set", help="Any config key, dotted, repeatable (applied last): --set "
                           "model.dropout=0.1 --set eval_every=50.", show_default=False)] = None,
@@ -195,7 +199,7 @@ def register(app: typer.Typer) -> None:
             n_head=n_head, block_size=block_size, batch_size=batch_size, lr=lr,
             qk_init=qk_init, probe_every=probe_every, precision=precision, compile=compile_,
             device=device, threads=threads, key_control=key_control, dose=dose,
-            key_control_scope=key_control_scope))
+            key_control_scope=key_control_scope, key_control_level=key_control_level))
         overrides = deep_merge(overrides, parse_dotted(set_ or []))
         cfg = make_config(preset, overrides)
         out = out or Path("runs") / f"{preset}-s{cfg.seed}"

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from qkgeom.config import KeyControlConfig
 from qkgeom.control.keyspectrum import KeySpectrumControl
-from qkgeom.control.trajectory import frame_to_trajectory, read_key_pr, write_key_pr
+from qkgeom.control.trajectory import FIELDS, frame_to_trajectory, read_key_pr, write_key_pr
 from qkgeom.errors import QKGeomError
 from qkgeom.runs import KEY_PR
 from qkgeom.training.callbacks import Callback
@@ -69,12 +69,13 @@ class KeyControlCallback(Callback):
         s = self.settings
         ramp = ctx.config.warmup_steps if s.ramp_steps < 0 else s.ramp_steps
         self.control = KeySpectrumControl.attach(
-            ctx.model, s.mode, scope=s.scope, scale=s.scale, dose=s.dose, ramp_steps=ramp,
-            reference=self.reference_dir, how=s.how, layers=self.layers, record=s.record)
+            ctx.model, s.mode, level=s.level, scope=s.scope, scale=s.scale, dose=s.dose,
+            ramp_steps=ramp, reference=self.reference_dir, how=s.how, layers=self.layers,
+            record=s.record)
         table = self.control.reference
-        if table is not None and table.shape[0] <= ctx.config.steps:
+        if table is not None and table["pr"].shape[0] <= ctx.config.steps:
             raise QKGeomError(f"{self.reference_dir / KEY_PR}: the reference run's key PR "
-                              f"ends at step {table.shape[0] - 1}, this run trains "
+                              f"ends at step {table['pr'].shape[0] - 1}, this run trains "
                               f"{ctx.config.steps} steps; train the reference to its end first")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -85,18 +86,21 @@ class KeyControlCallback(Callback):
             self.control.trajectory = self._saved_trajectory(self.control.step_count)
         self._restored = True
 
-    def _saved_trajectory(self, step: int) -> tuple[list[int], list[Any]]:
-        """The run's recorded rows up to ``step``; they must be whole to go on."""
+    def _saved_trajectory(self, step: int) -> tuple[list[int], dict[str, list[Any]]]:
+        """The run's recorded rows up to ``step``; they must be whole to go on. At step 0
+        there may be none yet: the step-0 row waits for the first training batch's Σ."""
         where = self.run_dir / KEY_PR
         frame = read_key_pr(self.run_dir, upto=step)
+        if step == 0 and (frame is None or frame.empty):
+            return [], {f: [] for f in FIELDS}
         if frame is None:
             raise QKGeomError(f"{where}: missing, so the run's key PR trajectory cannot be "
                               "continued whole; train the run again into a new folder")
-        steps, prs = frame_to_trajectory(frame, self.control.names, str(where))
+        steps, values = frame_to_trajectory(frame, self.control.names, str(where))
         if steps != list(range(step + 1)):
             raise QKGeomError(f"{where}: the trajectory does not reach the resumed step "
                               f"{step} without gaps; train the run again into a new folder")
-        return steps, prs
+        return steps, values
 
     def on_train_start(self, ctx: TrainContext) -> None:
         if ctx.step > 0 and not self._restored:

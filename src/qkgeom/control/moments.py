@@ -1,24 +1,29 @@
-"""The running second moment S ≈ E[x xᵀ] of each layer's key-projection input (data scale).
+"""Σ, the running centred covariance of each layer's key-projection input.
 
-Why: the ``data`` scale rule keeps tr(W S Wᵀ), the mean squared key norm on the inputs the
-layer actually receives. ‖W_K‖_F is that only when the inputs are isotropic; a LayerNorm
-output that lives in a few directions makes reshaping W_K move energy into directions the
-keys never use, so the logits shrink although ‖W_K‖_F is kept (docs/definitions.md#scale-rule).
+Why: the keys a layer's attention compares are k = W_K·x on the inputs x the layer actually
+receives, so their spectrum is that of W_K Σ W_Kᵀ with Σ the covariance of x, not that of
+W_K. The token level of the key control reshapes that spectrum, and the ``data`` scale rule
+keeps (or matches to a paired run) the key spread tr(W_K Σ W_Kᵀ) = E‖k − E k‖², the part of
+the keys' size the softmax sees: a common key offset adds the same logit to a whole row,
+which the softmax ignores, so the covariance is centred (docs/definitions.md#key-spectrum-control).
 
 How: a forward pre-hook on each site's key module (for fused q/k/v the same module, whose
-input is the same x) adds xᵀx of the batch to a pending sum, only in training forwards
-(``module.training`` and gradients on: probes and evaluation run without gradients).
-:meth:`InputMoments.fold` turns what is pending into one update of an exponential moving
-average with a half-life of :data:`HALF_LIFE` steps, initialised from the first batch.
-At most :data:`MAX_TOKENS` evenly strided tokens of each forward are used: the full xᵀx
-of a batch costs as much as the key projection's forward itself, and 512 tokens a batch,
-over the ~30 batches the moving average remembers, still estimate a d × d moment from
-~15 000 tokens.
+input is the same x) adds Σx and xᵀx over *every* token of the batch to pending sums, only
+in training forwards (``module.training`` and gradients on: probes and evaluation run
+without gradients). :meth:`InputMoments.fold` turns what is pending into one update of
+exponential moving averages of E[x] and E[x xᵀ], with a half-life of :data:`HALF_LIFE`
+steps, initialised from the first batch; Σ = E[x xᵀ] − E[x] E[x]ᵀ. Every position counts:
+a strided subset of positions is a biased sample when the inputs carry positional
+embeddings. The xᵀx of a batch costs about one key projection's forward.
+
+:meth:`InputMoments.regularised` is Σ shrunk towards its mean eigenvalue by
+:data:`SHRINK` (Σ + ε·tr(Σ)/d·I): the token-level reshape needs W Σ Wᵀ positive definite
+wherever W has full rank, and directions the recent batches never visited should not be
+treated as directions of zero variance.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,21 +33,23 @@ from torch import Tensor, nn
 from qkgeom.arch import AttentionSite
 from qkgeom.errors import QKGeomError
 
-__all__ = ["HALF_LIFE", "MAX_TOKENS", "InputMoments"]
+__all__ = ["HALF_LIFE", "SHRINK", "InputMoments"]
 
-HALF_LIFE = 20  # steps: S forgets half of its past in 20 updates
-MAX_TOKENS = 512  # tokens per forward pass used for xᵀx (evenly strided)
+HALF_LIFE = 20  # steps: the averages forget half of their past in 20 updates
+SHRINK = 1e-3  # ε of the regularised covariance Σ + ε·tr(Σ)/d·I
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 
 
 class InputMoments:
-    """S per site: float64 (d_model, d_model) tensors on the weights' device."""
+    """Per site: the running E[x] (d,) and E[x xᵀ] (d, d), float64 on the weights' device."""
 
     def __init__(self, sites: Sequence[AttentionSite]) -> None:
         self.sites = list(sites)
         n = len(self.sites)
-        self.moments: list[Tensor | None] = [None] * n
+        self.means: list[Tensor | None] = [None] * n
+        self.seconds: list[Tensor | None] = [None] * n
         self._sum: list[Tensor | None] = [None] * n
+        self._sum_sq: list[Tensor | None] = [None] * n
         self._count = [0] * n
         self._handles = [site.k_module.register_forward_pre_hook(self.hook(j))
                          for j, site in enumerate(self.sites)]
@@ -53,50 +60,78 @@ class InputMoments:
             if not (args and module.training and torch.is_grad_enabled()):
                 return
             x = args[0].detach()
-            x = x.reshape(-1, x.shape[-1])  # (N, d)
-            stride = max(1, math.ceil(x.shape[0] / MAX_TOKENS))
-            xs = x[::stride].float()  # (n, d)
-            if self._sum[j] is None:
-                self._sum[j] = xs.mT @ xs  # (d, d) float32, summed over tokens
+            x = x.reshape(-1, x.shape[-1]).float()  # (N, d)
+            if self._sum_sq[j] is None:
+                self._sum_sq[j] = x.mT @ x  # (d, d) float32, summed over tokens
+                self._sum[j] = x.sum(dim=0)
             else:  # another forward before the step (e.g. gradient accumulation)
-                self._sum[j].addmm_(xs.mT, xs)
-            self._count[j] += xs.shape[0]
+                self._sum_sq[j].addmm_(x.mT, x)
+                self._sum[j].add_(x.sum(dim=0))
+            self._count[j] += x.shape[0]
         return hook
 
     def fold(self) -> None:
         """One moving-average update per site from the forwards since the last fold."""
-        for j, total in enumerate(self._sum):
+        for j, total in enumerate(self._sum_sq):
             if total is None:
                 continue
-            old, total = self.moments[j], total.double()
-            if old is None:
-                self.moments[j] = total / self._count[j]
+            n = self._count[j]
+            mean, second = self._sum[j].double() / n, total.double() / n
+            if self.seconds[j] is None:
+                self.means[j], self.seconds[j] = mean, second
             else:
-                old.mul_(_DECAY).add_(total, alpha=(1 - _DECAY) / self._count[j])
-            self._sum[j], self._count[j] = None, 0
+                self.means[j].mul_(_DECAY).add_(mean, alpha=1 - _DECAY)
+                self.seconds[j].mul_(_DECAY).add_(second, alpha=1 - _DECAY)
+            self._sum[j] = self._sum_sq[j] = None
+            self._count[j] = 0
 
-    def matrix(self, j: int) -> Tensor:
-        s = self.moments[j]
-        if s is None:
-            raise QKGeomError("key control with scale=data needs the key inputs: run a "
-                              "training forward pass (model.train(), gradients on) before "
-                              "calling step()")
-        return s
+    @property
+    def ready(self) -> bool:
+        """Whether every site has seen a training forward (Σ exists)."""
+        return all(s is not None for s in self.seconds)
+
+    def covariance(self, j: int) -> Tensor:
+        """Σ of site ``j``: (d, d) float64, symmetric."""
+        second, mean = self.seconds[j], self.means[j]
+        if second is None:
+            raise QKGeomError("the key control needs the key inputs: run a training forward "
+                              "pass (model.train(), gradients on) before calling step()")
+        cov = second - torch.outer(mean, mean)
+        return (cov + cov.mT) / 2
+
+    def regularised(self, j: int) -> Tensor:
+        """Σ + ε·tr(Σ)/d·I of site ``j`` (:data:`SHRINK`)."""
+        cov = self.covariance(j)
+        d = cov.shape[-1]
+        ridge = SHRINK * torch.diagonal(cov).sum().clamp_min(0) / d
+        return cov + ridge * torch.eye(d, dtype=cov.dtype, device=cov.device)
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    def state_dict(self) -> list[Tensor | None]:
-        return [None if s is None else s.detach().cpu().clone() for s in self.moments]
+    def state_dict(self) -> list[dict[str, Tensor] | None]:
+        return [None if s is None else {"mean": m.detach().cpu().clone(),
+                                        "second": s.detach().cpu().clone()}
+                for m, s in zip(self.means, self.seconds, strict=True)]
 
-    def load_state_dict(self, saved: list[Tensor | None]) -> None:
+    def load_state_dict(self, saved: list[dict[str, Tensor] | None]) -> None:
         if len(saved) != len(self.sites):
             raise QKGeomError(f"saved key-input moments cover {len(saved)} layers, this "
                               f"control {len(self.sites)}")
-        self.moments = [None if s is None else
-                        s.to(device=site.key_stored().device, dtype=torch.float64).clone()
-                        for s, site in zip(saved, self.sites, strict=True)]
-        self._sum = [None] * len(self.sites)
-        self._count = [0] * len(self.sites)
+        means, seconds = [], []
+        for item, site in zip(saved, self.sites, strict=True):
+            if item is None:
+                means.append(None)
+                seconds.append(None)
+                continue
+            if not (isinstance(item, dict) and {"mean", "second"} <= set(item)):
+                raise QKGeomError("saved key-input moments are not mean/second pairs: the "
+                                  "checkpoint was written by another qkgeom; train again")
+            dev = site.key_stored().device
+            means.append(torch.as_tensor(item["mean"]).to(device=dev, dtype=torch.float64))
+            seconds.append(torch.as_tensor(item["second"]).to(device=dev, dtype=torch.float64))
+        self.means, self.seconds = means, seconds
+        n = len(self.sites)
+        self._sum, self._sum_sq, self._count = [None] * n, [None] * n, [0] * n

@@ -25,15 +25,23 @@ Reported means over every (sequence, query position) with ``n_t`` visible keys (
 
 - ``attn_entropy``: mean ``H_t`` (0 = one-hot, ``log n_t`` = uniform);
 - ``attn_entropy_norm``: mean of ``H_t / log n_t`` over rows with ``n_t ≥ 2`` (in [0, 1]);
-- ``attn_max``: mean of ``max_s p_ts`` (in [1/n_t, 1]).
+- ``attn_max``: mean of ``max_s p_ts`` (in [1/n_t, 1]);
+- ``logit_std_row``: the **within-row logit scale**, mean over rows with ``n_t ≥ 2`` of
+  σ_t, the standard deviation of the row's visible scaled logits. It is the scale the
+  softmax of that row sees; the pooled ``logit_std`` below also holds the spread *between*
+  rows (a shift of a whole row), which the softmax ignores;
+- ``attn_entropy_scalefree``: mean ``H_t`` of ``softmax(s_t / σ_t)``, the entropy once each
+  row's logits are divided by their own standard deviation (σ_t = 0: the row is left as it
+  is, all its logits equal). A change of temperature alone leaves it unchanged, so a
+  sharpening that survives in it comes from the shape of the logits, not their scale.
 
-The same blocks give ``logit_std``: while a block's scores are in hand, the sum and the sum
-of squares of the visible ones (the (query, key) pairs the softmax uses: causally s ≤ t,
-bidirectionally all) go into running float64 totals per head, so the standard deviation of
-the scaled logits needs no second pass over the T² scores. The keys before a causal block
-are seen by all its queries: there Σ s² is one read of the scores and Σ s =
-(Σ_t q_t)·(Σ_s k_s) needs no scores at all; only the block's diagonal square is read with
-its later keys zeroed.
+Per row, the sum of the visible scores is a matrix-vector product for the keys before a
+causal block (q_t·Σ_s k_s) plus a read of the block's diagonal square; the row is then
+shifted by its mean in place (softmax ignores the shift) and Σ (s − mean)² read, so the
+row variance has no cancellation. The same row sums give ``logit_std``, the standard
+deviation of the visible scaled logits of a head pooled over all its (query, key) pairs
+(causally s ≤ t, bidirectionally all), in running float64 totals. Rows longer than a block
+take two passes over their key chunks: the row moments, then the two online softmaxes.
 """
 
 from __future__ import annotations
@@ -49,23 +57,29 @@ from qkgeom.geometry.workspace import Workspace
 __all__ = ["ATTENTION_METRICS", "StreamingEntropy", "logit_std_from_moments",
            "visible_pairs"]
 
-ATTENTION_METRICS = ("attn_entropy", "attn_entropy_norm", "attn_max")
+ATTENTION_METRICS = ("attn_entropy", "attn_entropy_norm", "attn_max", "attn_entropy_scalefree",
+                     "logit_std_row")
 
 _MAX_BLOCK_ELEMENTS = 2**22  # scores per block: 16 MiB in float32
 _LOG_TINY = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}
 _NEG = -1e30  # masked score: exp(−1e30 − m) is exactly 0 and (−1e30 − m)·0 = 0 (no NaN)
-_SUMS = 5  # per head: Σ H_t, Σ H_t / log n_t, Σ max p, Σ s, Σ s² (s = visible scaled logits)
+# per head: Σ H_t, Σ H_t / log n_t, Σ max p, Σ s, Σ s² (s = visible scaled logits),
+# Σ σ_t (rows with n_t >= 2), Σ H_t of softmax(s_t / σ_t)
+_SUMS = 7
+_ROWS = 4  # per row: Σ p log p, max p, σ_t, Σ p′ log p′ of the scale-free softmax
+_TINY_STD = 1e-30  # a row std at or below this is a row of equal logits (left unscaled)
 
 
 @functools.lru_cache(maxsize=64)
 def _row_weights(T: int, causal: bool, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """(2, T) weights turning per-row Σ p log p into Σ H_t and Σ H_t / log n_t (rows with
-    n_t >= 2 visible keys only)."""
+    """(3, T) weights turning per-row values into sums: −1 (Σ p log p into Σ H_t),
+    −1/log n_t (into Σ H_t / log n_t) and 1 where n_t >= 2 (Σ σ_t), 0 on rows with one key."""
     with torch.inference_mode(False):
         n_vis = (torch.arange(1, T + 1, dtype=dtype, device=device) if causal
                  else torch.full((T,), float(T), dtype=dtype, device=device))  # (T,) keys
-        inv_log = torch.where(n_vis >= 2, n_vis.clamp_min(2).log().reciprocal(), 0.0)  # (T,)
-        return -torch.stack([torch.ones_like(n_vis), inv_log])  # (2, T)
+        two = n_vis >= 2
+        inv_log = torch.where(two, n_vis.clamp_min(2).log().reciprocal(), 0.0)  # (T,)
+        return torch.stack([-torch.ones_like(n_vis), -inv_log, two.to(dtype)])  # (3, T)
 
 
 @functools.lru_cache(maxsize=64)
@@ -170,8 +184,9 @@ class StreamingEntropy:
     def batch_sums(self, qg: Tensor, kk: Tensor, B: int,
                    blocks: tuple[int, int] | None = None,
                    workspace: Workspace | None = None) -> Tensor:
-        """The (5, H) float64 sums of one batch (layouts of :meth:`prepare`), not yet added:
-        Σ H_t, Σ H_t / log n_t, Σ max p, Σ s and Σ s² over the visible scores s.
+        """The (7, H) float64 sums of one batch (layouts of :meth:`prepare`), not yet added:
+        Σ H_t, Σ H_t / log n_t, Σ max p, Σ s and Σ s² over the visible scores s, Σ σ_t and
+        Σ H_t of the scale-free softmax (see the module docstring).
 
         Why separate from :meth:`add_sums`: a caller keeping several totals (all tokens and
         the current token block, :class:`~qkgeom.geometry.tokens.LayerGeometry`) computes
@@ -181,23 +196,27 @@ class StreamingEntropy:
         Hk, H = BHk // B, BHk // B * R
         dtype, dev = qg.dtype, qg.device
         c, kc = blocks or self.blocks(B, T)
-        rows = ws.get("entropy.rows", (2, BHk, T * R), dtype, dev)  # Σ p log p, max p
+        rows = ws.get("entropy.rows", (_ROWS, BHk, T * R), dtype, dev)  # see _ROWS
         moments = ws.get("entropy.moments", (2, BHk, R), dtype, dev).zero_()  # Σ s, Σ s²
         for t0 in range(0, T, c):
             t1 = min(T, t0 + c)
             n, nk = t1 - t0, (t1 if self.causal else T)  # query rows, visible keys
             qb = qg[:, t0:t1].reshape(BHk, n * R, hd)  # (B·Hk, n·R, hd), a view
-            out = rows[:, :, t0 * R : t1 * R]  # (2, B·Hk, n·R)
+            out = rows[:, :, t0 * R : t1 * R]  # (_ROWS, B·Hk, n·R)
+            n_vis = (torch.arange(t0 + 1, t1 + 1, dtype=dtype, device=dev) if self.causal
+                     else torch.full((n,), float(T), dtype=dtype, device=dev))  # (n,) keys
             if nk <= kc:
-                self._whole_rows(qb, kk[:, :nk], t0, n, R, out, moments, ws)
+                self._whole_rows(qb, kk[:, :nk], t0, n, R, n_vis, out, moments, ws)
             else:
-                self._online_rows(qb, kk, t0, n, R, nk, kc, out, moments)
-        w = _row_weights(T, self.causal, dtype, dev)  # (2, T): −1 and −1/log n_t
-        neg_ent = rows[0].view(B, Hk, T, R)
+                self._online_rows(qb, kk, t0, n, R, nk, kc, n_vis, out, moments)
+        w = _row_weights(T, self.causal, dtype, dev)  # (3, T): −1, −1/log n_t, 1{n_t ≥ 2}
+        per_row = rows.view(_ROWS, B, Hk, T, R)
         sums = torch.empty(_SUMS, H, dtype=torch.float64, device=dev)
-        sums[:2] = torch.einsum("bgtr,wt->wgr", neg_ent, w).reshape(2, H)  # Σ H_t, Σ H_t/log n_t
-        sums[2] = rows[1].view(B, Hk, T, R).sum(dim=(0, 2)).reshape(H)
-        sums[3:] = moments.view(2, B, Hk, R).sum(dim=1).reshape(2, H)
+        sums[:2] = torch.einsum("bgtr,wt->wgr", per_row[0], w[:2]).reshape(2, H)
+        sums[2] = per_row[1].sum(dim=(0, 2)).reshape(H)
+        sums[3:5] = moments.view(2, B, Hk, R).sum(dim=1).reshape(2, H)
+        sums[5] = torch.einsum("bgtr,t->gr", per_row[2], w[2]).reshape(H)  # Σ σ_t, n_t ≥ 2
+        sums[6] = torch.einsum("bgtr,t->gr", per_row[3], w[0]).reshape(H)  # Σ H_t, scale-free
         return sums
 
     def add_sums(self, sums: Tensor, B: int, T: int) -> None:
@@ -209,90 +228,121 @@ class StreamingEntropy:
         self.n_pairs += B * visible_pairs(T, self.causal)
 
     @staticmethod
-    def _add_moments(s: Tensor, moments: Tensor, sums: Tensor | None = None) -> None:
-        """Σ s and Σ s² of visible scores ``s`` (B·Hk, n, R, k) per (B·Hk, R) into
-        ``moments`` (2, B·Hk, R), one read each (none for Σ s when the caller has ``sums``
-        from the queries and keys); no temporary the size of ``s``."""
-        moments[0].add_(s.sum(dim=(1, 3)) if sums is None else sums)  # in place: no copy back
-        moments[1].add_(torch.linalg.vector_norm(s, dim=(1, 3)).square_())
+    def _row_moments(r1: Tensor, r2c: Tensor, n_vis: Tensor, R: int, out: Tensor,
+                     moments: Tensor) -> Tensor:
+        """From each row's Σ s (``r1``) and Σ (s − mean)² (``r2c``), both (B·Hk, n·R), and
+        its visible keys ``n_vis`` (n,): σ_t into ``out[2]``, the pooled Σ s and Σ s² into
+        ``moments`` (2, B·Hk, R); returns 1/σ_t (1 for a row of equal logits), (B·Hk, n·R, 1)."""
+        nv = n_vis.repeat_interleave(R)  # (n·R,) rows in (position, head) order
+        mean = r1 / nv
+        sd = (r2c / nv).clamp_min_(0.0).sqrt_()
+        out[2].copy_(sd)
+        BHk = r1.shape[0]
+        moments[0].add_(r1.view(BHk, -1, R).sum(dim=1))
+        moments[1].add_((r2c + nv * mean * mean).view(BHk, -1, R).sum(dim=1))
+        return torch.where(sd > _TINY_STD, sd.reciprocal(), torch.ones_like(sd))[..., None]
 
     @staticmethod
-    def _pair_sums(qb: Tensor, kb: Tensor, R: int) -> Tensor:
-        """(B·Hk, R) Σ_t Σ_s q_t·k_s over every pair of queries ``qb`` (B·Hk, n·R, hd) and
-        keys ``kb`` (B·Hk, m, hd): (Σ_t q_t)·(Σ_s k_s), without the n × m scores."""
-        q_sum = qb.view(qb.shape[0], -1, R, qb.shape[-1]).sum(dim=1)  # (B·Hk, R, hd)
-        return torch.bmm(q_sum, kb.sum(dim=1)[:, :, None])[..., 0]
-
-    def _whole_rows(self, qb: Tensor, kb: Tensor, t0: int, n: int, R: int, out: Tensor,
-                    moments: Tensor, ws: Workspace) -> None:
-        """Rows whose visible keys ``kb`` (B·Hk, nk, hd) fit one block: an explicit log
-        softmax; ``out`` (2, B·Hk, n·R) gets Σ p log p (non-positive terms: no
-        cancellation) and the max weight; ``moments`` the visible scores' Σ s, Σ s²."""
-        shape = (qb.shape[0], qb.shape[1], kb.shape[1])  # (B·Hk, n·R, nk)
-        s = torch.bmm(qb, kb.mT, out=ws.get("entropy.s", shape, qb.dtype, qb.device))
-        grid = s.view(-1, n, R, shape[2])  # (B·Hk, n, R, nk)
-        if self.causal and n > 1:  # keys after the query, only in the last n columns
-            if t0:  # keys before the block: seen by every query of it
-                self._add_moments(grid[..., :t0], moments, self._pair_sums(qb, kb[:, :t0], R))
-            diag = ws.get("entropy.diag", (shape[0], n, R, n), s.dtype, s.device)
-            self._add_moments(torch.mul(grid[..., t0:], _lower(n, s.dtype, s.device), out=diag),
-                              moments)  # the diagonal square, later keys zeroed
-            grid[..., t0:].add_(_upper(n, s.dtype, s.device))
-        else:
-            self._add_moments(grid, moments, self._pair_sums(qb, kb, R))
-        logp = torch.log_softmax(s, dim=-1, out=ws.get("entropy.logp", shape, s.dtype, s.device))
+    def _entropy_rows(s: Tensor, logp: Tensor, neg_ent: Tensor, top: Tensor | None) -> None:
+        """Σ p log p of ``softmax(s)`` per row into ``neg_ent`` (non-positive terms: no
+        cancellation), and with ``top`` the largest weight; ``s`` is spent (holds p)."""
+        torch.log_softmax(s, dim=-1, out=logp)
         # log p >= log(smallest normal) + 1: keeps p and p log p out of the subnormal range,
         # where exp and mul run ~100x slower on x86; a weight below ~1e-37 (float32) then
         # adds at most 3e-36 nats per key, far below round-off (masked keys included).
         logp.clamp_(min=_LOG_TINY[s.dtype])
         p = torch.exp(logp, out=s)
-        torch.amax(p, dim=-1, out=out[1])
-        torch.sum(p.mul_(logp), dim=-1, out=out[0])
+        if top is not None:
+            torch.amax(p, dim=-1, out=top)
+        torch.sum(p.mul_(logp), dim=-1, out=neg_ent)
+
+    def _whole_rows(self, qb: Tensor, kb: Tensor, t0: int, n: int, R: int, n_vis: Tensor,
+                    out: Tensor, moments: Tensor, ws: Workspace) -> None:
+        """Rows whose visible keys ``kb`` (B·Hk, nk, hd) fit one block: the row moments
+        (then the row is centred in place), an explicit log softmax of the row and of the
+        row divided by its σ_t; ``out`` (_ROWS, B·Hk, n·R) gets the per-row values and
+        ``moments`` the pooled Σ s, Σ s²."""
+        shape = (qb.shape[0], qb.shape[1], kb.shape[1])  # (B·Hk, n·R, nk)
+        s = torch.bmm(qb, kb.mT, out=ws.get("entropy.s", shape, qb.dtype, qb.device))
+        grid = s.view(-1, n, R, shape[2])  # (B·Hk, n, R, nk)
+        causal_block = self.causal and n > 1
+        if causal_block:  # keys after the query, only in the last n columns
+            pre = kb[:, :t0].sum(dim=1) if t0 else None  # (B·Hk, hd): seen by every query
+            r1 = torch.bmm(qb, pre[:, :, None])[..., 0] if t0 else None
+            lower = _lower(n, s.dtype, s.device)
+            diag = ws.get("entropy.diag", (shape[0], n, R, n), s.dtype, s.device)
+            d1 = torch.mul(grid[..., t0:], lower, out=diag).sum(dim=-1).view(shape[0], -1)
+            r1 = d1 if r1 is None else r1.add_(d1)
+        else:
+            r1 = torch.bmm(qb, kb.sum(dim=1)[:, :, None])[..., 0]  # (B·Hk, n·R)
+        s.sub_((r1 / n_vis.repeat_interleave(R))[..., None])  # centred rows: same softmax
+        if causal_block:
+            r2c = torch.linalg.vector_norm(
+                torch.mul(grid[..., t0:], lower, out=diag), dim=-1).square_()
+            if t0:
+                r2c.add_(torch.linalg.vector_norm(grid[..., :t0], dim=-1).square_())
+            r2c = r2c.view(shape[0], -1)
+            grid[..., t0:].add_(_upper(n, s.dtype, s.device))
+        else:
+            r2c = torch.linalg.vector_norm(s, dim=-1).square_()
+        inv = self._row_moments(r1, r2c, n_vis, R, out, moments)
+        logp = ws.get("entropy.logp", shape, s.dtype, s.device)
+        scaled = torch.mul(s, inv, out=ws.get("entropy.sf", shape, s.dtype, s.device))
+        self._entropy_rows(scaled, logp, out[3], None)
+        self._entropy_rows(s, logp, out[0], out[1])
 
     def _online_rows(self, qb: Tensor, kk: Tensor, t0: int, n: int, R: int, nk: int, kc: int,
-                     out: Tensor, moments: Tensor) -> None:
-        """Rows longer than a block: online softmax over key chunks (the recurrence of the
-        module docstring); ``out`` and ``moments`` as in :meth:`_whole_rows`."""
-        m = z = a = None
-        for s0 in range(0, nk, kc):
-            s1 = min(nk, s0 + kc)
-            s = torch.bmm(qb, kk[:, s0:s1].mT)  # (B·Hk, n·R, kc)
-            grid = s.view(-1, n, R, s1 - s0)  # (B·Hk, n, R, kc)
-            if self.causal and s1 > t0 + 1:  # keys after a query: a finite −∞
-                qpos = torch.arange(t0, t0 + n, device=s.device)[:, None, None]  # (n, 1, 1)
-                kpos = torch.arange(s0, s1, device=s.device)  # (kc,)
-                later = kpos > qpos  # (n, 1, kc)
-                self._add_moments(grid.masked_fill(later, 0.0), moments)
-                grid.masked_fill_(later, _NEG)
-            else:
-                self._add_moments(grid, moments)
-            m_blk = s.amax(dim=-1)  # (B·Hk, n·R)
-            m_new = m_blk if m is None else torch.maximum(m, m_blk)
-            d = s.sub_(m_new[..., None])  # (B·Hk, n·R, kc), <= 0 (masked: ≈ −1e30)
-            e = d.exp()  # masked entries underflow to exactly 0, so e·d = 0 there
-            z_blk = e.sum(dim=-1)  # (B·Hk, n·R)
-            a_blk = e.mul_(d).sum(dim=-1)  # (B·Hk, n·R) = Σ e·d (e is spent)
-            if m is None:
-                z, a = z_blk, a_blk
-            else:
-                shift = m - m_new  # (B·Hk, n·R), <= 0
-                alpha = shift.exp()
-                a = alpha * (a + shift * z) + a_blk
-                z = alpha * z + z_blk
-            m = m_new
-        out[0].copy_(a / z - z.log())  # Σ p log p = A/Z − log Z
-        out[1].copy_(z.reciprocal())  # largest weight
+                     n_vis: Tensor, out: Tensor, moments: Tensor) -> None:
+        """Rows longer than a block, in two passes over key chunks: the row moments
+        (shifted by each row's score of key 0, against cancellation), then the online
+        softmax (the recurrence of the module docstring) of the rows and of the rows
+        divided by σ_t; ``out`` and ``moments`` as in :meth:`_whole_rows`."""
+        qpos = torch.arange(t0, t0 + n, device=qb.device)[:, None, None]  # (n, 1, 1)
+
+        def chunks():
+            for s0 in range(0, nk, kc):
+                s1 = min(nk, s0 + kc)
+                s = torch.bmm(qb, kk[:, s0:s1].mT)  # (B·Hk, n·R, kc)
+                later = None
+                if self.causal and s1 > t0 + 1:  # keys after a query
+                    later = torch.arange(s0, s1, device=s.device) > qpos  # (n, 1, kc)
+                yield s, later
+
+        shift = r1 = r2 = None
+        for s, later in chunks():
+            if shift is None:
+                shift = s[..., :1].clone()  # key 0: visible to every query
+            d = s.sub_(shift)
+            if later is not None:
+                d.view(d.shape[0], n, R, -1).masked_fill_(later, 0.0)
+            r1 = d.sum(dim=-1) if r1 is None else r1.add_(d.sum(dim=-1))
+            sq = torch.linalg.vector_norm(d, dim=-1).square_()
+            r2 = sq if r2 is None else r2.add_(sq)
+        nv = n_vis.repeat_interleave(R)
+        mean_d = r1 / nv  # mean − shift
+        r2c = r2 - nv * mean_d * mean_d  # Σ (s − mean)²: the shift keeps it well conditioned
+        inv = self._row_moments(r1 + nv * shift[..., 0], r2c, n_vis, R, out, moments)
+        raw, scaled = _OnlineSoftmax(), _OnlineSoftmax()
+        for s, later in chunks():
+            if later is not None:
+                s.view(s.shape[0], n, R, -1).masked_fill_(later, _NEG)
+            scaled.add((s * inv).clamp_(min=_NEG))  # a masked −1e30 / small σ: not −inf
+            raw.add(s)
+        out[0].copy_(raw.neg_entropy())
+        out[1].copy_(raw.z.reciprocal())  # largest weight
+        out[3].copy_(scaled.neg_entropy())
 
     def result(self) -> dict[str, Tensor]:
-        """``{name: (H,) float64}`` means for the three ``ATTENTION_METRICS``."""
+        """``{name: (H,) float64}`` means for the ``ATTENTION_METRICS``."""
         if self.n_queries == 0:
             raise ValueError("StreamingEntropy has no query positions; call update() first")
-        sums = self._sums.cpu()  # (5, H)
-        norm = (sums[1] / self.n_queries_norm if self.n_queries_norm
-                else torch.full((self.n_head,), float("nan"), dtype=torch.float64))
+        sums = self._sums.cpu()  # (7, H)
+        nan = torch.full((self.n_head,), float("nan"), dtype=torch.float64)
+        per_row = self.n_queries_norm
         return dict(zip(ATTENTION_METRICS,
-                        (sums[0] / self.n_queries, norm, sums[2] / self.n_queries),
-                        strict=True))
+                        (sums[0] / self.n_queries, sums[1] / per_row if per_row else nan,
+                         sums[2] / self.n_queries, sums[6] / self.n_queries,
+                         sums[5] / per_row if per_row else nan), strict=True))
 
     def logit_moments(self) -> tuple[Tensor, Tensor, int]:
         """(Σ s (H,), Σ s² (H,), visible pairs per head) of the scaled logits, float64."""
@@ -306,6 +356,34 @@ class StreamingEntropy:
         (``logit_std``); NaN when the sums overflowed (|scores| beyond ~1e150)."""
         s1, s2, n = self.logit_moments()
         return logit_std_from_moments(s1, s2, n)
+
+
+class _OnlineSoftmax:
+    """Running (m, Z, A) of rows of scores seen chunk by chunk (module docstring)."""
+
+    def __init__(self) -> None:
+        self.m: Tensor | None = None
+        self.z: Tensor | None = None
+        self.a: Tensor | None = None
+
+    def add(self, s: Tensor) -> None:
+        """Fold in a chunk ``s`` (..., kc) of every row (spent: it is overwritten)."""
+        m_new = s.amax(dim=-1) if self.m is None else torch.maximum(self.m, s.amax(dim=-1))
+        d = s.sub_(m_new[..., None])  # <= 0 (masked: ≈ −1e30)
+        e = d.exp()  # masked entries underflow to exactly 0, so e·d = 0 there
+        z_blk, a_blk = e.sum(dim=-1), e.mul_(d).sum(dim=-1)
+        if self.m is None:
+            self.z, self.a = z_blk, a_blk
+        else:
+            shift = self.m - m_new  # <= 0
+            alpha = shift.exp()
+            self.a = alpha * (self.a + shift * self.z) + a_blk
+            self.z = alpha * self.z + z_blk
+        self.m = m_new
+
+    def neg_entropy(self) -> Tensor:
+        """Σ p log p per row = A/Z − log Z."""
+        return self.a / self.z - self.z.log()
 
 
 def logit_std_from_moments(s1: Tensor, s2: Tensor, n: int) -> Tensor:

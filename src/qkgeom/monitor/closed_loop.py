@@ -84,8 +84,9 @@ class EntropyController:
     def attach(self, model: nn.Module) -> SteeredKeyControl:
         """Find W_K of every controlled layer and start holding it at its current PR."""
         if self.control is None:
-            self.control = SteeredKeyControl.attach(model, "hold", scope="layer",
-                                                    scale=self.scale, layers=self.layers)
+            self.control = SteeredKeyControl.attach(model, "hold", level="weight",
+                                                    scope="layer", scale=self.scale,
+                                                    layers=self.layers)
             layers = [s.layer for s in self.control.sites]
             if len(self.targets) not in (1, len(layers)):
                 raise QKGeomError(f"{len(self.targets)} target entropies for {len(layers)} "

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
     from qkgeom.config import TrainConfig
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 CONFIG = "config.json"
 METRICS = "metrics.parquet"
 TRAIN_LOG = "train_log.parquet"
@@ -85,8 +85,9 @@ def run_record(cfg: TrainConfig | None, run_id: str, **facts: Any) -> dict[str, 
 def _migrate(record: dict[str, Any], version: int) -> dict[str, Any]:
     """An older record in today's format. Format 1 kept the key-control settings flat;
     formats 1 and 2 gave the control's share as ``shrink_to``/``expand_to`` against
-    ``‖W_K‖_F`` (today: ``dose`` and ``scale: frobenius``). ``migrated_from`` keeps the
-    version the file was written in, so a resume can refuse what it cannot continue."""
+    ``‖W_K‖_F`` (today: ``dose`` and ``scale: frobenius``); formats 1-3 controlled the
+    weight-level spectrum (today: ``level: weight``). ``migrated_from`` keeps the version
+    the file was written in, so a resume can refuse what it cannot continue."""
     from qkgeom.config import KeyControlConfig
 
     cfg = dict(record["config"])
@@ -94,7 +95,10 @@ def _migrate(record: dict[str, Any], version: int) -> dict[str, Any]:
         nested = {new: cfg.pop(old) for old, new in _V1_KEY_CONTROL.items() if old in cfg}
         cfg["key_control"] = nested
     if isinstance(cfg.get("key_control"), dict):
-        cfg["key_control"] = KeyControlConfig.upgrade(cfg["key_control"])
+        section = KeyControlConfig.upgrade(cfg["key_control"])
+        if section.get("mode", "none") != "none":
+            section.setdefault("level", "weight")
+        cfg["key_control"] = section
     return {**record, "config": cfg, "format_version": FORMAT_VERSION, "migrated_from": version}
 
 
@@ -108,7 +112,7 @@ def read_record(run: str | Path) -> dict[str, Any]:
         raise QKGeomError(f"{path}: not a qkgeom run record (no 'config' mapping); the file "
                           "is corrupt or from another tool")
     version = record.get("format_version", 1)
-    if version in (1, 2):
+    if version in (1, 2, 3):
         return _migrate(record, version)
     if version != FORMAT_VERSION:
         newer = isinstance(version, int) and version > FORMAT_VERSION
