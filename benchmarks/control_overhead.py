@@ -2,8 +2,9 @@
 
 The claim it checks (issue 13): the control costs at most 10 % of a training step at the
 paper's size (6 x 384, context 256, batch 64) and at most 5 % at the demo's (4 x 128,
-context 64, batch 32) on one CPU thread, for ``hold`` and ``shrink`` with the ``data`` and
-the ``frobenius`` scale rule, layer scope. Identical models (same init, same random
+context 64, batch 32) on one CPU thread, for ``hold`` and ``shrink`` at the token level with
+the ``data`` rule (E3's primary arms) and at the weight level with the ``data`` and the
+``frobenius`` scale rule, layer scope. Identical models (same init, same random
 tokens, fused AdamW as in the trainer) train side by side: no control and the four
 controlled variants. ``shrink`` has dose 0.5 reached at once (no ramp, base = PR0), so its
 cap binds at every step: the worst case, every unit reshaped every step. Timed blocks run
@@ -37,10 +38,14 @@ SIZES = {
     "demo": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=32),
     "paper": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch=64),
 }
-# variant -> (mode, scale); None = no control
-VARIANTS: dict[str, tuple[str, str] | None] = {
-    "none": None, "hold-data": ("hold", "data"), "hold-frobenius": ("hold", "frobenius"),
-    "shrink-data": ("shrink", "data"), "shrink-frobenius": ("shrink", "frobenius")}
+# variant -> (mode, level, scale); None = no control
+VARIANTS: dict[str, tuple[str, str, str] | None] = {
+    "none": None, "hold-token-data": ("hold", "token", "data"),
+    "shrink-token-data": ("shrink", "token", "data"),
+    "hold-weight-data": ("hold", "weight", "data"),
+    "hold-weight-frobenius": ("hold", "weight", "frobenius"),
+    "shrink-weight-data": ("shrink", "weight", "data"),
+    "shrink-weight-frobenius": ("shrink", "weight", "frobenius")}
 VOCAB = 200
 
 
@@ -62,8 +67,9 @@ class Runner:
         self.ctl = None
         spec = VARIANTS[variant]
         if spec is not None:
-            mode, scale = spec
-            self.ctl = KeySpectrumControl.attach(self.model, mode, scale=scale, ramp_steps=0)
+            mode, level, scale = spec
+            self.ctl = KeySpectrumControl.attach(self.model, mode, level=level, scale=scale,
+                                                 ramp_steps=0)
             if self.ctl.moments is not None:  # the same hooks, with a stopwatch around them
                 self.ctl.moments.remove()
                 for j, site in enumerate(self.ctl.sites):

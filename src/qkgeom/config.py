@@ -132,6 +132,42 @@ class KeyControlConfig:
         """Whether a callback must serve this section: a control, or only the recording."""
         return self.mode != "none" or self.record
 
+    # E3 arm names, both ways, in one place: ``none``, ``<mode>-<level>-<scale>`` (hold,
+    # sham), ``<mode>-<dose>-<level>-<scale>`` (shrink, expand), e.g. ``shrink-0.5-token-data``.
+
+    @property
+    def arm(self) -> str:
+        """The E3 arm this section is (docs/definitions.md#e3-arms)."""
+        if self.mode == "none":
+            return "none"
+        if self.mode in ("hold", "sham"):
+            return f"{self.mode}-{self.level}-{self.scale}"
+        return f"{self.mode}-{float(self.dose):g}-{self.level}-{self.scale}"
+
+    @classmethod
+    def arm_settings(cls, name: str) -> dict[str, Any]:
+        """The ``key_control`` keys of the E3 arm called ``name`` (the inverse of
+        :attr:`arm`); a one-line QKGeomError for a name that is not an arm."""
+        parts = name.split("-")
+        bad = QKGeomError(f"unknown E3 arm {name!r}; arms are none, sham-<level>-<scale>, "
+                          "hold-<level>-<scale>, shrink-<dose>-<level>-<scale>, "
+                          f"expand-<dose>-<level>-<scale> with level {' or '.join(cls.LEVELS)}"
+                          f" and scale {' or '.join(cls.SCALES)}")
+        if name == "none":
+            return {"mode": "none"}
+        if len(parts) < 3 or parts[-2] not in cls.LEVELS or parts[-1] not in cls.SCALES:
+            raise bad
+        out: dict[str, Any] = {"mode": parts[0], "level": parts[-2], "scale": parts[-1]}
+        if parts[0] in ("hold", "sham") and len(parts) == 3:
+            return out
+        if parts[0] in ("shrink", "expand") and len(parts) == 4:
+            try:
+                out["dose"] = float(parts[1])
+            except ValueError:
+                raise bad from None
+            return out
+        raise bad
+
     @staticmethod
     def upgrade(section: dict[str, Any]) -> dict[str, Any]:
         """A ``key_control`` mapping written before ``dose`` (with ``shrink_to`` /

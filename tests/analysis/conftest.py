@@ -18,19 +18,23 @@ LEVEL_METRICS = ("pr_q", "pr_k", "contrast", "pr_qk")
 Values = Callable[[int, int, str, int], float]
 
 
-def monotone_values(q_sign: Callable[[int], int] = lambda layer: 1) -> Values:
-    """PR_Q = 10 ± 0.05·step (sign per layer), PR_K = 8 − 0.05·step; pr_qk = PR_K / 2 and
-    entropy = 1 + pr_qk / 10 move exactly with PR_K (Spearman 1); across heads pr_qk and
-    entropy both grow with the head index (Spearman 1)."""
+def monotone_values(q_sign: Callable[[int], int] = lambda layer: 1,
+                    wiggle: float = 0.0) -> Values:
+    """PR_Q = 10 ± 0.05·step (sign per layer), PR_K = 8 − 0.05·step + ``wiggle``·sin(step);
+    pr_qk = PR_K / 2 and entropy = 1 + pr_qk / 10 move exactly with PR_K (Spearman 1, and
+    with a wiggle their probe-to-probe changes too); across heads pr_qk and entropy both grow
+    with the head index (Spearman 1)."""
 
     def values(layer: int, step: int, metric: str, head: int) -> float:
         q = 10.0 + q_sign(layer) * 0.05 * step + 0.1 * layer
-        k = 8.0 - 0.05 * step
+        k = 8.0 - 0.05 * step + wiggle * np.sin(step)
         base = {"pr_q": q, "pr_k": k, "contrast": q - k, "pr_qk": k / 2 + 0.3 * max(head, 0)}
         base["attn_entropy"] = 1.0 + base["pr_qk"] / 10
         base["attn_entropy_norm"] = base["attn_entropy"] / 4
         base["attn_max"] = 1.0 / base["attn_entropy"]
         base["logit_std"] = 2.0 / base["attn_entropy"]
+        base["attn_entropy_scalefree"] = base["attn_entropy"] + 0.5
+        base["logit_std_row"] = 1.5 / base["attn_entropy"]
         name = metric.rsplit("_", 1)[0] if metric.endswith(("_weight", "_token")) else metric
         return base[name]
 
@@ -42,10 +46,12 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
               warmup: int = WARMUP, reference_step: int = -1, levels=("weight", "token"),
               lr: float = 3e-3, extra_cfg: dict | None = None,
               val_loss: Callable[[int], float] | None = None,
-              records: Callable[[int], dict[str, float]] | None = None) -> Path:
+              records: Callable[[int], dict[str, float]] | None = None,
+              format_version: int = 4) -> Path:
     """One run folder: config.json, metrics.parquet, train_log.parquet, status.json.
     ``records(step)`` adds flat records (layer −1, head −1) the way a callback's
-    ``on_probe`` does (``ctl_dose_l0``, ...)."""
+    ``on_probe`` does (``ctl_dose_l0``, ...); ``format_version`` is the run folder
+    format config.json says it is written in (1: an old run, read through migration)."""
     out = root / "runs" / run_id
     out.mkdir(parents=True)
     cfg = {
@@ -57,10 +63,12 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
     }
     (out / "config.json").write_text(json.dumps({
         "run_id": run_id, "config": cfg, "config_hash": f"h{seed}", "data_dir": "/x",
-        "data_source": "synthetic", "vocab_size": 50, "versions": {}}))
+        "data_source": "synthetic", "vocab_size": 50, "versions": {},
+        "format_version": format_version}))
     names = [f"{m}_{lv}" for lv in levels for m in LEVEL_METRICS]
     if "token" in levels:
-        names += ["attn_entropy", "attn_entropy_norm", "attn_max", "logit_std"]
+        names += ["attn_entropy", "attn_entropy_norm", "attn_max", "logit_std",
+                  "attn_entropy_scalefree", "logit_std_row"]
     rows = [(run_id, s, layer, head, name, values(layer, s, name, head))
             for s in steps for layer in range(depth) for head in [*range(n_head), -1]
             for name in names]
@@ -129,21 +137,28 @@ def write_analysis(root: Path, metrics: pd.DataFrame, names: list[str], steps: l
     return root
 
 
+WIGGLE = 0.3  # PR_K's probe-to-probe changes vary, so E2.1/E2.2 can rank them
+
+
 @pytest.fixture
 def all_rise(tmp_path: Path) -> Path:
-    """4 layers × 3 inits × 2 seeds: PR_Q rises and PR_K falls everywhere (12 trajectories),
-    plus one diverged run whose (opposite) numbers must not count."""
+    """4 layers × 3 inits × 3 seeds (9 runs: the six primary rows, Holm-adjusted together,
+    can reach 6/2^9 < 0.05): PR_Q rises and PR_K falls everywhere (12 trajectories), plus one
+    diverged run whose (opposite) numbers must not count."""
 
     def diverged(root: Path) -> list[dict]:
         write_run(root, "n_layer4-qk_init-normal-seed9", 4, "normal", 9,
-                  monotone_values(lambda layer: -1), state="diverged")
+                  monotone_values(lambda layer: -1, WIGGLE), state="diverged")
         return [{"run_id": "n_layer4-qk_init-normal-seed9",
                  "axes": {"model.n_layer": 4, "model.qk_init": "normal", "seed": 9}}]
 
-    return make_sweep(tmp_path / "all_rise", monotone_values(), extra=diverged)
+    return make_sweep(tmp_path / "all_rise", monotone_values(wiggle=WIGGLE),
+                      seeds=(0, 1, 2), extra=diverged)
 
 
 @pytest.fixture
 def half_rise(tmp_path: Path) -> Path:
     """Same grid, PR_Q rises in layers 0–1 and falls in layers 2–3: 6 of 12 trajectories."""
-    return make_sweep(tmp_path / "half_rise", monotone_values(lambda layer: 1 if layer < 2 else -1))
+    return make_sweep(tmp_path / "half_rise",
+                      monotone_values(lambda layer: 1 if layer < 2 else -1, WIGGLE),
+                      seeds=(0, 1, 2))

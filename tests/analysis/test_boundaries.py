@@ -35,23 +35,35 @@ def test_exactly_80_percent_with_p_below_alpha_is_supported(k: int, n: int) -> N
 
 
 @pytest.mark.parametrize("k, n", [(1, 2), (5, 10), (10, 20)])
-def test_exactly_50_percent_is_not_supported_and_one_more_unit_is_mixed(k: int, n: int) -> None:
-    assert stats.verdict(k, n, 0.0) == "not supported"  # whatever the p
-    assert stats.verdict(k + 1, n, 0.0) in ("mixed", "supported")
-    assert stats.verdict(k + 1, n, 1.0) == "mixed"
+def test_not_supported_needs_the_opposite_direction_significant(k: int, n: int) -> None:
+    """Half the units, or none, with the predicted sign is not evidence against a claim:
+    only a significant opposite effect is; without it the row is inconclusive."""
+    assert stats.verdict(k, n, 1.0) == "inconclusive"
+    assert stats.verdict(0, n, 1.0) == "inconclusive"
+    assert stats.verdict(0, n, 1.0, p_opposite=np.nextafter(0.05, 0.0)) == "not supported"
+    assert stats.verdict(0, n, 1.0, p_opposite=0.05) == "inconclusive"
 
 
 def test_the_level_is_strict_p_at_005_is_not_enough() -> None:
-    assert stats.verdict(5, 5, 0.05) == "mixed"
-    assert stats.verdict(5, 5, np.nextafter(0.05, 1.0)) == "mixed"
+    assert stats.verdict(5, 5, 0.05) == "inconclusive"
+    assert stats.verdict(5, 5, np.nextafter(0.05, 1.0)) == "inconclusive"
     assert stats.verdict(5, 5, np.nextafter(0.05, 0.0)) == "supported"
+
+
+def test_equivalence_at_its_boundary_and_before_every_other_verdict() -> None:
+    """TOST below α: no effect larger than δ, even with a significant small effect."""
+    assert stats.verdict(3, 10, 0.5, p_equiv=np.nextafter(0.05, 0.0)) == \
+        "equivalent to no effect"
+    assert stats.verdict(3, 10, 0.5, p_equiv=0.05) == "inconclusive"
+    assert stats.verdict(10, 10, 1e-4, p_equiv=0.01) == "equivalent to no effect"
+    assert stats.verdict(10, 10, 1e-4, p_equiv=0.01, reason="gate") == "not evaluated"
 
 
 def test_four_units_can_never_be_supported_five_can() -> None:
     """With n units no p goes below 2^−n: 4/4 gives 1/16 ≥ 0.05, 5/5 gives 1/32."""
     four = stats.unit_test([1.0, 2.0, 3.0, 4.0], +1)
     assert four["p_value"] == 1 / 16 and four["p_sign"] == pytest.approx(1 / 16)
-    assert stats.verdict(four["k"], four["n"], four["p_value"]) == "mixed"
+    assert stats.verdict(four["k"], four["n"], four["p_value"]) == "inconclusive"
     five = stats.unit_test([1.0, 2.0, 3.0, 4.0, 5.0], +1)
     assert five["p_value"] == 1 / 32
     assert stats.verdict(five["k"], five["n"], five["p_value"]) == "supported"
@@ -63,7 +75,7 @@ def test_a_zero_counts_against_the_claim_at_the_boundary() -> None:
     u = stats.unit_test([1.0, 1.0, 1.0, 1.0, 0.0], +1)
     assert (u["k"], u["n"]) == (4, 5)
     assert u["p_value"] == pytest.approx(2 / 32)
-    assert stats.verdict(u["k"], u["n"], u["p_value"]) == "mixed"
+    assert stats.verdict(u["k"], u["n"], u["p_value"]) == "inconclusive"
 
 
 # --- intervals and two-sided p's -------------------------------------------------------------
@@ -108,56 +120,62 @@ def test_mann_kendall_two_sided_is_twice_the_one_sided() -> None:
 E3_STEPS = list(range(0, 101, 10))
 
 
+SHRINK, HOLD = "shrink-0.5-token-data", "hold-token-data"
+
+
 def _e3_runs(shrink_k: dict[int, float], hold_k: dict[int, float]) -> list[Run]:
     """Two seeds of none, shrink (dose 0.5, recorded r(t) = 0.5 throughout) and hold. The
-    none run's PR_K is 8 at step 0, then 4; shrink's and hold's are 8 at step 0, then the
-    given value per seed. Intended: shrink 0.5 (threshold 0.75, i.e. PR_K 3); hold 8/4 = 2
-    (threshold 1.5, i.e. PR_K 6). Powers of two: every ratio is exact."""
+    none run's token-level PR_K is 8 at step 0, then 4; shrink's and hold's are 8 at step
+    0, then the given value per seed (in layer 0; layer 1 is on target). Intended: shrink
+    0.5 (threshold 0.75, i.e. PR_K 3); hold 8/4 = 2 (threshold 1.5, i.e. PR_K 6). Powers of
+    two: every ratio is exact."""
     t = np.asarray(E3_STEPS)
     runs = []
     for seed in (0, 1):
         for arm, control, later in (("none", {"mode": "none"}, 4.0),
-                                    ("shrink", {"mode": "shrink", "dose": 0.5, "scale": "data"},
-                                     shrink_k[seed]),
-                                    ("hold", {"mode": "hold", "scale": "data"}, hold_k[seed])):
-            k = np.where(t == 0, 8.0, later)[None, :].repeat(2, axis=0)  # (2 layers, T)
-            ent = np.full((2, len(t)), 2.0) - 0.1 * (arm == "shrink") * (t > 0)
-            extra = {"ctl_dose_l0": np.full(len(t), 0.5)} if arm == "shrink" else {}
+                                    (SHRINK, {"mode": "shrink", "dose": 0.5}, shrink_k[seed]),
+                                    (HOLD, {"mode": "hold"}, hold_k[seed])):
+            on_target = {"none": 4.0, SHRINK: 2.0, HOLD: 8.0}[arm]
+            k = np.stack([np.where(t == 0, 8.0, later), np.where(t == 0, 8.0, on_target)])
+            ent = np.full((2, len(t)), 2.0) - 0.1 * (arm == SHRINK) * (t > 0)
+            extra = ({"ctl_dose_l0": np.full(len(t), 0.5), "ctl_dose_l1": np.full(len(t), 0.5)}
+                     if arm == SHRINK else {})
             runs.append(Run(f"seed={seed},arm={arm}", seed, control=control, pair_key=str(seed),
-                            layers={"pr_k_weight": k, "attn_entropy": ent,
-                                    "pr_qk_weight": k / 2}, extra=extra))
+                            layers={"pr_k_token": k, "pr_k_weight": k, "attn_entropy": ent,
+                                    "attn_entropy_scalefree": ent, "pr_qk_token": k / 2},
+                            extra=extra))
     return runs
 
 
 def _gate(shrink_k: dict[int, float], hold_k: dict[int, float]) -> dict:
     a = e3_analysis(table_of(_e3_runs(shrink_k, hold_k), E3_STEPS, ref_step=25))
-    man = a["manipulation"].set_index(["arm", "seed", "window"])
-    claims = a["claims"].set_index(["claim_id", "origin"])
+    units = a["manipulation_units"]
+    man = units[units["unit"] == "l0"].set_index(["arm", "seed", "window"])
+    claims = a["claims"][a["claims"]["role"] == "primary"].set_index("claim_id")
     return {"man": man, "claims": claims}
 
 
 def test_manipulation_check_passes_at_exactly_halfway() -> None:
     r = _gate({0: 3.0, 1: 2.0}, {0: 6.0, 1: 8.0})
-    shrink, hold = r["man"].loc[("shrink-0.5-data", 0, "whole")], \
-        r["man"].loc[("hold-data", 0, "whole")]
+    shrink, hold = r["man"].loc[(SHRINK, 0, "whole")], r["man"].loc[(HOLD, 0, "whole")]
     assert (shrink["achieved"], shrink["intended"], shrink["threshold"]) == (0.75, 0.5, 0.75)
     assert (hold["achieved"], hold["intended"], hold["threshold"]) == (1.5, 2.0, 1.5)
     assert shrink["passed"] is True and hold["passed"] is True
     for cid in ("E3.1", "E3.2"):
-        assert r["claims"].loc[(cid, "whole"), "verdict"] != "not evaluated"
+        assert r["claims"].loc[cid, "verdict"] != "not evaluated"
 
 
 def test_manipulation_check_fails_just_past_halfway() -> None:
     over = np.nextafter(3.0, 4.0)  # shrink achieved just above (1 + 0.5)/2
     under = np.nextafter(6.0, 5.0)  # hold achieved just below (1 + 2)/2
     r = _gate({0: over, 1: 2.0}, {0: under, 1: 8.0})
-    assert r["man"].loc[("shrink-0.5-data", 0, "whole"), "passed"] is False
-    assert r["man"].loc[("shrink-0.5-data", 1, "whole"), "passed"] is True
-    assert r["man"].loc[("hold-data", 0, "whole"), "passed"] is False
+    assert r["man"].loc[(SHRINK, 0, "whole"), "passed"] is False
+    assert r["man"].loc[(SHRINK, 1, "whole"), "passed"] is True
+    assert r["man"].loc[(HOLD, 0, "whole"), "passed"] is False
     for cid in ("E3.1", "E3.2"):
-        row = r["claims"].loc[(cid, "whole")]
+        row = r["claims"].loc[cid]
         assert row["verdict"] == "not evaluated"
-        assert "manipulation check failed in 1/2 seeds: seed 0" in row["reason"]
+        assert "manipulation check failed in 1/2 seeds (1 unit(s)): seed 0, l0" in row["reason"]
 
 
 def test_e3_windows_include_the_quarter_and_leave_out_step_0() -> None:
@@ -217,7 +235,7 @@ def _one_layer(p_fall: float) -> pd.Series:
 
 
 def test_e4_1_of_one_model_is_its_sidak_p_at_a_strict_level() -> None:
-    assert _one_layer(stats.ALPHA)["verdict"] == "not supported"
+    assert _one_layer(stats.ALPHA)["verdict"] == "inconclusive"  # no fall shown: no verdict
     below = _one_layer(np.nextafter(stats.ALPHA, 0.0))
     assert (below["k"], below["n"], below["verdict"]) == (1, 1, "supported")
 

@@ -20,7 +20,7 @@ def test_collate_columns_and_excluded_diverged_run(all_rise):
                 "value", "state"):
         assert col in table.columns
     assert set(table["state"]) == {"done"}
-    assert table["run_id"].nunique() == 6
+    assert table["run_id"].nunique() == 9
     assert "n_layer4-qk_init-normal-seed9" not in set(table["run_id"])
     ex = excluded_runs(table)
     assert list(ex["run_id"]) == ["n_layer4-qk_init-normal-seed9"]
@@ -164,13 +164,15 @@ def test_a_config_field_missing_from_older_runs_takes_its_default(tmp_path):
     from qkgeom.config import TrainConfig
 
     root = tmp_path / "mixed"
-    write_run(root, "old", 2, "normal", 0, monotone_values())
+    write_run(root, "old", 2, "normal", 0, monotone_values(), format_version=1)
     write_run(root, "new", 2, "normal", 1, monotone_values(),
               extra_cfg={"key_control": TrainConfig().to_dict()["key_control"]})
-    write_run(root, "other", 2, "normal", 2, monotone_values(), extra_cfg={"key_control": "hold"})
+    write_run(root, "other", 2, "normal", 2, monotone_values(), extra_cfg={"key_control": "hold"},
+              format_version=1)
     variants = runs_table(root).set_index("run_id")["variant"]
-    assert variants["old"] == variants["new"] == "key_control.mode=none"
-    assert variants["other"] == "key_control.mode=hold"
+    # (an old run's control acted on the weights: it reads as level weight)
+    assert variants["old"] == variants["new"] == "key_control.level=token,key_control.mode=none"
+    assert variants["other"] == "key_control.level=weight,key_control.mode=hold"
 
 
 def test_pair_keys_ignore_only_the_key_control_and_how_fast_a_run_went(tmp_path):

@@ -56,7 +56,8 @@ def test_window_stats_four_contrast_readings():
 
 
 def test_layer_statistics_on_a_synthetic_sweep(tmp_path):
-    root = make_sweep(tmp_path / "s", monotone_values(lambda layer: 1 if layer < 3 else -1),
+    root = make_sweep(tmp_path / "s", monotone_values(lambda layer: 1 if layer < 3 else -1,
+                                                      wiggle=0.3),
                       inits=("normal",), seeds=(0,))
     table = collate(root)
     runs, traj = tj.layer_statistics(table)
@@ -66,8 +67,12 @@ def test_layer_statistics_on_a_synthetic_sweep(tmp_path):
     w0 = traj[(traj["level"] == "weight") & (traj["origin"] == "step0")].set_index("layer")
     assert w0.loc[0, "delta_pr_q"] == pytest.approx(5.0)
     assert w0.loc[3, "delta_pr_q"] == pytest.approx(-5.0)
-    assert w0.loc[0, "slope_pr_k"] == pytest.approx(-0.05)
+    steps = np.arange(0, 101, 10)
+    k = 8.0 - 0.05 * steps + 0.3 * np.sin(steps)
+    assert w0.loc[0, "slope_pr_k"] == pytest.approx(np.polyfit(steps, k, 1)[0])
+    # pr_qk = PR_K / 2 and the entropy follows pr_qk: their changes move together
     assert np.allclose(w0[["rho_k_qk", "rho_qk_entropy", "rho_heads_qk_entropy"]], 1.0)
+    assert np.allclose(w0[["rho_k_qk_levels", "rho_qk_entropy_levels"]], 1.0)
     one = tj.run_stats(runs)
     row = one[(one["level"] == "weight") & (one["origin"] == "step0")].iloc[0]
     assert row["delta_pr_q"] == pytest.approx((5 + 5 + 5 - 5) / 4)  # mean over the 4 layers
@@ -102,10 +107,34 @@ def test_per_run_values_their_seed_mean_and_cells(tmp_path):
     assert c0["slope_pr_q"] == pytest.approx(0.04) and c0["n_runs"] == 2
 
 
+def test_changes_of_two_co_trending_series_do_not_correlate(tmp_path):
+    """PR_K falls steadily and pr_qk rises steadily, each with its own independent noise:
+    their levels correlate (ρ of the levels ≈ −1: two trends), their probe-to-probe changes
+    do not, which is what E2.1 reads."""
+    rng = np.random.default_rng(5)
+    base = monotone_values()
+    root = tmp_path / "trend"
+    for s in range(6):
+        nk, nq = rng.normal(scale=0.05, size=(2, 2, 11))
+
+        def values(layer, step, metric, h, nk=nk, nq=nq):
+            if metric == "pr_k_weight" and h == -1:
+                return 8.0 - 0.05 * step + nk[layer, step // 10]
+            if metric == "pr_qk_weight" and h == -1:
+                return 1.0 + 0.05 * step + nq[layer, step // 10]
+            return base(layer, step, metric, h)
+        write_run(root, f"r{s}", 2, "normal", s, values, levels=("weight",))
+    write_sweep(root, [{"run_id": f"r{s}"} for s in range(6)])
+    per_layer, _ = tj.layer_statistics(collate(root), levels=["weight"])
+    step0 = per_layer[per_layer["origin"] == "step0"]
+    assert (step0["rho_k_qk_levels"] < -0.9).all()
+    assert step0["rho_k_qk"].abs().mean() < 0.5
+
+
 def test_rho_of_a_trajectory_is_the_seed_mean_of_per_run_rho(tmp_path):
     rng = np.random.default_rng(3)
     noise = {s: rng.normal(scale=1.0, size=(2, 11)) for s in range(4)}
-    base = monotone_values()
+    base = monotone_values(wiggle=0.3)
     root = tmp_path / "rho"
     for s in range(4):
         def values(layer, step, metric, h, s=s):
@@ -119,9 +148,10 @@ def test_rho_of_a_trajectory_is_the_seed_mean_of_per_run_rho(tmp_path):
     traj = traj.set_index(["origin", "layer"])
     assert np.allclose(traj["rho_k_qk"], per_run.reindex(traj.index))
     steps = np.arange(0, 101, 10)
-    for layer in (0, 1):  # ρ of the seed-mean trajectory is kept beside, with its p
-        qk = (8.0 - 0.05 * steps) / 2 + np.mean([noise[s][layer] for s in range(4)], axis=0)
-        ref = sst.spearmanr(8.0 - 0.05 * steps, qk)
+    k = 8.0 - 0.05 * steps + 0.3 * np.sin(steps)
+    for layer in (0, 1):  # ρ of the seed-mean trajectory's changes kept beside, with its p
+        qk = k / 2 + np.mean([noise[s][layer] for s in range(4)], axis=0)
+        ref = sst.spearmanr(np.diff(k), np.diff(qk))
         assert traj.loc[("step0", layer), "rho_k_qk_of_mean"] == pytest.approx(ref.statistic)
         assert traj.loc[("step0", layer), "p_k_qk"] == pytest.approx(ref.pvalue)
 

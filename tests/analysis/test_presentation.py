@@ -61,16 +61,21 @@ def _claims() -> pd.DataFrame:
 
 
 def test_summary_line_counts_each_verdict() -> None:
-    assert claims_summary(_claims()) == ("E1/E2: 3 of 7 claim rows supported, 1 mixed, "
-                                         "2 not supported, 1 not evaluated (3 claims)")
-    e3 = _claims().assign(claim_id="E3.1", verdict="mixed")
-    assert claims_summary(e3).startswith("E3: 0 of 7 claim rows supported, 7 mixed, 0 not")
+    """A table without roles counts every row; with roles, the primary rows decide."""
+    assert claims_summary(_claims()) == ("E1/E2: 3 of 7 claims supported, 1 mixed, "
+                                         "2 not supported, 1 not evaluated")
+    e3 = _claims().assign(claim_id="E3.1", verdict="inconclusive")
+    assert claims_summary(e3) == "E3: 0 of 7 claims supported, 7 inconclusive"
+    roles = _claims().assign(role=["secondary", "primary", "secondary", "secondary", "primary",
+                                   "secondary", "primary"])
+    assert claims_summary(roles) == ("E1/E2: 2 of 3 claims supported, 1 not evaluated "
+                                     "(primary rows; 4 secondary rows below)")
     assert claims_summary(_claims().iloc[:0]) == "No claims could be evaluated."
 
 
 def test_summary_line_of_a_written_report(tmp_path: Path) -> None:
     _claims().to_csv(tmp_path / "claims.csv", index=False)
-    assert summary_line(tmp_path).startswith("E1/E2: 3 of 7 claim rows supported")
+    assert summary_line(tmp_path).startswith("E1/E2: 3 of 7 claims supported")
     with pytest.raises(QKGeomError, match="no claims.csv"):
         summary_line(tmp_path / "nowhere")
     (tmp_path / "bad").mkdir()
@@ -108,7 +113,7 @@ def test_rows_of_one_claim_are_gathered_under_it() -> None:
     assert md.count("PR_Q expands") == 1 and md.count("Across heads, sharper") == 1
     groups = [line.split(" · ")[0][2:] for line in md.splitlines() if " · **" in line]
     assert groups == ["E1.1", "E1.2", "E2.3"]
-    assert claims_summary(by_level).endswith("(3 claims)")
+    assert claims_summary(by_level).startswith("E1/E2: 3 of 7 claims supported")
 
 
 def test_claims_table_is_grouped_by_claim_with_coloured_verdicts(tmp_path: Path) -> None:

@@ -268,7 +268,7 @@ def test_three_seeds_can_only_describe() -> None:
     claims = _claims([rise_then_fall(0.5)] * 4, seeds=3)
     row = claims.loc[("E4.2", "token_heads")]
     assert (row["k"], row["n"]) == (3, 3) and row["p_value"] == pytest.approx(1 / 8)
-    assert row["verdict"] == "mixed"
+    assert row["verdict"] == "inconclusive"
 
 
 def test_one_model_is_decided_by_its_own_sidak_adjusted_p() -> None:
@@ -277,7 +277,8 @@ def test_one_model_is_decided_by_its_own_sidak_adjusted_p() -> None:
     e41 = claims.loc[("E4.1", "token_heads")]
     p_min = t["p_fall"].min()
     assert e41["p_value"] == pytest.approx(1 - (1 - p_min) ** 3)
-    assert (e41["k"], e41["n"], e41["verdict"]) == (1, 3, "supported")
+    assert (e41["k"], e41["n"], e41["verdict"]) == (1, 1, "supported")  # the model: 1 unit
+    assert e41["measured"] == "1/3 layers fall"
     none = e4_claims(_seed_trends([saturating(300)] * 3, seed=1), NO_HEADS)
     assert none.set_index(["claim_id", "level"]).loc[("E4.2", "token_heads"),
-                                                      "verdict"] == "not supported"
+                                                      "verdict"] == "inconclusive"

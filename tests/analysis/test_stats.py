@@ -74,9 +74,11 @@ def test_unit_test_one_and_two_sided():
 def test_verdict_rule():
     v = stats.verdict
     assert v(5, 5, 1 / 32) == "supported"
-    assert v(4, 5, 0.19) == "mixed"  # 80 % but p too large
-    assert v(9, 12, 0.01) == "mixed"  # 75 %
-    assert v(6, 12, 0.0) == "not supported"  # a coin
+    assert v(4, 5, 0.19) == "inconclusive"  # 80 % but p too large
+    assert v(9, 12, 0.01) == "mixed"  # significant, 75 %
+    assert v(6, 12, 0.5) == "inconclusive"  # a coin is no evidence either way
+    assert v(1, 12, 0.99, p_opposite=0.003) == "not supported"  # the other way, clearly
+    assert v(4, 12, 0.7, p_equiv=0.01) == "equivalent to no effect"
     assert v(12, 12, 1e-4, universal_ok=False) == "mixed"  # a layer trajectory disagrees
     assert v(12, 12, 1e-4, universal_ok=True) == "supported"
     assert v(0, 0, float("nan")) == "not evaluated"
@@ -129,3 +131,42 @@ def test_spearman_matches_scipy():
         assert p[i] == pytest.approx(ref.pvalue, rel=1e-9)
     rho, p = stats.spearman(np.ones(5), np.arange(5.0))
     assert np.isnan(rho) and np.isnan(p)
+
+
+def test_tost_by_hand_and_its_edges():
+    x = np.array([0.02, -0.01, 0.03, 0.00, 0.01])
+    se = x.std(ddof=1) / np.sqrt(5)
+    lower = sst.t.sf((x.mean() + 0.1) / se, 4)  # H0: mean <= −δ
+    upper = sst.t.cdf((x.mean() - 0.1) / se, 4)  # H0: mean >= δ
+    assert stats.tost_p(x, 0.1) == pytest.approx(max(lower, upper), rel=1e-10)
+    assert stats.tost_p(x + 0.2, 0.1) > 0.5  # clearly outside ±δ
+    assert stats.tost_p([0.05, 0.05, 0.05], 0.1) == 0.0  # no spread, inside
+    assert stats.tost_p([0.2, 0.2], 0.1) == 1.0  # no spread, outside
+    assert np.isnan(stats.tost_p([0.0], 0.1)) and np.isnan(stats.tost_p(x, 0.0))
+
+
+def test_holm_by_hand():
+    got = stats.holm([0.01, 0.04, 0.03, np.nan, 0.005])
+    # sorted 0.005, 0.01, 0.03, 0.04 (m = 4): ×4, ×3, ×2, ×1, then running maximum
+    want = [0.03, 0.06, 0.06, np.nan, 0.02]
+    np.testing.assert_allclose(got, want, equal_nan=True)
+    np.testing.assert_allclose(stats.holm([0.01, 0.9]), [0.02, 0.9])  # the max never lowers
+    np.testing.assert_allclose(stats.holm([0.5, 0.9]), [1.0, 1.0])  # capped at 1
+    assert np.isnan(stats.holm([np.nan])).all() and len(stats.holm([])) == 0
+
+
+@pytest.mark.parametrize("n, sd", [(5, 0.1), (20, 0.17)])
+def test_power_functions_match_simulation(n: int, sd: float):
+    """At the detectable effect a one-sided t-test rejects in 80 % of simulated designs;
+    at a true mean of 0 TOST shows equivalence at the stated power (normal approximation,
+    within 0.05); seeds_for_power is the smallest n that reaches 0.8."""
+    rng = np.random.default_rng(n)
+    d = stats.detectable(sd, n)
+    x = rng.normal(d, sd, size=(20_000, n))
+    t = x.mean(1) / (x.std(1, ddof=1) / np.sqrt(n))
+    assert (t > sst.t.ppf(0.95, n - 1)).mean() == pytest.approx(0.80, abs=0.01)
+    z = rng.normal(0.0, sd, size=(4_000, n))
+    hits = np.mean([stats.tost_p(row, 0.1) < 0.05 for row in z])
+    assert hits == pytest.approx(stats.equivalence_power(sd, n, 0.1), abs=0.05)
+    need = stats.seeds_for_power(sd, 0.1)
+    assert stats.detectable(sd, need) <= 0.1 < stats.detectable(sd, need - 1)

@@ -142,10 +142,12 @@ def test_claims_from_known_calls() -> None:
     trends = trend_table(m)
     claims = e4_claims(trends, head_correlations(m)).set_index(["claim_id", "level"])
     e41 = claims.loc[("E4.1", "token_heads")]
-    assert (e41["k"], e41["n"], e41["verdict"]) == (2, 3, "supported")  # layer 2 only rises
-    assert "2 rise then fall, 1 monotone rise" in e41["estimate"]
+    # one model, one unit: decided by its own Šidák p; the layers counted beside
+    assert (e41["k"], e41["n"], e41["verdict"]) == (1, 1, "supported")
+    assert e41["measured"] == "2/3 layers fall" and e41["role"] == "primary"
+    assert "2 rise then fall, 1 monotone rise" in e41["estimate"]  # layer 2 only rises
     e42 = claims.loc[("E4.2", "token_heads")]
-    assert (e42["k"], e42["n"], e42["verdict"]) == (2, 3, "supported")  # the model's own p
+    assert e42["measured"] == "2/3 layers rise then fall" and e42["verdict"] == "supported"
     e43 = claims.loc[("E4.3", "token_heads")]
     assert e43["n"] == 3 and "0.50" in e43["estimate"]  # the share lost of layers 0 and 1
     e44 = claims.loc[("E4.4", "token")]

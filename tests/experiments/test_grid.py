@@ -129,12 +129,12 @@ def test_e1_grids_have_the_papers_structure() -> None:
     cfg = demo[0].config
     assert cfg.steps // cfg.probe_every >= 10  # probed at least ~10 times per run
     paper = e1_grid("paper", data="/data/wikitext-103").expand()
-    assert len(paper) == 36 and {s.config.seed for s in paper} == {0, 1, 2, 3}
+    assert len(paper) == 36 and {s.config.seed for s in paper} == set(range(36))
     assert paper[0].config.model.n_embd == make_config("paper").model.n_embd
     assert paper[0].config.data == "/data/wikitext-103"
     cuda = e1_grid("demo", overrides={"device": "cuda"}).expand()
     assert all(s.config.device == "cuda" for s in cuda)
-    assert set(E1_PRESETS) == {"smoke", "demo", "paper"}
+    assert set(E1_PRESETS) == {"smoke", "demo", "lab", "paper"}
 
 
 def test_e1_grid_errors() -> None:
@@ -203,8 +203,8 @@ NONE_ARM = "{name: none, set: {key_control.mode: none, key_control.record: true}
     ("[{name: a, reference: b}]", "references 'b', which is not an arm"),
     ("[{name: a, reference: a}]", "form a cycle (a -> a)"),
     ("[{name: a, reference: b}, {name: b, reference: a}]", "form a cycle"),
-    (f"[{NONE_ARM}, {{name: h, set: {{key_control.mode: hold}}, reference: none}}]",
-     "hold takes none"),
+    (f"[{NONE_ARM}, {{name: h, set: {{key_control.mode: hold, key_control.scale: frobenius}}, "
+     "reference: none}]", "hold with the frobenius rule reads nothing"),
     ("[{name: n, set: {key_control.mode: none}}, "
      "{name: s, set: {key_control.mode: shrink}, reference: n}]", "does not record its key PR"),
     (f"[{NONE_ARM}, {{name: s, set: {{key_control.mode: shrink, "
@@ -221,35 +221,53 @@ def test_bad_arms_fail_in_one_line(tmp_path: Path, arms: str, words: str) -> Non
 
 
 def test_e3_grids_are_the_protocols_arms() -> None:
+    core = ["none", "sham-token-data", "hold-token-data", "shrink-0.5-token-data"]
     smoke = e3_grid("smoke")
-    assert [a.name for a in smoke.arms] == ["none", "sham-data", "hold-data", "shrink-0.5-data"]
+    assert [a.name for a in smoke.arms] == core
     assert len(smoke.expand()) == 8
     demo = e3_grid("demo")
-    assert [a.name for a in demo.arms] == ["none", "sham-data", "hold-data", "shrink-0.5-data",
-                                           "hold-frobenius", "shrink-0.5-frobenius"]
+    assert [a.name for a in demo.arms] == core
     specs = demo.expand()
-    assert len(specs) == 30 and {s.config.seed for s in specs} == {0, 1, 2, 3, 4}
+    assert len(specs) == 80 and {s.config.seed for s in specs} == set(range(20))
     cfg = specs[0].config
     assert (cfg.model.n_layer, cfg.model.n_embd, cfg.model.qk_init) == (4, 128, "normal")
     assert (cfg.steps, cfg.probe_every, cfg.eval_every) == (400, 25, 100)
     kc = {s.axes["arm"]: s.config.key_control for s in specs if s.config.seed == 2}
     assert kc["none"].mode == "none" and kc["none"].record
-    assert (kc["sham-data"].mode, kc["sham-data"].scale, kc["sham-data"].dose) == ("sham", "data", 1)
-    assert (kc["hold-frobenius"].mode, kc["hold-frobenius"].scale) == ("hold", "frobenius")
-    shrink = kc["shrink-0.5-frobenius"]
-    assert (shrink.mode, shrink.dose, shrink.scale) == ("shrink", 0.5, "frobenius")
+    sham = kc["sham-token-data"]
+    assert (sham.mode, sham.level, sham.scale, sham.dose) == ("sham", "token", "data", 1)
+    shrink = kc["shrink-0.5-token-data"]
+    assert (shrink.mode, shrink.dose, shrink.level, shrink.scale) == ("shrink", 0.5, "token",
+                                                                      "data")
     assert shrink.reference == "seed=2,arm=none" and shrink.ramp_steps == -1
-    assert kc["hold-data"].reference == "" and not kc["hold-data"].record
+    assert kc["hold-token-data"].reference == "seed=2,arm=none"  # its key spread: none's
+    assert all(k.arm == a for a, k in kc.items())  # one naming rule, both ways
     deps = {s.run_id: s.depends_on for s in specs if s.depends_on}
-    assert set(deps) == {f"seed={k},arm={a}" for k in range(5)
-                         for a in ("sham-data", "shrink-0.5-data", "shrink-0.5-frobenius")}
+    assert set(deps) == {f"seed={k},arm={a}" for k in range(20) for a in core[1:]}
+    lab = e3_grid("lab").expand()
+    assert len(lab) == 32 and lab[0].config.steps == 2000
     paper = e3_grid("paper", data="/data/wikitext-103")
-    assert len(paper.expand()) == 55 and [a.name for a in paper.arms] == [
-        "none", "sham-data", "sham-frobenius", "hold-data", "hold-frobenius",
-        "shrink-0.75-data", "shrink-0.75-frobenius", "shrink-0.5-data",
-        "shrink-0.5-frobenius", "shrink-0.25-data", "shrink-0.25-frobenius"]
-    assert set(E3_PRESETS) == {"smoke", "demo", "paper"}
+    assert len(paper.expand()) == 160 and [a.name for a in paper.arms] == [
+        *core, "shrink-0.75-token-data", "shrink-0.25-token-data", "hold-weight-frobenius",
+        "shrink-0.5-weight-frobenius"]
+    assert set(E3_PRESETS) == {"smoke", "demo", "lab", "paper"}
     with pytest.raises(QKGeomError, match="unknown E3 arm"):
-        e3_arm("shrink-half-data")
+        e3_arm("shrink-half-token-data")
+
+
+def test_e1_runs_each_have_their_own_seed() -> None:
+    """distinct_seeds: replicate r of cell i trains with seed r + i × replicates, so no two
+    runs share a data order or an initial weight."""
+    specs = e1_grid("demo").expand()
+    seeds = [s.config.seed for s in specs]
+    assert sorted(seeds) == list(range(18))
+    assert specs[0].run_id == "n_layer=4,qk_init=normal,seed=0"
+    assert specs[1].run_id == "n_layer=4,qk_init=normal,seed=1"
+    assert specs[2].run_id == "n_layer=4,qk_init=orthogonal,seed=2"
+    assert specs[-1].run_id == "n_layer=8,qk_init=tied,seed=17"
+    assert sorted(s.config.seed for s in e1_grid("lab").expand()) == list(range(27))
+    assert Grid.from_dict(e1_grid("demo").to_dict()).expand()[5].config.seed == 5  # round trip
+    with pytest.raises(QKGeomError, match="distinct_seeds needs a seed axis"):
+        Grid.from_dict({"axes": {"model.n_layer": [1]}, "distinct_seeds": True})
     with pytest.raises(QKGeomError, match="WikiText-103"):
         e3_grid("paper")

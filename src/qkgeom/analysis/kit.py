@@ -8,7 +8,7 @@
   origin) and :func:`claims_markdown`, which writes it grouped by claim (the claim's id and
   text once, in a group row, then its rows) with the cells an experiment's report chooses
   (:data:`SWEEP_CLAIM_CELLS` by default); :func:`claims_summary`, the one line that opens
-  every report ("E1/E2: k of n claim rows supported, …").
+  every report ("E1/E2: k of n claims supported, …", read on the primary rows).
 - **Sections of a sweep or run report**: :func:`setup_markdown`, :func:`excluded_markdown`,
   :func:`metrics_note` (metrics a folder does not record).
 - **The page**: :func:`render_html` (standalone HTML: raw HTML never passes, links only to
@@ -33,8 +33,9 @@ from urllib.parse import urlsplit
 import numpy as np
 import pandas as pd
 
+from qkgeom.analysis import stats
 from qkgeom.analysis.collate import excluded_runs, is_single_run, runs_of, sweep_axes
-from qkgeom.analysis.stats import MIXED, NOT_EVALUATED, NOT_SUPPORTED, SUPPORTED
+from qkgeom.analysis.stats import SUPPORTED
 from qkgeom.io import atomic_write
 
 # ---------------------------------------------------------------------------------------
@@ -92,19 +93,69 @@ def signed(x: float, digits: int = 3) -> str:
 # The claims table
 # ---------------------------------------------------------------------------------------
 
-#: Columns of the E1/E2 and E3 claims tables (``claims.csv``): ``k`` of ``n`` independent
-#: units (``unit``: runs, seeds) with the predicted sign; ``mean`` with its t-interval;
-#: ``p_value`` = the sign-flip test (the verdict's), ``p_sign`` = the sign test beside it;
-#: ``beside`` = the secondary evidence in words; ``reason`` = why a row is not evaluated.
-CLAIM_COLUMNS = ["claim_id", "claim", "level", "origin", "from", "criterion", "unit", "k",
-                 "n", "share", "measured", "mean", "ci_low", "ci_high", "estimate", "test",
-                 "p_value", "p_sign", "beside", "verdict", "reason"]
+#: Columns of the E1/E2 and E3 claims tables (``claims.csv``): ``role`` (``primary``: the
+#: row declared in docs/protocols.md that decides the claim; ``secondary``: descriptive);
+#: ``k`` of ``n`` independent units (``unit``: runs, seeds) with the predicted sign;
+#: ``mean`` with its t-interval; ``p_value`` = the sign-flip test in the predicted
+#: direction (the verdict's), ``p_opposite`` in the other, ``p_sign`` = the sign test;
+#: ``delta`` and ``p_equiv`` = the smallest effect of interest and the equivalence test
+#: (NaN where none is declared); ``detectable`` = the smallest effect the units find with
+#: 80 % power at their spread; ``*_adj`` = the p's after Holm's adjustment within the row's
+#: family (``family``: how many rows it holds); ``beside`` = context in words; ``reason`` =
+#: why a row is not evaluated.
+CLAIM_COLUMNS = ["claim_id", "claim", "role", "level", "origin", "from", "criterion", "unit",
+                 "k", "n", "share", "measured", "mean", "ci_low", "ci_high", "estimate",
+                 "test", "p_value", "p_opposite", "p_sign", "delta", "p_equiv", "detectable",
+                 "p_adj", "p_opposite_adj", "p_equiv_adj", "family", "beside", "verdict",
+                 "reason"]
 
 #: A column of a claims table in Markdown: (header, cell of one claims record).
 Cell = tuple[str, Callable[[dict[str, Any]], Any]]
 
-#: The four verdicts, in the order a summary counts them.
-VERDICTS = (SUPPORTED, MIXED, NOT_SUPPORTED, NOT_EVALUATED)
+VERDICTS = stats.VERDICTS
+
+
+def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
+    """The adjusted p's and the verdict of every row of a claims table.
+
+    Rows are in two families by ``role``: the primary rows (one per claim), Holm-adjusted
+    together when ``holm_primary`` (E1/E2, whose claims are read as one family) or each at
+    α (E3, one confirmatory row per claim), and the secondary rows, always Holm-adjusted
+    together. A row that is not evaluated (a ``reason``, or no unit) is in no family. The
+    verdict is :func:`qkgeom.analysis.stats.verdict` on the adjusted p's (``universal_ok``,
+    when the table has it, for universal claims)."""
+    out = claims.copy()
+    for col in ("p_opposite", "p_equiv", "delta", "detectable"):
+        if col not in out:
+            out[col] = np.nan
+    if "role" not in out:
+        out["role"] = "primary"
+    reason = out["reason"].fillna("").astype(str) if "reason" in out else pd.Series(
+        "", index=out.index)
+    out["reason"] = reason
+    for col in ("p_adj", "p_opposite_adj", "p_equiv_adj"):
+        out[col] = np.nan
+    out["family"] = 0
+    for role, adjust in (("primary", holm_primary), ("secondary", True)):
+        rows = out.index[(out["role"] == role) & (reason == "") & (out["n"] > 0)]
+        out.loc[rows, "family"] = len(rows)
+        for col in ("p_value", "p_opposite", "p_equiv"):
+            values = out.loc[rows, col].to_numpy(dtype=float)
+            out.loc[rows, _adj_name(col)] = stats.holm(values) if adjust else values
+    universal = out["universal_ok"] if "universal_ok" in out else pd.Series(None,
+                                                                           index=out.index)
+    out["verdict"] = [
+        stats.verdict(int(r.k), int(r.n), r.p_adj, p_opposite=r.p_opposite_adj,
+                      p_equiv=r.p_equiv_adj,
+                      universal_ok=None if u is None or (isinstance(u, float) and np.isnan(u))
+                      else bool(u), reason=r.reason)
+        for r, u in zip(out.itertuples(), universal, strict=True)]
+    return out
+
+
+def _adj_name(col: str) -> str:
+    """The column of ``col``'s adjusted value: p_value → p_adj, p_opposite → p_opposite_adj."""
+    return "p_adj" if col == "p_value" else f"{col}_adj"
 
 
 def field(key: str) -> Callable[[dict[str, Any]], Any]:
@@ -164,19 +215,27 @@ def verdict_counts(claims: pd.DataFrame) -> dict[str, int]:
     return {v: int(counts.get(v, 0)) for v in VERDICTS}
 
 
+def primary_rows(claims: pd.DataFrame) -> pd.DataFrame:
+    """The rows that decide the claims (all rows of a table without roles)."""
+    return claims[claims["role"] == "primary"] if "role" in claims else claims
+
+
 def claims_summary(claims: pd.DataFrame) -> str:
-    """The one line that opens a report: which experiment, how many rows of its claims
-    table are supported, mixed, not supported, not evaluated, over how many claims
-    ("E1/E2: 12 of 22 claim rows supported, 1 mixed, 9 not supported, 0 not evaluated
-    (6 claims)"). Plain text: the counts are the verdicts of ``claims``, nothing else."""
+    """The one line that opens a report: which experiment and the verdicts of its claims,
+    read on their primary rows ("E1/E2: 3 of 6 claims supported, 1 mixed, 2 inconclusive,
+    … (primary rows; 16 secondary rows below)"). Plain text: the counts are the verdicts of
+    ``claims``, nothing else."""
     if claims.empty:
         return "No claims could be evaluated."
     families = sorted({str(c).split(".", 1)[0] for c in claims["claim_id"]},
                       key=lambda f: (len(f), f))
-    counts = verdict_counts(claims)
-    rest = ", ".join(f"{counts[v]} {v}" for v in VERDICTS[1:])
-    return (f"{'/'.join(families)}: {counts[SUPPORTED]} of {len(claims)} claim rows "
-            f"{SUPPORTED}, {rest} ({len(claim_groups(claims))} claims)")
+    primary = primary_rows(claims)
+    counts = verdict_counts(primary)
+    rest = ", ".join(f"{counts[v]} {v}" for v in VERDICTS[1:] if counts[v])
+    secondary = len(claims) - len(primary)
+    tail = f" (primary rows; {secondary} secondary rows below)" if secondary else ""
+    return (f"{'/'.join(families)}: {counts[SUPPORTED]} of {len(primary)} claims "
+            f"{SUPPORTED}{', ' + rest if rest else ''}{tail}")
 
 
 def summary_markdown(claims: pd.DataFrame) -> str:
@@ -361,6 +420,8 @@ td.verdict { min-width: 7em; }
 td.v-supported { background: #d8f0de; color: #0f5132; }
 td.v-not-supported { background: #f8dcd9; color: #842029; }
 td.v-mixed { background: #fff0c2; color: #664d03; }
+td.v-equivalent-to-no-effect { background: #dbe7f7; color: #0b3d6b; }
+td.v-inconclusive { background: #f4f4f4; color: #333; }
 td.v-not-evaluated { background: #ebebeb; color: #444; }
 blockquote { margin: 1em 0; padding: 0.6em 1em; border-left: 4px solid #0072B2;
              background: #f2f7fb; font-size: 1.05em; }

@@ -13,8 +13,15 @@ nothing else:
   p = (1 + count)/(1 + draws). This is the verdict's p.
 - :func:`binomial_p` / :func:`count_test`: the exact sign test (binomial, p = ½), shown
   beside it; a zero counts against the claim.
-- :func:`unit_test`: both tests, the count and the interval for one set of unit values.
+- :func:`unit_test`: both tests, the count and the interval for one set of unit values,
+  the sign-flip p of the opposite direction and, given a smallest effect of interest δ,
+  the equivalence p (:func:`tost_p`: two one-sided t-tests, seed as the unit, "no effect
+  larger than δ") and the smallest effect the units could detect (:func:`detectable`).
+- :func:`holm`: Holm's step-down adjustment of a family of p-values (the primary rows of an
+  experiment are one family, its secondary rows another).
 - :func:`verdict`: the one place the verdict rule lives.
+- :func:`seeds_for_power`: how many independent units a design needs (the protocol's
+  power statement).
 - :func:`spearman`: Spearman ρ along the last axis (vectorised).
 """
 
@@ -29,15 +36,19 @@ from scipy import stats as sst
 
 # The verdict rule (docs/protocols.md explains each number). Written once, used by every claim.
 ALPHA = 0.05  # one-sided level of the independent-unit test
-SUPPORT_SHARE = 0.80  # the predicted sign in at least this share of units ...
-FAIL_SHARE = 0.50  # ... not supported at or below this share (no better than a coin)
+SUPPORT_SHARE = 0.80  # the predicted sign in at least this share of units
 CI_LEVEL = 0.95
 EXACT_MAX_N = 20  # sign-flip: enumerate every pattern up to this many units
 FLIP_DRAWS = 200_000  # ... else this many random patterns
 FLIP_SEED = 0
 
+POWER = 0.80  # the power a design is sized for, and the detectable effect is quoted at
+
 SUPPORTED, MIXED, NOT_SUPPORTED, NOT_EVALUATED = ("supported", "mixed", "not supported",
                                                   "not evaluated")
+EQUIVALENT, INCONCLUSIVE = "equivalent to no effect", "inconclusive"
+#: Every verdict, in the order a summary counts them.
+VERDICTS = (SUPPORTED, MIXED, EQUIVALENT, INCONCLUSIVE, NOT_SUPPORTED, NOT_EVALUATED)
 TEST_FLIP = "exact sign-flip test of the mean (one-sided)"
 
 
@@ -126,15 +137,95 @@ def count_test(values: Iterable[float], predicted_sign: int = 1) -> dict[str, fl
     return {"k": k, "n": n, "share": k / n if n else float("nan"), "p_value": binomial_p(k, n)}
 
 
-def unit_test(values: Iterable[float], predicted_sign: int = 1) -> dict[str, Any]:
+def tost_p(values: Iterable[float], delta: float) -> float:
+    """p of the equivalence test (TOST) that the mean of ``values`` lies within ±``delta``:
+    the larger of the two one-sided one-sample t-test p's against −δ (mean greater) and +δ
+    (mean less), as ``scipy.stats.ttest_1samp`` gives them (tested), written out because it
+    runs thousands of times in the null simulations. Below α, the data show no effect
+    larger than δ in either direction (the 90 % t-interval lies inside ±δ). NaN for n < 2
+    or δ not positive."""
+    x = finite(values)
+    n = len(x)
+    if n < 2 or not delta > 0:
+        return float("nan")
+    mean, sd = float(x.mean()), float(x.std(ddof=1))
+    if sd <= 1e-12 * max(1.0, float(np.abs(x).max())):
+        return 0.0 if abs(mean) < delta else 1.0  # no spread: the mean is exact
+    se = sd / np.sqrt(n)
+    lower = sst.t.sf((mean + delta) / se, n - 1)  # H0: mean <= −δ
+    upper = sst.t.cdf((mean - delta) / se, n - 1)  # H0: mean >= +δ
+    return float(max(lower, upper))
+
+
+def detectable(sd: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
+    """The smallest true mean a one-sided one-sample t-test at ``alpha`` over ``n`` units
+    of standard deviation ``sd`` finds with probability ``power`` (noncentral t). NaN for
+    n < 2 or a spread that is not finite and positive."""
+    if n < 2 or not (np.isfinite(sd) and sd > 0):
+        return float("nan")
+    return float(_noncentrality(int(n), float(alpha), float(power)) * sd / np.sqrt(n))
+
+
+@lru_cache(maxsize=1024)
+def _noncentrality(n: int, alpha: float, power: float) -> float:
+    """λ with P(T > t_{1−α, n−1}) = ``power`` for T noncentral t(n − 1, λ): bisection (the
+    power grows with λ); it depends on n, α and the power only, hence the cache."""
+    df, crit = n - 1, _t_quantile(1 - alpha, n - 1)
+    lo, hi = 0.0, 1.0
+    while sst.nct.sf(crit, df, hi) < power:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sst.nct.sf(crit, df, mid) < power else (lo, mid)
+    return hi
+
+
+def equivalence_power(sd: float, n: int, delta: float, alpha: float = ALPHA) -> float:
+    """Power of :func:`tost_p` at level ``alpha`` to show equivalence within ±``delta``
+    when the true mean is 0 (n units of standard deviation ``sd``): the probability that
+    |mean| + t_{1−α, n−1}·s/√n < δ, averaged over the sampling distribution of the
+    estimated s (σ·√(χ²_{n−1}/(n−1)), on 2 000 of its quantiles)."""
+    if n < 2 or not (np.isfinite(sd) and sd > 0) or not delta > 0:
+        return float("nan")
+    df = n - 1
+    q = sst.chi2.ppf((np.arange(2000) + 0.5) / 2000, df)
+    s = sd * np.sqrt(q / df)
+    half = delta - _t_quantile(1 - alpha, df) * s / np.sqrt(n)  # |mean| must stay below it
+    z = np.clip(half, 0.0, None) * np.sqrt(n) / sd
+    return float(np.mean(2 * sst.norm.cdf(z) - 1))
+
+
+def seeds_for_power(sd: float, delta: float, alpha: float = ALPHA, power: float = POWER,
+                    kind: str = "effect") -> int:
+    """The fewest independent units for which ``kind`` reaches ``power``: ``effect``, the
+    one-sided test finds a true mean of ``delta`` (:func:`detectable` ≤ δ); ``equivalence``,
+    TOST shows a true mean of 0 to be within ±δ (:func:`equivalence_power`)."""
+    if kind not in ("effect", "equivalence"):
+        raise ValueError(f"kind must be 'effect' or 'equivalence', got {kind!r}")
+    for n in range(2, 10_000):
+        if kind == "effect" and detectable(sd, n, alpha, power) <= delta:
+            return n
+        if kind == "equivalence" and equivalence_power(sd, n, delta, alpha) >= power:
+            return n
+    raise ValueError("no design under 10 000 units reaches that power")
+
+
+def unit_test(values: Iterable[float], predicted_sign: int = 1,
+              delta: float | None = None) -> dict[str, Any]:
     """Everything the claims tables show for one set of independent unit values.
 
-    ``n, k, share, mean, ci_low, ci_high, p_value`` (sign-flip, the verdict's p),
-    ``p_sign`` (exact sign test). ``predicted_sign = 0`` (no prediction): ``k`` counts
-    values > 0 and both p-values are two-sided (twice the smaller one-sided p, at most 1).
+    ``n, k, share, mean, ci_low, ci_high, p_value`` (sign-flip in the predicted direction,
+    the verdict's), ``p_opposite`` (sign-flip in the other direction), ``p_sign`` (exact
+    sign test), ``sd`` (of the units), ``detectable`` (the smallest effect these units find
+    with 80 % power at their own spread) and, with ``delta``, ``p_equiv`` (TOST within ±δ;
+    NaN without). ``predicted_sign = 0`` (no prediction): ``k`` counts values > 0, the
+    p-values are two-sided (twice the smaller one-sided p, at most 1) and ``p_opposite``
+    is NaN.
     """
     v = finite(values)
     mean, lo, hi, n = t_interval(v)
+    sd = float(v.std(ddof=1)) if n >= 2 else float("nan")
+    p_opp = float("nan")
     if predicted_sign == 0:
         up, down = count_test(v, 1), count_test(v, -1)
         p_flip = min(1.0, 2 * min(sign_flip_p(v, 1), sign_flip_p(v, -1))) if n else np.nan
@@ -143,29 +234,56 @@ def unit_test(values: Iterable[float], predicted_sign: int = 1) -> dict[str, Any
     else:
         ct = count_test(v, predicted_sign)
         k, p_sign, p_flip = ct["k"], ct["p_value"], sign_flip_p(v, predicted_sign)
+        p_opp = sign_flip_p(v, -predicted_sign)
     return {"n": n, "k": k, "share": k / n if n else np.nan, "mean": mean, "ci_low": lo,
-            "ci_high": hi, "p_value": p_flip, "p_sign": p_sign}
+            "ci_high": hi, "p_value": p_flip, "p_opposite": p_opp, "p_sign": p_sign,
+            "sd": sd, "detectable": detectable(sd, n),
+            "p_equiv": tost_p(v, delta) if delta else float("nan")}
 
 
-def verdict(k: int, n: int, p_value: float, *, universal_ok: bool | None = None,
+def holm(p_values: Iterable[float]) -> np.ndarray:
+    """Holm's step-down adjusted p-values of one family (NaN entries stay NaN and do not
+    count): sorted ascending, p_(i) × (m − i + 1), made non-decreasing, capped at 1."""
+    p = np.asarray(list(p_values), dtype=float)
+    out = np.full(p.shape, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    m = len(ok)
+    if m == 0:
+        return out
+    order = ok[np.argsort(p[ok], kind="stable")]
+    adjusted = np.minimum(1.0, np.maximum.accumulate(p[order] * (m - np.arange(m))))
+    out[order] = adjusted
+    return out
+
+
+def verdict(k: int, n: int, p_value: float, *, p_opposite: float = float("nan"),
+            p_equiv: float = float("nan"), universal_ok: bool | None = None,
             reason: str = "") -> str:
-    """The verdict of a claim from k of n independent units with the predicted sign and the
-    one-sided p of the independent-unit test.
+    """The verdict of a claim row from k of n independent units with the predicted sign and
+    its p-values (each already adjusted for the row's family where the report adjusts).
 
     - ``not evaluated``: no unit (n = 0), or a ``reason`` (e.g. a failed manipulation check);
-    - ``not supported``: the predicted sign in ≤ 50 % of units (no better than a coin);
-    - ``supported``: ≥ 80 % and p < 0.05, and for a universal claim ("in all …")
-      ``universal_ok`` (every descriptive unit has the sign);
-    - ``mixed``: anything in between, including a clear majority in too few units.
+    - ``equivalent to no effect``: the equivalence test holds (``p_equiv`` < α): no effect
+      larger than the smallest effect of interest, in either direction;
+    - ``supported``: the predicted direction is significant (``p_value`` < α) in ≥ 80 % of
+      the units, and for a universal claim ("in all …") ``universal_ok`` (every descriptive
+      unit has the sign);
+    - ``mixed``: the predicted direction is significant but in too few units (or not
+      universally);
+    - ``not supported``: the opposite direction is significant (``p_opposite`` < α);
+    - ``inconclusive``: none of these: the units can tell neither an effect nor its absence
+      (with fewer than 5 units always, since no sign-flip p can go below 1/16).
     """
     if reason or n == 0:
         return NOT_EVALUATED
-    share = k / n
-    if share <= FAIL_SHARE:
+    if p_equiv < ALPHA:
+        return EQUIVALENT
+    if p_value < ALPHA:
+        ok = k / n >= SUPPORT_SHARE and universal_ok is not False
+        return SUPPORTED if ok else MIXED
+    if p_opposite < ALPHA:
         return NOT_SUPPORTED
-    if share >= SUPPORT_SHARE and p_value < ALPHA and universal_ok is not False:
-        return SUPPORTED
-    return MIXED
+    return INCONCLUSIVE
 
 
 def spearman(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -137,13 +138,20 @@ class ModelAdapter:
             raise QKGeomError(f"unknown qk site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
         return self.capture_fn(self, on_qk, qk_site)
 
-    def forward(self, ids: Tensor) -> Any:
-        """One forward pass of ``net`` on token ids (B, T), without a KV cache."""
+    def forward(self, ids: Tensor, attention_mask: Tensor | None = None) -> Any:
+        """One forward pass of ``net`` on token ids (B, T), without a KV cache;
+        ``attention_mask`` (B, T), 1/True on real tokens, is handed to an HF model (the
+        project's GPT takes none: causal, it needs none for right padding)."""
         if self.arch == "qkgeom":
+            if attention_mask is not None:
+                raise ValueError("the project's GPT takes no attention_mask")
             return self.net(ids)
+        kwargs: dict[str, Any] = {"input_ids": ids}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(device=ids.device, dtype=torch.long)
         if self.causal:
-            return self.net(input_ids=ids, use_cache=False)
-        return self.net(input_ids=ids)
+            kwargs["use_cache"] = False
+        return self.net(**kwargs)
 
 
 def layer_list(model: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:

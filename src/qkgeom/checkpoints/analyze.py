@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from qkgeom.arch import ModelAdapter, adapter_for
-from qkgeom.data.text import token_windows
+from qkgeom.data.text import framing_ids, token_windows
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import METRIC_NAMES, measure_batches
 
@@ -35,11 +35,7 @@ _TOKENS_PER_BATCH = 8192
 
 def _specials(tokenizer: Any, adapter: ModelAdapter) -> tuple[list[int], list[int]]:
     """Ids put before / after each window: [CLS] / [SEP] for encoders, nothing otherwise."""
-    if adapter.causal:
-        return [], []
-    cls = getattr(tokenizer, "cls_token_id", None)
-    sep = getattr(tokenizer, "sep_token_id", None)
-    return ([cls] if cls is not None else []), ([sep] if sep is not None else [])
+    return ([], []) if adapter.causal else framing_ids(tokenizer)
 
 
 def _texts(texts: str | Iterable[str] | Callable[[], Iterable[str]]) -> Iterable[str]:

@@ -29,8 +29,9 @@ Retries = Annotated[int, typer.Option(
 RunsPerGpu = Annotated[str, typer.Option(
     help="CUDA grids: runs sharing one GPU (a number, or auto: measured once per sweep "
          "folder, see docs/speed.md).")]
-Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | "
-                                          "paper (GPU-hours; pass --data).")]
+Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | lab "
+                                          "(e1, e3: 5x longer runs, about an hour each on 2 "
+                                          "CPU cores) | paper (GPU-hours; pass --data).")]
 Data = Annotated[str, typer.Option(
     help="sample (the embedded Wikipedia text) or a prepared data folder (default: "
          "sample).", show_default=False)]
@@ -71,11 +72,15 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
         write_csv(claims)
         info(f"report: {path}", fmt)
         return
-    cols = [c for c in ("claim_id", "claim", "level", "from", "measured", "p_value", "verdict")
-            if c in claims]
+    cols = [c for c in ("claim_id", "claim", "role", "level", "from", "measured", "p_adj",
+                        "verdict") if c in claims]
+    if "p_adj" not in cols and "p_value" in claims:
+        cols.insert(-1, "p_value")
     render_frame(claims[cols], "claims (verdicts computed from the numbers; see report.md)",
                  ["measured = units with the predicted sign / units (a unit is a run, or "
-                  "a seed: docs/protocols.md)", "p = exact sign-flip p-value"],
+                  "a seed: docs/protocols.md)", "p = exact sign-flip p-value (p_adj: "
+                  "Holm-adjusted within the row's family); role: the primary row decides the "
+                  "claim, secondary rows are descriptive"],
                  group=[c for c in ("claim_id", "claim") if c in cols])
     if excluded:
         typer.echo(f"{excluded} run(s) left out (diverged/failed/unfinished): see the report")

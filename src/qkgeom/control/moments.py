@@ -12,9 +12,12 @@ input is the same x) adds Σx and xᵀx over *every* token of the batch to pendi
 in training forwards (``module.training`` and gradients on: probes and evaluation run
 without gradients). :meth:`InputMoments.fold` turns what is pending into one update of
 exponential moving averages of E[x] and E[x xᵀ], with a half-life of :data:`HALF_LIFE`
-steps, initialised from the first batch; Σ = E[x xᵀ] − E[x] E[x]ᵀ. Every position counts:
-a strided subset of positions is a biased sample when the inputs carry positional
-embeddings. The xᵀx of a batch costs about one key projection's forward.
+steps, initialised from the first batch; Σ = E[x xᵀ] − E[x] E[x]ᵀ. The half-life is short
+because the inputs move fast in the early transient, where a longer memory makes the
+estimate lag the keys it controls (docs/definitions.md#scale-rule gives the measurement);
+five steps still average about fourteen batches. Every position counts: a strided subset
+of positions is a biased sample when the inputs carry positional embeddings. The xᵀx of a
+batch costs about one key projection's forward.
 
 :meth:`InputMoments.regularised` is Σ shrunk towards its mean eigenvalue by
 :data:`SHRINK` (Σ + ε·tr(Σ)/d·I): the token-level reshape needs W Σ Wᵀ positive definite
@@ -35,7 +38,7 @@ from qkgeom.errors import QKGeomError
 
 __all__ = ["HALF_LIFE", "SHRINK", "InputMoments"]
 
-HALF_LIFE = 20  # steps: the averages forget half of their past in 20 updates
+HALF_LIFE = 5  # steps: the averages forget half of their past in 5 updates
 SHRINK = 1e-3  # ε of the regularised covariance Σ + ε·tr(Σ)/d·I
 _DECAY = 0.5 ** (1.0 / HALF_LIFE)
 

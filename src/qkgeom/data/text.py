@@ -32,7 +32,8 @@ from qkgeom.data.vocab import CharVocab
 from qkgeom.errors import QKGeomError
 from qkgeom.io import atomic_write
 
-__all__ = ["TEXT_HELP", "encode", "open_text", "sample_text_path", "token_windows"]
+__all__ = ["TEXT_HELP", "encode", "framing_ids", "open_text", "sample_text_path",
+           "token_windows"]
 
 TEXT_HELP = "sample | wikitext-103[:split] | a UTF-8 file or folder"
 _BLOCK_CHARS = 1 << 16  # characters tokenized at a time (cut at a line end)
@@ -104,6 +105,19 @@ def encode(tokenizer: Any, text: str) -> np.ndarray:
     else:
         ids = tokenizer.encode(text)
     return np.asarray(ids, dtype=np.int64)
+
+
+def framing_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """The ids an encoder's tokenizer puts around one sequence: ``[CLS]`` before and
+    ``[SEP]`` after (each only if the tokenizer has it; none for a CharVocab).
+
+    Why here and not in :func:`encode`: text is tokenized in blocks of many windows, so
+    the tokenizer's own special tokens would land around blocks, not windows; callers frame
+    each window themselves (``qkgeom analyze`` and the monitor's text probes, for
+    encoders)."""
+    cls = getattr(tokenizer, "cls_token_id", None)
+    sep = getattr(tokenizer, "sep_token_id", None)
+    return ([int(cls)] if cls is not None else []), ([int(sep)] if sep is not None else [])
 
 
 def _blocks(pieces: Iterable[str]) -> Iterator[str]:

@@ -12,12 +12,19 @@ product of the axes in the order given (the last axis varies fastest)::
       model.qk_init: [normal, orthogonal, tied]
       seed: [0, 1, 2, 3]
 
+``distinct_seeds: true`` gives every run its own seed: the ``seed`` axis then lists
+replicates, and the r-th replicate of the i-th combination of the other axes (in product
+order) trains with seed ``seeds[r] + i·len(seeds)`` (E1: depth × init cells that share a
+seed would share their data order and every non-Q/K initial weight, so they would not be
+independent units). Run ids show the seed each run trains with. Arms share their seed
+(they are paired by it).
+
 **Arms** (optional) are named sets of overrides crossed with the axes, for experiments
 whose conditions are not one config field (E3: a mode, a scale rule and a dose)::
 
     arms:
       - {name: none, set: {key_control.mode: none, key_control.record: true}}
-      - name: shrink-0.5-data
+      - name: shrink-0.5-token-data
         set: {key_control.mode: shrink, key_control.dose: 0.5}
         reference: none
 
@@ -32,7 +39,7 @@ full dotted name when two axes share a last part); ``value`` is the value *after
 validation (so ``4`` and ``4.0`` for an int field are the same run), printed as JSON scalars
 print (``true``, ``0.001``, ``normal``), with every character outside ``[A-Za-z0-9._+-]``
 replaced by ``_`` and values over 40 characters shortened to 32 plus a hash, then
-``arm=<name>`` for a grid with arms (``seed=0,arm=shrink-0.5-data``; the last part varies
+``arm=<name>`` for a grid with arms (``seed=0,arm=shrink-0.5-token-data``; the last part varies
 fastest). Ids depend only on the axes, arms and their values, never on the order of
 expansion or the process, so a rerun finds its runs again. A grid without axes or arms is
 one run, ``base``.
@@ -64,7 +71,7 @@ import yaml
 from qkgeom.config import PRESETS, TrainConfig, deep_merge, make_config
 from qkgeom.errors import QKGeomError
 
-GRID_KEYS = ("name", "preset", "base", "axes", "arms")
+GRID_KEYS = ("name", "preset", "base", "axes", "arms", "distinct_seeds")
 ARM_KEYS = ("name", "set", "reference")
 ARM_LABEL = "arm"  # the run-id label of the arm (and its key in RunSpec.axes)
 # The sweep runner sets these per run (threads from --workers / --threads-per-run).
@@ -116,6 +123,7 @@ class Grid:
     base: dict[str, Any]
     axes: dict[str, list[Any]]
     arms: tuple[Arm, ...] = ()
+    distinct_seeds: bool = False
 
     @classmethod
     def from_dict(cls, d: Any, *, default_name: str = "sweep") -> Grid:
@@ -143,8 +151,15 @@ class Grid:
         if not isinstance(axes_in, dict):
             raise QKGeomError(f"grid {name!r}: axes must be a mapping of config keys to lists")
         axes = _flat_axes(axes_in, name)
+        distinct = d.get("distinct_seeds", False)
+        if not isinstance(distinct, bool):
+            raise QKGeomError(f"grid {name!r}: distinct_seeds must be true or false, got "
+                              f"{distinct!r}")
+        if distinct and "seed" not in axes:
+            raise QKGeomError(f"grid {name!r}: distinct_seeds needs a seed axis (the "
+                              "replicates of each combination of the other axes)")
         grid = cls(name=name, preset=preset, base=nest_keys(base, f"grid {name!r}: base"),
-                   axes=axes, arms=_arms(d.get("arms"), name, axes))
+                   axes=axes, arms=_arms(d.get("arms"), name, axes), distinct_seeds=distinct)
         grid.expand()  # validates every run before anyone starts one
         return grid
 
@@ -159,6 +174,8 @@ class Grid:
                "axes": {k: list(v) for k, v in self.axes.items()}}
         if self.arms:  # absent for a grid without arms: its record stays as it was
             out["arms"] = [arm.to_dict() for arm in self.arms]
+        if self.distinct_seeds:
+            out["distinct_seeds"] = True
         return out
 
     def expand(self) -> list[RunSpec]:
@@ -180,6 +197,8 @@ class Grid:
         arms: tuple[Arm | None, ...] = self.arms or (None,)
         for combo in itertools.product(*self.axes.values()):
             axes = dict(zip(self.axes, combo, strict=True))
+            if self.distinct_seeds:
+                axes["seed"] = _cell_seed(self.axes, combo)
             over = self.base
             for key, value in axes.items():
                 over = _with(over, key, value)
@@ -311,6 +330,22 @@ def _flat_axes(axes: dict[str, Any], name: str, prefix: str = "") -> dict[str, l
             raise QKGeomError(f"grid {name!r}: axis {full!r} lists {dup!r} twice")
         out[full] = list(values)
     return out
+
+
+def _cell_seed(axes: dict[str, list[Any]], combo: tuple[Any, ...]) -> Any:
+    """The seed of the run at ``combo`` under ``distinct_seeds``: its replicate's seed plus
+    the number of replicates times the index of its combination of the other axes."""
+    names = list(axes)
+    seeds = axes["seed"]
+    others = [(len(axes[k]), axes[k].index(v)) for k, v in zip(names, combo, strict=True)
+              if k != "seed"]
+    cell = 0
+    for size, index in others:  # mixed-radix index, in axis order
+        cell = cell * size + index
+    value = combo[names.index("seed")]
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise QKGeomError(f"distinct_seeds needs whole-number seeds, got {value!r}")
+    return value + len(seeds) * cell
 
 
 def _arm_id(stem: str, arm: str) -> str:

@@ -1,44 +1,40 @@
 """The paper's grids: E1 (depths x Q/K inits x seeds) and E3 (seeds x key-control arms).
 
-E1: three sizes of the same structure (depth x ``qk_init`` x seed; every run sees the same
-probe set because probes come from the start of the val split):
+E1: sizes of one structure, depth x ``qk_init`` x replicate, every run with its own seed
+(``distinct_seeds``: runs that shared a seed would share their data order and, within a
+depth, every initial weight but W_Q/W_K, so they would not be independent units); every
+run sees the same probe set (probes come from the start of the val split):
 
-``smoke``
-    depths {1, 2} x 3 inits x 1 seed = 6 runs of the ``smoke`` training preset (40 steps,
-    2 heads of width 16, 5 probes). A wiring check, not a result: under a minute with 2
-    workers x 1 thread on a 2-core machine.
-``demo``
-    depths {4, 6, 8} x 3 inits x 2 seeds = 18 runs on the embedded Wikipedia sample with the
-    ``demo`` model (4 heads, width 128, context 64) trained for 400 steps of 16 x 64 tokens
-    (410 k tokens per run; 11 probes, every 40 steps). Every PR collapses during the first
-    50-125 steps; 400 steps put at least two thirds of each run after that transient, and
-    the grid, probes included, still fits in about 10 minutes on 2 CPU cores.
-``paper``
-    depths {4, 6, 8} x 3 inits x 4 seeds = 36 runs of the ``paper`` training preset on the
-    prepared corpus ``data`` (WikiText-103, char level).
+``smoke``  depths {1, 2} x 3 inits x 1 = 6 runs of the ``smoke`` training preset (40
+           steps): a wiring check, not a result.
+``demo``   depths {4, 6, 8} x 3 inits x 2 = 18 runs on the embedded Wikipedia sample with
+           the ``demo`` model (4 heads, width 128, context 64) trained for 400 steps of
+           16 x 64 tokens (11 probes, every 40 steps).
+``lab``    the demo's grid x 3 replicates = 27 runs of 2 000 steps (5x the demo's, probes
+           every 100): the regime after the early transient, about an hour on 2 CPU cores.
+``paper``  depths {4, 6, 8} x 3 inits x 4 = 36 runs of the ``paper`` training preset on the
+           prepared corpus ``data`` (WikiText-103, char level).
 
-E3: seeds × named **arms** (:func:`e3_arm`): ``none`` (no control, records its per-step
-key PR), ``sham-<scale>``, ``hold-<scale>`` and ``shrink-<dose>-<scale>``; sham and shrink
-arms cap PR_K relative to the ``none`` run of the same seed, so they depend on it (the
-sweep runner trains it first). The runs of one seed start from the same init and see the
-same batches (the seed fixes both; the control draws no random numbers), so they are
-paired by seed. Sizes:
+E3: seeds x named **arms** (:attr:`qkgeom.config.KeyControlConfig.arm`): ``none`` (no
+control, records its per-step key PR and spread), ``sham-<level>-<scale>``,
+``hold-<level>-<scale>`` and ``shrink-<dose>-<level>-<scale>``. Every controlled arm
+references the ``none`` run of its seed (a cap relative to its PR_K; the data rule's key
+spread matched to its), so the sweep runner trains that run first. The runs of one seed
+start from the same init and see the same batches, so they are paired by seed. Sizes (the
+seed counts come from the power calculation of docs/protocols.md#e3):
 
-``smoke``
-    2 seeds x 4 arms (none, sham-data, hold-data, shrink-0.5-data) = 8 runs of the
-    ``smoke`` preset (wiring check).
-``demo``
-    5 seeds x 6 arms (those 4, hold-frobenius, shrink-0.5-frobenius) = 30 runs of the E1
-    demo's 4-layer model (normal init) on the embedded sample, 400 steps, probed every 25
-    steps and evaluated every 100, so the early phase (first 25 % = 100 steps) has four
-    probes and one validation loss.
-``paper``
-    5 seeds x 11 arms (none, sham and hold at both scales, shrink at doses 0.75, 0.5 and
-    0.25 at both scales) = 55 runs of the ``paper`` preset (6 layers, normal init) on
-    WikiText-103.
+``smoke``  2 seeds x 4 arms (none, sham, hold, shrink-0.5; token level, data rule).
+``demo``   20 seeds x those 4 arms = 80 runs of the E1 demo's 4-layer model (normal init)
+           on the embedded sample, 400 steps, probed every 25 steps.
+``lab``    8 seeds x the same 4 arms = 32 runs of 2 000 steps (probes every 100): about
+           an hour on 2 CPU cores; fewer seeds than the power calculation asks for, said in
+           its report.
+``paper``  20 seeds x 8 arms (none; sham, hold and shrink at doses 0.75, 0.5, 0.25 at the
+           token level with the data rule; hold and shrink-0.5 at the weight level with the
+           Frobenius rule) = 160 runs of the ``paper`` preset (6 layers) on WikiText-103.
 
-Nothing here is tuned to make a claim hold: the demo's sizes were chosen from throughput
-alone (tokens/s of the 4-, 6- and 8-layer models on one thread), before looking at results.
+Nothing here is tuned to make a claim hold: sizes come from throughput and the power
+calculation, fixed before any result (docs/protocols.md).
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import QK_INITS, TrainConfig, deep_merge
+from qkgeom.config import QK_INITS, KeyControlConfig, TrainConfig, deep_merge
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.grid import Grid, nest_keys
 from qkgeom.experiments.runner import SweepSummary, available_cpus, on_this_machine, run_sweep
@@ -57,73 +53,56 @@ from qkgeom.runs.sweep import run_dir
 
 PAPER_DEPTHS = [4, 6, 8]
 
-# preset -> (training preset, overrides for every run, depths, seeds)
+# preset -> (training preset, overrides for every run, depths, replicates)
 E1_PRESETS: dict[str, tuple[str, dict[str, Any], list[int], list[int]]] = {
-    # 6 runs x 40 steps. Measured, 2 workers x 1 thread on the 2-core dev machine (its
-    # cores shared with another job): 42 s for the grid, about 3 s of it per run is the
-    # worker's start.
     "smoke": ("smoke", {}, [1, 2], [0]),
-    # 18 runs x 400 steps x 16 x 64 tokens (410 k tokens per run), 11 probes per run (every
-    # 40 steps), eval every 100 steps on 4 batches. Was 300 steps, of which the transient
-    # took up to 125; 400 puts two thirds of every run after it (the length was set from
-    # that share and the time budget, before any 400-step result). 6-10 k tokens/s per run
-    # on one thread, i.e. 45-70 s per run.
     "demo": ("demo", {
         "model": {"n_head": 4, "n_embd": 128, "block_size": 64},
         "steps": 400, "batch_size": 16, "warmup_steps": 30, "probe_every": 40,
         "eval_every": 100, "eval_batches": 4, "checkpoint_every": 100,
     }, PAPER_DEPTHS, [0, 1]),
-    # The paper's 36 runs: 20 k steps of 64 x 256 tokens each, bf16, one GPU per run.
+    "lab": ("demo", {
+        "model": {"n_head": 4, "n_embd": 128, "block_size": 64},
+        "steps": 2000, "batch_size": 16, "warmup_steps": 30, "probe_every": 100,
+        "eval_every": 250, "eval_batches": 4, "checkpoint_every": 500,
+    }, PAPER_DEPTHS, [0, 1, 2]),
     "paper": ("paper", {}, PAPER_DEPTHS, [0, 1, 2, 3]),
 }
 
 
 _DEMO_BASE: dict[str, Any] = E1_PRESETS["demo"][1]
+_LAB_BASE: dict[str, Any] = E1_PRESETS["lab"][1]
 
-E3_SCALES = ["data", "frobenius"]
+#: The arms every E3 size has: the primary rows of docs/protocols.md#e3 read them.
+E3_CORE_ARMS = ["none", "sham-token-data", "hold-token-data", "shrink-0.5-token-data"]
 # preset -> (training preset, overrides for every run, seeds, arm names)
 E3_PRESETS: dict[str, tuple[str, dict[str, Any], list[int], list[str]]] = {
-    "smoke": ("smoke", {}, [0, 1], ["none", "sham-data", "hold-data", "shrink-0.5-data"]),
-    # 30 runs of the E1 demo's depth-4 model. Probes (every 25 steps) are denser than E1's
-    # so the early phase (first 100 steps) has four probes and one validation loss. The
-    # step count is the E1 demo's (one value, in _DEMO_BASE).
+    "smoke": ("smoke", {}, [0, 1], E3_CORE_ARMS),
     "demo": ("demo", deep_merge(_DEMO_BASE, {"model": {"n_layer": 4, "qk_init": "normal"},
                                              "probe_every": 25, "eval_every": 100}),
-             [0, 1, 2, 3, 4],
-             ["none", "sham-data", "hold-data", "shrink-0.5-data", "hold-frobenius",
-              "shrink-0.5-frobenius"]),
-    "paper": ("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, [0, 1, 2, 3, 4],
-              ["none", *(f"{m}-{sc}" for m in ("sham", "hold") for sc in E3_SCALES),
-               *(f"shrink-{d}-{sc}" for d in ("0.75", "0.5", "0.25") for sc in E3_SCALES)]),
+             list(range(20)), E3_CORE_ARMS),
+    "lab": ("demo", deep_merge(_LAB_BASE, {"model": {"n_layer": 4, "qk_init": "normal"}}),
+            list(range(8)), E3_CORE_ARMS),
+    "paper": ("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, list(range(20)),
+              [*E3_CORE_ARMS, "shrink-0.75-token-data", "shrink-0.25-token-data",
+               "hold-weight-frobenius", "shrink-0.5-weight-frobenius"]),
 }
 
 
 def e3_arm(name: str) -> dict[str, Any]:
     """The E3 arm called ``name`` as a grid arm (docs/definitions.md#e3-arms).
 
-    ``none``: no control, ``key_control.record`` on (its per-step PR_K is the reference);
-    ``sham-<scale>`` / ``hold-<scale>``: that mode and scale rule; ``shrink-<dose>-<scale>``:
-    shrink to ``dose`` × the reference. Sham and shrink arms reference ``none``.
+    ``none``: no control, ``key_control.record`` on (its per-step PR_K and key spread are
+    the reference); every other arm sets the mode, dose, level and scale rule its name
+    gives (:meth:`qkgeom.config.KeyControlConfig.arm_settings`) and references ``none``
+    when it reads it (a cap, or the data rule's matched spread; a Frobenius hold does not).
     """
-    parts = name.split("-")
+    settings = KeyControlConfig.arm_settings(name)
     if name == "none":
         return {"name": name, "set": {"key_control.mode": "none", "key_control.record": True}}
-    try:
-        if parts[0] in ("sham", "hold") and len(parts) == 2 and parts[1] in E3_SCALES:
-            arm: dict[str, Any] = {"name": name, "set": {"key_control.mode": parts[0],
-                                                         "key_control.scale": parts[1]}}
-        elif parts[0] == "shrink" and len(parts) == 3 and parts[2] in E3_SCALES:
-            arm = {"name": name, "set": {"key_control.mode": "shrink",
-                                         "key_control.dose": float(parts[1]),
-                                         "key_control.scale": parts[2]}}
-        else:
-            raise ValueError(name)
-    except ValueError:
-        raise QKGeomError(f"unknown E3 arm {name!r}; arms are none, sham-<scale>, "
-                          f"hold-<scale>, shrink-<dose>-<scale> with scale "
-                          f"{' or '.join(E3_SCALES)}") from None
-    if parts[0] in ("sham", "shrink"):
-        arm["reference"] = "none"
+    arm = {"name": name, "set": {f"key_control.{k}": v for k, v in settings.items()}}
+    if settings["mode"] in KeyControlConfig.CAPPED or settings["scale"] == "data":
+        arm["reference"] = "none"  # a cap relative to it, or its key spread matched
     return arm
 
 
@@ -159,6 +138,7 @@ def e1_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None
         "base": _base("e1", base, data, overrides),
         "axes": {"model.n_layer": list(depths), "model.qk_init": list(QK_INITS),
                  "seed": list(seeds)},
+        "distinct_seeds": True,
     })
 
 

@@ -11,10 +11,16 @@ forward runs on the base model (no LM head), in eval mode, without gradients or 
 inside :func:`~qkgeom.geometry.state.frozen_training_state`: training computes exactly what
 it would without the measurement.
 
-Input: token ids of equal-length, unpadded windows (n_seq, T) -- a probe set, or batches
-of a corpus. ``precision="float64"`` (default) runs every product of the accumulation in
-float64 (probe-sized inputs: exact); ``"float32"`` runs them in float32 with float64
-running totals (long corpora: about twice as fast).
+Input: token ids of windows (n_seq, T) -- a probe set, or batches of a corpus -- unpadded,
+or padded with an ``attention_mask`` (1 = real token, 0 = padding; left or right padding):
+only real tokens then count, each sequence measured as it would be alone
+(:mod:`qkgeom.geometry.padding`: real tokens moved to the front, the mask handed to
+encoders, :meth:`~qkgeom.geometry.tokens.LayerGeometry.update` told each length). A mask
+of all ones is no padding: the unpadded path, bit for bit.
+
+``precision="float64"`` (default) runs every product of the accumulation in float64
+(probe-sized inputs: exact); ``"float32"`` runs them in float32 with float64 running
+totals (long corpora: about twice as fast).
 
 Token blocks (``blocked=True``): each batch comes with the index of the contiguous token
 block it belongs to; the frame then holds every metric over all tokens (``block = -1``,
@@ -25,7 +31,7 @@ for the token-block bootstrap of checkpoint analysis (docs/checkpoints.md).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +41,7 @@ from torch import Tensor, nn
 
 from qkgeom.arch import ModelAdapter, adapter_for
 from qkgeom.errors import QKGeomError
+from qkgeom.geometry.padding import Padded, check_mask, right_padded
 from qkgeom.geometry.records import (
     METRIC_NAMES,
     TOKEN_METRICS,
@@ -79,9 +86,10 @@ class Measurement:
     metrics, with any constant columns in front. ``key_sv_weight`` / ``key_eig_token``: per
     layer, the singular values of W_K and the eigenvalues of the key covariance (descending)
     -- the two key spectra, empty unless asked for. ``step``: the training step, where the
-    caller (trainer, monitor) sets it. ``tokens``: query positions measured;
-    ``sequences``; ``seconds``: wall time; ``adapter``: the model as qkgeom saw it;
-    ``block_tokens``: token positions per token block (blocked measurements only).
+    caller (trainer, monitor) sets it. ``tokens``: query positions measured (the real
+    tokens of padded batches); ``sequences``; ``seconds``: wall time; ``adapter``: the
+    model as qkgeom saw it; ``block_tokens``: token positions per token block (blocked
+    measurements only).
     """
 
     frame: pd.DataFrame
@@ -119,11 +127,13 @@ def _weight_records(adapter: ModelAdapter) -> dict[int, list[Record]]:
     return out
 
 
-def measure(model: nn.Module, input_ids: Tensor, *, metrics: str | Iterable[str] = "all",
-            batch_size: int = 8, qk_site: str = "post-rotary", precision: str = "float64",
-            spectra: bool = False, **columns: Any) -> Measurement:
+def measure(model: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | None = None,
+            metrics: str | Iterable[str] = "all", batch_size: int = 8,
+            qk_site: str = "post-rotary", precision: str = "float64", spectra: bool = False,
+            **columns: Any) -> Measurement:
     """Measure ``model`` on the token windows ``input_ids`` (n_seq, T), ``batch_size`` at a
-    time; see :func:`measure_batches` for the rest."""
+    time; ``attention_mask`` (n_seq, T), 0 on padding, measures real tokens only (module
+    docstring). See :func:`measure_batches` for the rest."""
     ids = torch.as_tensor(input_ids)
     if ids.ndim == 1:
         ids = ids[None]
@@ -132,11 +142,33 @@ def measure(model: nn.Module, input_ids: Tensor, *, metrics: str | Iterable[str]
                           f"{ids.dtype} {tuple(ids.shape)}")
     if batch_size < 1:
         raise QKGeomError(f"batch_size must be >= 1, got {batch_size}")
-    return measure_batches(model, ids.split(batch_size), metrics=metrics, qk_site=qk_site,
+    mask = check_mask(ids, attention_mask)
+    batches: Iterable[Any] = ids.split(batch_size)
+    if mask is not None:
+        batches = [{"input_ids": i, "attention_mask": m}
+                   for i, m in zip(ids.split(batch_size), mask.split(batch_size), strict=True)]
+    return measure_batches(model, batches, metrics=metrics, qk_site=qk_site,
                            precision=precision, spectra=spectra, **columns)
 
 
-def _blocks_in_order(batches: Iterable[Any], blocked: bool) -> Iterator[tuple[int, Tensor]]:
+def _unpadded(batch: Any) -> tuple[Tensor, Padded | None]:
+    """Token ids of a batch (a tensor, or a mapping with ``input_ids`` and optionally an
+    ``attention_mask``) and, when the mask pads anything, the batch moved to right padding."""
+    if not isinstance(batch, Mapping):
+        return torch.as_tensor(batch), None
+    if "input_ids" not in batch:
+        raise QKGeomError("a batch mapping needs 'input_ids'")
+    ids = torch.as_tensor(batch["input_ids"])
+    if ids.ndim == 1:
+        ids = ids[None]
+    mask = check_mask(ids, batch.get("attention_mask"))
+    if mask is None:
+        return ids, None
+    padded = right_padded(ids, mask)
+    return padded.ids, padded
+
+
+def _blocks_in_order(batches: Iterable[Any], blocked: bool) -> Iterator[tuple[int, Any]]:
     """``(block, ids)`` of each batch (block −1 when not blocked); block indices must be
     whole numbers that never decrease (a block is contiguous)."""
     last = -1
@@ -163,8 +195,10 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
 
     Args:
         model: the project's GPT or a supported HF model (task heads are looked through).
-        batches: token ids, one (B, T) LongTensor per forward pass (T may differ between
-            batches; no padding); with ``blocked``, ``(block, ids)`` pairs.
+        batches: one per forward pass: token ids, a (B, T) LongTensor (T may differ
+            between batches), or a mapping with ``input_ids`` and an ``attention_mask``
+            (an HF tokenizer's padded batch: real tokens only, module docstring); with
+            ``blocked``, ``(block, batch)`` pairs.
         metrics: names of ``METRIC_NAMES``, ``"contrast"`` or ``"all"``.
         qk_site: ``post-rotary`` (default: what attention uses) or ``pre-rotary`` q/k for
             the token PRs; attention statistics, ``logit_std`` and ``pr_qk_token`` always
@@ -173,7 +207,7 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
         precision: ``float64`` or ``float32`` products (see the module docstring).
         spectra: also return the key spectra (singular values of W_K, eigenvalues of the
             key covariance; all tokens).
-        progress: called with the number of tokens of each finished batch.
+        progress: called with the number of (real) tokens of each finished batch.
         blocked: batches come with the index of their token block (0, 1, ... in order,
             each block contiguous); the frame gets a ``block`` column (last): −1 for all
             tokens, k for block k, every metric for each (the weight metrics repeated).
@@ -206,12 +240,13 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
                                           "pr_qk_token" in wanted, ws, with_post)
                    for s in adapter.sites}
             seen: set[int] = set()
+            lengths: list[Tensor | None] = [None]  # real tokens per row of the batch in hand
 
             def on_qk(layer: int, q_site: Tensor, k_site: Tensor, q_attn: Tensor,
                       k_attn: Tensor, scale: float) -> None:
                 seen.add(layer)
                 acc[layer].update(q_site.to(dtype), k_site.to(dtype), q_attn.to(dtype),
-                                  k_attn.to(dtype), scale)
+                                  k_attn.to(dtype), scale, lengths=lengths[0])
 
             def end_block(block: int) -> None:
                 block_records[block] = {layer: geo.end_block() for layer, geo in acc.items()}
@@ -226,18 +261,23 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
                             geo.begin_block()
                         current = block
                     seen.clear()
-                    adapter.forward(batch.to(device))
+                    batch, padded = _unpadded(batch)
+                    lengths[0] = None if padded is None else padded.lengths
+                    # right padding: a causal model needs no mask (real tokens come first)
+                    mask = None if padded is None or adapter.causal else padded.mask
+                    adapter.forward(batch.to(device), mask)
                     missing = sorted(set(acc) - seen)
                     if missing:
                         raise QKGeomError(f"no q/k captured for layers {missing}: the attention "
                                           "implementation bypasses the HF attention interface; "
                                           "load the model with attn_implementation='sdpa'")
-                    n_tokens += batch.numel()
+                    real = batch.numel() if padded is None else padded.tokens
+                    n_tokens += real
                     n_seq += batch.shape[0]
                     if blocked:
-                        block_tokens[block] = block_tokens.get(block, 0) + batch.numel()
+                        block_tokens[block] = block_tokens.get(block, 0) + real
                     if progress is not None:
-                        progress(batch.numel())
+                        progress(real)
             if current >= 0:
                 end_block(current)
             if n_seq == 0:

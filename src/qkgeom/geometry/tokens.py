@@ -2,7 +2,9 @@
 
 Every token metric of qkgeom -- the trainer's probes, the monitor, checkpoint analysis --
 goes through this class, so a number means the same thing whichever path produced it.
-Per batch of captured q/k (q (B, H, T, hd), k (B, H_kv, T, hd), unpadded windows):
+Per batch of captured q/k (q (B, H, T, hd), k (B, H_kv, T, hd); windows unpadded, or
+right-padded with each sequence's number of real tokens, ``lengths=`` of
+:meth:`LayerGeometry.update`: only real tokens count):
 
 - q and k covariances, float64 running totals (:class:`~qkgeom.geometry.StreamingCovariance`,
   Chan's update) of the layer's heads concatenated; each head's covariance is a diagonal
@@ -39,6 +41,7 @@ contrasts (the layer contrast that compares equal dimensions).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -103,6 +106,49 @@ def _logit_pr_prepared(qg: Tensor, kk: Tensor, B: int) -> Tensor:
     s1 = torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)  # (B, Hk, R) Σσ²
     s2 = (m * m.mT).sum(dim=(-2, -1))  # (B, Hk, R) Σσ⁴
     return torch.where(s2 > 0, s1 * s1 / s2, 0.0).flatten(1)  # (B, H)
+
+
+def _peaks(tensors: tuple[Tensor, ...]) -> tuple[dict[int, float], float]:
+    """``({id(t): max |t|}, overall max)`` of the distinct tensors in one host sync.
+
+    Raises:
+        NonFiniteError: an entry is non-finite or beyond 1e140.
+    """
+    distinct = {id(t): t for t in tensors}  # site = attn: once
+    amax = dict(zip(distinct, torch.stack([torch.stack(t.detach().aminmax()).abs().amax()
+                                           .double() for t in distinct.values()]).tolist(),
+                    strict=True))  # max |x| in one pass, no |x| temporary; NaN stays NaN
+    peak = max(amax.values())
+    if not peak <= _MAX_ABS_ACTIVATION:  # NaN fails this too
+        raise NonFiniteError(f"queries/keys are non-finite or beyond {_MAX_ABS_ACTIVATION:g} "
+                             f"(max |entry| {peak:g}): their covariance would overflow")
+    return amax, peak
+
+
+def _length_groups(lengths: Sequence[int] | Tensor, B: int, T: int
+                   ) -> list[tuple[int, list[int]]] | None:
+    """``[(length, rows)]`` of the sequences of each real length (in order of first
+    appearance), or None when every sequence is whole (no padding)."""
+    sizes = [int(n) for n in (lengths.tolist() if isinstance(lengths, Tensor) else lengths)]
+    if len(sizes) != B or not all(1 <= n <= T for n in sizes):
+        raise ValueError(f"lengths must be {B} numbers in 1..{T}, got {sizes}")
+    if all(n == T for n in sizes):
+        return None
+    groups: dict[int, list[int]] = {}
+    for row, n in enumerate(sizes):
+        groups.setdefault(n, []).append(row)
+    return list(groups.items())
+
+
+def _cut(tensors: tuple[Tensor, ...], rows: list[int], n: int) -> tuple[Tensor, ...]:
+    """The ``rows`` of each (B, heads, T, hd) tensor cut to their first ``n`` positions; a
+    tensor passed twice (site = attention q/k) is cut once and stays one tensor."""
+    cut: dict[int, Tensor] = {}
+    for t in tensors:
+        if id(t) not in cut:
+            part = t if len(rows) == t.shape[0] else t[torch.tensor(rows, device=t.device)]
+            cut[id(t)] = part[:, :, :n]
+    return tuple(cut[id(t)] for t in tensors)
 
 
 class _Totals:
@@ -172,11 +218,21 @@ class LayerGeometry:
 
     @torch.no_grad()
     def update(self, q_site: Tensor, k_site: Tensor, q_attn: Tensor | None = None,
-               k_attn: Tensor | None = None, scale: float | None = None) -> None:
+               k_attn: Tensor | None = None, scale: float | None = None,
+               lengths: Sequence[int] | Tensor | None = None) -> None:
         """Add a batch: covariances from ``q_site``/``k_site``, logit spectrum, logit
         moments and entropy from ``q_attn``/``k_attn`` (what the attention computes with;
         default the same tensors; with ``with_post`` their covariances too). q (B, H, T,
         hd), k (B, H_kv, T, hd); ``scale`` defaults to 1/√hd.
+
+        ``lengths`` (B,): a right-padded batch, sequence b's real tokens at positions
+        ``0 .. lengths[b]−1`` (:mod:`qkgeom.geometry.padding`). Only real tokens then count,
+        as if each sequence had been measured alone: the sequences of each length are
+        added as one unpadded batch cut to that length (covariances of their real tokens,
+        each logit matrix restricted to its real rows and columns, entropies over real
+        queries and keys). Why cut rather than mask: every statistic of the unpadded path
+        then holds for padded input with no masked variant of its own. ``None``, or every
+        length equal to T, is the unpadded path itself.
 
         Raises:
             NonFiniteError: non-finite q/k, or entries beyond 1e140 (checked first, so the
@@ -190,14 +246,21 @@ class LayerGeometry:
                              f"{self.n_kv_head}, T, {self.head_dim}), got {tuple(q_attn.shape)} "
                              f"and {tuple(k_attn.shape)}")
         scale = 1.0 / math.sqrt(hd) if scale is None else float(scale)
-        tensors = {id(t): t for t in (q_site, k_site, q_attn, k_attn)}  # site = attn: once
-        amax = dict(zip(tensors, torch.stack([torch.stack(t.detach().aminmax()).abs().amax()
-                                              .double() for t in tensors.values()]).tolist(),
-                        strict=True))  # max |x| in one pass, no |x| temporary; NaN stays NaN
-        peak = max(amax.values())  # one host sync for all of them
-        if not peak <= _MAX_ABS_ACTIVATION:  # NaN fails this too
-            raise NonFiniteError(f"queries/keys are non-finite or beyond {_MAX_ABS_ACTIVATION:g} "
-                                 f"(max |entry| {peak:g}): their covariance would overflow")
+        groups = _length_groups(lengths, B, T) if lengths is not None else None
+        if groups is None:
+            self._add(q_site, k_site, q_attn, k_attn, scale)
+            return
+        parts = [_cut((q_site, k_site, q_attn, k_attn), rows, n) for n, rows in groups]
+        for part in parts:  # every group checked before any is added
+            _peaks(part)
+        for part in parts:
+            self._add(*part, scale)
+
+    def _add(self, q_site: Tensor, k_site: Tensor, q_attn: Tensor, k_attn: Tensor,
+             scale: float) -> None:
+        """:meth:`update` of an unpadded batch (arguments checked)."""
+        B, H, T, hd = q_attn.shape
+        amax, peak = _peaks((q_site, k_site, q_attn, k_attn))
         bound = amax[id(q_attn)] * amax[id(k_attn)] * hd * abs(scale)  # |score| bound
         post = (q_attn, k_attn)  # the covariances of the post-rotary q/k (with_post)
         if q_attn.dtype != torch.float64 and bound > _FLOAT32_SAFE:

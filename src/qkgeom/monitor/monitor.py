@@ -53,7 +53,7 @@ from qkgeom.geometry.measure import PRECISIONS
 from qkgeom.io import write_json
 from qkgeom.monitor.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.monitor.closed_loop import EntropyController
-from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_ids
+from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_batch
 from qkgeom.monitor.sinks import TensorBoardSink, WandbSink, active_wandb_run
 from qkgeom.runs import (
     ALERTS,
@@ -80,12 +80,18 @@ class GeometryMonitor:
     Args:
         model: any model :func:`qkgeom.arch.adapter_for` supports (HF GPT-2,
             GPT-NeoX/Pythia, Llama-style with GQA, BERT-style, the project's GPT).
-        probe: the fixed probe set: token ids ``(n_seq, T)``, a batch with ``input_ids``,
+        probe: the fixed probe set: token ids ``(n_seq, T)``, a batch with ``input_ids``
+            (and an ``attention_mask``: padded batches measure their real tokens only),
             or text with ``tokenizer=`` (see :mod:`qkgeom.monitor.probe_input`).
         every: probe cadence in optimiser steps, or an explicit list of steps.
         metrics: metric names to record (``"contrast"`` = ``contrast_token``; ``"all"``).
             Metrics the alert rules or the controller read are measured too.
-        tokenizer, seq_len, n_seq: for a text probe set (``n_seq`` windows of ``seq_len``).
+        tokenizer, seq_len, n_seq: for a text probe set (``n_seq`` windows of ``seq_len``
+            text tokens).
+        special_tokens: text probe sets of encoders (BERT-style): frame each window with
+            the tokenizer's ``[CLS]`` … ``[SEP]`` (default True, as the model saw them in
+            training and as ``qkgeom analyze`` does); False: text tokens only. Decoders'
+            windows are text tokens either way; a batch probe's ids are used as given.
         batch_size: probe sequences per forward pass.
         qk_site: ``post-rotary`` (default) or ``pre-rotary`` q/k for the token PRs.
         precision: ``float64`` (default, the trainer's probes) or ``float32`` products.
@@ -106,7 +112,7 @@ class GeometryMonitor:
     def __init__(self, model: nn.Module, probe: Any, *, every: int | Iterable[int] = DEFAULT_EVERY,
                  metrics: str | Iterable[str] = DEFAULT_METRICS, tokenizer: Any = None,
                  seq_len: int | None = None, n_seq: int = DEFAULT_PROBE_SEQUENCES,
-                 batch_size: int = 8, qk_site: str = "post-rotary",
+                 special_tokens: bool = True, batch_size: int = 8, qk_site: str = "post-rotary",
                  precision: str = "float64", out: str | Path | None = None, run_id: str | None = None,
                  resume: bool = False, total_steps: int | None = None,
                  tensorboard: Any = "auto", wandb: str | bool = "auto",
@@ -122,8 +128,10 @@ class GeometryMonitor:
                               f"{', '.join(PRECISIONS)}")
         self.model, self.precision = model, precision
         self.adapter = adapter_for(model)
-        self.ids = probe_ids(probe, tokenizer=tokenizer, seq_len=seq_len, n_seq=n_seq,
-                             max_positions=self.adapter.max_positions)
+        self.special_tokens = bool(special_tokens) and not self.adapter.causal
+        self.ids, self.attention_mask = probe_batch(
+            probe, tokenizer=tokenizer, seq_len=seq_len, n_seq=n_seq,
+            max_positions=self.adapter.max_positions, special_tokens=self.special_tokens)
         self.every = _cadence(every)
         self.alerts = Alerts(as_rules(alerts), on_alert)
         self.control = control
@@ -228,7 +236,8 @@ class GeometryMonitor:
         """Measure now, log everywhere, check the alerts, update the controller."""
         spectra = self.histograms and (self.tensorboard is not None or self._wandb_sink()
                                        is not None)
-        probe = measure(self.model, self.ids, metrics=self.metrics, batch_size=self.batch_size,
+        probe = measure(self.model, self.ids, attention_mask=self.attention_mask,
+                        metrics=self.metrics, batch_size=self.batch_size,
                         qk_site=self.qk_site, precision=self.precision, spectra=spectra)
         probe.step = int(step)
         self.probe_seconds += probe.seconds
@@ -342,6 +351,8 @@ class GeometryMonitor:
         monitor = {"every": self.every if isinstance(self.every, int) else sorted(self.every),
                    "metrics": list(self.metrics), "qk_site": self.qk_site,
                    "probe_shape": list(self.ids.shape),
+                   "probe_tokens": int(self.ids.numel() if self.attention_mask is None
+                                       else self.attention_mask.sum()),
                    "alerts": [r.__dict__ for r in self.alerts.rules],
                    "control": None if self.control is None else
                    {"target": self.control.targets, "gain": self.control.gain,

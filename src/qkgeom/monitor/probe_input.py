@@ -1,14 +1,20 @@
-"""The monitor's fixed probe set: token ids ``(n_seq, T)`` from whatever the user has.
+"""The monitor's fixed probe set: token ids ``(n_seq, T)`` (and a padding mask) from
+whatever the user has.
 
 The probe set is a fixed slice of held-out tokens, the same at every probe step, so
-the monitor turns its input into one LongTensor once, at construction:
+the monitor turns its input into one LongTensor (plus, for a padded batch, its
+``attention_mask``) once, at construction:
 
 - a tensor / array of token ids ``(n_seq, T)`` (or ``(T,)``, one sequence);
-- a batch mapping with ``input_ids`` (an ``attention_mask``, if any, must be all ones:
-  the measurement engine takes unpadded windows);
+- a batch mapping with ``input_ids`` and optionally an ``attention_mask`` (an HF
+  tokenizer's padded batch, left or right padding): only the real tokens are measured,
+  each sequence as it would be alone (:mod:`qkgeom.geometry.padding`); the ids are used
+  as given, special tokens included;
 - text (a string or a list of strings) plus ``tokenizer=`` (an HF tokenizer, a
   :class:`~qkgeom.data.CharVocab` or anything with ``encode``), cut into ``n_seq``
-  windows of ``seq_len`` tokens by :func:`qkgeom.data.text.token_windows`.
+  windows of ``seq_len`` text tokens by :func:`qkgeom.data.text.token_windows`; with
+  ``special_tokens`` each window is framed by the tokenizer's ``[CLS]`` / ``[SEP]``
+  (what the monitor does for encoders by default, as ``qkgeom analyze`` does).
 """
 
 from __future__ import annotations
@@ -21,30 +27,32 @@ import torch
 from torch import Tensor
 
 from qkgeom.errors import QKGeomError
+from qkgeom.geometry.padding import check_mask
 
-__all__ = ["DEFAULT_PROBE_SEQUENCES", "probe_ids"]
+__all__ = ["DEFAULT_PROBE_SEQUENCES", "probe_batch"]
 
 DEFAULT_PROBE_SEQUENCES = 16  # 16 sequences × block_size, as the trainer's probe set
-_DEFAULT_SEQ_LEN = 128  # text input, when neither seq_len nor the model's context is known
+_DEFAULT_SEQ_LEN = 128  # text input: window length when neither seq_len nor the context is known
 
 
-def probe_ids(probe: Any, *, tokenizer: Any = None, seq_len: int | None = None,
-              n_seq: int = DEFAULT_PROBE_SEQUENCES, max_positions: int | None = None) -> Tensor:
-    """Token ids ``(n_seq, T)`` (int64, CPU) of the probe set; see the module docstring.
+def probe_batch(probe: Any, *, tokenizer: Any = None, seq_len: int | None = None,
+                n_seq: int = DEFAULT_PROBE_SEQUENCES, max_positions: int | None = None,
+                special_tokens: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Token ids ``(n_seq, T)`` (int64, CPU) of the probe set and its attention mask
+    ``(n_seq, T)`` (bool, CPU; None when nothing is padded); see the module docstring.
 
-    ``seq_len`` (text only) defaults to min(model context, 128). Raises
-    :class:`QKGeomError` for input it cannot use.
+    ``seq_len`` (text only): text tokens per window, default min(model context, 128)
+    less the special tokens. ``special_tokens`` (text only): frame each window with the
+    tokenizer's [CLS]/[SEP]. Raises :class:`QKGeomError` for input it cannot use.
     """
+    mask = None
     if isinstance(probe, Mapping):
         if "input_ids" not in probe:
             raise QKGeomError("a probe batch mapping needs 'input_ids'")
         mask = probe.get("attention_mask")
-        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
-            raise QKGeomError("the probe batch is padded (attention_mask has zeros); give "
-                              "unpadded windows of equal length")
         probe = probe["input_ids"]
     if isinstance(probe, (str, list, tuple)) and _is_text(probe):
-        return _from_text(probe, tokenizer, seq_len, n_seq, max_positions)
+        return _from_text(probe, tokenizer, seq_len, n_seq, max_positions, special_tokens), None
     try:
         ids = torch.as_tensor(np.asarray(probe) if not isinstance(probe, Tensor) else probe)
     except (TypeError, ValueError):
@@ -58,7 +66,9 @@ def probe_ids(probe: Any, *, tokenizer: Any = None, seq_len: int | None = None,
     if max_positions is not None and ids.shape[1] > max_positions:
         raise QKGeomError(f"probe sequences of {ids.shape[1]} tokens exceed the model's "
                           f"context of {max_positions}")
-    return ids.detach().to("cpu", torch.int64).contiguous()
+    if mask is not None and not isinstance(mask, Tensor):
+        mask = np.asarray(mask)
+    return ids.detach().to("cpu", torch.int64).contiguous(), check_mask(ids, mask)
 
 
 def _is_text(probe: Any) -> bool:
@@ -68,17 +78,21 @@ def _is_text(probe: Any) -> bool:
 
 
 def _from_text(texts: str | Iterable[str], tokenizer: Any, seq_len: int | None, n_seq: int,
-               max_positions: int | None) -> Tensor:
-    from qkgeom.data.text import token_windows
+               max_positions: int | None, special_tokens: bool) -> Tensor:
+    from qkgeom.data.text import framing_ids, token_windows
 
     if tokenizer is None:
         raise QKGeomError("a text probe set needs tokenizer= (an HF tokenizer or a CharVocab)")
+    before, after = framing_ids(tokenizer) if special_tokens else ([], [])
+    extra = len(before) + len(after)
     limit = max_positions or _DEFAULT_SEQ_LEN
-    seq_len = seq_len or min(limit, _DEFAULT_SEQ_LEN)
-    if seq_len > limit:
-        raise QKGeomError(f"seq_len {seq_len} exceeds the model's context of {limit}")
+    seq_len = seq_len or min(limit, _DEFAULT_SEQ_LEN) - extra
+    if seq_len < 1 or seq_len + extra > limit:
+        raise QKGeomError(f"seq_len {seq_len} (+{extra} special tokens) does not fit the "
+                          f"model's context of {limit}")
     pieces = [texts] if isinstance(texts, str) else list(texts)
-    windows = [w for w in token_windows(tokenizer, pieces, n_seq * seq_len, seq_len)
+    windows = [np.concatenate([before, w, after]).astype(np.int64)
+               for w in token_windows(tokenizer, pieces, n_seq * seq_len, seq_len)
                if len(w) == seq_len]
     if not windows:
         raise QKGeomError(f"the probe text gave fewer than {seq_len} tokens; give more text "

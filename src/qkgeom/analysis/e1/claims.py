@@ -13,6 +13,12 @@ E1.3 ("PR_Q − PR_K > 0 in all trajectories") has four readings, all reported
 (:func:`contrast_readings`); the primary is (c), the time average after the origin, and the
 claim being universal, "supported" also needs every seed-averaged layer trajectory
 positive.
+
+Each claim has one **primary** row, declared in docs/protocols.md before any run
+(:data:`PRIMARY`: the token level, from the post-transient reference; E2.3 at the last
+checkpoint); the primary rows are Holm-adjusted together and decide the claims. The other
+rows (the weight level, from step 0) are **secondary**: Holm-adjusted among themselves,
+shown as descriptive.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.e1.trajectories import LEVELS, ORIGINS, cell_stats, run_stats
-from qkgeom.analysis.kit import CLAIM_COLUMNS, fmt_p, signed
+from qkgeom.analysis.kit import CLAIM_COLUMNS, decide, fmt_p, signed
 
 
 @dataclass(frozen=True)
@@ -52,9 +58,10 @@ CLAIMS = (
           "(c) time-averaged PR_Q − PR_K after the origin > 0",
           mean_label="mean time-averaged PR_Q − PR_K", universal=True),
     Claim("E2.1", "Key shrinkage goes with a narrower QKᵀ spectrum", "rho_k_qk", +1,
-          "Spearman ρ over steps of PR_K with pr_qk > 0", mean_label="mean ρ"),
+          "Spearman ρ of the probe-to-probe changes of PR_K and of pr_qk > 0",
+          mean_label="mean ρ"),
     Claim("E2.2", "A narrower QKᵀ spectrum goes with more peaked attention", "rho_qk_entropy",
-          +1, "Spearman ρ over steps of pr_qk with attention entropy > 0",
+          +1, "Spearman ρ of the probe-to-probe changes of pr_qk and of attention entropy > 0",
           mean_label="mean ρ"),
     Claim("E2.3", "Across heads, a narrower QKᵀ spectrum goes with more peaked attention",
           "rho_heads_qk_entropy", +1,
@@ -71,6 +78,8 @@ READINGS = (
 )
 PRIMARY_READING = "c"
 UNIT = "runs"
+#: The primary (level, origin) of every claim; E2.3 is read at the last checkpoint only.
+PRIMARY = ("token", "reference")
 
 
 def _origin_label(sel: pd.DataFrame, origin: str) -> str:
@@ -136,8 +145,10 @@ def evaluate_claims(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.Data
                 estimate = f"{claim.mean_label} {signed(ru['mean'])}"
                 if np.isfinite(ru["ci_low"]):
                     estimate += f" [{signed(ru['ci_low'])}, {signed(ru['ci_high'])}]"
+                primary = level == PRIMARY[0] and (origin == PRIMARY[1] or not claim.per_origin)
                 rows.append({
                     "claim_id": claim.id, "claim": claim.text, "level": level,
+                    "role": "primary" if primary else "secondary",
                     "origin": origin if claim.per_origin else "last",
                     "from": _origin_label(r_sel, origin) if claim.per_origin
                     else "last checkpoint",
@@ -145,12 +156,15 @@ def evaluate_claims(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.Data
                     "share": ru["share"], "measured": f"{ru['k']}/{ru['n']} {UNIT}",
                     "mean": ru["mean"], "ci_low": ru["ci_low"], "ci_high": ru["ci_high"],
                     "estimate": estimate, "test": stats.TEST_FLIP, "p_value": ru["p_value"],
-                    "p_sign": ru["p_sign"], "beside": beside,
-                    "verdict": stats.verdict(ru["k"], ru["n"], ru["p_value"],
-                                             universal_ok=universal_ok),
-                    "reason": "",
+                    "p_opposite": ru["p_opposite"], "p_sign": ru["p_sign"],
+                    "detectable": ru["detectable"], "beside": beside,
+                    "universal_ok": universal_ok, "reason": "",
                 })
-    return pd.DataFrame(rows, columns=CLAIM_COLUMNS)
+    claims = pd.DataFrame(rows)
+    order = claims["role"].ne("primary").astype(int)  # each claim's primary row first
+    claims = claims.assign(_o=order).sort_values(["claim_id", "_o"], kind="stable")
+    return decide(claims.drop(columns="_o"), holm_primary=True)[CLAIM_COLUMNS] \
+        .reset_index(drop=True)
 
 
 def contrast_readings(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.DataFrame:
@@ -174,6 +188,7 @@ def contrast_readings(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.Da
                     "cells_k": cu["k"], "cells_n": cu["n"], "cells_p": cu["p_value"],
                     "traj_k": tu["k"], "traj_n": tu["n"],
                     "verdict": stats.verdict(ru["k"], ru["n"], ru["p_value"],
+                                             p_opposite=ru["p_opposite"],
                                              universal_ok=tu["k"] == tu["n"]),
                 })
     return pd.DataFrame(rows)

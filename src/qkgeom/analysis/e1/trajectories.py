@@ -12,8 +12,11 @@ depth × init cell (its runs as a seed axis) gives:
   the contrast PR_Q − PR_K read four ways for E1.3 — ``contrast_min_after`` (smallest after
   the origin: > 0 ⟺ positive at every probe), ``contrast_end`` (at the last probe),
   ``contrast_time_mean`` (trapezoid time average over [origin, end]: the primary reading)
-  and ``delta_contrast`` (ΔPR_Q − ΔPR_K); Spearman ρ over steps of PR_K with ``pr_qk``
-  (``rho_k_qk``) and of ``pr_qk`` with the entropy (``rho_qk_entropy``); and the Spearman ρ
+  and ``delta_contrast`` (ΔPR_Q − ΔPR_K); the Spearman ρ over the consecutive probes of
+  the *changes* of PR_K with those of ``pr_qk`` (``rho_k_qk``) and of ``pr_qk`` with those
+  of the entropy (``rho_qk_entropy``): two series that both trend with training correlate
+  in their levels whatever links them, so E2.1/E2.2 read the changes (the levels' ρ is kept
+  as ``rho_k_qk_levels``, ``rho_qk_entropy_levels``, descriptive); and the Spearman ρ
   across the layer's heads of ``pr_qk`` with the entropy at the last probe
   (``rho_heads_qk_entropy``, origin-free). Seed-averaged ρ's are means of per-run ρ's (ρ of
   a mean trajectory grows with the number of seeds averaged; it is kept as ``*_of_mean``).
@@ -36,11 +39,11 @@ from qkgeom.analysis.stats import nanmean, spearman
 LEVELS = ("weight", "token")
 ORIGINS = ("step0", "reference")
 QUANTITIES = ("pr_q", "pr_k", "pr_qk", "attn_entropy")
-RHO_STATS = ("rho_k_qk", "rho_qk_entropy")
+RHO_STATS = ("rho_k_qk", "rho_qk_entropy", "rho_k_qk_levels", "rho_qk_entropy_levels")
 #: The per-layer statistics averaged into a run's whole-model value.
 STATISTICS = ("delta_pr_q", "delta_pr_k", "slope_pr_q", "slope_pr_k", "contrast_min_after",
               "contrast_end", "contrast_time_mean", "delta_contrast", "contrast_pos_share",
-              "rho_k_qk", "rho_qk_entropy", "rho_heads_qk_entropy")
+              *RHO_STATS, "rho_heads_qk_entropy")
 
 
 def level_metrics(level: str) -> dict[str, str]:
@@ -119,9 +122,12 @@ def window_stats(steps: np.ndarray, m: dict[str, np.ndarray], i0: int) -> dict[s
         "contrast_pos_share": share, "contrast_min_after": cmin,
         "contrast_time_mean": time_mean(t, c), "delta_contrast": c[..., -1] - c[..., 0],
     }
-    out["rho_k_qk"], out["p_k_qk"] = spearman(k, m["pr_qk"][..., i0:])
-    out["rho_qk_entropy"], out["p_qk_entropy"] = spearman(m["pr_qk"][..., i0:],
-                                                          m["attn_entropy"][..., i0:])
+    qk, ent = m["pr_qk"][..., i0:], m["attn_entropy"][..., i0:]
+    out["rho_k_qk"], out["p_k_qk"] = spearman(np.diff(k, axis=-1), np.diff(qk, axis=-1))
+    out["rho_qk_entropy"], out["p_qk_entropy"] = spearman(np.diff(qk, axis=-1),
+                                                          np.diff(ent, axis=-1))
+    out["rho_k_qk_levels"], _ = spearman(k, qk)
+    out["rho_qk_entropy_levels"], _ = spearman(qk, ent)
     return out
 
 

@@ -8,11 +8,15 @@ as intended: the gate before any verdict), ``claims`` (E3.1–E3.5, the mediatio
 """
 
 from qkgeom.analysis.e3.analysis import e3_analysis
-from qkgeom.analysis.e3.arms import arm_name, is_e3, pair_groups, run_arms
+from qkgeom.analysis.e3.arms import is_e3, pair_groups, run_arms
 from qkgeom.analysis.e3.claims import E3_CLAIMS, evaluate_e3_claims, mediation_table
-from qkgeom.analysis.e3.manipulation import manipulation_gate, manipulation_table
+from qkgeom.analysis.e3.manipulation import (
+    manipulation_gate,
+    manipulation_summary,
+    manipulation_units,
+)
 from qkgeom.analysis.e3.paired import paired_differences
 
-__all__ = ["E3_CLAIMS", "arm_name", "e3_analysis", "evaluate_e3_claims", "is_e3",
-           "manipulation_gate", "manipulation_table", "mediation_table", "pair_groups",
+__all__ = ["E3_CLAIMS", "e3_analysis", "evaluate_e3_claims", "is_e3",
+           "manipulation_gate", "manipulation_summary", "manipulation_units", "mediation_table", "pair_groups",
            "paired_differences", "run_arms"]

@@ -7,42 +7,53 @@ means and the check into effects, the gate and the claims. :func:`e3_analysis` i
 
 from __future__ import annotations
 
+from typing import Any
+
 import pandas as pd
 
 from qkgeom.analysis.e3.arms import pair_groups, run_arms
 from qkgeom.analysis.e3.claims import evaluate_e3_claims, mediation_table
-from qkgeom.analysis.e3.manipulation import manipulation_gate, manipulation_table
-from qkgeom.analysis.e3.paired import e3_series, effects, paired_differences, window_means
+from qkgeom.analysis.e3.manipulation import (
+    manipulation_gate,
+    manipulation_summary,
+    manipulation_units,
+)
+from qkgeom.analysis.e3.paired import (
+    e3_series,
+    effects,
+    paired_differences,
+    unit_series,
+    window_means,
+)
 
 
 def e3_tables(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
     """``arms`` (every analysed run's arm), ``members`` (the runs of the valid pair groups),
     ``excluded_pairs`` (runs left out of the pairs, with the reason), ``series``,
-    ``paired``, ``windows`` (each seed's window means) and ``manipulation`` (the check per
-    run and window)."""
+    ``paired``, ``windows`` (each seed's window means), ``manipulation_units`` (the check
+    per run, window and unit) and ``manipulation`` (per run and window)."""
     arms = run_arms(table)
     members, excluded = pair_groups(arms)
     series = e3_series(table, members)
     steps = members.groupby("group")["steps"].max().to_dict() if len(members) else {}
     paired = paired_differences(series, members)
+    units = manipulation_units(unit_series(table, members), members, steps)
     return {"arms": arms, "members": members, "excluded_pairs": excluded, "series": series,
             "paired": paired, "windows": window_means(paired, steps),
-            "manipulation": manipulation_table(series, paired, members, steps)}
+            "manipulation_units": units, "manipulation": manipulation_summary(units)}
 
 
-def e3_verdicts(windows: pd.DataFrame, manipulation: pd.DataFrame) -> dict[str, pd.DataFrame]:
-    """``effects``, ``mediation`` and ``claims`` from the seeds' window means and the
-    manipulation check; ``claims.attrs["gate"]`` maps (arm, window) to why it is not
-    evaluated."""
+def e3_verdicts(windows: pd.DataFrame, units: pd.DataFrame) -> dict[str, Any]:
+    """``effects``, ``mediation``, ``gate`` ((arm, window) → why it is not evaluated) and
+    ``claims`` from the seeds' window means and the per-unit manipulation check."""
     eff = effects(windows)
-    gate = manipulation_gate(manipulation)
-    claims = evaluate_e3_claims(eff, windows, gate)
-    claims.attrs["gate"] = gate
-    return {"effects": eff, "mediation": mediation_table(eff), "claims": claims}
+    gate = manipulation_gate(units)
+    return {"effects": eff, "mediation": mediation_table(eff), "gate": gate,
+            "claims": evaluate_e3_claims(eff, windows, gate)}
 
 
-def e3_analysis(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+def e3_analysis(table: pd.DataFrame) -> dict[str, Any]:
     """Everything the E3 report shows: the tables of :func:`e3_tables` and of
     :func:`e3_verdicts`."""
     tables = e3_tables(table)
-    return {**tables, **e3_verdicts(tables["windows"], tables["manipulation"])}
+    return {**tables, **e3_verdicts(tables["windows"], tables["manipulation_units"])}

@@ -1,15 +1,16 @@
 """E3 arms and pair groups: which runs are compared with which (docs/protocols.md).
 
-An **arm** is named from the run's own config: ``none``, ``sham-<scale>``,
-``hold-<scale>``, ``shrink-<dose>-<scale>``, ``expand-<dose>-<scale>`` (mode, dose r and
-scale rule of ``key_control``). Runs **pair** when their configs agree on every key except
+An **arm** is named from the run's own config by
+:attr:`qkgeom.config.KeyControlConfig.arm` (the one home of arm names, both ways): ``none``,
+``sham-<level>-<scale>``, ``hold-<level>-<scale>``, ``shrink-<dose>-<level>-<scale>``,
+``expand-<dose>-<level>-<scale>``. Runs **pair** when their configs agree on every key except
 the ``key_control.*`` settings (and device/threads/compile, which change speed, not
 results): such a *pair group* shares init and data order, so it is one independent unit
 (one seed). In each group exactly one ``none`` run is the baseline; a group without one,
 or with two, is left out with the reason, and so are two runs of one arm in a group.
 
-A run written before ``key_control.scale`` and ``dose`` existed kept ‖W_K‖_F (the
-``frobenius`` rule) and took its dose from ``shrink_to``/``expand_to``; it is named so.
+The run folder reader brings an older run's settings to today's keys (a weight-level
+control, the Frobenius rule, its dose), so it is named like a run trained today.
 """
 
 from __future__ import annotations
@@ -19,32 +20,20 @@ from typing import Any
 import pandas as pd
 
 from qkgeom.analysis.collate import runs_of
+from qkgeom.config import KeyControlConfig
 
 BASELINE = "none"
 SHAM = "sham"
-LEGACY_SCALE = "frobenius"
-ARM_COLUMNS = ["run_id", "seed", "arm", "mode", "dose", "scale", "steps", "dir", "pair_key",
-               "cell_key"]
+ARM_COLUMNS = ["run_id", "seed", "arm", "mode", "dose", "level", "scope", "scale", "steps",
+               "dir", "pair_key", "cell_key"]
 
 
-def arm_name(mode: str, dose: float, scale: str) -> str:
-    """``none``, ``sham-data``, ``hold-frobenius``, ``shrink-0.5-data``, ..."""
-    if mode == BASELINE:
-        return BASELINE
-    if mode in (SHAM, "hold"):
-        return f"{mode}-{scale}"
-    return f"{mode}-{float(dose):g}-{scale}"
-
-
-def _control(run: dict[str, Any]) -> tuple[str, float, str]:
-    """(mode, dose, scale) of a runs-table record (see the module docstring)."""
+def _control(run: dict[str, Any]) -> KeyControlConfig:
+    """The key-control settings of a runs-table record (defaults for keys it lacks)."""
     ctl = run.get("control") if isinstance(run.get("control"), dict) else {}
-    mode = str(ctl.get("mode", run.get("key_control") or BASELINE))
-    scale = str(ctl.get("scale", LEGACY_SCALE))
-    dose = ctl.get("dose")
-    if dose is None:
-        dose = {"shrink": ctl.get("shrink_to"), "expand": ctl.get("expand_to")}.get(mode)
-    return mode, float(1.0 if dose is None else dose), scale
+    known = {f: ctl[f] for f in ("mode", "level", "scale", "dose", "scope") if f in ctl}
+    known.setdefault("mode", str(run.get("key_control") or BASELINE))
+    return KeyControlConfig(**known)
 
 
 def run_arms(table: pd.DataFrame) -> pd.DataFrame:
@@ -56,11 +45,12 @@ def run_arms(table: pd.DataFrame) -> pd.DataFrame:
     runs = runs[runs["excluded"] == ""]
     rows = []
     for run in runs.to_dict("records"):
-        mode, dose, scale = _control(run)
-        rows.append({"run_id": run["run_id"], "seed": int(run["seed"]),
-                     "arm": arm_name(mode, dose, scale), "mode": mode, "dose": dose,
-                     "scale": scale, "steps": int(run.get("steps") or 0), "dir": run["dir"],
-                     "pair_key": str(run.get("pair_key") or run["run_id"]),
+        kc = _control(run)
+        dose = float(kc.dose) if kc.mode in ("shrink", "expand") else 1.0
+        rows.append({"run_id": run["run_id"], "seed": int(run["seed"]), "arm": kc.arm,
+                     "mode": kc.mode, "dose": dose, "level": kc.level, "scope": kc.scope,
+                     "scale": kc.scale, "steps": int(run.get("steps") or 0),
+                     "dir": run["dir"], "pair_key": str(run.get("pair_key") or run["run_id"]),
                      "cell_key": str(run.get("cell_key") or "")})
     return pd.DataFrame(rows, columns=ARM_COLUMNS)
 

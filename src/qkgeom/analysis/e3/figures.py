@@ -1,7 +1,7 @@
 """Figures of E3 (key-spectrum control): trajectories per arm and paired differences.
 
 House style of :mod:`qkgeom.analysis.figstyle` (paper-column panels, 8 pt text, PNG
-150 dpi + SVG, key-control modes in Okabe–Ito colours, the frobenius scale rule dashed). A
+150 dpi + SVG, key-control modes in Okabe–Ito colours, weight-level arms dashed). A
 dotted vertical line marks the end of the early window (25 % of the run).
 
 - ``e3_trajectories``: attention entropy, the logit scale, pr_qk (token), PR_K (weight) and
@@ -37,15 +37,20 @@ from qkgeom.analysis.figstyle import (
 )
 
 # Short panel titles (the long labels are in qkgeom.analysis.e3.paired.QUANTITIES).
-SHORT = {"attn_entropy": "attention entropy (nats)", "logit_std": "logit scale (std)",
+SHORT = {"attn_entropy": "attention entropy (nats)",
+         "attn_entropy_scalefree": "scale-free entropy (nats)",
+         "logit_std_row": "within-row logit scale", "logit_std": "logit scale (std)",
          "pr_qk_token": "pr_qk, token", "pr_qk_weight": "pr_qk, weight",
-         "pr_k_weight": "PR_K, weight", "val_loss": "val loss (nats/char)"}
-TRAJ_QUANTITIES = ("attn_entropy", "logit_std", "pr_qk_token", "pr_k_weight", "val_loss")
-PAIRED_QUANTITIES = ("attn_entropy", "logit_std", "pr_qk_token", "pr_qk_weight", "val_loss")
+         "pr_k_token": "PR_K, token", "pr_k_weight": "PR_K, weight",
+         "val_loss": "val loss (nats/char)"}
+TRAJ_QUANTITIES = ("attn_entropy_scalefree", "attn_entropy", "logit_std_row", "pr_qk_token",
+                   "pr_k_token", "val_loss")
+PAIRED_QUANTITIES = ("attn_entropy_scalefree", "attn_entropy", "logit_std_row", "pr_qk_token",
+                     "pr_k_token", "val_loss")
 
 
 def _linestyle(arm: str) -> str:
-    return "--" if arm.endswith("-frobenius") else "-"
+    return "--" if "-weight-" in arm else "-"
 
 
 def _early(ax, steps: int) -> None:

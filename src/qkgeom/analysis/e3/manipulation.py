@@ -1,21 +1,27 @@
-"""The E3 manipulation check: did the key control change PR_K as intended, in every seed?
+"""The E3 manipulation check: did the key control change PR_K as intended, where attention
+sees it, in every seed and every unit it controls?
 
 An intervention's claims are only read once the intervention is shown to have happened
-(docs/protocols.md). Per controlled run and window (:func:`manipulation_table`):
+(docs/protocols.md#the-manipulation-check), at the level the claims are about: the
+token-level PR_K (``pr_k_token``, the keys' covariance on the probe set, what attention
+uses), for every arm whatever level it controls. Per controlled run, window and unit (a
+layer, or a head for a head-scope control; :func:`manipulation_units`):
 
 - **achieved** = the mean over the window's probes of PR_K(arm) ÷ PR_K(none of the same
-  seed), PR_K at the weight level as a whole-model value (the mean over layers);
+  seed), token level; the weight-level ratio and the ``pr_qk_token`` ratio beside it;
 - **intended**: shrink and expand: the dose the control aimed at over the window, the mean
   of its recorded ``ctl_dose`` (r(t), which ramps from 1 to r), or the configured dose when
-  the run recorded none; hold: the mean over the window of PR_K(0) ÷ PR_K(none, t) (holding
-  PR_K at its step-0 value); sham: 1;
-- ``bound_share``: the mean recorded ``ctl_bound_share`` (share of steps the cap bound);
-- the **check**: a shrink run passes when achieved ≤ (1 + intended)/2 (at least half the
-  intended reduction), a hold run when achieved ≥ (1 + intended)/2; sham and expand runs
-  are reported, not gated (the sham is expected at ≈ 1).
+  the run recorded none; hold: the mean over the window of PR_K(arm, step 0) ÷ PR_K(none,
+  t) (holding PR_K at its step-0 value); sham: 1;
+- the **check**, in the direction of the intended change: a unit whose intended ratio is
+  below 1 passes when achieved ≤ (1 + intended)/2, above 1 when achieved ≥ (1 + intended)/2
+  (at least half the intended change, whichever way the uncontrolled PR_K moved); a unit
+  whose intended ratio is within :data:`EXEMPT` of 1 cannot tell the control from none and
+  is not checked. Sham and expand runs are reported, not gated.
 
-:func:`manipulation_gate` turns the table into the reason each (arm, window) is *not
-evaluated*: a check that fails in any seed, or cannot be made.
+:func:`manipulation_summary` gives one row per run and window (the units' means, how many
+passed) and :func:`manipulation_gate` the reason each (arm, window) is *not evaluated*: a
+unit that fails in any seed, or an arm whose check cannot be made.
 """
 
 from __future__ import annotations
@@ -24,72 +30,112 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis.e3.arms import BASELINE
-from qkgeom.analysis.e3.paired import CONTROL_RECORDS, WINDOWS, in_windows, pairs_of
+from qkgeom.analysis.e3.paired import in_windows, pairs_of
 
-PR_K = "pr_k_weight"
+LEVEL = "pr_k_token"  # the level the E3 claims are about
 GATED = ("shrink", "hold")
-COLUMNS = ["group", "seed", "arm", "mode", "dose", "scale", "window", "n_probes", "achieved",
+EXEMPT = 0.05  # |intended − 1| below this: no change to check
+KEYS = ["group", "seed", "arm", "mode", "dose", "level", "scope", "scale"]
+COLUMNS = [*KEYS, "window", "unit", "n_probes", "achieved", "achieved_weight", "qk_ratio",
            "intended", "threshold", "bound_share", "passed"]
+SUMMARY_COLUMNS = [*KEYS, "window", "units", "checked", "units_passed", "achieved",
+                   "achieved_weight", "qk_ratio", "intended", "bound_share", "passed"]
 
 
-def manipulation_table(series: pd.DataFrame, paired: pd.DataFrame, members: pd.DataFrame,
+_PROBED = ("pr_k_token", "pr_k_weight", "pr_qk_token")
+_RECORDED = ("ctl_dose", "ctl_bound_share")
+
+
+def manipulation_units(units: pd.DataFrame, members: pd.DataFrame,
                        steps: dict[int, int]) -> pd.DataFrame:
-    """One row per controlled run and window (columns :data:`COLUMNS`) from the whole-model
-    ``series`` (the control's records) and the ``paired`` values (PR_K of each arm and its
-    ``none``); ``passed`` is True/False for shrink and hold runs whose ratio could be
-    measured, else None."""
+    """One row per controlled run, window and unit (columns :data:`COLUMNS`) from the
+    per-unit series (:func:`~qkgeom.analysis.e3.paired.unit_series`); ``passed`` is
+    True/False for a checked unit of a shrink or hold run, else None."""
     pairs = pairs_of(members)
     pairs = pairs[pairs["baseline"] == BASELINE]
-    if pairs.empty:
+    if pairs.empty or units.empty:
         return pd.DataFrame(columns=COLUMNS)
-    keys = ["group", "arm"]
-    pk = paired[(paired["quantity"] == PR_K) & (paired["baseline"] == BASELINE)]
-    start = pk.loc[pk["step"] == 0, [*keys, "arm_value"]].rename(columns={"arm_value": "s0"})
-    pk = pk.merge(start, on=keys, how="left")
-    pk["ratio"] = pk["arm_value"] / pk["base_value"]
-    pk["hold"] = pk["s0"] / pk["base_value"]
-    g = in_windows(pk, steps).groupby([*keys, "window"])
-    ratios = pd.DataFrame({"n_probes": g["ratio"].count(), "achieved": g["ratio"].mean(),
-                           "hold": g["hold"].mean()})
-    ctl = series[series["quantity"].isin(CONTROL_RECORDS)].merge(
-        pairs[["run_id", *keys]], on="run_id")
-    records = in_windows(ctl, steps).groupby([*keys, "window", "quantity"])["value"].mean() \
-        .unstack("quantity").reindex(columns=list(CONTROL_RECORDS))
-    grid = pd.concat([pairs.assign(window=w) for w in WINDOWS], ignore_index=True)
-    out = grid.join(ratios, on=[*keys, "window"]).join(records, on=[*keys, "window"])
-    out["n_probes"] = out["n_probes"].fillna(0).astype(int)
+    wide = units.pivot_table(index=["run_id", "step", "unit"], columns="quantity",
+                             values="value", aggfunc="mean")
+    wide = wide.reindex(columns=[*_PROBED, *_RECORDED]).reset_index()
+    wide.columns.name = None
+    arm = pairs[["run_id", "base_run", *KEYS]].merge(wide, on="run_id")
+    base = wide[["run_id", "step", "unit", *_PROBED]].rename(
+        columns={"run_id": "base_run", **{q: f"{q}_base" for q in _PROBED}})
+    frame = arm.merge(base, on=["base_run", "step", "unit"])
+    frame = frame[frame["pr_k_token"].notna()]
+    if frame.empty:
+        return pd.DataFrame(columns=COLUMNS)
+    start = frame.loc[frame["step"] == 0, ["run_id", "unit", "pr_k_token"]].rename(
+        columns={"pr_k_token": "start"})
+    frame = frame.merge(start, on=["run_id", "unit"], how="left")
+    frame = frame.assign(
+        ratio=frame["pr_k_token"] / frame["pr_k_token_base"],
+        ratio_w=frame["pr_k_weight"] / frame["pr_k_weight_base"],
+        ratio_qk=frame["pr_qk_token"] / frame["pr_qk_token_base"],
+        hold=frame["start"] / frame["pr_k_token_base"])
+    g = in_windows(frame, steps).groupby(["run_id", *KEYS, "window", "unit"], sort=True,
+                                         dropna=False)
+    out = pd.DataFrame({"n_probes": g["ratio"].count(), "achieved": g["ratio"].mean(),
+                        "achieved_weight": g["ratio_w"].mean(),
+                        "qk_ratio": g["ratio_qk"].mean(), "hold": g["hold"].mean(),
+                        "ctl_dose": g["ctl_dose"].mean(),
+                        "bound_share": g["ctl_bound_share"].mean()}).reset_index()
     dose = out["ctl_dose"].where(out["ctl_dose"].notna(), out["dose"])
     out["intended"] = np.select([out["mode"] == "hold", out["mode"].isin(["shrink", "expand"])],
                                 [out["hold"], dose], 1.0)
-    out["bound_share"] = out["ctl_bound_share"]
-    gated = out["mode"].isin(GATED) & np.isfinite(out["intended"]) & (out["n_probes"] > 0)
-    out["threshold"] = np.where(gated, (1.0 + out["intended"]) / 2.0, np.nan)
-    ok = np.where(out["mode"] == "shrink", out["achieved"] <= out["threshold"],
+    checked = (out["mode"].isin(GATED) & np.isfinite(out["intended"])
+               & (out["n_probes"] > 0) & ((out["intended"] - 1).abs() >= EXEMPT))
+    out["threshold"] = np.where(checked, (1.0 + out["intended"]) / 2.0, np.nan)
+    ok = np.where(out["intended"] < 1, out["achieved"] <= out["threshold"],
                   out["achieved"] >= out["threshold"])
-    out["passed"] = pd.Series(ok, index=out.index, dtype=object).where(gated, None)
-    out.loc[out["n_probes"] == 0, ["achieved", "intended"]] = np.nan
-    return out[COLUMNS].sort_values(["arm", "window", "seed"], kind="stable") \
+    out["passed"] = pd.Series(ok, index=out.index, dtype=object).where(checked, None)
+    return out[COLUMNS].sort_values(["arm", "window", "seed", "unit"], kind="stable") \
         .reset_index(drop=True)
+
+
+def manipulation_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """One row per controlled run and window (:data:`SUMMARY_COLUMNS`): the units' mean
+    achieved, weight-level and ``pr_qk_token`` ratios, the mean intended ratio, how many
+    units were checked and passed, and ``passed`` (every checked unit passed, at least one
+    was checked; None for arms that are not gated)."""
+    if table.empty:
+        return pd.DataFrame(columns=SUMMARY_COLUMNS)
+    g = table.groupby([*KEYS, "window"], sort=True, dropna=False)
+    out = pd.DataFrame({
+        "units": g["unit"].nunique(), "checked": g["passed"].agg(lambda s: int(s.notna().sum())),
+        "units_passed": g["passed"].agg(lambda s: int(s.eq(True).sum())),
+        "achieved": g["achieved"].mean(), "achieved_weight": g["achieved_weight"].mean(),
+        "qk_ratio": g["qk_ratio"].mean(), "intended": g["intended"].mean(),
+        "bound_share": g["bound_share"].mean()}).reset_index()
+    gated = out["mode"].isin(GATED)
+    ok = (out["checked"] > 0) & (out["units_passed"] == out["checked"])
+    out["passed"] = pd.Series(ok, index=out.index, dtype=object).where(gated, None)
+    return out[SUMMARY_COLUMNS]
 
 
 def manipulation_gate(table: pd.DataFrame) -> dict[tuple[str, str], str]:
     """``{(arm, window): reason}`` for every gated arm × window whose check failed in some
-    seed or could not be made (missing PR_K, no probe in the window, no step-0 probe)."""
+    seed and unit, or could not be made (no token-level PR_K of the pair in the window, or
+    no unit with an intended change to check)."""
     reasons: dict[tuple[str, str], str] = {}
     gated = table[table["mode"].isin(GATED)]
     for (arm, window), g in gated.groupby(["arm", "window"], sort=True):
         failed = g[g["passed"].eq(False)]  # None: not checked
-        unchecked = g[g["passed"].isna()]
+        seeds = int(g["seed"].nunique())
         if len(failed):
             f = failed.iloc[0]
-            side = ">" if f["mode"] == "shrink" else "<"
+            side = ">" if f["intended"] < 1 else "<"
             reasons[(arm, window)] = (
-                f"manipulation check failed in {len(failed)}/{len(g)} seeds: seed "
-                f"{int(f['seed'])} achieved PR_K ratio {f['achieved']:.3f} {side} "
-                f"{f['threshold']:.3f} = (1 + intended {f['intended']:.3f})/2")
-        elif len(unchecked):
-            u = unchecked.iloc[0]
+                f"manipulation check failed in {failed['seed'].nunique()}/{seeds} seeds "
+                f"({len(failed)} unit(s)): seed {int(f['seed'])}, {f['unit']}: achieved "
+                f"token-level PR_K ratio {f['achieved']:.3f} {side} {f['threshold']:.3f} = "
+                f"(1 + intended {f['intended']:.3f})/2")
+            continue
+        unchecked = [s for s, gs in g.groupby("seed") if not gs["passed"].notna().any()]
+        if unchecked:
             reasons[(arm, window)] = (
-                f"manipulation check not possible for seed {int(u['seed'])} (no weight "
-                "PR_K of the pair in the window, or no step-0 probe)")
+                f"manipulation check not possible for seed {int(unchecked[0])}: no unit with "
+                f"a token-level PR_K of the pair in the window and an intended change of at "
+                f"least {EXEMPT:.0%}")
     return reasons

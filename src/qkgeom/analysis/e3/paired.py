@@ -2,22 +2,25 @@
 
 The runs of one pair group (:mod:`qkgeom.analysis.e3.arms`) share init and data order, so
 every effect is a **paired difference within a seed**: arm − none, and arm − sham of the
-same scale rule when the group has one (the sham gets the control's operation every step
-but intends no change, so arm − sham isolates the intended change). The seed is the unit.
+same level and scale rule when the group has one (the sham gets the control's operation
+every step but intends no change, so arm − sham isolates the intended change). The seed
+is the unit.
 
 Quantities (:data:`QUANTITIES`) are whole-model values, the mean over layers of each
-layer's value (head −1): attention entropy (primary) and its normalised form, the mean
-max weight, the logit scale ``logit_std``, ``pr_qk`` and PR_K / PR_Q at both levels, and
-the validation loss from ``train_log.parquet``. The control's own records (``ctl_dose``,
-``ctl_bound_share``, mean over units) ride along for the manipulation check.
+layer's value (head −1): the scale-free attention entropy (the primary reading of the
+sharpening claims, docs/protocols.md#e3), the attention entropy, the within-row and the
+pooled logit scale, the normalised entropy and mean max weight, ``pr_qk`` and PR_K / PR_Q
+at both levels, and the validation loss from ``train_log.parquet``. The control's own
+records (``ctl_dose``, ``ctl_bound_share``) ride along per unit for the manipulation check.
 
 Windows: **early** = probes with 0 < step ≤ 25 % of the run's steps, **whole** = 0 < step ≤
 steps (step 0 is left out: a pair is identical there). A seed's effect in a window is the
 plain mean of its paired differences at those probes. Per arm × baseline × quantity ×
 window (:func:`effects`): n seeds, mean Δ with its t-interval, k seeds with the predicted
-sign, the exact sign-flip p (the verdict's) and the exact sign-test p
-(:func:`qkgeom.analysis.stats.unit_test`); quantities without a prediction get two-sided
-p's and the count of Δ > 0.
+sign, the exact sign-flip p in the predicted direction (the verdict's) and in the opposite
+one, the exact sign-test p, and for the entropies the equivalence p within ±δ
+(:data:`DELTA`, :func:`qkgeom.analysis.stats.unit_test`); quantities without a prediction
+get two-sided p's and the count of Δ > 0.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ WINDOWS = ("early", "whole")
 
 # quantity -> (metric in metrics.parquet, or "val_loss"; level; label)
 QUANTITIES: dict[str, tuple[str, str, str]] = {
+    "attn_entropy_scalefree": ("attn_entropy_scalefree", "token",
+                               "scale-free attention entropy (nats)"),
     "attn_entropy": ("attn_entropy", "token", "attention entropy (nats)"),
-    "logit_std": ("logit_std", "token", "logit scale (std of q·k·scale)"),
+    "logit_std_row": ("logit_std_row", "token", "within-row logit scale"),
+    "logit_std": ("logit_std", "token", "pooled logit scale (std of q·k·scale)"),
     "attn_entropy_norm": ("attn_entropy_norm", "token", "normalised attention entropy"),
     "attn_max": ("attn_max", "token", "mean max attention weight"),
     "pr_qk_weight": ("pr_qk_weight", "weight", "pr_qk (QKᵀ interaction PR)"),
@@ -49,26 +55,30 @@ QUANTITIES: dict[str, tuple[str, str, str]] = {
     "pr_q_token": ("pr_q_token", "token", "PR_Q"),
     "val_loss": ("val_loss", "—", "validation loss (nats/char)"),
 }
-#: The control's flat records (per unit ``l{layer}`` or ``l{layer}h{head}``) kept as
-#: whole-model means for the manipulation check.
+#: The smallest effect of interest of each quantity with an equivalence test (nats):
+#: docs/protocols.md#e3 gives the reason. Other quantities have none.
+DELTA = {"attn_entropy_scalefree": 0.10, "attn_entropy": 0.10}
+#: The control's flat records (per unit ``l{layer}`` or ``l{layer}h{head}``).
 CONTROL_RECORDS = ("ctl_dose", "ctl_bound_share")
-_UNIT_RECORD = re.compile(r"^(ctl_dose|ctl_bound_share)_l\d+(h\d+)?$")
+_UNIT_RECORD = re.compile(r"^(ctl_dose|ctl_bound_share)_(l\d+(?:h\d+)?)$")
 
 #: Predicted sign of arm − baseline per (mode, quantity): the claims, plus the control's own
-#: target (PR_K). Anything else (sham, expand, PR_Q, loss, logit scale) has no prediction.
+#: target (PR_K). Anything else (sham, expand, PR_Q, loss, logit scales) has no prediction.
 PREDICTED: dict[tuple[str, str], int] = {
-    ("shrink", "attn_entropy"): -1, ("shrink", "pr_qk_weight"): -1,
-    ("shrink", "pr_qk_token"): -1, ("shrink", "pr_k_weight"): -1,
-    ("hold", "attn_entropy"): +1, ("hold", "pr_qk_weight"): +1,
-    ("hold", "pr_qk_token"): +1, ("hold", "pr_k_weight"): +1,
+    (mode, q): sign
+    for mode, sign in (("shrink", -1), ("hold", +1))
+    for q in ("attn_entropy_scalefree", "attn_entropy", "pr_qk_weight", "pr_qk_token",
+              "pr_k_weight", "pr_k_token")
 }
 SERIES_COLUMNS = ["run_id", "step", "quantity", "value"]
+UNIT_COLUMNS = ["run_id", "step", "unit", "quantity", "value"]
+#: Per-unit quantities the manipulation check reads.
+UNIT_QUANTITIES = ("pr_k_token", "pr_k_weight", "pr_qk_token")
 
 
 def e3_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
     """Whole-model values per run and step of the pair groups' runs: ``run_id, step,
-    quantity, value`` (the quantities above, ``val_loss`` at eval steps, and the control
-    records of :data:`CONTROL_RECORDS`)."""
+    quantity, value`` (the quantities above and ``val_loss`` at eval steps)."""
     runs = set(members["run_id"])
     metrics = {m for m, _, _ in QUANTITIES.values() if m != "val_loss"}
     table = bare(table)
@@ -76,11 +86,6 @@ def e3_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
     sel = mine[mine["metric"].isin(metrics)]
     parts = [sel.groupby(["run_id", "step", "metric"])["value"].mean().reset_index()
              .rename(columns={"metric": "quantity"})]
-    ctl = mine[mine["metric"].str.startswith("ctl_")]
-    ctl = ctl[ctl["metric"].str.match(_UNIT_RECORD)]
-    if len(ctl):
-        ctl = ctl.assign(quantity=ctl["metric"].str.replace(r"_l\d+(h\d+)?$", "", regex=True))
-        parts.append(ctl.groupby(["run_id", "step", "quantity"])["value"].mean().reset_index())
     for r in members.itertuples():
         log = read_log(r.dir)
         if log is not None and "val_loss" in log:
@@ -90,35 +95,72 @@ def e3_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
     return pd.concat(parts, ignore_index=True)[SERIES_COLUMNS]
 
 
+def unit_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
+    """Per run, step and control unit (``l{layer}``, or ``l{layer}h{head}`` for a run whose
+    control scope is the head): the probe's ``pr_k_token``, ``pr_k_weight`` and
+    ``pr_qk_token`` of that unit, and the control's per-unit records
+    (``UNIT_COLUMNS``). The uncontrolled run of a group is given in the scope of its
+    group's controlled runs (both, when they differ)."""
+    table = bare(table)
+    mine = table[table["run_id"].isin(set(members["run_id"]))]
+    controlled = members[members["mode"] != BASELINE]
+    scopes = controlled.groupby("group")["scope"].agg(set).to_dict()
+    run_scopes = {r.run_id: ({r.scope} if r.mode != BASELINE else scopes.get(r.group, set()))
+                  for r in members.itertuples()}
+    probe = mine[mine["metric"].isin(UNIT_QUANTITIES)]
+    parts = []
+    for scope, head_sel in (("layer", probe["head"] == -1), ("head", probe["head"] >= 0)):
+        runs = [rid for rid, sc in run_scopes.items() if scope in sc]
+        sel = probe[head_sel & probe["run_id"].isin(runs)]
+        if sel.empty:
+            continue
+        unit = ("l" + sel["layer"].astype(str) if scope == "layer"
+                else "l" + sel["layer"].astype(str) + "h" + sel["head"].astype(str))
+        parts.append(pd.DataFrame({"run_id": sel["run_id"], "step": sel["step"], "unit": unit,
+                                   "quantity": sel["metric"], "value": sel["value"]}))
+    ctl = mine[mine["metric"].str.startswith("ctl_")]
+    match = ctl["metric"].str.extract(_UNIT_RECORD)
+    ok = match[0].notna()
+    if ok.any():
+        parts.append(pd.DataFrame({"run_id": ctl["run_id"][ok], "step": ctl["step"][ok],
+                                   "unit": match[1][ok], "quantity": match[0][ok],
+                                   "value": ctl["value"][ok]}))
+    if not parts:
+        return pd.DataFrame(columns=UNIT_COLUMNS)
+    return pd.concat(parts, ignore_index=True)[UNIT_COLUMNS]
+
+
 PAIR_COLUMNS = ["run_id", "base_run", "baseline", "group", "seed", "arm", "mode", "dose",
-                "scale"]
+                "level", "scope", "scale"]
 
 
 def pairs_of(members: pd.DataFrame) -> pd.DataFrame:
     """The comparisons of the pair groups: one row per controlled run and baseline, with
     ``run_id, base_run, baseline`` (``none``, or ``sham`` for arms other than the sham when
-    the group has a sham of the same scale rule) and the arm's ``group, seed, arm, mode,
-    dose, scale``."""
+    the group has a sham of the same level and scale rule) and the arm's settings."""
     runs = members.to_dict("records")
-    shams = {(r["group"], r["scale"]): r["run_id"] for r in runs if r["mode"] == SHAM}
+    shams = {(r["group"], r["level"], r["scale"]): r["run_id"] for r in runs
+             if r["mode"] == SHAM}
     rows = []
     for r in runs:
         if r["arm"] == BASELINE:
             continue
         rows.append({**r, "base_run": r["baseline"], "baseline": BASELINE})
-        sham = shams.get((r["group"], r["scale"]))
+        sham = shams.get((r["group"], r["level"], r["scale"]))
         if r["mode"] != SHAM and sham is not None:
             rows.append({**r, "base_run": sham, "baseline": SHAM})
     return pd.DataFrame(rows, columns=PAIR_COLUMNS)
 
 
+_ARM_KEYS = ["group", "seed", "arm", "mode", "dose", "level", "scope", "scale", "baseline"]
+
+
 def paired_differences(series: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
-    """``group, seed, arm, mode, dose, scale, baseline, step, quantity, arm_value,
-    base_value, diff``: every controlled run minus its group's ``none`` run (baseline
-    ``none``) and, for arms other than the sham, minus the group's sham of the same scale
-    rule (baseline ``sham``), at every step and quantity both have."""
-    cols = ["group", "seed", "arm", "mode", "dose", "scale", "baseline", "step", "quantity",
-            "arm_value", "base_value", "diff"]
+    """``group, seed, arm, mode, dose, level, scope, scale, baseline, step, quantity,
+    arm_value, base_value, diff``: every controlled run minus its group's ``none`` run
+    (baseline ``none``) and, for arms other than the sham, minus the group's sham of the
+    same level and scale rule (baseline ``sham``), at every step and quantity both have."""
+    cols = [*_ARM_KEYS, "step", "quantity", "arm_value", "base_value", "diff"]
     data = series[series["quantity"].isin(set(QUANTITIES))]
     pairs = pairs_of(members)
     if pairs.empty or data.empty:
@@ -145,44 +187,53 @@ def in_windows(frame: pd.DataFrame, steps: dict[int, int]) -> pd.DataFrame:
 
 
 def window_means(diffs: pd.DataFrame, steps: dict[int, int]) -> pd.DataFrame:
-    """Each seed's mean paired difference per window: ``group, seed, arm, mode, dose,
-    scale, baseline, quantity, window, mean_diff, rel_diff, n_points, first_step,
-    last_step`` (``rel_diff`` = mean of diff / baseline value). ``steps``: each group's
-    run length."""
-    cols = ["group", "seed", "arm", "mode", "dose", "scale", "baseline", "quantity", "window",
-            "mean_diff", "rel_diff", "n_points", "first_step", "last_step"]
+    """Each seed's mean paired difference per window: the arm keys, ``quantity, window,
+    mean_diff, rel_diff, n_points, first_step, last_step`` (``rel_diff`` = mean of
+    diff / baseline value). ``steps``: each group's run length."""
+    keys = [*_ARM_KEYS, "quantity", "window"]
+    cols = [*keys, "mean_diff", "rel_diff", "n_points", "first_step", "last_step"]
     if diffs.empty:
         return pd.DataFrame(columns=cols)
     sel = in_windows(diffs, steps)
     sel["rel"] = sel["diff"] / sel["base_value"].where(sel["base_value"] != 0)
-    g = sel.groupby(cols[:9], sort=True)
+    g = sel.groupby(keys, sort=True)
     agg = pd.DataFrame({"mean_diff": g["diff"].mean(), "rel_diff": g["rel"].mean(),
                         "n_points": g["diff"].size(), "first_step": g["step"].min(),
                         "last_step": g["step"].max()}).reset_index()
     return agg[cols]
 
 
+EFFECT_COLUMNS = ["arm", "baseline", "quantity", "window", "mode", "dose", "level", "scale",
+                  "n_seeds", "k", "share", "mean", "ci_low", "ci_high", "sd", "rel_mean",
+                  "predicted", "p_value", "p_opposite", "p_sign", "delta", "p_equiv",
+                  "detectable", "first_step", "last_step"]
+
+
 def effects(windows: pd.DataFrame) -> pd.DataFrame:
-    """Per ``arm, baseline, quantity, window``: ``mode, dose, scale, n_seeds, k, share,
-    mean, ci_low, ci_high, rel_mean, predicted`` (+1/−1/0 = none), ``p_value`` (sign-flip)
-    and ``p_sign`` (sign test), ``first_step, last_step``."""
+    """Per ``arm, baseline, quantity, window``: the arm's settings, ``n_seeds, k, share,
+    mean, ci_low, ci_high, sd, rel_mean, predicted`` (+1/−1/0 = none), ``p_value``
+    (sign-flip, predicted direction), ``p_opposite``, ``p_sign`` (sign test), ``delta``
+    and ``p_equiv`` (TOST within ±δ; NaN without a δ), ``detectable`` (the smallest effect
+    these seeds find with 80 % power at their spread), ``first_step, last_step``."""
     rows = []
     keys = ["arm", "baseline", "quantity", "window"]
     for (arm, baseline, quantity, window), g in windows.groupby(keys, sort=True):
         mode = str(g["mode"].iloc[0])
         sign = PREDICTED.get((mode, quantity), 0)
-        u = stats.unit_test(g["mean_diff"], sign)
+        delta = DELTA.get(quantity)
+        u = stats.unit_test(g["mean_diff"], sign, delta)
         rows.append({"arm": arm, "baseline": baseline, "quantity": quantity, "window": window,
                      "mode": mode, "dose": float(g["dose"].iloc[0]),
-                     "scale": str(g["scale"].iloc[0]), "n_seeds": u["n"], "k": u["k"],
-                     "share": u["share"], "mean": u["mean"], "ci_low": u["ci_low"],
-                     "ci_high": u["ci_high"], "rel_mean": float(g["rel_diff"].mean()),
-                     "predicted": sign, "p_value": u["p_value"], "p_sign": u["p_sign"],
+                     "level": str(g["level"].iloc[0]), "scale": str(g["scale"].iloc[0]),
+                     "n_seeds": u["n"], "k": u["k"], "share": u["share"], "mean": u["mean"],
+                     "ci_low": u["ci_low"], "ci_high": u["ci_high"], "sd": u["sd"],
+                     "rel_mean": float(g["rel_diff"].mean()), "predicted": sign,
+                     "p_value": u["p_value"], "p_opposite": u["p_opposite"],
+                     "p_sign": u["p_sign"], "delta": np.nan if delta is None else delta,
+                     "p_equiv": u["p_equiv"], "detectable": u["detectable"],
                      "first_step": int(g["first_step"].min()),
                      "last_step": int(g["last_step"].max())})
-    return pd.DataFrame(rows, columns=[*keys, "mode", "dose", "scale", "n_seeds", "k", "share",
-                                       "mean", "ci_low", "ci_high", "rel_mean", "predicted",
-                                       "p_value", "p_sign", "first_step", "last_step"])
+    return pd.DataFrame(rows, columns=EFFECT_COLUMNS)
 
 
 def window_label(first: float, last: float, window: str) -> str:

@@ -1,9 +1,11 @@
-"""The E3 report: the manipulation check first, then the claims, the mediation table, every
-paired effect, the runs left out of the pairs, setup, excluded runs, figures.
+"""The E3 report: the manipulation check first, then the claims, the power of the primary
+rows, the mediation table, every paired effect, the runs left out of the pairs, setup,
+excluded runs, figures.
 
 Written by :func:`qkgeom.analysis.report.write_report` when the sweep is an E3 sweep
 (:func:`qkgeom.analysis.e3.arms.is_e3`). Files: ``report.md``/``report.html``,
 ``claims.csv``, ``e3_manipulation.csv`` (the check per seed, arm and window),
+``e3_manipulation_units.csv`` (per seed, arm, window and controlled unit),
 ``e3_effects.csv`` (every arm × baseline × quantity × window), ``e3_mediation.csv``,
 ``e3_windows.csv`` (each seed's window means), ``e3_paired.csv`` (paired differences at
 every probe), ``e3_arms.csv`` and the two E3 figures.
@@ -18,8 +20,8 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.e3.analysis import e3_analysis
-from qkgeom.analysis.e3.claims import with_ci
-from qkgeom.analysis.e3.manipulation import GATED
+from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES, with_ci
+from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
 from qkgeom.analysis.e3.paired import EARLY_SHARE, QUANTITIES
 from qkgeom.analysis.kit import (
     claims_markdown,
@@ -27,7 +29,9 @@ from qkgeom.analysis.kit import (
     fmt_p,
     md_table,
     md_text,
+    primary_rows,
     setup_markdown,
+    signed,
     summary_markdown,
     write_csvs,
     write_pages,
@@ -36,7 +40,7 @@ from qkgeom.analysis.kit import (
 #: Captions; ``{spread}`` is how the seeds are shown (figstyle.spread_note).
 CAPTIONS = {
     "e3_trajectories": "Whole-model (layer mean) quantities against training step, one line "
-                       "per arm (colour: mode; dashed: frobenius scale rule): {spread}. "
+                       "per arm (colour: mode; dashed: weight-level control): {spread}. "
                        "Dotted line: end of the early window (25 % of the run).",
     "e3_paired": "Paired differences (arm − none, same seed) against step: thin lines one "
                  "seed each, thick line the seed mean; below zero = lower than without "
@@ -56,48 +60,62 @@ def _section(title: str, rows: list[list], header: list[str], intro: str,
 
 
 def manipulation_markdown(man: pd.DataFrame, gate: dict[tuple[str, str], str]) -> str:
-    """The check per arm and window: each seed's achieved PR_K ratio, the intended one, the
-    threshold, the share of steps the cap bound, and whether the arm's claims are read."""
+    """The check per arm and window: each seed's achieved token-level PR_K ratio (the mean
+    over its units), the weight-level and pr_qk ratios beside, the intended ratio, the units
+    that passed, and whether the arm's claims are read."""
     rows = []
     for (arm, window), g in man.groupby(["arm", "window"], sort=True):
         mode = str(g["mode"].iloc[0])
         status = ("reported (not gated)" if mode not in GATED else
                   f"not evaluated: {gate[(arm, window)]}" if (arm, window) in gate else "passed")
-        rows.append([arm, window, _values(g["achieved"]), _values(g["intended"]),
-                     _values(g["threshold"]) if mode in GATED else "—",
+        units = (f"{int(g['units_passed'].sum())}/{int(g['checked'].sum())}"
+                 if mode in GATED else "—")
+        rows.append([arm, window, _values(g["achieved"]), _values(g["achieved_weight"]),
+                     _values(g["qk_ratio"]), _values(g["intended"]), units,
                      _values(g["bound_share"]), status])
     return _section(
         "Manipulation check (read first)", rows,
-        ["arm", "window", "achieved ratio per seed", "intended", "threshold", "bound share",
-         "claims"],
-        "Achieved = mean over the window's probes of PR_K(arm) ÷ PR_K(none, same seed), "
-        "weight level, whole-model (mean over layers); one value per seed. Intended: the "
-        "recorded dose r(t) averaged over the window (shrink, expand), PR_K(0) ÷ PR_K(none) "
-        "averaged over the window (hold), 1 (sham). A shrink arm passes when achieved ≤ "
-        "(1 + intended)/2 in every seed, a hold arm when achieved ≥ (1 + intended)/2; "
-        "otherwise its claims in that window are *not evaluated*. Sham and expand arms are "
-        "reported, not gated (the sham should stay at ≈ 1). Bound share: mean recorded "
-        "`ctl_bound_share` (share of steps the cap bound).",
+        ["arm", "window", "token PR_K ratio per seed", "weight PR_K ratio", "pr_qk ratio",
+         "intended", "units passed", "bound share", "claims"],
+        "Achieved = mean over the window's probes of PR_K(arm) ÷ PR_K(none, same seed) at "
+        "the **token level** (the keys attention uses, on the probe set), for each unit the "
+        "control sets (a layer, or a head), then averaged over the units for this table "
+        "(per unit: `e3_manipulation_units.csv`); the weight-level PR_K ratio and the "
+        "token-level pr_qk ratio beside. Intended: the recorded dose r(t) averaged over the "
+        "window (shrink, expand), PR_K(arm, step 0) ÷ PR_K(none, t) averaged over the window "
+        "(hold), 1 (sham). A unit passes when it achieved at least half the intended change "
+        f"in the intended direction (≤ (1 + intended)/2 below 1, ≥ above); a unit within "
+        f"{EXEMPT:.0%} of 1 is not checked. An arm's claims in a window are *not evaluated* "
+        "unless every checked unit of every seed passed. Sham and expand arms are reported, "
+        "not gated (the sham should stay at ≈ 1). Bound share: the recorded share of steps "
+        "the cap bound (hold: the reshape changed the spectrum).",
         "No controlled run is paired with an uncontrolled run: nothing to check.")
 
 
 def mediation_markdown(med: pd.DataFrame) -> str:
-    """Entropy and logit-scale effects side by side, against none and against the sham."""
+    """Raw entropy, scale-free entropy and the logit scales side by side, against none and
+    against the sham."""
     rows = []
     for r in med.to_dict("records"):
-        cells = [with_ci(r[f"{q}_vs_{b}_mean"], r[f"{q}_vs_{b}_ci_low"],
-                         r[f"{q}_vs_{b}_ci_high"])
-                 for b in ("none", "sham") for q in ("attn_entropy", "logit_std")]
-        rows.append([r["arm"], r["window"], *cells])
+        for b in ("none", "sham"):
+            cells = [with_ci(r[f"{q}_vs_{b}_mean"], r[f"{q}_vs_{b}_ci_low"],
+                             r[f"{q}_vs_{b}_ci_high"]) for q in MEDIATION_QUANTITIES]
+            if b == "sham" and all(c.startswith("n/a") for c in cells):
+                continue
+            rows.append([r["arm"], r["window"], f"− {b}", *cells])
     return _section(
-        "Mediation: attention entropy and the logit scale", rows,
-        ["arm", "window", "entropy Δ vs none", "logit_std Δ vs none", "entropy Δ vs sham",
-         "logit_std Δ vs sham"],
-        "Does an arm sharpen attention only by changing the logit scale? Per arm and window, "
-        "the entropy effect next to the logit-scale (`logit_std`) effect, mean over seeds "
-        "[95 % t-interval], against none and against the sham of the same scale rule. Under "
-        "the `data` scale rule the control keeps the keys' mean squared norm on the data, so "
-        "an entropy effect there with a logit-scale effect near 0 is not a scale effect.",
+        "Mediation: does the sharpening come through the spectrum or the scale?", rows,
+        ["arm", "window", "baseline", "entropy Δ", "scale-free entropy Δ",
+         "within-row logit scale Δ", "pooled logit scale Δ"],
+        "Per arm and window, mean over seeds [95 % t-interval] of the paired effect on the "
+        "attention entropy, on the **scale-free entropy** (each row's logits divided by "
+        "their own standard deviation before the softmax, so a change of temperature leaves "
+        "it unchanged), on the within-row logit scale (the mean over queries of the standard "
+        "deviation of the row's logits: what sets a row's sharpness) and on the pooled "
+        "`logit_std` (which also holds the spread between rows). A sharpening through the "
+        "key spectrum is one that survives in the scale-free entropy; an entropy effect "
+        "that goes with a within-row scale effect and leaves the scale-free entropy "
+        "unchanged is a change of temperature.",
         "No paired effects.")
 
 
@@ -107,20 +125,45 @@ def effects_markdown(eff: pd.DataFrame) -> str:
     for r in eff.sort_values(["arm", "baseline", "quantity", "window"]).itertuples():
         _, level, label = QUANTITIES[r.quantity]
         pred = {1: "Δ > 0", -1: "Δ < 0"}.get(int(r.predicted), "")
+        equiv = (f"{fmt_p(r.p_equiv)} (±{r.delta:g})" if np.isfinite(r.delta) else "—")
         rows.append([r.arm, f"− {r.baseline}", label, level, r.window,
                      f"{r.first_step}–{r.last_step}", with_ci(r.mean, r.ci_low, r.ci_high),
                      f"{100 * r.rel_mean:+.2f} %" if np.isfinite(r.rel_mean) else "n/a", pred,
-                     f"{int(r.k)}/{int(r.n_seeds)}", fmt_p(r.p_value), fmt_p(r.p_sign)])
+                     f"{int(r.k)}/{int(r.n_seeds)}", fmt_p(r.p_value), fmt_p(r.p_sign),
+                     equiv, signed(r.detectable)])
     return _section(
         "Paired effects, per seed then across seeds", rows,
         ["arm", "baseline", "quantity", "level", "window", "steps", "mean Δ [95 % t]",
-         "relative Δ", "predicted", "seeds", "p (sign-flip)", "p (sign test)"],
+         "relative Δ", "predicted", "seeds", "p (sign-flip)", "p (sign test)",
+         "p (equivalence, δ)", "detectable"],
         "Each seed's effect is its mean paired difference over the window's probes; the "
         "table gives the mean over seeds with its 95 % t-interval, the mean relative "
         "difference (Δ / baseline), seeds with the predicted sign, the exact one-sided "
-        "sign-flip p and the exact sign-test p. Where no direction is predicted (blank "
+        "sign-flip p and the exact sign-test p (unadjusted here), the equivalence p (two "
+        "one-sided t-tests within ±δ, entropies only) and the smallest effect these seeds "
+        "find with 80 % power at their own spread. Where no direction is predicted (blank "
         "*predicted*), the count is of seeds with Δ > 0 and both p's are two-sided.",
         "No controlled run has an uncontrolled partner with the same config.")
+
+
+def power_markdown(claims: pd.DataFrame) -> str:
+    """What the design could see: per primary row, the seeds, the effect the seeds find
+    with 80 % power at their spread, and (entropy rows) the smallest effect of interest."""
+    rows = []
+    for r in primary_rows(claims).to_dict("records"):
+        if not r["n"]:
+            continue
+        rows.append([r["claim_id"], r["claim"], int(r["n"]), signed(r["detectable"]),
+                     f"±{r['delta']:g}" if np.isfinite(r["delta"]) else "—", r["verdict"]])
+    return _section(
+        "Power of the primary rows", rows,
+        ["claim", "row", "seeds", "detectable effect (80 % power)", "δ (no effect larger)",
+         "verdict"],
+        "Detectable: the smallest true mean effect a one-sided t-test at α = 0.05 over "
+        "these seeds finds with 80 % power, at the spread the seeds show. An *inconclusive* "
+        "row whose detectable effect is larger than δ was too small a design to tell; "
+        "docs/protocols.md gives the seed count the power calculation asked for.",
+        "No primary row could be read.")
 
 
 def _excluded_pairs_markdown(ex: pd.DataFrame) -> str:
@@ -140,12 +183,19 @@ def _rules_text() -> str:
         f"the mean of the paired differences at the probes with 0 < step ≤ {EARLY_SHARE:.0%} "
         "of the run (*first 25 %*) or ≤ the last step (*whole run*); step 0 is left out "
         "(the pair is identical there). Whole-model quantities are the mean over layers. "
-        f"Verdicts (`qkgeom.analysis.stats.verdict`): **supported** = the predicted sign in ≥ "
-        f"{stats.SUPPORT_SHARE:.0%} of seeds and exact one-sided sign-flip p < {stats.ALPHA} "
-        f"(with 5 seeds that needs 5/5: p = 1/32); **not supported** = ≤ "
-        f"{stats.FAIL_SHARE:.0%}; **mixed** otherwise; **not evaluated** = no seed, or the "
-        "arm failed its manipulation check (reason given). A zero counts against the claim. "
-        "Intervals: 95 % t-intervals over seeds. Protocol: `docs/protocols.md`."
+        "Each claim has one **primary** row, declared in `docs/protocols.md` before any run "
+        f"(the token-level arm with the data rule, against none, over the whole run, on "
+        f"the scale-free entropy or pr_qk_token), tested at α = {stats.ALPHA}; every other "
+        "row is **secondary**: its p's are Holm-adjusted over all secondary rows and it "
+        "does not decide the claim. Verdicts (`qkgeom.analysis.stats.verdict`): **supported** "
+        f"= the predicted direction significant (exact one-sided sign-flip p < {stats.ALPHA}) "
+        f"in ≥ {stats.SUPPORT_SHARE:.0%} of seeds; **mixed** = significant but in fewer "
+        "seeds; **equivalent to no effect** = the 90 % t-interval inside ±δ (two one-sided "
+        "t-tests; entropy rows: δ = 0.1 nats); **not supported** = the opposite direction "
+        "significant; **inconclusive** = none of these (too few seeds to tell an effect "
+        "from its absence); **not evaluated** = no seed, or the arm failed its manipulation "
+        "check (reason given). Intervals: 95 % t-intervals over seeds. Protocol: "
+        "`docs/protocols.md`."
     )
 
 
@@ -157,16 +207,18 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
     name = table.attrs.get("name") or sweep_dir.name
     members = analysis["members"]
     per_arm = members.groupby("arm")["seed"].nunique().to_dict() if len(members) else {}
-    gate = analysis["claims"].attrs.get("gate", {})
+    gate = analysis["gate"]
     parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(analysis["claims"]), "",
              "E3 (see `docs/definitions.md`): key-spectrum control during training, each arm "
              "paired with the uncontrolled run of its seed. Seeds per arm: "
              + (", ".join(f"{m} {n}" for m, n in sorted(per_arm.items())) or "none") + ".", "",
              manipulation_markdown(analysis["manipulation"], gate), "",
              "## Claims", "", claims_markdown(analysis["claims"]), "", _rules_text(), "",
-             "Numbers: `claims.csv` (this table), `e3_manipulation.csv`, `e3_effects.csv`, "
+             "Numbers: `claims.csv` (this table), `e3_manipulation.csv` (per seed), "
+             "`e3_manipulation_units.csv` (per seed and unit), `e3_effects.csv`, "
              "`e3_mediation.csv`, `e3_windows.csv` (per seed), `e3_paired.csv` (per seed and "
              "probe), `e3_arms.csv`.", "",
+             power_markdown(analysis["claims"]), "",
              mediation_markdown(analysis["mediation"]), "",
              effects_markdown(analysis["effects"]), ""]
     excluded_pairs = _excluded_pairs_markdown(analysis["excluded_pairs"])
@@ -190,7 +242,8 @@ def write_e3_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
     """The E3 report of a collated sweep ``table`` into ``out``; returns ``report.md``."""
     analysis = e3_analysis(table)
     write_csvs(out, ((fname, analysis[key]) for fname, key in (
-        ("claims", "claims"), ("e3_manipulation", "manipulation"), ("e3_effects", "effects"),
+        ("claims", "claims"), ("e3_manipulation", "manipulation"),
+        ("e3_manipulation_units", "manipulation_units"), ("e3_effects", "effects"),
         ("e3_mediation", "mediation"), ("e3_windows", "windows"), ("e3_paired", "paired"),
         ("e3_arms", "arms"))))
     figs: dict[str, Path] = {}

@@ -19,11 +19,16 @@ effect). Per model (a seed's run, or one pretrained family) and contrast:
 **Seeds** (:func:`seed_claims`): the unit is the seed; the layers of one model are not
 independent, so each seed's layers are first summarised into one value (E4.1/E4.2: the
 probit score Φ⁻¹(1 − p) of the model's p; E4.3/E4.4: the means above), then
-:func:`qkgeom.analysis.stats.unit_test` (sign-flip over seeds) and the house verdict.
-**One model** (:func:`e4_claims`): E4.1 and E4.2 are decided by the model's own p (< 0.05:
-supported), a statement about that model; E4.3 and E4.4 count its layers with the
-sign-flip and sign tests over layers, which describe rather than infer (the layers are
-not independent).
+:func:`qkgeom.analysis.stats.unit_test` (sign-flip over seeds, both directions).
+**One model** (:func:`e4_claims`): E4.1 and E4.2 are decided by the model's own p (the
+model is the one unit: supported below 0.05, else inconclusive), a statement about that
+model; E4.3 and E4.4 count its layers with the sign-flip and sign tests over layers,
+which describe rather than infer (the layers are not independent).
+
+Each claim has one **primary** row (:data:`PRIMARY_LEVEL`), decided at α; the other rows
+are secondary, Holm-adjusted together; the verdicts are the house rule's
+(:func:`qkgeom.analysis.kit.decide`). No smallest effect of interest is declared for E4,
+so no row can be *equivalent to no effect*.
 """
 
 from __future__ import annotations
@@ -35,12 +40,13 @@ from scipy import stats as sst
 from qkgeom.analysis import stats
 from qkgeom.analysis.e4.regime import CALLS, FALL, MIN_POINTS, MONOTONE, RISE_FALL
 from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS
+from qkgeom.analysis.kit import decide
 
-__all__ = ["COLUMNS", "e4_claims", "model_scores", "seed_claims"]
+__all__ = ["COLUMNS", "PRIMARY_LEVEL", "e4_claims", "model_scores", "seed_claims"]
 
-COLUMNS = ["claim_id", "claim", "level", "unit", "measured", "k", "n", "estimate", "test",
-           "p_value", "p_sign", "beside", "verdict", "reason"]
-_LAYER_SIGN = "exact sign test over layers (not independent: descriptive)"
+COLUMNS = ["claim_id", "claim", "role", "level", "unit", "measured", "k", "n", "estimate",
+           "test", "p_value", "p_opposite", "p_sign", "p_adj", "p_opposite_adj", "family",
+           "beside", "verdict", "reason"]
 _LAYER_FLIP = "sign-flip test over layers (not independent: descriptive)"
 _MODEL_P = "the model's smallest layer p, Šidák-adjusted over its layers"
 _HEAD_LEVELS = ("token", "weight")
@@ -49,13 +55,22 @@ TEXTS = {"E4.1": "The monotone PR_Q − PR_K trend is not universal",
          "E4.3": "… and decays over the full run",
          "E4.4": "The interaction-rank ↔ attention-entropy link stays visible (across heads, "
                  "per layer)"}
+#: The primary row of each claim (docs/protocols.md): E4.1–E4.3 on the primary contrast,
+#: E4.4 at the token level; every other row is secondary.
+PRIMARY_LEVEL = {"E4.1": TREND_METRICS[PRIMARY], "E4.2": TREND_METRICS[PRIMARY],
+                 "E4.3": TREND_METRICS[PRIMARY], "E4.4": "token"}
 
 
-def _row(cid: str, level: str, unit: str, measured: str, k: int, n: int, estimate: str,
-         test: str, p: float, p_sign: float, beside: str, verdict: str,
-         reason: str = "") -> dict:
-    return dict(zip(COLUMNS, (cid, TEXTS[cid], level, unit, measured, k, n, estimate, test,
-                              p, p_sign, beside, verdict, reason), strict=True))
+def _row(cid: str, level: str, unit: str, measured: str, u: dict, estimate: str, test: str,
+         beside: str, reason: str = "") -> dict:
+    """One claims row from ``u`` (:func:`qkgeom.analysis.stats.unit_test`'s keys ``k, n,
+    p_value, p_opposite, p_sign``); the role from :data:`PRIMARY_LEVEL`, the verdict later
+    (:func:`_frame`)."""
+    role = "primary" if PRIMARY_LEVEL[cid] == level else "secondary"
+    return {"claim_id": cid, "claim": TEXTS[cid], "role": role, "level": level, "unit": unit,
+            "measured": measured, "k": u["k"], "n": u["n"], "estimate": estimate,
+            "test": test, "p_value": u["p_value"], "p_opposite": u.get("p_opposite", np.nan),
+            "p_sign": u.get("p_sign", np.nan), "beside": beside, "reason": reason}
 
 
 def _sidak(p: np.ndarray) -> float:
@@ -154,16 +169,15 @@ def _model_rows(t: pd.DataFrame, level: str, boot: pd.DataFrame | None,
     calls = f"calls: {_calls_text(t)}" if n else "n/a"
     rows = []
     model = _model_p(t)
-    for cid, p, k, what, boot_calls, boot_what in (
-            ("E4.1", model["p_fall"], int(t["call"].isin([RISE_FALL, FALL]).sum()), "fall",
-             (), "some layer falls"),
-            ("E4.2", model["p_regime"], int((t["call"] == RISE_FALL).sum()),
+    for cid, p, score, k, what, boot_calls, boot_what in (
+            ("E4.1", model["p_fall"], model["s1"], int(t["call"].isin([RISE_FALL, FALL]).sum()),
+             "fall", (), "some layer falls"),
+            ("E4.2", model["p_regime"], model["s2"], int((t["call"] == RISE_FALL).sum()),
              "rise then fall", (RISE_FALL,), "rise then fall")):
-        verdict = stats.NOT_EVALUATED if reason else (
-            stats.SUPPORTED if p < stats.ALPHA else stats.NOT_SUPPORTED)
-        rows.append(_row(cid, level, "model (its layers)", f"{k}/{n} layers {what}", k, n,
-                         calls, _MODEL_P, p, np.nan,
-                         _RULE + _boot_text(boot, boot_calls, boot_what), verdict, reason))
+        # the unit is the model: one unit, leaning to the claim when its score is > 0
+        u = {"k": int(score > 0) if n else 0, "n": 1 if n else 0, "p_value": p}
+        rows.append(_row(cid, level, "model", f"{k}/{n} layers {what}", u, calls, _MODEL_P,
+                         _RULE + _boot_text(boot, boot_calls, boot_what), reason))
     z_reg = np.minimum(t["z_rise"].to_numpy(float), t["z_fall"].to_numpy(float)) if n \
         else np.array([])
     u = stats.unit_test(z_reg, +1)
@@ -172,10 +186,9 @@ def _model_rows(t: pd.DataFrame, level: str, boot: pd.DataFrame | None,
     if len(lost):
         est += f"; share of the gain lost (rise then fall) {lost.mean():.2f}"
     rows.append(_row("E4.3", level, "layer", f"{u['k']}/{u['n']} layers with a rise-and-fall "
-                     "score > 0", u["k"], u["n"], est, _LAYER_FLIP, u["p_value"], u["p_sign"],
+                     "score > 0", u, est, _LAYER_FLIP,
                      "score = min(z_rise, z_fall), about N(0, 1) without the effect"
-                     + _boot_text(boot, (RISE_FALL,), "rise then fall"),
-                     stats.verdict(u["k"], u["n"], u["p_value"], reason=reason), reason))
+                     + _boot_text(boot, (RISE_FALL,), "rise then fall"), reason))
     return rows
 
 
@@ -200,9 +213,7 @@ def _head_rows(heads: pd.DataFrame, level: str) -> dict:
         u, beside = stats.unit_test([], +1), ""
     return _row("E4.4", level, "layer",
                 f"{u['k']}/{u['n']} layers with ρ(pr_qk, entropy) > 0 at the last checkpoint",
-                u["k"], u["n"], _mean_ci(u, "mean per-layer ρ"), _LAYER_FLIP, u["p_value"],
-                u["p_sign"], beside,
-                stats.verdict(u["k"], u["n"], u["p_value"], reason=reason), reason)
+                u, _mean_ci(u, "mean per-layer ρ"), _LAYER_FLIP, beside, reason)
 
 
 def _mean_ci(u: dict, what: str) -> str:
@@ -235,9 +246,16 @@ def e4_claims(trends: pd.DataFrame, heads: pd.DataFrame,
 
 
 def _frame(rows: list[dict]) -> pd.DataFrame:
-    out = pd.DataFrame(rows, columns=COLUMNS)
-    out["p_value"] = out["p_value"].astype(float)
-    return out
+    """The rows with their verdicts (:func:`qkgeom.analysis.kit.decide`: each primary row at
+    α, the secondary rows Holm-adjusted together), each claim's primary row first."""
+    out = pd.DataFrame(rows)
+    for col in ("p_value", "p_opposite", "p_sign"):
+        out[col] = out[col].astype(float)
+    out = decide(out, holm_primary=False)
+    order = out["claim_id"].map({c: i for i, c in enumerate(TEXTS)}) * 2 \
+        + out["role"].ne("primary").astype(int)
+    return out.assign(_o=order).sort_values("_o", kind="stable")[COLUMNS] \
+        .reset_index(drop=True)
 
 
 _SEED_TESTS = {  # claim -> (score key, what the score is, per-seed count key, count text)
@@ -279,19 +297,15 @@ def seed_claims(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]]) -> pd.DataF
                     beside += (f"; share of the gain lost (layers that rise then fall), mean "
                                f"over seeds {np.mean(lost):.2f}")
             rows.append(_row(cid, level, "seed", f"{u['k']}/{u['n']} seeds with score > 0",
-                             u["k"], u["n"], _mean_ci(u, "mean score"), stats.TEST_FLIP,
-                             u["p_value"], u["p_sign"], beside,
-                             stats.verdict(u["k"], u["n"], u["p_value"], reason=reason),
-                             reason))
+                             u, _mean_ci(u, "mean score"), stats.TEST_FLIP, beside, reason))
     for level, key in (("token", "s4"), ("weight", "s4_weight")):
         vals = [model_scores(*units[s])[key] for s in names]
         u = stats.unit_test(vals, +1)
         reason = "" if u["n"] else (f"no seed with a per-layer ρ (per-head pr_qk_{level} and "
                                     "attention entropy, ≥ 3 heads per layer)")
         rows.append(_row("E4.4", level, "seed",
-                         f"{u['k']}/{u['n']} seeds with mean per-layer ρ > 0", u["k"], u["n"],
-                         _mean_ci(u, "mean ρ"), stats.TEST_FLIP, u["p_value"], u["p_sign"],
+                         f"{u['k']}/{u['n']} seeds with mean per-layer ρ > 0", u,
+                         _mean_ci(u, "mean ρ"), stats.TEST_FLIP,
                          "per seed: the mean over layers of ρ(pr_qk, entropy) across heads "
-                         "at the last checkpoint",
-                         stats.verdict(u["k"], u["n"], u["p_value"], reason=reason), reason))
+                         "at the last checkpoint", reason))
     return _frame(rows)

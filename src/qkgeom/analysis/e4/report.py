@@ -57,9 +57,10 @@ __all__ = ["E4_CLAIM_CELLS", "bootstrap", "e4_claims_table", "load_analysis", "l
 
 #: The E4 claims table in Markdown: what each row measured and its own test.
 E4_CLAIM_CELLS: tuple[Cell, ...] = (
-    ("level", field("level")), ("measured", field("measured")),
-    ("estimate", field("estimate")), ("test", field("test")), P_CELL, P_SIGN_CELL,
-    ("beside", field("beside")), VERDICT_CELL)
+    ("level", field("level")), ("role", field("role")), ("measured", field("measured")),
+    ("estimate", field("estimate")), ("test", field("test")), P_CELL,
+    ("p (Holm, secondary rows)", lambda r: fmt_p(r["p_adj"]) if r["role"] == "secondary"
+     else ""), P_SIGN_CELL, ("beside", field("beside")), VERDICT_CELL)
 #: Figure captions of the report.
 CAPTIONS = {
     "contrast_steps": "PR_Q − PR_K per layer against step (hollow: duplicate checkpoints, "
@@ -280,10 +281,15 @@ def _rules_text(boot: pd.DataFrame) -> str:
         "**Unit: one model. Its layers are not independent**, so counts and p-values over "
         "layers describe rather than infer. E4.1 (some layer falls) and E4.2 (some layer "
         "rises then falls) are decided by the model's own p: the smallest layer p, "
-        "Šidák-adjusted over its layers (supported when < "
-        f"{stats.ALPHA}); E4.3 and E4.4 by the verdict rule over layers "
-        f"(`qkgeom.analysis.stats.verdict`: ≥ {stats.SUPPORT_SHARE:.0%} of layers and p < "
-        f"{stats.ALPHA}). A verdict over seeds needs a set of runs (`qkgeom reproduce e4`). "
+        f"Šidák-adjusted over its layers (supported when < {stats.ALPHA}, inconclusive "
+        "otherwise); E4.3 and E4.4 by the verdict rule over layers "
+        f"(`qkgeom.analysis.stats.verdict`: supported = p < {stats.ALPHA} in the predicted "
+        f"direction with ≥ {stats.SUPPORT_SHARE:.0%} of layers, mixed = significant with "
+        "fewer, not supported = the opposite direction significant, inconclusive "
+        "otherwise). The primary row of each claim decides it (primary contrast for "
+        "E4.1–E4.3, token level for E4.4); the other rows are secondary, their p's "
+        "Holm-adjusted together. A verdict over seeds needs a set of runs (`qkgeom "
+        "reproduce e4`). "
         f"Primary contrast: `{PRIMARY}` (the mean over query heads of PR_Q^h − PR_K^g(h), "
         "fair under grouped-query attention); the other contrasts are shown beside. "
         f"{_CALL_RULE} {_boot_line(boot)} Protocol: `docs/protocols.md`; definitions: "
@@ -365,8 +371,12 @@ def _set_rules(n: int) -> str:
         "**Unit: the seed.** The layers of one model share its data, optimiser and every "
         "update, so they are not independent: each seed's layers are summarised into one "
         "value per claim, then the exact sign-flip test over seeds and the verdict rule "
-        f"(`qkgeom.analysis.stats.verdict`: ≥ {stats.SUPPORT_SHARE:.0%} of seeds with a "
-        f"score > 0 and p < {stats.ALPHA}).{few} Per seed: E4.1 the probit Φ⁻¹(1 − p) of the "
+        f"(`qkgeom.analysis.stats.verdict`: supported = p < {stats.ALPHA} with ≥ "
+        f"{stats.SUPPORT_SHARE:.0%} of seeds with a score > 0, mixed = significant with "
+        "fewer, not supported = the opposite direction significant, inconclusive "
+        "otherwise). The primary row of each claim (primary contrast for E4.1–E4.3, token "
+        "level for E4.4) decides it at α; the other rows are secondary, their p's "
+        f"Holm-adjusted together.{few} Per seed: E4.1 the probit Φ⁻¹(1 − p) of the "
         "seed's smallest layer p of a fall, Šidák-adjusted over its layers (some layer "
         "falls); E4.2 the same for a rise then fall (both p's); E4.3 the mean over layers "
         "of min(z_rise, z_fall) (the typical layer rises and falls back); E4.4 the mean "
