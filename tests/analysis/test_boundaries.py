@@ -1,7 +1,7 @@
 """Every decision rule of docs/protocols.md at its boundary: the verdict's shares and level,
 the t-interval's level on cases with a closed form, two-sided p's, the E3 manipulation gate
-at exactly halfway and the E3 windows, the E4 regime call (its point counts, level, peak
-and share lost) and E4.1, the E1 reference. A rule moved by one step (≥ to >, 95 % to
+at exactly halfway and the E3 windows, the E4 regime call (its point count, level, p,
+peak and share lost), the warm-up window and E4.1, the E1 reference. A rule moved by one step (≥ to >, 95 % to
 90 %, a factor 2 dropped) changes an answer here."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from qkgeom.analysis.e1.trajectories import reference_probe
 from qkgeom.analysis.e3 import e3_analysis
 from qkgeom.analysis.e3.paired import in_windows
 from qkgeom.analysis.e4.claims import e4_claims
-from qkgeom.analysis.e4.trends import mann_kendall, regime_calls
+from qkgeom.analysis.e4.regime import call_of, peak_stats, regime_calls, upper_p
+from qkgeom.analysis.e4.trends import mann_kendall, rule_window
 from qkgeom.config import TrainConfig
 
 from .synthetic import Run, table_of
@@ -183,75 +184,60 @@ def test_e3_windows_include_the_quarter_and_leave_out_step_0() -> None:
     assert got == {"early": [10, 25], "whole": [10, 25, 26, 100]}
 
 
-# --- E4: the regime call and E4.1 ------------------------------------------------------------
+# --- E4: the regime call, the warm-up window and E4.1 ------------------------------------------
 
 
-def _call(values, alpha: float = stats.ALPHA) -> dict:
-    return {k: v[0] for k, v in regime_calls(np.asarray(values, dtype=float)[None, :],
-                                             alpha).items()}
+def _call(values) -> dict:
+    return regime_calls(np.asarray(values, dtype=float)[None, :]).row(0)
 
 
-FOUR_UP_FOUR_DOWN = [0.0, 1.0, 2.0, 3.0, 2.5, 2.0, 1.5]  # peak at index 3: 4 + 4 points
-P_FOUR = float(sst.norm.sf(5 / math.sqrt(26 / 3)))  # a perfect 4-point trend: 0.0448
-
-
-def test_four_points_each_side_are_enough_for_rise_then_fall() -> None:
-    rc = _call(FOUR_UP_FOUR_DOWN)
-    assert rc["call"] == "rise then fall" and rc["peak"] == 3
-    assert rc["p_rise"] == pytest.approx(P_FOUR) and rc["p_fall"] == pytest.approx(P_FOUR)
-    assert rc["share_lost"] == pytest.approx(0.5)  # (3 − 1.5)/(3 − 0)
-
-
-def test_three_points_are_never_tested() -> None:
-    short_rise = [0.0, 1.0, 3.0, 2.5, 2.0, 1.5, 1.0]  # peak at index 2: 3 points up
-    rc = _call(short_rise)
-    assert np.isnan(rc["p_rise"]) and rc["call"] == "none"
-    short_fall = [0.0, 1.0, 2.0, 3.0, 2.5, 2.0]  # 3 points from the peak down
-    rc = _call(short_fall)
-    assert np.isnan(rc["p_fall"]) and rc["call"] == "rise then flat"
-    assert _call([0.0, 1.0, 2.0])["call"] == "none"  # a 3-point monotone rise: untestable
+def test_four_checkpoints_get_a_call_and_three_do_not() -> None:
     assert _call([0.0, 1.0, 2.0, 3.0])["call"] == "monotone rise"
+    three = _call([0.0, 1.0, 2.0])
+    assert three["call"] == "no trend" and np.isnan(three["p_rise"])
 
 
 def test_the_regime_level_is_strict() -> None:
-    assert _call(FOUR_UP_FOUR_DOWN, alpha=P_FOUR)["call"] == "none"
-    assert _call(FOUR_UP_FOUR_DOWN, alpha=np.nextafter(P_FOUR, 1.0))["call"] == "rise then fall"
+    p = np.array([stats.ALPHA, np.nextafter(stats.ALPHA, 0.0)])
+    call, _ = call_of(p, p, np.ones(2), np.ones(2))
+    assert list(call) == ["no trend", "rise then fall"]
 
 
-def test_the_peak_is_the_first_largest_and_a_last_peak_is_never_a_regime() -> None:
-    rc = _call([0.0, 1.0, 2.0, 5.0, 5.0, 4.0, 3.0, 2.0])
-    assert rc["peak"] == 3 and rc["call"] == "rise then fall"
-    flat_top = _call([0.0, 1.0, 2.0, 3.0, 3.0, 3.0, 3.0])  # peak at its first checkpoint
-    assert flat_top["peak"] == 3 and flat_top["call"] == "rise then flat"
-    assert flat_top["share_lost"] == 0.0
-    assert np.isnan(_call([5.0, 4.0, 3.0, 2.0])["share_lost"])  # no gain: undefined
+def test_the_surrogate_p_counts_the_data_and_ties() -> None:
+    """p = (1 + #{null ≥ observed}) / (1 + S); the mid-p counts ties half."""
+    p, mid = upper_p(np.array([[1.0, 2.0, 3.0]]), np.array([[3.0]]))
+    assert p[0, 0] == pytest.approx(2 / 4) and mid[0, 0] == pytest.approx(1 / 4)
+    p, _ = upper_p(np.array([[1.0, 2.0, 3.0]]), np.array([[3.5]]))
+    assert p[0, 0] == pytest.approx(1 / 4)  # beyond every surrogate: 1/(1 + S), never 0
 
 
-def _trends(calls: list[str]) -> pd.DataFrame:
-    return pd.DataFrame({"metric": "contrast_token_heads", "level": "token_heads",
-                         "layer": range(len(calls)), "n": 8, "call": calls,
-                         "peak_step": 100.0, "share_lost": 0.5})
+def test_the_peak_is_the_first_largest_and_the_share_lost_needs_a_significant_rise() -> None:
+    peak, gain, drop = peak_stats(np.array([[0.0, 5.0, 5.0, 1.0]]))
+    assert (peak[0], gain[0], drop[0]) == (1, 5.0, 4.0)
+    _, lost = call_of(np.array([0.01, 0.5]), np.array([0.01, 0.01]), np.array([2.0, 2.0]),
+                      np.array([1.0, 1.0]))
+    assert lost[0] == pytest.approx(0.5) and np.isnan(lost[1])
 
 
-def _e4(calls: list[str], claim: str) -> pd.Series:
+def test_the_checkpoint_where_the_warm_up_ends_is_in_the_rule() -> None:
+    assert list(rule_window(np.array([99.0, 100.0, 101.0]), 100)) == [False, True, True]
+    assert rule_window(np.array([0.0, 5.0]), None).all()
+
+
+def _one_layer(p_fall: float) -> pd.Series:
+    trends = pd.DataFrame({"metric": "contrast_token_heads", "level": "token_heads",
+                           "layer": [0], "n": 8, "call": "fall", "p_rise": 1.0,
+                           "p_fall": p_fall, "z_rise": -1.0, "z_fall": 2.0,
+                           "share_lost": np.nan, "peak_step": 100.0})
     heads = pd.DataFrame(columns=["checkpoint", "step", "level", "layer", "n_heads", "rho", "p"])
-    rows = e4_claims(_trends(calls), heads).set_index(["claim_id", "level"])
-    return rows.loc[(claim, "token_heads")]
+    return e4_claims(trends, heads).set_index(["claim_id", "level"]).loc[("E4.1",
+                                                                          "token_heads")]
 
 
-def test_e4_1_needs_one_layer_that_is_not_a_monotone_rise() -> None:
-    assert _e4(["monotone rise"] * 3, "E4.1")["verdict"] == "not supported"
-    one = _e4(["monotone rise", "monotone rise", "rise then flat"], "E4.1")
-    assert (one["k"], one["n"], one["verdict"]) == (1, 3, "supported")
-
-
-def test_e4_2_and_e4_3_follow_the_verdict_rule_over_layers() -> None:
-    e42 = _e4(["rise then fall"] * 4 + ["rise then flat"], "E4.2")
-    assert (e42["k"], e42["n"], e42["verdict"]) == (5, 5, "supported")
-    e42 = _e4(["rise then fall"] * 3 + ["none"] * 2, "E4.2")  # 3/5 = 60 %
-    assert e42["verdict"] == "inconclusive"
-    e43 = _e4(["rise then fall"] * 4 + ["rise then flat", "none"], "E4.3")  # 4/5 with a rise
-    assert (e43["k"], e43["n"]) == (4, 5) and e43["verdict"] == "inconclusive"  # p = 6/32
+def test_e4_1_of_one_model_is_its_sidak_p_at_a_strict_level() -> None:
+    assert _one_layer(stats.ALPHA)["verdict"] == "inconclusive"  # no fall shown: no verdict
+    below = _one_layer(np.nextafter(stats.ALPHA, 0.0))
+    assert (below["k"], below["n"], below["verdict"]) == (1, 1, "supported")
 
 
 # --- E1: the reference -----------------------------------------------------------------------

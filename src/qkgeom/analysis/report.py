@@ -3,8 +3,9 @@
 :func:`write_report` and :func:`claims_table` tell the folder's kind and hand it to its
 experiment's report:
 
-- a checkpoint-family analysis folder (``analysis.json``, ``qkgeom analyze``):
-  E4, :mod:`qkgeom.analysis.e4.report`;
+- a checkpoint-family analysis folder (``analysis.json``, ``qkgeom analyze``), or a set of
+  them, one per seed (``e4.json``, ``qkgeom reproduce e4``): E4,
+  :mod:`qkgeom.analysis.e4.report`;
 - a sweep whose runs pair key-control modes by seed: E3, :mod:`qkgeom.analysis.e3.report`;
 - any other sweep, or one run folder (trained by qkgeom, or written by its
   :class:`~qkgeom.monitor.GeometryMonitor`, which may record only some metrics):
@@ -39,7 +40,7 @@ from qkgeom.analysis.kit import claims_summary
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json, refuse_link, write_json
 from qkgeom.runs import is_run_folder
-from qkgeom.runs.family import MARKER, is_analysis_folder
+from qkgeom.runs.family import MARKER, is_analysis_folder, is_e4_set
 from qkgeom.runs.sweep import RUNS_DIR, SWEEP_FILE
 from qkgeom.version import __version__
 
@@ -58,9 +59,9 @@ def claims_table(folder: str | Path, include_incomplete: bool = False,
 
     For a sweep or a run folder (E1/E2, see :func:`qkgeom.analysis.e1.claims.evaluate_claims`;
     E3, :func:`qkgeom.analysis.e3.claims.evaluate_e3_claims`), ``claims.attrs["excluded"]``
-    lists the runs left out. An analysis folder gets the E4 claims (``n_boot`` token-block
-    bootstrap resamples)."""
-    if is_analysis_folder(folder):
+    lists the runs left out. An analysis folder gets the E4 claims of one model (``n_boot``
+    token-block bootstrap resamples), an E4 set those over its seeds."""
+    if is_analysis_folder(folder) or is_e4_set(folder):
         return e4_claims_table(folder, n_boot=n_boot)
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)
     claims = e3_analysis(table)["claims"] if is_e3(table) else e1_claims(table)["claims"]
@@ -84,7 +85,7 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
         out = folder / "report"
         refuse_link(out)
     out = Path(out)
-    if is_analysis_folder(folder):  # a checkpoint family (qkgeom analyze): E4
+    if is_analysis_folder(folder) or is_e4_set(folder):  # checkpoint families: E4
         claim_report_dir(out, folder)
         return write_e4_report(folder, out, figures=figures, n_boot=n_boot)
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)

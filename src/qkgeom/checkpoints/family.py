@@ -216,6 +216,7 @@ def analyze_checkpoints(
             "model": label, "models": list(models), "revisions": revisions,
             "settings": settings, "settings_hash": key, "keep_duplicates": keep_duplicates,
             "checkpoints": [asdict(s) for s in specs], "state": "running",
+            "warmup_steps": _warmup(specs),
             "versions": {"qkgeom": __version__, "python": platform.python_version()}}
     write_json(out / MARKER, meta)
 
@@ -277,6 +278,17 @@ def _fewer_blocks(rows: list[dict[str, Any]], asked: int) -> str | None:
             "(--blocks); ")
     return text + (f"measured in {got} blocks instead" if got > 1 else
                    "measured without token blocks (the E4 bootstrap needs at least 2)")
+
+
+def _warmup(specs: list[CheckpointSpec]) -> int | None:
+    """The step at which the LR warm-up of a qkgeom run ends (its ``warmup_steps``), for
+    E4's regime rule; None for other families (a pretrained suite's schedule is not
+    recorded with its checkpoints)."""
+    if specs[0].kind != "run":
+        return None
+    from qkgeom.runs import load_config
+
+    return int(load_config(Path(specs[0].source)).warmup_steps)
 
 
 def _cache(job: CheckpointJob) -> Path:

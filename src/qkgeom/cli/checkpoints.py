@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -25,6 +25,24 @@ def _default_out(models: list[str]) -> Path:
     name = models[0].rstrip("/").replace("/", "_") if len(models) == 1 else \
         (Path(models[0]).parent.name or "local")
     return Path("ckpt") / name
+
+
+def _call_line(r: Any) -> str:
+    lost = (f", {100 * r.share_lost:.0f} % of the gain lost"
+            if r.call == "rise then fall" else "")
+    return f"{r.call} (peak at step {int(r.peak_step)}{lost})"
+
+
+def summarise_set(out: Path) -> None:
+    """One line per seed of an E4 set: the regime call of each layer (primary contrast)."""
+    from qkgeom.analysis.e4.report import load_set
+    from qkgeom.analysis.e4.trends import PRIMARY
+
+    for unit, a in load_set(out).items():
+        t = a["trends"]
+        t = t[t["metric"] == PRIMARY].sort_values("layer") if len(t) else t
+        typer.echo(f"{unit}: " + "; ".join(f"layer {r.layer} {_call_line(r)}"
+                                           for r in t.itertuples()))
 
 
 def summarise(out: Path, fmt: str = "table") -> None:
@@ -56,10 +74,7 @@ def summarise(out: Path, fmt: str = "table") -> None:
         typer.echo(f"duplicate: {r.checkpoint} serves the same Q/K weights as {r.duplicate_of}"
                    + ("" if not r.in_trends else " (kept)"))
     for r in primary.itertuples():
-        lost = (f", {100 * r.share_lost:.0f} % of the gain lost"
-                if r.call == "rise then fall" else "")
-        typer.echo(f"layer {r.layer}: {PRIMARY} {r.call} (peak at step {int(r.peak_step)}"
-                   f"{lost}; ρ(step) {r.rho:+.2f})")
+        typer.echo(f"layer {r.layer}: {PRIMARY} {_call_line(r)[:-1]}; ρ(step) {r.rho:+.2f})")
 
 
 def register(app: typer.Typer) -> None:

@@ -48,7 +48,8 @@ Device = Annotated[str | None, typer.Option(
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress view.")]
 ResultFolder = Annotated[Path, typer.Argument(
     help="A sweep folder (E1/E2, E3), a checkpoint analysis folder from `qkgeom analyze` "
-         "(E4) or one run folder (trained or monitored).")]
+         "(E4), an E4 set from `qkgeom reproduce e4` (one analysis per seed) or one run "
+         "folder (trained or monitored).")]
 
 
 def _print_summary(summary: object, out: Path) -> None:
@@ -252,8 +253,8 @@ def register(app: typer.Typer) -> None:
     def reproduce_cmd(
         experiment: Annotated[str, typer.Argument(
             help="e1 (E1 and E2, one grid: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: "
-                 "seeds x key-control arms, paired by seed) | e4 (E4: a run with log-spaced "
-                 "checkpoints, or --model, analysed as a checkpoint family)")],
+                 "seeds x key-control arms, paired by seed) | e4 (E4: runs with log-spaced "
+                 "checkpoints, one per seed, or --model, analysed as checkpoint families)")],
         preset: Preset = "demo",
         data: Data = "",
         out: Annotated[Path | None, typer.Option(
@@ -291,15 +292,16 @@ def register(app: typer.Typer) -> None:
         data = data_spec(data) or ""
         overrides = deep_merge({"device": device} if device else {}, parse_dotted(set_ or []))
         if experiment == "e4":
-            from qkgeom.cli.checkpoints import split_revisions, summarise
+            from qkgeom.cli.checkpoints import split_revisions, summarise, summarise_set
+            from qkgeom.runs.family import is_e4_set
             from qkgeom.training import resolve_device
 
-            device = str(resolve_device(device or "auto"))
+            resolve_device(device or "auto")  # a bad --device fails before any work
             folder = reproduce_e4(preset, out, data=data, model=model,
                                   revisions=split_revisions(revisions), text=text,
                                   tokens=tokens, device=device, progress=not quiet,
                                   overrides=parse_dotted(set_ or []) or None)
-            summarise(folder)
+            summarise_set(folder) if is_e4_set(folder) else summarise(folder)
             report(folder, None)
             return
         if any(v is not None for v in (model, revisions, text, tokens)):

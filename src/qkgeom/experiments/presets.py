@@ -39,15 +39,17 @@ calculation, fixed before any result (docs/protocols.md).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import QK_INITS, KeyControlConfig, TrainConfig, deep_merge, make_config
+from qkgeom.config import QK_INITS, KeyControlConfig, TrainConfig, deep_merge
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.grid import Grid, nest_keys
 from qkgeom.experiments.runner import SweepSummary, available_cpus, on_this_machine, run_sweep
+from qkgeom.runs.sweep import run_dir
 
 PAPER_DEPTHS = [4, 6, 8]
 
@@ -219,53 +221,60 @@ def reproduce_e3(preset: str, out_dir: str | Path, data: str = "", **options: An
 
 # ------------------------------------------------------------------------------------- E4
 #
-# E4 offline: one run of our GPT trained with the ``log`` checkpoint schedule (step 0, the
-# powers of two below ``checkpoint_every``, then its multiples: the shape of Pythia's
-# suite), whose checkpoints are then analysed as a family on held-out text (the CLI
-# composes the two with qkgeom.checkpoints.analyze_checkpoints and the E4 report). The
-# folder ``OUT`` holds ``run/`` (the training run) and ``analysis/`` (the family).
+# E4 offline: runs of our GPT, one per seed, trained with the ``log`` checkpoint schedule
+# (step 0, the powers of two below ``checkpoint_every``, then its multiples: the shape of
+# Pythia's suite), whose checkpoints are then analysed as a family each on held-out text,
+# and reported with the seed as the unit. The folder ``OUT`` (layout:
+# :mod:`qkgeom.runs.family`) holds ``e4.json``, ``train/`` (the sweep of the runs),
+# ``analysis/seed-<s>/`` (each seed's family) and ``report/``.
 #
 # ``smoke``  the ``smoke`` training preset, 40 steps, checkpoints 0, 1, 2, 4, 8, 16, 32, 40;
-#            2 048 tokens in 8 blocks. Seconds: what the tests run.
-# ``demo``   the demo model (4 layers x 128, 4 heads, context 64, normal init, seed 0),
-#            batch 32, 1 024 steps, checkpoint_every 64: 23 checkpoints (0, 1, 2, ..., 32,
-#            64, 128, ..., 1 024); 32 768 tokens of the sample's held-out text in 8 blocks,
-#            windows of the context. One thread (two OpenMP threads stall on a shared
-#            2-core machine). Sized from throughput alone, before any E4 verdict was seen:
-#            measured on the 2-core dev machine (one thread, CPU time) 0.21 s per step
-#            (probes and evals included) and 1.8 s per checkpoint analysed, i.e. about
-#            215 s training + 41 s analysis + 6 s report, about 4.5 min in all.
+#            seeds 0 and 1; 2 048 tokens in 8 blocks. Seconds: what the tests run.
+# ``demo``   the demo model (4 layers x 128, 4 heads, context 64, normal init), batch 32,
+#            1 024 steps, checkpoint_every 64: 23 checkpoints (0, 1, 2, ..., 32, 64, 128,
+#            ..., 1 024), 15 of them after the 100-step LR warm-up; 32 768 tokens of the
+#            sample's held-out text in 8 blocks, windows of the context. Seeds 0-4: five,
+#            because with n independent units the sign-flip p is at least 2^-n, so fewer
+#            than five seeds can never reach p < 0.05 (three would only describe). One
+#            thread per run, one run per CPU (two OpenMP threads stall on a shared 2-core
+#            machine). The run itself is the one-seed demo's, sized from throughput alone
+#            before any E4 verdict was seen: measured on the 2-core dev machine (one thread,
+#            CPU time) 0.21 s per step (probes and evals included) and 1.8 s per checkpoint
+#            analysed, i.e. about 215 s training + 41 s analysis per seed; five seeds, two
+#            trained at a time and analysed in turn, about 15 min on an idle machine.
 # ``paper``  no training run: the paper's E4 is on pretrained suites; pass a hub family
 #            (``model`` + ``revisions``, e.g. EleutherAI/pythia-160m at step0, step512, ...);
-#            200 000 tokens in 8 blocks.
+#            200 000 tokens in 8 blocks. One family is one unit: its layers describe it.
 #
 # With a hub family (``model``) any preset only sets the analysis (text, tokens, blocks).
 
-E4_RUN = "run"  # OUT/run: the training run of the offline E4
-E4_ANALYSIS = "analysis"  # OUT/analysis: the checkpoint-family analysis folder
+E4_TRAIN = "train"  # OUT/train: the sweep folder of the offline E4's runs (one per seed)
+E4_ANALYSIS = "analysis"  # OUT/analysis: the family (--model) or a folder per seed
 
 
 @dataclass(frozen=True)
 class E4Preset:
-    """One size of E4: the training run (None: a hub family is required) and the analysis."""
+    """One size of E4: the training runs (None: a hub family is required), the seeds, and
+    the analysis."""
 
     train_preset: str | None
     overrides: dict[str, Any]
     tokens: int  # text tokens analysed per checkpoint (the same tokens for all)
-    blocks: int = 8  # contiguous token blocks, for the bootstrap
+    seeds: tuple[int, ...] = ()
+    blocks: int = 8  # contiguous token blocks, for the noise and the bootstrap
     text: str = "sample"  # the embedded sample: its held-out (val) split first
 
 
 E4_PRESETS: dict[str, E4Preset] = {
     "smoke": E4Preset("smoke", {"steps": 40, "checkpoint_every": 16,
-                                "checkpoint_schedule": "log", "keep_checkpoints": 0}, 2048),
+                                "checkpoint_schedule": "log", "keep_checkpoints": 0}, 2048,
+                      (0, 1)),
     "demo": E4Preset("demo", {
         "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64,
                   "qk_init": "normal"},
-        "seed": 0, "steps": 1024, "batch_size": 32, "probe_every": 64, "eval_every": 128,
+        "steps": 1024, "batch_size": 32, "probe_every": 64, "eval_every": 128,
         "checkpoint_every": 64, "checkpoint_schedule": "log", "keep_checkpoints": 0,
-        "threads": 1,
-    }, 32768),
+    }, 32768, (0, 1, 2, 3, 4)),
     "paper": E4Preset(None, {}, 200_000),
 }
 
@@ -277,68 +286,124 @@ def e4_preset(preset: str) -> E4Preset:
     return E4_PRESETS[preset]
 
 
-def e4_config(preset: str, data: str = "", overrides: dict[str, Any] | None = None
-              ) -> TrainConfig:
-    """The training config of the offline E4 run at size ``preset`` (``overrides``: nested
-    or dotted keys on top, e.g. ``{"device": "cuda"}``)."""
-    spec = e4_preset(preset)
+def _need_runs(preset: str, spec: E4Preset) -> None:
     if spec.train_preset is None:
         raise QKGeomError(f"the {preset} E4 preset analyses a pretrained family: pass model=<hub "
                           "id or folder> and revisions (CLI: --model, --revisions)")
-    return make_config(spec.train_preset, _base("e4", spec.overrides, data, overrides))
+
+
+def e4_grid(preset: str, data: str = "", overrides: dict[str, Any] | None = None) -> Grid:
+    """The offline E4's runs at size ``preset``: one per seed of the preset, with the
+    ``log`` checkpoint schedule (``overrides``: nested or dotted keys on top, e.g.
+    ``{"device": "cuda"}``)."""
+    spec = e4_preset(preset)
+    _need_runs(preset, spec)
+    return Grid.from_dict({"name": f"e4-{preset}", "preset": spec.train_preset,
+                           "base": _base("e4", spec.overrides, data, overrides),
+                           "axes": {"seed": list(spec.seeds)}})
+
+
+def e4_config(preset: str, data: str = "", overrides: dict[str, Any] | None = None
+              ) -> TrainConfig:
+    """The training config of the offline E4's first seed at size ``preset``."""
+    return e4_grid(preset, data, overrides).expand()[0].config
 
 
 def train_e4(preset: str, out_dir: str | Path, data: str = "", *,
-             overrides: dict[str, Any] | None = None, progress: bool = True) -> Path:
-    """Train the offline E4 run into ``out_dir/run`` and return that folder.
+             overrides: dict[str, Any] | None = None, progress: bool = True
+             ) -> dict[int, Path]:
+    """Train the offline E4's runs into ``out_dir/train`` (a sweep folder: one run per
+    seed, one single-threaded run per CPU) and return ``{seed: run folder}``.
 
-    Resumable: a finished run is left as it is, an interrupted one continues from its
-    newest checkpoint (bit-exact on CPU), a missing one starts."""
-    from qkgeom.launch import train  # torch: only when a run is trained
+    Resumable: finished runs are left as they are, an interrupted one continues from its
+    newest checkpoint (bit-exact on CPU), missing ones start."""
+    grid = e4_grid(preset, data, overrides)
+    specs = grid.expand()
+    out = Path(out_dir) / E4_TRAIN
+    on_cpu = not on_this_machine(specs[0]).config.device.startswith("cuda")
+    summary = run_sweep(grid, out, workers=max(1, min(available_cpus(), len(specs)))
+                        if on_cpu else None, threads_per_run=1 if on_cpu else None,
+                        progress=progress)
+    if not summary.complete or summary.counts["diverged"]:
+        bad = {k: v for k, v in summary.states.items() if v != "done"}
+        raise QKGeomError(f"the E4 runs in {out} did not all finish ({bad}); run the same "
+                          "command again to resume (`qkgeom sweep status` shows why)")
+    return {int(s.axes["seed"]): run_dir(out, s.run_id) for s in specs}
 
-    cfg = e4_config(preset, data, overrides)
-    run = Path(out_dir) / E4_RUN
-    train(cfg, run, resume=True, progress=progress)
-    return run
+
+@contextmanager
+def _one_thread_on_cpu(device: str | None) -> Iterator[None]:
+    """torch on one thread while the runs' checkpoints are analysed here on a CPU: the runs
+    trained in single-threaded workers, and this process would otherwise take a thread per
+    core, which stalls on a shared machine (docs/checkpoints.md has the times)."""
+    import torch
+
+    from qkgeom.training import resolve_device
+
+    before = torch.get_num_threads()
+    if str(resolve_device(device or "auto")) == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def reproduce_e4(preset: str, out: str | Path | None = None, *, data: str = "",
                  model: str | None = None, revisions: list[str] | None = None,
                  text: str | None = None, tokens: int | None = None, device: str | None = None,
                  overrides: dict[str, Any] | None = None, progress: bool = True) -> Path:
-    """E4 end to end; returns the analysis folder (its report written).
+    """E4 end to end; returns the folder whose report was written.
 
-    Without ``model``: train the preset's run with the ``log`` checkpoint schedule into
-    ``OUT/run`` (qkgeom.experiments.presets.train_e4), then analyse its checkpoints as a
-    family into ``OUT/analysis``. With ``model`` (a hub id or local HF folders) and
-    ``revisions``: analyse that family into ``OUT/analysis``. Then the E4 report. ``OUT``
-    defaults to ``sweeps/e4-<preset>`` (``sweeps/e4-<model>`` for a family). Resumable:
-    rerunning trains nothing twice and reuses every analysed checkpoint. ``device``
-    (default ``auto``: CUDA, then MPS, then CPU) is where the run trains and the family is
-    measured."""
+    Without ``model``: train the preset's runs, one per seed, with the ``log`` checkpoint
+    schedule (:func:`train_e4`), analyse each run's checkpoints as a family into
+    ``OUT/analysis/seed-<s>`` (its own report beside), mark ``OUT`` as an E4 set
+    (``e4.json``) and write the report over seeds into ``OUT/report``; returns ``OUT``.
+    With ``model`` (a hub id or local HF folders) and ``revisions``: analyse that family
+    into ``OUT/analysis`` and report it (one model: its layers describe it); returns that
+    folder. ``OUT`` defaults to ``sweeps/e4-<preset>`` (``sweeps/e4-<model>`` for a family).
+    Resumable: rerunning trains nothing twice and reuses every analysed checkpoint.
+    ``device`` (default ``auto``: CUDA, then MPS, then CPU) is where the runs train and
+    the families are measured."""
     from qkgeom.analysis import write_report
     from qkgeom.checkpoints.family import analyze_checkpoints
+    from qkgeom.io import read_json, write_json
+    from qkgeom.runs.family import SET_KIND, SET_MARKER
     from qkgeom.training import resolve_device
 
     spec = e4_preset(preset)
     if device:
         resolve_device(device)
-    if model is None:
-        if revisions is not None:
-            raise QKGeomError("--revisions names checkpoints of --model; pass --model too")
-        out = Path(out or Path("sweeps") / f"e4-{preset}")
-        over = {**({"device": device} if device else {}), **(overrides or {})}
-        models = [str(train_e4(preset, out, data, overrides=over or None,
-                               progress=progress))]
-    else:
+    analysis = {"text": text or spec.text, "max_tokens": tokens or spec.tokens,
+                "blocks": spec.blocks, "device": device or "auto", "progress": progress}
+    if model is not None:
         if data or overrides:
             raise QKGeomError("--data and --set configure the training run; with --model there "
                               "is none (the family is analysed as it is)")
         out = Path(out or Path("sweeps") / f"e4-{model.rstrip('/').replace('/', '_')}")
-        models = [model]
-    folder = analyze_checkpoints(models, out / E4_ANALYSIS, revisions=revisions,
-                                 text=text or spec.text, max_tokens=tokens or spec.tokens,
-                                 blocks=spec.blocks, device=device or "auto",
-                                 progress=progress)
-    write_report(folder)
-    return folder
+        folder = analyze_checkpoints([model], out / E4_ANALYSIS, revisions=revisions,
+                                     **analysis)
+        write_report(folder)
+        return folder
+    if revisions is not None:
+        raise QKGeomError("--revisions names checkpoints of --model; pass --model too")
+    _need_runs(preset, spec)
+    out = Path(out or Path("sweeps") / f"e4-{preset}")
+    marker = out / SET_MARKER
+    if marker.is_file() and read_json(marker).get("preset") != preset:
+        raise QKGeomError(f"{out} holds an E4 set of another preset; use another --out")
+    over = {**({"device": device} if device else {}), **(overrides or {})}
+    runs = train_e4(preset, out, data, overrides=over or None, progress=progress)
+    units = {}
+    with _one_thread_on_cpu(device):
+        for seed, run in runs.items():
+            folder = analyze_checkpoints([str(run)], out / E4_ANALYSIS / f"seed-{seed}",
+                                         **analysis)
+            write_report(folder)
+            units[f"seed-{seed}"] = f"{E4_ANALYSIS}/seed-{seed}"
+    cfg = e4_config(preset, data, over or None)
+    write_json(marker, {"kind": SET_KIND, "name": f"e4-{preset}", "preset": preset,
+                        "seeds": sorted(runs), "warmup_steps": cfg.warmup_steps,
+                        "units": units})
+    write_report(out)
+    return out

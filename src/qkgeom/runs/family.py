@@ -2,7 +2,9 @@
 :func:`qkgeom.checkpoints.analyze_checkpoints` and read by the E4 report::
 
     DIR/
-      analysis.json          model, text, tokens, settings (and their hash), state; and
+      analysis.json          model, text, tokens, settings (and their hash), state;
+                             warmup_steps for a qkgeom run's checkpoints (where its LR
+                             warm-up ends: E4's regime rule reads only later ones); and
                              text_ran_out when the text held fewer tokens than asked for
       metrics.parquet        run_id, checkpoint, step, layer, head, metric, value,
                              duplicate_of, in_trends
@@ -51,3 +53,47 @@ def record_text_shortfall(path: str | Path) -> str | None:
     return (f"the text {text!r} ran out after {got:,} tokens, fewer than the {asked:,} asked "
             f"for (--tokens); every checkpoint was analysed on those {got:,} tokens (recorded "
             f"in {folder / MARKER})")
+
+
+# --- a set of analysis folders, one per seed (``qkgeom reproduce e4``) --------------------
+#
+#     OUT/
+#       e4.json              the marker: kind, preset, seeds, the warm-up, and ``units``:
+#                            {label: analysis folder relative to OUT}
+#       train/               the sweep folder of the training runs (one per seed)
+#       analysis/seed-<s>/   each seed's checkpoint-family analysis folder
+#       report/              the report over seeds (``qkgeom report OUT``)
+
+SET_MARKER = "e4.json"
+SET_KIND = "qkgeom-e4-seeds"
+
+
+def is_e4_set(path: str | Path) -> bool:
+    """A folder of analysis folders, one per seed, marked by ``e4.json``."""
+    return (Path(path) / SET_MARKER).is_file()
+
+
+def e4_set_units(path: str | Path) -> dict[str, Path]:
+    """``{label: analysis folder}`` of an E4 set, in the marker's order. Each folder is a
+    plain relative path inside the set (no ``..``, not absolute) that holds an analysis;
+    anything else is a one-line :class:`QKGeomError`."""
+    folder = Path(path)
+    meta = read_json(folder / SET_MARKER)
+    units = meta.get("units") if isinstance(meta, dict) else None
+    if not (isinstance(meta, dict) and meta.get("kind") == SET_KIND and isinstance(units, dict)
+            and units and all(isinstance(k, str) and isinstance(v, str)
+                              for k, v in units.items())):
+        raise QKGeomError(f"{folder / SET_MARKER}: not a qkgeom E4 set (kind {SET_KIND!r} and "
+                          "units {label: folder} expected)")
+    out = {}
+    for label, rel in units.items():
+        parts = Path(rel).parts
+        if not parts or Path(rel).is_absolute() or ".." in parts:
+            raise QKGeomError(f"{folder / SET_MARKER}: unit {label!r} points outside the set "
+                              f"({rel!r})")
+        unit = folder / rel
+        if not is_analysis_folder(unit):
+            raise QKGeomError(f"{unit}: the E4 set's unit {label!r} is not an analysis folder "
+                              f"(no {MARKER}); run `qkgeom reproduce e4` again to finish it")
+        out[label] = unit
+    return out

@@ -2,14 +2,19 @@
 
 ``qkgeom analyze --blocks K`` measures every checkpoint on all tokens (``block = −1``) and
 on K contiguous token blocks (``block = 0 … K−1``, the same blocks at every checkpoint).
-One resample draws K blocks with replacement (:data:`N_BOOT` resamples, a fixed seed);
-a layer's trajectory is then the mean over the drawn blocks of their contrasts at each
-checkpoint, and its regime call and share of the gain lost are recomputed
-(:func:`qkgeom.analysis.e4.trends.regime_calls`). Reported per layer: the share of
-resamples giving each call, and percentile intervals of the share lost and of the peak
-step; per checkpoint, a percentile band of the trajectory (the figure). With 8 blocks of
-one text this describes how much the call depends on which tokens were read; it is not a
-test over independent units.
+One resample draws K blocks with replacement (:data:`N_BOOT` resamples, a fixed seed) and
+moves the **all-token trajectory** by the mean of the drawn blocks' deviations from the
+blocks' mean, times √(K/(K−1)): the resamples are centred on the all-token estimate (the
+number every table reports) and spread as a mean of K blocks does. A mean of block PRs
+would be neither: a PR measured on 1/K of the tokens is biased (fewer tokens, a
+different spectrum), so that mean is not the all-token PR. On each resample the regime
+statistics are recomputed on the checkpoints after the warm-up and tested against the
+layer's own null distribution (:func:`qkgeom.analysis.e4.regime.regime_calls`, computed
+once on the data). Reported per layer: the share of resamples giving each call, and
+percentile intervals of the share of the gain lost and of the peak step; per
+checkpoint (every one, the warm-up's included), a percentile band of the trajectory (the
+figure). With 8 blocks of one text this describes how much the call depends on which
+tokens were read; it is not a test over independent units.
 """
 
 from __future__ import annotations
@@ -17,68 +22,84 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis.e4.trends import CALLS, MONOTONE, PRIMARY, TREND_METRICS, regime_calls
+from qkgeom.analysis.e4.regime import (
+    CALLS,
+    FALL,
+    RISE_FALL,
+    call_of,
+    peak_stats,
+    regime_calls,
+    roughness,
+    studentize,
+    token_deviations,
+    upper_p,
+)
+from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS, trajectories
+
+__all__ = ["BOOT_SEED", "CI", "N_BOOT", "block_bootstrap", "resample_weights"]
 
 N_BOOT = 2000
 BOOT_SEED = 0
 CI = (2.5, 97.5)
 
 
-def block_cube(blocks: pd.DataFrame, metric: str, steps: np.ndarray
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """``(layers, cube)``: the layer-level ``metric`` of every block, cube (L, K, n) on
-    ``steps``; layers missing a block or a step are left out."""
-    sel = blocks[(blocks["head"] == -1) & (blocks["metric"] == metric)]
-    if sel.empty:
-        return np.array([], dtype=int), np.zeros((0, 0, len(steps)))
-    wide = sel.pivot_table(index=["layer", "block"], columns="step", values="value",
-                           aggfunc="mean").reindex(columns=steps)
-    layers = np.array(sorted(sel["layer"].unique()))
-    ids = np.array(sorted(sel["block"].unique()))
-    wide = wide.reindex(pd.MultiIndex.from_product([layers, ids]))
-    cube = wide.to_numpy(dtype=float).reshape(len(layers), len(ids), len(steps))
-    ok = np.isfinite(cube).all(axis=(1, 2))
-    return layers[ok], cube[ok]
-
-
-def block_bootstrap(blocks: pd.DataFrame, steps: np.ndarray, metric: str = PRIMARY,
-                    n_boot: int = N_BOOT, seed: int = BOOT_SEED
-                    ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``(per layer, band)`` of the block bootstrap of ``metric`` on the checkpoints
-    ``steps`` (in order). Per layer: ``metric, level, layer, n_blocks, n_boot``, the share
-    of resamples per call (``share_<call>``), ``share_lost_low/high`` and
-    ``peak_step_low/high`` (percentile intervals; the share lost over resamples that have a
-    gain), and ``share_any_not_monotone`` (the same on every row: the share of resamples
-    in which at least one layer is not a monotone rise; one resample draws the same blocks
-    for every layer). Band: ``layer, step, low, high`` per checkpoint. Empty frames
-    without blocks."""
-    layers, cube = block_cube(blocks, metric, steps)
-    if len(layers) == 0 or cube.shape[1] < 2:
-        return pd.DataFrame(), pd.DataFrame()
-    k = cube.shape[1]
+def resample_weights(k: int, n_boot: int, seed: int) -> np.ndarray:
+    """(n_boot, k): in each resample, the share of the k draws that fell on each block."""
     idx = np.random.default_rng(seed).integers(0, k, size=(n_boot, k))
-    weights = np.zeros((n_boot, k))  # how often each block is drawn, / k
+    weights = np.zeros((n_boot, k))
     np.add.at(weights, (np.repeat(np.arange(n_boot), k), idx.ravel()), 1.0 / k)
-    traj = np.einsum("bk,lkn->lbn", weights, cube)  # (L, B, n): mean of the drawn blocks
-    calls = regime_calls(traj.reshape(-1, len(steps)))
-    call = calls["call"].reshape(len(layers), n_boot)
-    lost = calls["share_lost"].reshape(len(layers), n_boot)
-    peak = np.asarray(steps, dtype=float)[calls["peak"]].reshape(len(layers), n_boot)
-    any_not_monotone = float((call != MONOTONE).any(axis=0).mean())
+    return weights
+
+
+def block_bootstrap(metrics: pd.DataFrame, blocks: pd.DataFrame, warmup: int | None = None,
+                    metric: str = PRIMARY, n_boot: int = N_BOOT, seed: int = BOOT_SEED
+                    ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(per layer, band)`` of the block bootstrap of ``metric``: ``metrics`` the
+    all-token rows (``block`` −1), ``blocks`` the per-block rows, ``warmup`` the step the
+    LR warm-up ends (None: unknown, every checkpoint in the rule). Per layer: ``metric,
+    level, layer, n_blocks, n_boot``, the share of resamples per call (``share_<call>``),
+    ``share_lost_low/high`` and ``peak_step_low/high`` (percentile intervals; the share
+    lost over the resamples with a significant rise), and ``share_any_fall`` (the same on
+    every row: the share of resamples in which at least one layer falls significantly;
+    one resample draws the same blocks for every layer). Band: ``layer, step, low, high``
+    per checkpoint. Empty frames without blocks."""
+    tr = trajectories(metrics, blocks, metric, warmup)
+    if tr is None or tr.blocks is None or tr.blocks.shape[1] < 2:
+        return pd.DataFrame(), pd.DataFrame()
+    ok = np.isfinite(tr.x).all(axis=1) & np.isfinite(tr.blocks).all(axis=(1, 2))
+    if not ok.any():
+        return pd.DataFrame(), pd.DataFrame()
+    layers = [la for la, good in zip(tr.layers, ok, strict=True) if good]
+    x, cube = tr.x[ok], tr.blocks[ok]
+    k = cube.shape[1]
+    dev = token_deviations(cube, len(layers), len(tr.steps))
+    traj = x[:, None, :] + np.einsum("bk,lkn->lbn", resample_weights(k, n_boot, seed), dev)
+    win = traj[..., tr.window]  # (L, B, n in the rule)
+    null = regime_calls(x[:, tr.window], cube[..., tr.window])
+    peak, gain, drop = peak_stats(win)
+    v = roughness(win)
+    p_rise = upper_p(null.null_gain, studentize(gain, v))[0]
+    p_fall = upper_p(null.null_drop, studentize(drop, v))[0]
+    call, lost = call_of(p_rise, p_fall, gain, drop)
+    bad = ~np.isfinite(null.p_rise)  # too few checkpoints: no call in any resample
+    call[bad] = "n/a"
+    steps_in = tr.steps[tr.window]
+    any_fall = float(np.isin(call, (RISE_FALL, FALL)).any(axis=0).mean())
     rows = []
     for i, layer in enumerate(layers):
         row = {"metric": metric, "level": TREND_METRICS.get(metric, metric),
                "layer": int(layer), "n_blocks": k, "n_boot": n_boot,
-               "share_any_not_monotone": any_not_monotone}
-        row.update({f"share_{c.replace(' ', '_')}": float((call[i] == c).mean()) for c in CALLS})
+               "share_any_fall": any_fall}
+        row.update({f"share_{c.replace(' ', '_')}": float((call[i] == c).mean())
+                    for c in CALLS})
         finite = lost[i][np.isfinite(lost[i])]
         lo, hi = np.percentile(finite, CI) if len(finite) else (np.nan, np.nan)
         row.update(share_lost_low=float(lo), share_lost_high=float(hi))
-        plo, phi = np.percentile(peak[i], CI)
+        plo, phi = np.percentile(steps_in[peak[i]], CI) if len(steps_in) else (np.nan,) * 2
         row.update(peak_step_low=float(plo), peak_step_high=float(phi))
         rows.append(row)
     lo, hi = np.percentile(traj, CI, axis=1)  # (L, n) each
-    band = pd.DataFrame({"layer": np.repeat(layers, len(steps)),
-                         "step": np.tile(np.asarray(steps, dtype=float), len(layers)),
+    band = pd.DataFrame({"layer": np.repeat(layers, len(tr.steps)),
+                         "step": np.tile(tr.steps, len(layers)),
                          "low": lo.ravel(), "high": hi.ravel()})
     return pd.DataFrame(rows), band

@@ -1,54 +1,140 @@
-"""The E4 claims (docs/protocols.md) on one analysed checkpoint family, with computed verdicts.
+"""The E4 claims (docs/protocols.md) with computed verdicts: over seeds, or for one model.
 
-Unit: a layer of the model (layer level, head −1). Layers of one model are **not
-independent**: the tests below count them and give p-values that describe, not infer; the
-report says so. Each claim is made for every contrast present, the primary
-``contrast_token_heads`` first (:data:`qkgeom.analysis.e4.trends.TREND_METRICS`):
+Every claim starts from the per-layer regime call (:mod:`qkgeom.analysis.e4.regime`: a rise
+to the peak and a drop from it to the last checkpoint after the LR warm-up, each against
+what noise gives a monotone curve) and its scores z (about N(0, 1) for a layer without the
+effect). Per model (a seed's run, or one pretrained family) and contrast:
 
-- **E4.1** the monotone contrast trend is not universal — *supported* when at least one
-  layer is not a "monotone rise", *not supported* when every layer is;
-- **E4.2** an early-training regime exists — layers called "rise then fall" or "rise then
-  flat" (verdict rule over layers, exact sign test);
-- **E4.3** it decays — among the layers with a rise (any call but "none"), those called
-  "rise then fall"; the share of the gain lost is shown;
-- **E4.4** the interaction-rank ↔ attention-entropy link stays visible — per layer, the
-  Spearman ρ across its heads of pr_qk with attention entropy at the last checkpoint > 0
-  (sign-flip and sign tests over layers); beside it the per-checkpoint count and the ρ
-  pooled over all heads (which mixes depths, so only shown).
+- **E4.1** the monotone trend is not universal — some layer falls: the model's p is the
+  smallest layer p of the fall, Šidák-adjusted over its L layers, 1 − (1 − min p)^L;
+- **E4.2** an early-training regime exists — some layer rises then falls: the same with
+  each layer's rise-and-fall p, max(p_rise, p_fall) (both must hold);
+- **E4.3** … and decays over the full run — the typical layer rises and falls back: the
+  mean over the model's layers of its rise-and-fall score min(z_rise, z_fall); the share
+  of the gain lost (layers that rise then fall) shown;
+- **E4.4** the interaction-rank ↔ attention-entropy link stays visible — the mean over
+  layers of the Spearman ρ across each layer's heads of pr_qk with attention entropy at the
+  last checkpoint.
 
-With a token-block bootstrap (:mod:`qkgeom.analysis.e4.bootstrap`) the primary rows also
-show how often the resampled trajectories give the same answer.
+**Seeds** (:func:`seed_claims`): the unit is the seed; the layers of one model are not
+independent, so each seed's layers are first summarised into one value (E4.1/E4.2: the
+probit score Φ⁻¹(1 − p) of the model's p; E4.3/E4.4: the means above), then
+:func:`qkgeom.analysis.stats.unit_test` (sign-flip over seeds, both directions).
+**One model** (:func:`e4_claims`): E4.1 and E4.2 are decided by the model's own p (the
+model is the one unit: supported below 0.05, else inconclusive), a statement about that
+model; E4.3 and E4.4 count its layers with the sign-flip and sign tests over layers,
+which describe rather than infer (the layers are not independent).
+
+Each claim has one **primary** row (:data:`PRIMARY_LEVEL`), decided at α; the other rows
+are secondary, Holm-adjusted together; the verdicts are the house rule's
+(:func:`qkgeom.analysis.kit.decide`). No smallest effect of interest is declared for E4,
+so no row can be *equivalent to no effect*.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from scipy import stats as sst
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.e4.trends import (
-    CALLS,
-    MONOTONE,
-    PRIMARY,
-    RISE_FALL,
-    RISE_FLAT,
-    TREND_METRICS,
-)
+from qkgeom.analysis.e4.regime import CALLS, FALL, MIN_POINTS, MONOTONE, RISE_FALL
+from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS
+from qkgeom.analysis.kit import decide
 
-__all__ = ["COLUMNS", "e4_claims"]
+__all__ = ["COLUMNS", "PRIMARY_LEVEL", "e4_claims", "model_scores", "seed_claims"]
 
-COLUMNS = ["claim_id", "claim", "level", "unit", "measured", "k", "n", "estimate", "test",
-           "p_value", "p_sign", "beside", "verdict", "reason"]
-_LAYER_SIGN = "exact sign test over layers (not independent: descriptive)"
+COLUMNS = ["claim_id", "claim", "role", "level", "unit", "measured", "k", "n", "estimate",
+           "test", "p_value", "p_opposite", "p_sign", "p_adj", "p_opposite_adj", "family",
+           "beside", "verdict", "reason"]
 _LAYER_FLIP = "sign-flip test over layers (not independent: descriptive)"
+_MODEL_P = "the model's smallest layer p, Šidák-adjusted over its layers"
 _HEAD_LEVELS = ("token", "weight")
+TEXTS = {"E4.1": "The monotone PR_Q − PR_K trend is not universal",
+         "E4.2": "An early-training regime exists",
+         "E4.3": "… and decays over the full run",
+         "E4.4": "The interaction-rank ↔ attention-entropy link stays visible (across heads, "
+                 "per layer)"}
+#: The primary row of each claim (docs/protocols.md): E4.1–E4.3 on the primary contrast,
+#: E4.4 at the token level; every other row is secondary.
+PRIMARY_LEVEL = {"E4.1": TREND_METRICS[PRIMARY], "E4.2": TREND_METRICS[PRIMARY],
+                 "E4.3": TREND_METRICS[PRIMARY], "E4.4": "token"}
 
 
-def _row(cid: str, text: str, level: str, unit: str, measured: str, k: int, n: int,
-         estimate: str, test: str, p: float, p_sign: float, beside: str, verdict: str,
-         reason: str = "") -> dict:
-    return dict(zip(COLUMNS, (cid, text, level, unit, measured, k, n, estimate, test, p,
-                              p_sign, beside, verdict, reason), strict=True))
+def _row(cid: str, level: str, unit: str, measured: str, u: dict, estimate: str, test: str,
+         beside: str, reason: str = "") -> dict:
+    """One claims row from ``u`` (:func:`qkgeom.analysis.stats.unit_test`'s keys ``k, n,
+    p_value, p_opposite, p_sign``); the role from :data:`PRIMARY_LEVEL`, the verdict later
+    (:func:`_frame`)."""
+    role = "primary" if PRIMARY_LEVEL[cid] == level else "secondary"
+    return {"claim_id": cid, "claim": TEXTS[cid], "role": role, "level": level, "unit": unit,
+            "measured": measured, "k": u["k"], "n": u["n"], "estimate": estimate,
+            "test": test, "p_value": u["p_value"], "p_opposite": u.get("p_opposite", np.nan),
+            "p_sign": u.get("p_sign", np.nan), "beside": beside, "reason": reason}
+
+
+def _sidak(p: np.ndarray) -> float:
+    """The smallest of the finite p's, Šidák-adjusted over their number: 1 − (1 − min)^L."""
+    p = p[np.isfinite(p)]
+    if not len(p):
+        return float("nan")
+    with np.errstate(divide="ignore"):
+        return float(-np.expm1(len(p) * np.log1p(-p.min())))
+
+
+def _probit(p: float) -> float:
+    return float(sst.norm.isf(p)) if np.isfinite(p) else float("nan")
+
+
+def _model_p(t: pd.DataFrame) -> dict[str, float]:
+    """The model's p of a fall (E4.1) and of a rise then fall (E4.2): Šidák over its
+    layers of the calls' p's (``p_fall``, ``p_regime``), and the same from the mid-p's
+    (Φ(−z)) for the scores (``s1``, ``s2``: continuous, about N(0, 1) without the
+    effect)."""
+    pf, pr = t["p_fall"].to_numpy(float), t["p_rise"].to_numpy(float)
+    zf, zr = t["z_fall"].to_numpy(float), t["z_rise"].to_numpy(float)
+    return {"p_fall": _sidak(pf), "p_regime": _sidak(np.maximum(pf, pr)),
+            "s1": _probit(_sidak(sst.norm.sf(zf))),
+            "s2": _probit(_sidak(sst.norm.sf(np.minimum(zf, zr))))}
+
+
+def _layers(trends: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """The layers of ``metric`` with a call (enough checkpoints after the warm-up)."""
+    if trends.empty:
+        return trends
+    return trends[(trends["metric"] == metric) & (trends["n"] >= MIN_POINTS)
+                  & trends["p_fall"].notna()]
+
+
+def model_scores(trends: pd.DataFrame, heads: pd.DataFrame, metric: str = PRIMARY
+                 ) -> dict[str, float]:
+    """One model's values for each claim on ``metric``: ``p_fall``/``p_regime`` (E4.1/E4.2,
+    Šidák over layers) and their probit scores ``s1``/``s2``, ``s3`` (E4.3: the mean
+    rise-and-fall score), ``s4`` (E4.4, token level) and ``s4_weight``; and the counts
+    ``layers``, ``falls``, ``regimes``, ``rises`` and the mean ``share_lost`` of the
+    layers that rise then fall."""
+    t = _layers(trends, metric)
+    z_reg = np.minimum(t["z_rise"].to_numpy(float), t["z_fall"].to_numpy(float))
+    lost = t.loc[t["call"] == RISE_FALL, "share_lost"].dropna()
+    out = {"layers": len(t), "falls": int(t["call"].isin([RISE_FALL, FALL]).sum()),
+           "regimes": int((t["call"] == RISE_FALL).sum()),
+           "rises": int(t["call"].isin([RISE_FALL, MONOTONE]).sum()), **_model_p(t),
+           "s3": float(z_reg.mean()) if len(z_reg) else np.nan,
+           "share_lost": float(lost.mean()) if len(lost) else np.nan}
+    for level, key in (("token", "s4"), ("weight", "s4_weight")):
+        last = _last_rho(heads, level)
+        out[key] = float(last.mean()) if len(last) else np.nan
+    return out
+
+
+def _last_rho(heads: pd.DataFrame, level: str) -> pd.Series:
+    """Per layer ρ(pr_qk, entropy) across its heads at the last checkpoint."""
+    if heads.empty:
+        return pd.Series(dtype=float)
+    h = heads[(heads["level"] == level) & (heads["layer"] >= 0)]
+    if h.empty:
+        return pd.Series(dtype=float)
+    return h.loc[h["step"] == h["step"].max(), "rho"].dropna()
 
 
 def _calls_text(t: pd.DataFrame) -> str:
@@ -58,11 +144,11 @@ def _calls_text(t: pd.DataFrame) -> str:
 
 def _boot_text(boot: pd.DataFrame | None, calls: tuple[str, ...], what: str) -> str:
     """How often the block bootstrap gives these calls: the mean over layers of each
-    layer's share of resamples (or, for ``calls = ()``, the share of resamples in which
-    some layer is not a monotone rise)."""
+    layer's share of resamples (``calls = ()``: the share of resamples in which some
+    layer falls)."""
     if boot is None or boot.empty:
         return ""
-    share = (boot["share_any_not_monotone"].iloc[0] if not calls else
+    share = (boot["share_any_fall"].iloc[0] if not calls else
              sum(boot[f"share_{c.replace(' ', '_')}"] for c in calls).mean())
     per = "" if not calls else "mean over layers, "
     return (f"; block bootstrap: {what} in {share:.0%} of resamples ({per}"
@@ -70,41 +156,39 @@ def _boot_text(boot: pd.DataFrame | None, calls: tuple[str, ...], what: str) -> 
             "blocks)")
 
 
-def _trend_rows(t: pd.DataFrame, level: str, boot: pd.DataFrame | None) -> list[dict]:
+_RULE = ("rise / fall = gain to the peak / drop from it to the last checkpoint after the LR "
+         "warm-up, beyond what noise gives a monotone curve (p < 0.05)")
+
+
+def _model_rows(t: pd.DataFrame, level: str, boot: pd.DataFrame | None,
+                missing: str = "") -> list[dict]:
+    """E4.1–E4.3 of one model on one contrast."""
     n = len(t)
-    reason = "" if n else "no layer with ≥ 3 checkpoints of this contrast"
-    k1 = int((t["call"] != MONOTONE).sum()) if n else 0
-    v1 = stats.NOT_EVALUATED if not n else (stats.SUPPORTED if k1 >= 1 else stats.NOT_SUPPORTED)
-    rows = [_row("E4.1", "The monotone PR_Q − PR_K trend is not universal", level, "layer",
-                 f"{k1}/{n} layers not a monotone rise", k1, n,
-                 f"calls: {_calls_text(t) if n else 'n/a'}",
-                 "supported when at least one layer is not a monotone rise", np.nan, np.nan,
-                 "monotone rise = peak at the last checkpoint and a significant whole-run "
-                 "Mann–Kendall increase" + _boot_text(boot, (), "some layer not a monotone rise"),
-                 v1, reason)]
-    regime = t["call"].isin([RISE_FALL, RISE_FLAT]) if n else pd.Series(dtype=bool)
-    ct = stats.count_test(np.where(regime, 1.0, -1.0), +1) if n else stats.count_test([], 1)
-    peaks = sorted(int(s) for s in t.loc[regime, "peak_step"]) if n else []
-    rows.append(_row(
-        "E4.2", "An early-training regime exists", level, "layer",
-        f"{ct['k']}/{ct['n']} layers rise then fall or rise then flat", ct["k"], ct["n"],
-        "peaks at step " + (", ".join(map(str, peaks)) if peaks else "n/a"), _LAYER_SIGN,
-        ct["p_value"], ct["p_value"],
-        "rise = significant Mann–Kendall increase from the first checkpoint to the peak"
-        + _boot_text(boot, (RISE_FALL, RISE_FLAT), "a regime"),
-        stats.verdict(ct["k"], ct["n"], ct["p_value"], reason=reason), reason))
-    rose = t[t["call"] != "none"] if n else t
-    ct = stats.count_test(np.where(rose["call"] == RISE_FALL, 1.0, -1.0) if len(rose) else [], +1)
-    lost = rose["share_lost"].dropna() if len(rose) else pd.Series(dtype=float)
-    why = reason or ("" if len(rose) else "no layer with a rise")
-    rows.append(_row(
-        "E4.3", "… and decays over the full run", level, "layer with a rise",
-        f"{ct['k']}/{ct['n']} layers with a rise then fall", ct["k"], ct["n"],
-        f"mean share of the gain lost {lost.mean():.2f}" if len(lost) else "n/a", _LAYER_SIGN,
-        ct["p_value"], ct["p_value"],
-        "fall = significant Mann–Kendall decrease from the peak to the last checkpoint"
-        + _boot_text(boot, (RISE_FALL,), "rise then fall"),
-        stats.verdict(ct["k"], ct["n"], ct["p_value"], reason=why), why))
+    reason = missing or ("" if n else f"no layer with ≥ {MIN_POINTS} checkpoints after the "
+                                      "warm-up")
+    calls = f"calls: {_calls_text(t)}" if n else "n/a"
+    rows = []
+    model = _model_p(t)
+    for cid, p, score, k, what, boot_calls, boot_what in (
+            ("E4.1", model["p_fall"], model["s1"], int(t["call"].isin([RISE_FALL, FALL]).sum()),
+             "fall", (), "some layer falls"),
+            ("E4.2", model["p_regime"], model["s2"], int((t["call"] == RISE_FALL).sum()),
+             "rise then fall", (RISE_FALL,), "rise then fall")):
+        # the unit is the model: one unit, leaning to the claim when its score is > 0
+        u = {"k": int(score > 0) if n else 0, "n": 1 if n else 0, "p_value": p}
+        rows.append(_row(cid, level, "model", f"{k}/{n} layers {what}", u, calls, _MODEL_P,
+                         _RULE + _boot_text(boot, boot_calls, boot_what), reason))
+    z_reg = np.minimum(t["z_rise"].to_numpy(float), t["z_fall"].to_numpy(float)) if n \
+        else np.array([])
+    u = stats.unit_test(z_reg, +1)
+    lost = t.loc[t["call"] == RISE_FALL, "share_lost"].dropna() if n else pd.Series([])
+    est = f"mean score {u['mean']:+.2f}" if np.isfinite(u["mean"]) else "n/a"
+    if len(lost):
+        est += f"; share of the gain lost (rise then fall) {lost.mean():.2f}"
+    rows.append(_row("E4.3", level, "layer", f"{u['k']}/{u['n']} layers with a rise-and-fall "
+                     "score > 0", u, est, _LAYER_FLIP,
+                     "score = min(z_rise, z_fall), about N(0, 1) without the effect"
+                     + _boot_text(boot, (RISE_FALL,), "rise then fall"), reason))
     return rows
 
 
@@ -127,19 +211,23 @@ def _head_rows(heads: pd.DataFrame, level: str) -> dict:
             beside += f"; {few} layer(s) with < 3 heads: ρ = ±1 by construction"
     else:
         u, beside = stats.unit_test([], +1), ""
-    estimate = f"mean per-layer ρ {u['mean']:+.3f}" if np.isfinite(u["mean"]) else "n/a"
-    if np.isfinite(u["ci_low"]):
-        estimate += f" [{u['ci_low']:+.3f}, {u['ci_high']:+.3f}]"
-    return _row("E4.4", "The interaction-rank ↔ attention-entropy link stays visible (across "
-                "heads, per layer)", level, "layer",
+    return _row("E4.4", level, "layer",
                 f"{u['k']}/{u['n']} layers with ρ(pr_qk, entropy) > 0 at the last checkpoint",
-                u["k"], u["n"], estimate, _LAYER_FLIP, u["p_value"], u["p_sign"], beside,
-                stats.verdict(u["k"], u["n"], u["p_value"], reason=reason), reason)
+                u, _mean_ci(u, "mean per-layer ρ"), _LAYER_FLIP, beside, reason)
+
+
+def _mean_ci(u: dict, what: str) -> str:
+    if not np.isfinite(u["mean"]):
+        return "n/a"
+    text = f"{what} {u['mean']:+.3f}"
+    if np.isfinite(u["ci_low"]):
+        text += f" [{u['ci_low']:+.3f}, {u['ci_high']:+.3f}]"
+    return text
 
 
 def e4_claims(trends: pd.DataFrame, heads: pd.DataFrame,
               boot: pd.DataFrame | None = None) -> pd.DataFrame:
-    """The E4 rows from :func:`~qkgeom.analysis.e4.trends.trend_table`,
+    """The E4 rows of **one model** from :func:`~qkgeom.analysis.e4.trends.trend_table`,
     :func:`~qkgeom.analysis.e4.trends.head_correlations` (duplicates already left out) and
     optionally the block bootstrap of the primary contrast
     (:func:`~qkgeom.analysis.e4.bootstrap.block_bootstrap`). The primary contrast's rows
@@ -150,13 +238,74 @@ def e4_claims(trends: pd.DataFrame, heads: pd.DataFrame,
     for metric, level in TREND_METRICS.items():
         if metric not in present and metric != PRIMARY:
             continue
-        t = trends[(trends["metric"] == metric) & (trends["n"] >= 3)] \
-            if metric in present else trends.iloc[0:0]
-        for r in _trend_rows(t, level, boot if metric == PRIMARY else None):
-            if metric not in present:
-                r.update(verdict=stats.NOT_EVALUATED, reason=f"no {metric} recorded")
-            rows.append(r)
+        t = _layers(trends, metric)
+        rows += _model_rows(t, level, boot if metric == PRIMARY else None,
+                            "" if metric in present else f"no {metric} recorded")
     rows += [_head_rows(heads, level) for level in _HEAD_LEVELS]
-    out = pd.DataFrame(rows, columns=COLUMNS)
-    out["p_value"] = out["p_value"].astype(float)
-    return out
+    return _frame(rows)
+
+
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    """The rows with their verdicts (:func:`qkgeom.analysis.kit.decide`: each primary row at
+    α, the secondary rows Holm-adjusted together), each claim's primary row first."""
+    out = pd.DataFrame(rows)
+    for col in ("p_value", "p_opposite", "p_sign"):
+        out[col] = out[col].astype(float)
+    out = decide(out, holm_primary=False)
+    order = out["claim_id"].map({c: i for i, c in enumerate(TEXTS)}) * 2 \
+        + out["role"].ne("primary").astype(int)
+    return out.assign(_o=order).sort_values("_o", kind="stable")[COLUMNS] \
+        .reset_index(drop=True)
+
+
+_SEED_TESTS = {  # claim -> (score key, what the score is, per-seed count key, count text)
+    "E4.1": ("s1", "Φ⁻¹(1 − p) of the seed's Šidák-adjusted smallest layer p of a fall",
+             "falls", "layers fall"),
+    "E4.2": ("s2", "Φ⁻¹(1 − p) of the seed's Šidák-adjusted smallest layer p of a rise "
+             "then fall", "regimes", "layers rise then fall"),
+    "E4.3": ("s3", "the mean over the seed's layers of min(z_rise, z_fall)", "regimes",
+             "layers rise then fall"),
+}
+
+
+def seed_claims(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]]) -> pd.DataFrame:
+    """The E4 rows over **seeds**: ``units`` maps each seed (its label) to its
+    ``(trends, heads)``; one value per seed and claim (:func:`model_scores`), the sign-flip
+    test over seeds and the verdict. Contrasts as in :func:`e4_claims`."""
+    names = list(units)
+    rows = []
+    present = set().union(*(set(t["metric"]) for t, _ in units.values() if not t.empty))
+    for metric, level in TREND_METRICS.items():
+        if metric not in present and metric != PRIMARY:
+            continue
+        scores = {s: model_scores(*units[s], metric) for s in names}
+        for cid, (key, what, count, count_text) in _SEED_TESTS.items():
+            vals = [scores[s][key] for s in names]
+            u = stats.unit_test(vals, +1)
+            reason = "" if metric in present else f"no {metric} recorded"
+            reason = reason or ("" if u["n"] else "no seed with a layer called")
+            per = ", ".join(f"{scores[s][count]}/{scores[s]['layers']}" for s in names)
+            beside = f"score = {what}; per seed, {count_text}: {per}"
+            if cid != "E4.3":
+                p_key = "p_fall" if cid == "E4.1" else "p_regime"
+                alone = sum(scores[s][p_key] < stats.ALPHA for s in names)
+                beside += f"; seeds significant on their own: {alone}/{len(names)}"
+            else:
+                lost = [scores[s]["share_lost"] for s in names]
+                lost = [v for v in lost if np.isfinite(v)]
+                if lost:
+                    beside += (f"; share of the gain lost (layers that rise then fall), mean "
+                               f"over seeds {np.mean(lost):.2f}")
+            rows.append(_row(cid, level, "seed", f"{u['k']}/{u['n']} seeds with score > 0",
+                             u, _mean_ci(u, "mean score"), stats.TEST_FLIP, beside, reason))
+    for level, key in (("token", "s4"), ("weight", "s4_weight")):
+        vals = [model_scores(*units[s])[key] for s in names]
+        u = stats.unit_test(vals, +1)
+        reason = "" if u["n"] else (f"no seed with a per-layer ρ (per-head pr_qk_{level} and "
+                                    "attention entropy, ≥ 3 heads per layer)")
+        rows.append(_row("E4.4", level, "seed",
+                         f"{u['k']}/{u['n']} seeds with mean per-layer ρ > 0", u,
+                         _mean_ci(u, "mean ρ"), stats.TEST_FLIP,
+                         "per seed: the mean over layers of ρ(pr_qk, entropy) across heads "
+                         "at the last checkpoint", reason))
+    return _frame(rows)

@@ -45,7 +45,7 @@ from qkgeom.analysis.figstyle import (
     save_figure,
 )
 
-__all__ = ["degenerate_figures", "make_e4_figures"]
+__all__ = ["degenerate_figures", "fig_seeds", "make_e4_figures", "make_e4_set_figure"]
 
 _Z_CRIT = float(sst.norm.isf(0.05))
 _MAX_PANELS = 12
@@ -64,8 +64,14 @@ def _xscale(ax: Axes, steps: np.ndarray, names: dict[float, str] | None,
     ax.set_xlabel(label)
 
 
+def _shade_warmup(ax: Axes, warmup: int | None) -> None:
+    """Grey band over the LR warm-up: its checkpoints are shown, not in the regime rule."""
+    if warmup:
+        ax.axvspan(-0.3, warmup, color="0.93", lw=0, zorder=-1)
+
+
 def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame,
-                 names: dict[float, str] | None = None) -> Figure:
+                 names: dict[float, str] | None = None, warmup: int | None = None) -> Figure:
     layer = metrics[metrics["head"] == -1]
     layers = sorted(layer["layer"].unique())
     colors = layer_colors(len(layers))[: len(layers)]
@@ -89,6 +95,8 @@ def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame
                 d = s[~s["in_trends"]]
                 ax.plot(d["step"], d["value"], "o", mfc="none", ms=4, color=c)
         ax.axhline(0, **ZERO_LINE)
+        if names is None:
+            _shade_warmup(ax, warmup)
         _xscale(ax, sel["step"].to_numpy(float), names)
         ax.set_ylabel("PR_Q − PR_K")
         ax.set_title(f"{metric}" + ("\n(primary)" if metric == PRIMARY else ""))
@@ -199,11 +207,12 @@ def degenerate_figures(metrics: pd.DataFrame, prefix: pd.DataFrame) -> dict[str,
 
 def make_e4_figures(metrics: pd.DataFrame, trends: pd.DataFrame, prefix: pd.DataFrame,
                     heads: pd.DataFrame, band: pd.DataFrame, out_dir: str | Path,
-                    checkpoints: pd.DataFrame | None = None) -> dict[str, Path]:
+                    checkpoints: pd.DataFrame | None = None,
+                    warmup: int | None = None) -> dict[str, Path]:
     """Draw the E4 figures into ``out_dir`` (``band``: the block bootstrap's percentile
     band of the primary contrast, maybe empty; ``checkpoints``: the folder's checkpoint
-    table, for labels); returns {name: PNG path}. The figures of
-    :func:`degenerate_figures` are not drawn."""
+    table, for labels; ``warmup``: where the LR warm-up ends, shaded); returns {name: PNG
+    path}. The figures of :func:`degenerate_figures` are not drawn."""
     ckpts = checkpoints if checkpoints is not None else pd.DataFrame(
         columns=["checkpoint", "step", "step_source"])
     sources = dict(zip(ckpts["checkpoint"].astype(str), ckpts["step_source"], strict=True))
@@ -211,9 +220,65 @@ def make_e4_figures(metrics: pd.DataFrame, trends: pd.DataFrame, prefix: pd.Data
     skip = degenerate_figures(metrics, prefix)
     out = {}
     with matplotlib.rc_context(STYLE):
-        for name, make in (("contrast_steps", lambda: fig_contrast(metrics, trends, band, names)),
+        for name, make in (("contrast_steps", lambda: fig_contrast(metrics, trends, band, names,
+                                                                     warmup)),
                            ("prefix_trend", lambda: fig_prefix(prefix, trends, names)),
                            ("qk_entropy_heads", lambda: fig_heads(metrics, heads, sources))):
             if name not in skip:
                 out[name] = save_figure(make(), out_dir, name)[0]
     return out
+
+
+def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int | None
+              ) -> Figure:
+    """The primary contrast per layer (one panel each), one line per seed; the warm-up
+    shaded; ◆ the peak of a layer called rise then fall, ○ the others' peaks; each panel
+    titled with its calls over seeds."""
+    from qkgeom.analysis.e4.regime import CALLS, RISE_FALL
+
+    layers = sorted({int(v) for m, _ in units.values()
+                     for v in m.loc[(m["metric"] == PRIMARY) & (m["head"] == -1), "layer"]})
+    cols = min(4, max(1, len(layers)))
+    rows = (len(layers) + cols - 1) // cols or 1
+    fig = new_figure(2.6 * cols + 0.3, 2.1 * rows + 0.3)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    colors = layer_colors(len(units))[: len(units)]
+    for ax in axes.flat[len(layers):]:
+        ax.axis("off")
+    for ax, lay in zip(axes.flat, layers, strict=False):
+        calls = []
+        for c, (unit, (metrics, trends)) in zip(colors, units.items(), strict=True):
+            s = metrics[(metrics["metric"] == PRIMARY) & (metrics["head"] == -1)
+                        & (metrics["layer"] == lay)]
+            s = s[s["in_trends"]] if "in_trends" in s else s
+            s = s.sort_values("step")
+            ax.plot(s["step"], s["value"], "-", lw=0.9, color=c, label=str(unit))
+            t = trends[(trends["metric"] == PRIMARY) & (trends["layer"] == lay)] \
+                if len(trends) else trends
+            for r in t.itertuples():
+                calls.append(r.call)
+                ax.plot([r.peak_step], [r.peak], "D" if r.call == RISE_FALL else "o",
+                        ms=4, color=c, mec="k", mew=0.4,
+                        mfc=c if r.call == RISE_FALL else "none")
+        ax.axhline(0, **ZERO_LINE)
+        steps = np.concatenate([m["step"].to_numpy(float) for m, _ in units.values()])
+        _shade_warmup(ax, warmup)
+        _xscale(ax, steps, None)
+        counts = [f"{calls.count(c)} {c}" for c in CALLS if calls.count(c)]
+        ax.set_title(f"layer {lay}\n" + ", ".join(counts), fontsize=6)
+    for row in axes:
+        row[0].set_ylabel("PR_Q − PR_K (token, head mean)", fontsize=6)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right center", frameon=False, fontsize=6,
+               title="seed", title_fontsize=6)
+    return fig
+
+
+def make_e4_set_figure(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]],
+                       warmup: int | None, out_dir: str | Path) -> dict[str, Path]:
+    """Draw :func:`fig_seeds` into ``out_dir`` as ``e4_seeds``; {} when no seed records the
+    primary contrast."""
+    if not any(((m["metric"] == PRIMARY) & (m["head"] == -1)).any() for m, _ in units.values()):
+        return {}
+    with matplotlib.rc_context(STYLE):
+        return {"e4_seeds": save_figure(fig_seeds(units, warmup), out_dir, "e4_seeds")[0]}

@@ -10,13 +10,10 @@ Layers of one model are not independent.
   ``S = Σ_{i<j} sign(x_j − x_i)``, ``Var S = [n(n−1)(2n+5) − Σ_ties t(t−1)(2t+5)] / 18``,
   ``Z = (S ∓ 1)/√Var`` (continuity correction, 0 when S = 0), one-sided p for an increase
   ``1 − Φ(Z)`` and a decrease ``Φ(Z)``; Kendall's ``τ = S / (n(n−1)/2)``.
-- **Regime call** (:func:`regime_calls`; docs/protocols.md): p = the checkpoint of the
-  largest contrast (the first, on ties). *rise then fall*: a significant increase on
-  [first, p] and a significant decrease on [p, last], p before the last checkpoint (each
-  test needs ≥ 4 points to be able to reach p < 0.05); *rise then flat*: the increase
-  significant, the decrease not; *monotone rise*: p is the last checkpoint and the whole-run
-  increase is significant (no decay); *none* otherwise. **Share of the gain lost** =
-  (c_p − c_last)/(c_p − c_first) (NaN without a gain).
+- **Regime call** (:func:`trend_table`, the rule in :mod:`qkgeom.analysis.e4.regime`;
+  docs/protocols.md): on the checkpoints after the LR warm-up, a rise to the peak and a
+  drop from it to the last checkpoint, each tested against what noise gives a monotone
+  curve: *rise then fall*, *monotone rise* (saturation included), *fall*, *no trend*.
 - **prefix trend** (descriptive): Mann–Kendall of the first k checkpoints, k = 3 … n.
 - **across heads** (per checkpoint): Spearman ρ of ``pr_qk`` with ``attn_entropy`` over
   the heads of each layer (the E4.4 statistic) and, shown beside only, over all heads of
@@ -25,24 +22,23 @@ Layers of one model are not independent.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import pandas as pd
 from scipy import stats as sst
 
+from qkgeom.analysis.e4.regime import CALLS, RISE_FALL, regime_calls
 from qkgeom.analysis.stats import ALPHA, spearman
 
-__all__ = ["CALLS", "MIN_POINTS", "PRIMARY", "TREND_METRICS", "head_correlations",
+__all__ = ["CALLS", "PRIMARY", "TREND_METRICS", "block_cube", "head_correlations",
            "layer_series", "mann_kendall", "mann_kendall_batch", "prefix_trends",
-           "regime_calls", "trend_table"]
+           "rule_window", "trajectories", "trend_table"]
 
 #: metric -> level label; the first is the primary layer contrast.
 TREND_METRICS = {"contrast_token_heads": "token_heads", "contrast_token": "token",
                  "contrast_weight": "weight", "contrast_token_post": "token_post"}
 PRIMARY = "contrast_token_heads"
-MIN_POINTS = 4  # fewer points can never give a one-sided Mann–Kendall p < 0.05
-RISE_FALL, RISE_FLAT, MONOTONE, NO_CALL = ("rise then fall", "rise then flat",
-                                           "monotone rise", "none")
-CALLS = (RISE_FALL, RISE_FLAT, MONOTONE, NO_CALL)
 _CHUNK = 2_000_000  # elements of one (rows, m, m) comparison block
 
 
@@ -92,65 +88,6 @@ def mann_kendall(values: np.ndarray | list[float]) -> dict[str, float]:
     return mk
 
 
-def _split_s(x: np.ndarray, peak: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Mann–Kendall S of [first, peak], [peak, last] and the whole row, for rows without
-    ties, from one sign matrix per row: column sums of its upper triangle accumulate into
-    every prefix's S, row sums (from the end) into every suffix's."""
-    rows, n = x.shape
-    out = np.empty((3, rows))
-    step = max(1, _CHUNK // (n * n))
-    upper = np.triu(np.ones((n, n), dtype=np.int8), k=1)
-    for a in range(0, rows, step):
-        blk = x[a:a + step]
-        d = np.sign(blk[:, None, :] - blk[:, :, None]).astype(np.int8) * upper
-        prefix = np.cumsum(d.sum(axis=1, dtype=np.int64), axis=1)  # S of [0, p]
-        suffix = np.cumsum(d.sum(axis=2, dtype=np.int64)[:, ::-1], axis=1)[:, ::-1]  # [p, n)
-        r = np.arange(len(blk))
-        p = peak[a:a + step]
-        out[:, a:a + step] = prefix[r, p], suffix[r, p], prefix[:, -1]
-    return out[0], out[1], out[2]
-
-
-def regime_calls(x: np.ndarray, alpha: float = ALPHA) -> dict[str, np.ndarray]:
-    """The regime call of every row of ``x`` (rows, n checkpoints in step order):
-    ``peak`` (index), ``call``, ``p_rise`` (increase on [first, peak]), ``p_fall``
-    (decrease on [peak, last]), ``p_whole`` (whole-run increase) and ``share_lost``; see the
-    module docstring. NaN p where a test has fewer than :data:`MIN_POINTS` points."""
-    x = np.atleast_2d(np.asarray(x, dtype=float))
-    rows, n = x.shape
-    peak = np.argmax(x, axis=1)
-    p_rise, p_fall, p_whole = (np.full(rows, np.nan) for _ in range(3))
-    ties = (np.diff(np.sort(x, axis=1), axis=1) == 0).any(axis=1) | ~np.isfinite(x).all(axis=1)
-    fast = np.flatnonzero(~ties)
-    if len(fast) and n >= MIN_POINTS:
-        s_rise, s_fall, s_whole = _split_s(x[fast], peak[fast])
-        p_rise[fast] = _mk_p(s_rise, _no_tie_var(peak[fast] + 1))["p_increase"]
-        p_fall[fast] = _mk_p(s_fall, _no_tie_var(n - peak[fast]))["p_decrease"]
-        p_whole[fast] = _mk_p(s_whole, _no_tie_var(n))["p_increase"]
-    for p in np.unique(peak[ties]):  # exact tie corrections, one peak position at a time
-        idx = np.flatnonzero(ties & (peak == p))
-        p_rise[idx] = mann_kendall_batch(x[idx, :p + 1])["p_increase"]
-        p_fall[idx] = mann_kendall_batch(x[idx, p:])["p_decrease"]
-        p_whole[idx] = mann_kendall_batch(x[idx])["p_increase"]
-    p_rise[peak + 1 < MIN_POINTS] = np.nan
-    p_fall[n - peak < MIN_POINTS] = np.nan
-    if n < MIN_POINTS:
-        p_whole[:] = np.nan
-    rise = p_rise < alpha
-    fall = p_fall < alpha
-    last = peak == n - 1
-    call = np.where(last & (p_whole < alpha), MONOTONE,
-                    np.where(rise & fall & ~last, RISE_FALL,
-                             np.where(rise & ~last, RISE_FLAT, NO_CALL)))
-    rows_i = np.arange(rows)
-    top, first, end = x[rows_i, peak], x[:, 0], x[:, -1]
-    gain = top - first
-    with np.errstate(invalid="ignore", divide="ignore"):
-        lost = np.where(gain > 0, (top - end) / np.where(gain > 0, gain, 1.0), np.nan)
-    return {"peak": peak, "call": call, "p_rise": p_rise, "p_fall": p_fall,
-            "p_whole": p_whole, "share_lost": lost}
-
-
 def layer_series(metrics: pd.DataFrame, metric: str):
     """Yield (layer, steps, values) of the layer-level ``metric``, ordered by step."""
     sel = metrics[(metrics["head"] == -1) & (metrics["metric"] == metric)]
@@ -166,32 +103,100 @@ def _spearman1(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(rho), float(p)
 
 
-def trend_table(metrics: pd.DataFrame, alpha: float = ALPHA) -> pd.DataFrame:
-    """Per contrast metric and layer: the whole-run trend (Spearman ρ, Mann–Kendall), the
-    peak, the regime call with its two tests and the share of the gain lost. Also
-    ``has_regime`` (rise then fall or rise then flat), ``regime_end_step`` (its peak step),
-    ``decays`` (rise then fall) and ``monotone_increase`` (whole-run increase significant)."""
+def block_cube(blocks: pd.DataFrame | None, metric: str, layers: list[int], steps: np.ndarray
+               ) -> np.ndarray | None:
+    """The layer-level ``metric`` of every token block, (layers, K, n) on ``steps`` in the
+    order of ``layers``; NaN where a block, layer or step is missing (that layer then gets
+    no token noise). None without per-block rows."""
+    if blocks is None or blocks.empty:
+        return None
+    sel = blocks[(blocks["head"] == -1) & (blocks["metric"] == metric)]
+    if sel.empty:
+        return None
+    ids = np.array(sorted(sel["block"].unique()))
+    wide = sel.pivot_table(index=["layer", "block"], columns="step", values="value",
+                           aggfunc="mean").reindex(columns=steps)
+    wide = wide.reindex(pd.MultiIndex.from_product([layers, ids]))
+    return wide.to_numpy(dtype=float).reshape(len(layers), len(ids), len(steps))
+
+
+def rule_window(steps: np.ndarray, warmup: int | None) -> np.ndarray:
+    """Which checkpoints the regime rule reads: those at or after the end of the LR warm-up
+    (step ≥ ``warmup``), every one when the warm-up is not known (None)."""
+    steps = np.asarray(steps, dtype=float)
+    return np.ones(len(steps), dtype=bool) if warmup is None else steps >= warmup
+
+
+@dataclass(frozen=True)
+class Trajectories:
+    """The layer-level series of one contrast: ``x`` (layers, n) on every checkpoint
+    ``steps`` (NaN where a layer lacks one), ``blocks`` (layers, K, n) or None, and
+    ``window`` (n,): the checkpoints the regime rule reads."""
+
+    metric: str
+    layers: list[int]
+    steps: np.ndarray
+    x: np.ndarray
+    blocks: np.ndarray | None
+    window: np.ndarray
+
+
+def trajectories(metrics: pd.DataFrame, blocks: pd.DataFrame | None, metric: str,
+                 warmup: int | None = None) -> Trajectories | None:
+    """The :class:`Trajectories` of ``metric`` (None when it is not recorded)."""
+    series = list(layer_series(metrics, metric))
+    if not series:
+        return None
+    steps = np.array(sorted({float(s) for _, st, _ in series for s in st}))
+    layers = [layer for layer, _, _ in series]
+    x = np.vstack([pd.Series(v, index=st).reindex(steps).to_numpy(dtype=float)
+                   for _, st, v in series])
+    return Trajectories(metric, layers, steps, x, block_cube(blocks, metric, layers, steps),
+                        rule_window(steps, warmup))
+
+
+def trend_table(metrics: pd.DataFrame, blocks: pd.DataFrame | None = None,
+                warmup: int | None = None, alpha: float = ALPHA) -> pd.DataFrame:
+    """Per contrast metric and layer, on the checkpoints after the LR warm-up (all when
+    ``warmup`` is None): the regime call (:mod:`qkgeom.analysis.e4.regime`) from the
+    all-token series and the per-block rows ``blocks`` (its noise), the whole-window trend
+    (Spearman ρ, Mann–Kendall; descriptive), ``n`` (checkpoints in the rule) and
+    ``n_warmup`` (before it: shown, not tested). Also ``has_regime`` (rise then fall),
+    ``regime_end_step`` (its peak step) and ``decays`` (a significant drop)."""
     rows = []
     for metric, level in TREND_METRICS.items():
-        for layer, steps, values in layer_series(metrics, metric):
-            rho, p_rho = _spearman1(steps, values)
-            mk = mann_kendall(values)
-            rc = {k: v[0] for k, v in regime_calls(values[None, :], alpha).items()}
-            peak_step = float(steps[int(rc["peak"])])
-            call = str(rc["call"])
-            regime = call in (RISE_FALL, RISE_FLAT)
-            rows.append({"metric": metric, "level": level, "layer": layer, "n": len(values),
-                         "first_step": steps[0], "last_step": steps[-1],
-                         "first": values[0], "peak": values[int(rc["peak"])],
-                         "last": values[-1], "peak_step": peak_step, "call": call,
-                         "p_rise": rc["p_rise"], "p_fall": rc["p_fall"],
-                         "share_lost": rc["share_lost"], "rho": rho, "p_rho": p_rho,
+        tr = trajectories(metrics, blocks, metric, warmup)
+        if tr is None:
+            continue
+        window = tr.steps[tr.window]
+        x = tr.x[:, tr.window]
+        cube = tr.blocks[..., tr.window] if tr.blocks is not None else None
+        regime = regime_calls(x, cube, alpha)
+        for i, layer in enumerate(tr.layers):
+            ok = np.isfinite(x[i])
+            w, v = window[ok], x[i][ok]
+            rho, p_rho = _spearman1(w, v)
+            mk = mann_kendall(v)
+            r = regime.row(i)
+            peak_step = float(window[int(r["peak"])]) if len(w) else float("nan")
+            call = str(r["call"])
+            rows.append({"metric": metric, "level": level, "layer": layer, "n": len(v),
+                         "n_warmup": int((np.isfinite(tr.x[i]) & ~tr.window).sum()),
+                         "first_step": w[0] if len(w) else np.nan,
+                         "last_step": w[-1] if len(w) else np.nan,
+                         "first": v[0] if len(v) else np.nan,
+                         "peak": x[i][int(r["peak"])] if len(w) else np.nan,
+                         "last": v[-1] if len(v) else np.nan, "peak_step": peak_step,
+                         "gain": r["gain"], "drop": r["drop"], "call": call,
+                         "p_rise": r["p_rise"], "p_fall": r["p_fall"],
+                         "z_rise": r["z_rise"], "z_fall": r["z_fall"],
+                         "share_lost": r["share_lost"], "token_sd": r["token_sd"],
+                         "jitter_sd": r["jitter_sd"], "rho": rho, "p_rho": p_rho,
                          "mk_s": mk["s"], "mk_z": mk["z"], "mk_tau": mk["tau"],
                          "mk_p_increase": mk["p_increase"], "mk_p_decrease": mk["p_decrease"],
-                         "monotone_increase": bool(mk["p_increase"] < alpha),
-                         "has_regime": regime,
-                         "regime_end_step": peak_step if regime else float("nan"),
-                         "decays": call == RISE_FALL})
+                         "has_regime": call == RISE_FALL,
+                         "regime_end_step": peak_step if call == RISE_FALL else float("nan"),
+                         "decays": bool(r["p_fall"] < alpha)})
     return pd.DataFrame(rows)
 
 
