@@ -22,6 +22,7 @@ import pytest
 from qkgeom.analysis import stats
 from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
 from qkgeom.analysis.e1.trajectories import layer_statistics
+from qkgeom.analysis.e3 import manipulation_summary
 from qkgeom.analysis.e3.analysis import e3_tables, e3_verdicts
 from qkgeom.analysis.e3.paired import PREDICTED, in_windows
 
@@ -188,6 +189,15 @@ def test_e3_planted_effect_is_supported_and_its_manipulation_passes():
     primary = claims[claims["claim_id"].isin(E3_ROWS) & (claims["role"] == "primary")]
     assert len(primary) == 4 and (primary["verdict"] == "supported").all(), primary[
         ["claim_id", "claim", "origin", "measured", "p_value", "verdict"]]
+
+
+def test_e3_manipulation_summary_lists_each_arm_in_seed_order():
+    """The report's per-seed lists read seed 0, 1, 2, … (pair groups are numbered by
+    their config hash, which is no order a reader can follow)."""
+    _, units, _ = e3_claims(e3_runs(np.random.default_rng(23), 12, entropy_effect=0.0))
+    summary = manipulation_summary(units)
+    for _, g in summary.groupby(["arm", "window"]):
+        assert list(g["seed"]) == list(range(12))
 
 
 @pytest.mark.slow

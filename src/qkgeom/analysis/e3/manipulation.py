@@ -111,7 +111,9 @@ def manipulation_summary(table: pd.DataFrame) -> pd.DataFrame:
     gated = out["mode"].isin(GATED)
     ok = (out["checked"] > 0) & (out["units_passed"] == out["checked"])
     out["passed"] = pd.Series(ok, index=out.index, dtype=object).where(gated, None)
-    return out[SUMMARY_COLUMNS]
+    # in seed order within each arm and window (the pair groups are numbered by config hash)
+    return out[SUMMARY_COLUMNS].sort_values(["arm", "window", "seed", "group"], kind="stable") \
+        .reset_index(drop=True)
 
 
 def manipulation_gate(table: pd.DataFrame) -> dict[tuple[str, str], str]:
