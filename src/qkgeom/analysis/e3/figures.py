@@ -127,8 +127,7 @@ def _paired(paired: pd.DataFrame, steps: int) -> Figure:
         for j, quantity in enumerate(PAIRED_QUANTITIES):
             ax = block[j]
             sel = paired[(paired["arm"] == arm) & (paired["quantity"] == quantity)]
-            ax.set_title(f"{arm}: Δ {SHORT[quantity]}" if j == 0 else f"Δ {SHORT[quantity]}",
-                         loc="left" if j == 0 else "center")
+            ax.set_title(f"Δ {SHORT[quantity]}")  # the arm names the row (its y label)
             if j % MAX_COLS == 0:
                 ax.set_ylabel(f"{arm} − none")
             if sel.empty:
