@@ -200,6 +200,24 @@ def test_e3_manipulation_summary_lists_each_arm_in_seed_order():
         assert list(g["seed"]) == list(range(12))
 
 
+def test_e3_manipulation_markdown_lists_few_seeds_and_summarises_many():
+    """Up to 8 seeds each seed's ratio is listed; 12 give the median and the range, which
+    are those of the per-seed table."""
+    from qkgeom.analysis.e3.report import manipulation_markdown
+
+    for n in (4, 12):
+        _, units, _ = e3_claims(e3_runs(np.random.default_rng(24), n, entropy_effect=0.0))
+        summary = manipulation_summary(units)
+        text = manipulation_markdown(summary, {})
+        row = summary[(summary["mode"] == "shrink") & (summary["window"] == "whole")]
+        achieved = row["achieved"].to_numpy()
+        if n == 4:
+            assert ", ".join(f"{a:.3f}" for a in achieved) in text
+        else:
+            assert (f"median {np.median(achieved):.3f} [{achieved.min():.3f}, "
+                    f"{achieved.max():.3f}] over 12 seeds") in text
+
+
 @pytest.mark.slow
 def test_e3_null_sweeps_are_rarely_supported_and_equivalent_at_the_stated_power():
     """(c) 200 null sweeps of 10 seeds: every row is called supported in at most the

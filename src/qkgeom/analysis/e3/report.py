@@ -49,8 +49,19 @@ CAPTIONS = {
 }
 
 
+#: Up to this many seeds the manipulation table lists each seed's value; above, a list
+#: would fill the page, so it gives the median and range (each seed: e3_manipulation.csv).
+LIST_SEEDS = 8
+
+
 def _values(x: pd.Series) -> str:
-    return ", ".join("n/a" if not np.isfinite(v) else f"{v:.3f}" for v in x)
+    v = pd.to_numeric(x, errors="coerce").to_numpy(dtype=float)
+    ok = v[np.isfinite(v)]
+    if len(v) > LIST_SEEDS and len(ok):
+        missing = f"; {len(v) - len(ok)} n/a" if len(ok) < len(v) else ""
+        return (f"median {np.median(ok):.3f} [{ok.min():.3f}, {ok.max():.3f}] over "
+                f"{len(ok)} seeds{missing}")
+    return ", ".join("n/a" if not np.isfinite(a) else f"{a:.3f}" for a in v)
 
 
 def _section(title: str, rows: list[list], header: list[str], intro: str,
@@ -76,7 +87,7 @@ def manipulation_markdown(man: pd.DataFrame, gate: dict[tuple[str, str], str]) -
                      _values(g["bound_share"]), status])
     return _section(
         "Manipulation check (read first)", rows,
-        ["arm", "window", "token PR_K ratio per seed", "weight PR_K ratio", "pr_qk ratio",
+        ["arm", "window", "token PR_K ratio (per seed)", "weight PR_K ratio", "pr_qk ratio",
          "intended", "units passed", "bound share", "claims"],
         "Achieved = mean over the window's probes of PR_K(arm) ÷ PR_K(none, same seed) at "
         "the **token level** (the keys attention uses, on the probe set), for each unit the "
@@ -89,7 +100,9 @@ def manipulation_markdown(man: pd.DataFrame, gate: dict[tuple[str, str], str]) -
         f"{EXEMPT:.0%} of 1 is not checked. An arm's claims in a window are *not evaluated* "
         "unless every checked unit of every seed passed. Sham and expand arms are reported, "
         "not gated (the sham should stay at ≈ 1). Bound share: the recorded share of steps "
-        "the cap bound (hold: the reshape changed the spectrum).",
+        "the cap bound (hold: the reshape changed the spectrum). Each seed's value is listed "
+        f"up to {LIST_SEEDS} seeds; above, the median [min, max] over seeds (each seed: "
+        "`e3_manipulation.csv`).",
         "No controlled run is paired with an uncontrolled run: nothing to check.")
 
 
