@@ -52,12 +52,20 @@ def reference(sample_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return train_in_process(sample_data, tmp_path_factory.mktemp("sig") / "ref", STEPS, EVERY)
 
 
+def _default_signals() -> None:
+    """In the child, before exec: SIGINT and SIGTERM at their defaults. A suite started in
+    the background (``pytest &``, nohup) runs with SIGINT ignored, which a child inherits,
+    and a process started with SIGINT ignored rightly keeps ignoring it."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def _start(args: list[str], flag: Path, fault: str) -> subprocess.Popen:
     """The CLI in its own session, held at the ``fault`` pause until ``flag.go``."""
     env = dict(fault_env(fault), QKGEOM_FAULT_PAUSE=str(flag))
     return subprocess.Popen([sys.executable, "-m", "qkgeom.cli", *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=_default_signals)
 
 
 def _wait_paused(proc: subprocess.Popen, flag: Path, timeout: float = 240) -> None:
