@@ -6,10 +6,12 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import pytest
 from cli_helpers import in_process  # noqa: F401  (re-exported for the fault tests)
 
 FIGURES: list[str] = []
@@ -23,6 +25,17 @@ def figure(name: str, text: str) -> None:
     line = f"FIGURE {name}: {text}"
     print(line)
     FIGURES.append(line)
+
+
+def group_figure(name: str, results: dict[str, bool]) -> Any:
+    """A module's autouse fixture that prints its attack group's figure (:func:`held` of
+    ``results``) once the module's tests have run: ``_figure = group_figure(name, RESULTS)``."""
+    @pytest.fixture(scope="module", autouse=True)
+    def _figure() -> Iterator[None]:
+        yield
+        figure(name, held(results))
+
+    return _figure
 
 
 def held(results: dict[str, bool]) -> str:

@@ -18,8 +18,7 @@ from fault_helpers import (
     assert_same_results,
     cli,
     fault_env,
-    figure,
-    held,
+    group_figure,
     status,
     train_args,
     train_in_process,
@@ -32,10 +31,7 @@ STEPS, EVERY = 8, 4
 RESULTS: dict[str, bool] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figure():
-    yield
-    figure("one lock per folder", held(RESULTS))
+_figure = group_figure("one lock per folder", RESULTS)
 
 
 def _aliased(tmp_path: Path) -> tuple[Path, Path]:

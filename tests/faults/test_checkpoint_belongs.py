@@ -18,9 +18,8 @@ from fault_helpers import (
     assert_clean_error,
     assert_same_results,
     cli,
-    figure,
     files,
-    held,
+    group_figure,
     in_process,
     status,
     train_args,
@@ -33,10 +32,7 @@ STEPS, EVERY = 16, 4
 RESULTS: dict[str, bool] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figure():
-    yield
-    figure("foreign checkpoints", held(RESULTS))
+_figure = group_figure("foreign checkpoints", RESULTS)
 
 
 @pytest.fixture(scope="module")

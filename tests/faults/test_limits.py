@@ -17,8 +17,7 @@ import yaml
 from fault_helpers import (
     assert_clean_error,
     cli,
-    figure,
-    held,
+    group_figure,
     in_process,
     tiny_base,
     train_args,
@@ -28,10 +27,7 @@ from fault_helpers import (
 RESULTS: dict[str, bool] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figure():
-    yield
-    figure("resource limits", held(RESULTS))
+_figure = group_figure("resource limits", RESULTS)
 
 
 def _alias_bomb(levels: int = 6) -> str:

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 from fault_helpers import (
     assert_clean_error,
-    figure,
     files,
-    held,
+    group_figure,
     in_process,
     status,
     train_args,
@@ -29,10 +28,7 @@ THESIS = "the user's thesis, chapter 3\n"
 RESULTS: dict[str, bool] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figure():
-    yield
-    figure("links", held(RESULTS))
+_figure = group_figure("links", RESULTS)
 
 
 @pytest.fixture(scope="module")

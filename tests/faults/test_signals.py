@@ -26,8 +26,7 @@ from fault_helpers import (
     cli,
     error_lines,
     fault_env,
-    figure,
-    held,
+    group_figure,
     in_process,
     status,
     train_args,
@@ -41,10 +40,7 @@ STEPS, EVERY = 12, 4
 RESULTS: dict[str, bool] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figure():
-    yield
-    figure("signals", held(RESULTS))
+_figure = group_figure("signals", RESULTS)
 
 
 @pytest.fixture(scope="module")

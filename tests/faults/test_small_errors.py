@@ -17,8 +17,7 @@ import pytest
 import yaml
 from fault_helpers import (
     assert_clean_error,
-    figure,
-    held,
+    group_figure,
     in_process,
     tiny_base,
     train_args,
@@ -28,10 +27,7 @@ from fault_helpers import (
 RESULTS: dict[str, bool] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figure():
-    yield
-    figure("one-line errors", held(RESULTS))
+_figure = group_figure("one-line errors", RESULTS)
 
 
 @pytest.fixture(scope="module")

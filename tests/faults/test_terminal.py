@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from fault_helpers import figure, held, in_process, train_args, train_in_process
+from fault_helpers import group_figure, in_process, train_args, train_in_process
 
 RESULTS: dict[str, bool] = {}
 # clear screen, set the clipboard (OSC 52), ring the bell, reverse the line, rich markup
@@ -18,10 +18,7 @@ EVIL = "\x1b[2J\x1b]52;c;cm0gLXJmIH4=\x07\u202eboom[bold red]x[/bold red]\x9b31m
 RAW = ("\x1b", "\x07", "\u202e", "\x9b")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figure():
-    yield
-    figure("terminal escapes", held(RESULTS))
+_figure = group_figure("terminal escapes", RESULTS)
 
 
 def _clean(text: str) -> bool:

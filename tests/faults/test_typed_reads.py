@@ -13,9 +13,8 @@ import pandas as pd
 import pytest
 from fault_helpers import (
     assert_clean_error,
-    figure,
     files,
-    held,
+    group_figure,
     in_process,
     status,
     train_args,
@@ -26,10 +25,7 @@ STEPS, EVERY = 8, 4
 RESULTS: dict[str, bool] = {}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _figure():
-    yield
-    figure("typed reads", held(RESULTS))
+_figure = group_figure("typed reads", RESULTS)
 
 
 @pytest.fixture(scope="module")
