@@ -27,7 +27,7 @@ import sys
 
 from qkgeom.config import make_config, with_vocab
 from qkgeom.data import ensure_sample_data, load_prepared
-from qkgeom.experiments import e1_grid
+from qkgeom.experiments import experiment
 from qkgeom.experiments.packing import (
     PackingResult,
     choose_runs_per_gpu,
@@ -46,7 +46,7 @@ def config(device: str, depth: int, compile_: bool) -> dict:
         cfg = make_config("paper", {"data": str(data), "device": device, "compile": compile_,
                                     "model": {"n_layer": depth}})
         return with_vocab(cfg, vocab).to_dict()
-    spec = e1_grid("demo", "", {"compile": compile_}).expand()[0]  # depth 4, normal, seed 0
+    spec = experiment("e1").grid("demo", "", {"compile": compile_}).expand()[0]  # depth 4, normal, seed 0
     return with_vocab(spec.config, vocab).to_dict()
 
 

@@ -45,7 +45,7 @@ def child(steps: int, threads: int) -> None:
     import qkgeom.launch
     import qkgeom.runs.writer as writer_mod
     import qkgeom.training.trainer as trainer_mod
-    from qkgeom.experiments import e1_grid
+    from qkgeom.experiments import experiment
     from qkgeom.experiments.runner import resolve_data
     from qkgeom.training import Callback
 
@@ -83,7 +83,7 @@ def child(steps: int, threads: int) -> None:
         def on_step_end(self, ctx) -> None:
             self.ends.append(time.perf_counter())
 
-    grid = e1_grid("demo", "", {"steps": steps, "checkpoint_every": steps,
+    grid = experiment("e1").grid("demo", "", {"steps": steps, "checkpoint_every": steps,
                                 "model": {"n_layer": 4}})
     specs = resolve_data(grid.expand())[:2]
     with tempfile.TemporaryDirectory() as tmp:

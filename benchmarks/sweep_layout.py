@@ -24,14 +24,14 @@ import time
 from pathlib import Path
 
 from qkgeom.data import ensure_sample_data
-from qkgeom.experiments import Grid, e1_grid
+from qkgeom.experiments import Grid, experiment
 
 LAYOUTS = {"fresh process per run": 1, "persistent workers": None}
 
 
 def grid(preset: str, runs: int, steps: int) -> Grid:
     """The first ``runs`` runs of the E1 grid (seed is the last axis, so seeds vary first)."""
-    full = e1_grid(preset, "", {"steps": steps, "checkpoint_every": steps})
+    full = experiment("e1").grid(preset, "", {"steps": steps, "checkpoint_every": steps})
     data = full.to_dict()
     axes = data["axes"]
     depth = axes["model.n_layer"][:1]

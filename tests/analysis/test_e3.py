@@ -346,6 +346,22 @@ def test_an_e1_sweep_is_not_e3(all_rise: Path):
     assert claims_table(all_rise)["claim_id"].iloc[0] == "E1.1"
 
 
+def test_the_report_follows_the_experiment_the_grid_declares(tmp_path: Path):
+    """The declared experiment decides the report: the same paired runs are E3 when the
+    grid says ``experiment: e3`` or says nothing, and E1/E2 when it says ``e1``."""
+    import json
+
+    ids = {}
+    for declared in ("e3", "e1", ""):
+        root = _e3_sweep(tmp_path / (declared or "none"), seeds=SEEDS[:2])
+        record = json.loads((root / "sweep.json").read_text())
+        if declared:
+            record["grid"]["experiment"] = declared
+        (root / "sweep.json").write_text(json.dumps(record))
+        ids[declared] = claims_table(root)["claim_id"].iloc[0]
+    assert ids == {"e3": "E3.1", "e1": "E1.1", "": "E3.1"}
+
+
 def test_e3_report_opens_with_the_manipulation_check(e3_sweep: Path):
     md = write_report(e3_sweep)
     text = md.read_text()

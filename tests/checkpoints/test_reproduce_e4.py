@@ -12,15 +12,14 @@ import pytest
 from hf_models import save_family
 
 from qkgeom.errors import QKGeomError
-from qkgeom.experiments import reproduce_e4
-from qkgeom.experiments.presets import E4_PRESETS, e4_config, e4_grid
+from qkgeom.experiments import E4_PRESETS, experiment, reproduce_e4
 from qkgeom.io import read_json
 from qkgeom.runs import list_checkpoints
 from qkgeom.training.checkpoint import checkpoint_steps
 
 
 def test_the_demo_preset_is_the_documented_one() -> None:
-    cfg = e4_config("demo")
+    cfg = experiment("e4").grid("demo").expand()[0].config
     m = cfg.model
     assert (m.n_layer, m.n_embd, m.n_head, m.block_size, m.qk_init) == (4, 128, 4, 64, "normal")
     assert (cfg.batch_size, cfg.seed, cfg.steps, cfg.keep_checkpoints) == (32, 0, 1024, 0)
@@ -30,11 +29,11 @@ def test_the_demo_preset_is_the_documented_one() -> None:
     demo = E4_PRESETS["demo"]
     assert (demo.tokens, demo.blocks, demo.text) == (32768, 8, "sample")
     assert demo.seeds == (0, 1, 2, 3, 4) and cfg.warmup_steps == 100  # 15 checkpoints after
-    assert [s.config.seed for s in e4_grid("demo").expand()] == [0, 1, 2, 3, 4]
+    assert [s.config.seed for s in experiment("e4").grid("demo").expand()] == [0, 1, 2, 3, 4]
     with pytest.raises(QKGeomError, match="--model"):
-        e4_config("paper")
+        experiment("e4").grid("paper")
     with pytest.raises(QKGeomError, match="unknown E4 preset"):
-        e4_config("huge")
+        experiment("e4").grid("huge")
 
 
 def _trained(out: Path) -> dict[str, int]:

@@ -8,8 +8,11 @@ import pytest
 
 from qkgeom.config import make_config
 from qkgeom.errors import QKGeomError
-from qkgeom.experiments import E1_PRESETS, E3_PRESETS, Grid, e1_grid, e3_arm, e3_grid, load_grid
+from qkgeom.experiments import E1_PRESETS, E3_PRESETS, Grid, e3_arm, experiment, load_grid
 from qkgeom.experiments.grid import _id_value, _labels
+
+e1_grid = experiment("e1").grid
+e3_grid = experiment("e3").grid
 
 E1_YAML = """\
 name: e1-test
@@ -253,6 +256,16 @@ def test_e3_grids_are_the_protocols_arms() -> None:
     assert set(E3_PRESETS) == {"smoke", "demo", "lab", "paper"}
     with pytest.raises(QKGeomError, match="unknown E3 arm"):
         e3_arm("shrink-half-token-data")
+
+
+def test_a_grid_records_the_experiment_it_declares() -> None:
+    """``reproduce`` grids name their experiment (the report reads it back from
+    sweep.json); a grid file may declare one of them, and nothing else."""
+    assert [experiment(n).grid("smoke").to_dict()["experiment"] for n in ("e1", "e3")] == [
+        "e1", "e3"]
+    assert "experiment" not in Grid.from_dict({"preset": "smoke"}).to_dict()
+    with pytest.raises(QKGeomError, match="experiment must be one of e1, e3, e4"):
+        Grid.from_dict({"preset": "smoke", "experiment": "e2"})
 
 
 def test_e1_runs_each_have_their_own_seed() -> None:

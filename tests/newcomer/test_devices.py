@@ -73,9 +73,9 @@ def test_a_long_run_on_a_cpu_warns_once_with_an_estimate() -> None:
 
 def test_a_paper_sweep_on_a_cpu_warns_with_its_total(monkeypatch) -> None:
     from qkgeom.cli import sweeps
-    from qkgeom.experiments.presets import e1_grid
+    from qkgeom.experiments import experiment
 
-    configs = [r.config for r in e1_grid("paper", "data/wt103").expand()]
+    configs = [r.config for r in experiment("e1").grid("paper", "data/wt103").expand()]
     monkeypatch.setattr("qkgeom.config.detect_device", lambda: "cpu")
     with pytest.warns(UserWarning, match="the 36 runs of this sweep to train will take at "
                                          "least"):
@@ -87,11 +87,11 @@ def test_a_paper_sweep_on_a_cpu_warns_with_its_total(monkeypatch) -> None:
 
 def test_a_sweep_warns_only_about_the_runs_it_still_has_to_train(tmp_path) -> None:
     from qkgeom.cli.sweeps import unfinished
-    from qkgeom.experiments.presets import e1_grid
+    from qkgeom.experiments import experiment
     from qkgeom.io import write_json
     from qkgeom.runs.sweep import run_dir
 
-    runs = e1_grid("paper", "data/wt103").expand()
+    runs = experiment("e1").grid("paper", "data/wt103").expand()
     for r in runs[:30]:
         write_json(run_dir(tmp_path, r.run_id) / "status.json", {"state": "done", "step": 1})
     write_json(run_dir(tmp_path, runs[30].run_id) / "status.json",

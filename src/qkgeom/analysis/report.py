@@ -6,10 +6,13 @@ experiment's report:
 - a checkpoint-family analysis folder (``analysis.json``, ``qkgeom analyze``), or a set of
   them, one per seed (``e4.json``, ``qkgeom reproduce e4``): E4,
   :mod:`qkgeom.analysis.e4.report`;
-- a sweep whose runs pair key-control modes by seed: E3, :mod:`qkgeom.analysis.e3.report`;
+- a sweep whose grid declares ``experiment: e3`` (``qkgeom reproduce e3`` does): E3,
+  :mod:`qkgeom.analysis.e3.report`;
 - any other sweep, or one run folder (trained by qkgeom, or written by its
   :class:`~qkgeom.monitor.GeometryMonitor`, which may record only some metrics):
-  E1/E2, :mod:`qkgeom.analysis.e1.report`.
+  E1/E2, :mod:`qkgeom.analysis.e1.report`. A folder that declares no experiment (a run
+  folder, a sweep of your own grid) is E3 when its runs pair a controlled run with an
+  uncontrolled one of the same config.
 
 The report goes to ``<folder>/report/`` (layout: docs/report.md): ``report.md`` opening with
 a one-line summary and the claims table, ``report.html`` (the same, verdicts coloured,
@@ -41,7 +44,7 @@ from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json, refuse_link, write_json
 from qkgeom.runs import is_run_folder
 from qkgeom.runs.family import MARKER, is_analysis_folder, is_e4_set
-from qkgeom.runs.sweep import RUNS_DIR, SWEEP_FILE
+from qkgeom.runs.sweep import RUNS_DIR, SWEEP_FILE, sweep_experiment
 from qkgeom.version import __version__
 
 REPORT_MARKER = "report.json"
@@ -64,7 +67,8 @@ def claims_table(folder: str | Path, include_incomplete: bool = False,
     if is_analysis_folder(folder) or is_e4_set(folder):
         return e4_claims_table(folder, n_boot=n_boot)
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)
-    claims = e3_analysis(table)["claims"] if is_e3(table) else e1_claims(table)["claims"]
+    e3 = _is_e3_folder(folder, table)
+    claims = e3_analysis(table)["claims"] if e3 else e1_claims(table)["claims"]
     claims.attrs["excluded"] = table.attrs["excluded"]
     return claims
 
@@ -91,12 +95,19 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)
     _refuse_unfinished_run(folder, table)
     claim_report_dir(out, folder)
-    write = write_e3_report if is_e3(table) else write_e1_report
+    write = write_e3_report if _is_e3_folder(folder, table) else write_e1_report
     path = write(table, folder, out, figures)
     # what was left out, for a command to say so without collating the folder again
     write_json(out / REPORT_MARKER, {**read_json(out / REPORT_MARKER),
                                       "excluded": len(table.attrs.get("excluded", []))})
     return path
+
+
+def _is_e3_folder(folder: str | Path, table: pd.DataFrame) -> bool:
+    """E3 when the sweep's grid declares it; for a folder that declares no experiment, when
+    its runs pair a controlled run with an uncontrolled one (:func:`is_e3`)."""
+    declared = sweep_experiment(folder)
+    return declared == "e3" if declared else is_e3(table)
 
 
 def _refuse_unfinished_run(folder: Path, table: pd.DataFrame) -> None:

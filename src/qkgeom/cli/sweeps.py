@@ -286,62 +286,42 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One of the paper's experiments end to end (resumable), then the report."""
         from qkgeom.config import deep_merge, parse_dotted
-        from qkgeom.experiments import reproduce, reproduce_e4
+        from qkgeom.experiments import E4
+        from qkgeom.experiments import experiment as find
 
-        _check_experiment(experiment)
+        exp = find(experiment)
         data = data_spec(data) or ""
-        overrides = deep_merge({"device": device} if device else {}, parse_dotted(set_ or []))
-        if experiment == "e4":
-            from qkgeom.cli.checkpoints import split_revisions, summarise, summarise_set
-            from qkgeom.runs.family import is_e4_set
-            from qkgeom.training import resolve_device
-
-            resolve_device(device or "auto")  # a bad --device fails before any work
-            folder = reproduce_e4(preset, out, data=data, model=model,
-                                  revisions=split_revisions(revisions), text=text,
-                                  tokens=tokens, device=device, progress=not quiet,
-                                  overrides=parse_dotted(set_ or []) or None)
-            summarise_set(folder) if is_e4_set(folder) else summarise(folder)
-            report(folder, None)
+        sets = parse_dotted(set_ or [])
+        if isinstance(exp, E4):
+            _reproduce_e4(exp, preset, out, data, device, sets, model, revisions, text,
+                          tokens, quiet)
             return
         if any(v is not None for v in (model, revisions, text, tokens)):
             raise QKGeomError("--model, --revisions, --text and --tokens are for e4")
-        out = out or Path("sweeps") / f"{experiment}-{preset}"
-        _warn_reproduce(experiment, preset, data, overrides, device, out)
-        summary = reproduce(experiment, preset, out, data, workers=workers, backend=backend,
-                            address=address, threads_per_run=threads, progress=not quiet,
-                            overrides=overrides or None, retries=retries,
-                            runs_per_gpu=runs_per_gpu)
+        grid = exp.grid(preset, data, deep_merge({"device": device} if device else {}, sets)
+                        or None)
+        out = out or exp.default_out(preset)
+        warn_long_sweep([r.config for r in unfinished(out, grid.expand())], device)
+        summary = exp.run(grid, out, workers=workers, backend=backend, address=address,
+                          threads_per_run=threads, progress=not quiet, retries=retries,
+                          runs_per_gpu=runs_per_gpu)
         _print_summary(summary, out)
         report(out, None)
         _exit_if_failed(summary)
 
 
-EXPERIMENTS = ("e1", "e3", "e4")
+def _reproduce_e4(exp: Any, preset: str, out: Path | None, data: str, device: str | None,
+                  sets: dict[str, Any], model: str | None, revisions: str | None,
+                  text: str | None, tokens: int | None, quiet: bool) -> None:
+    """``reproduce e4``: train and analyse (or analyse ``--model``), then summarise."""
+    from qkgeom.cli.checkpoints import split_revisions, summarise, summarise_set
+    from qkgeom.runs.family import is_e4_set
+    from qkgeom.training import resolve_device
 
+    resolve_device(device or "auto")  # a bad --device fails before any work
+    folder = exp.run(preset, out, data=data, model=model, revisions=split_revisions(revisions),
+                     text=text, tokens=tokens, device=device, progress=not quiet,
+                     overrides=sets or None)
+    summarise_set(folder) if is_e4_set(folder) else summarise(folder)
+    report(folder, None)
 
-def _check_experiment(experiment: str) -> None:
-    """A one-line error for an experiment ``reproduce`` does not run; E2 has no grid of
-    its own (its claims are measured on the E1 runs), so ``e2`` is pointed at ``e1``."""
-    if experiment in EXPERIMENTS:
-        return
-    hint = ("E2 is part of e1 (`qkgeom reproduce e1` runs E1 and E2 on one grid); "
-            if experiment.lower() == "e2" else "")
-    raise QKGeomError(f"unknown experiment {experiment!r}; {hint}choose one of "
-                      f"{', '.join(EXPERIMENTS)}")
-
-
-def _warn_reproduce(experiment: str, preset: str, data: str, overrides: dict[str, Any],
-                    device: str | None, out: Path) -> None:
-    """:func:`warn_long_sweep` for the grid ``reproduce`` is about to run (an unknown
-    experiment or preset is left for ``reproduce`` to refuse)."""
-    from qkgeom.experiments.presets import e1_grid, e3_grid
-
-    make = {"e1": e1_grid, "e3": e3_grid}.get(experiment)
-    if make is None:
-        return
-    try:
-        grid = make(preset, data, overrides or None)
-    except QKGeomError:
-        return
-    warn_long_sweep([r.config for r in unfinished(out, grid.expand())], device)

@@ -1,30 +1,60 @@
-"""Experiments: sweep grids, the sweep runner (local processes or Ray), the paper's grids.
+"""Experiments: sweep grids, the sweep runner (local processes or Ray), the paper's
+experiments.
 
 ``load_grid`` / ``Grid.from_dict`` read a grid; ``Grid.expand`` gives its runs with stable
 ids; ``run_sweep`` trains them into a resumable sweep folder (every run through
 ``run_one``, in persistent local worker processes or Ray tasks, packed ``runs_per_gpu`` to a
-GPU on CUDA grids); ``sweep_status`` tabulates a sweep folder; ``e1_grid`` /
-``reproduce_e1`` are experiment E1 of the paper and ``e3_grid`` / ``reproduce_e3`` experiment
-E3, whose conditions are named arms (``e3_arm``) crossed with the seeds
-(docs/definitions.md).
+GPU on CUDA grids); ``sweep_status`` tabulates a sweep folder. The paper's experiments are
+one :class:`Experiment` each (``e1``: E1 and E2, ``e3``, ``e4``), found by
+:func:`experiment`; :func:`reproduce` runs one end to end.
 """
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from qkgeom.errors import QKGeomError
+from qkgeom.experiments.e1 import E1, E1_PRESETS
+from qkgeom.experiments.e3 import E3, E3_PRESETS, e3_arm
+from qkgeom.experiments.e4 import E4, E4_PRESETS
+from qkgeom.experiments.experiment import Experiment
 from qkgeom.experiments.grid import Arm, Grid, RunSpec, load_grid
-from qkgeom.experiments.presets import (
-    E1_PRESETS,
-    E3_PRESETS,
-    GRIDS,
-    e1_grid,
-    e3_arm,
-    e3_grid,
-    reproduce,
-    reproduce_e1,
-    reproduce_e3,
-    reproduce_e4,
-)
 from qkgeom.experiments.runner import SweepSummary, run_sweep, sweep_status
 from qkgeom.experiments.worker import run_one
 
+#: Every experiment ``qkgeom reproduce`` runs, by name.
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (E1(), E3(), E4())}
+
+
+def experiment(name: str) -> Experiment:
+    """The experiment called ``name``; a one-line error otherwise (E2 has no grid of its
+    own: its claims are measured on E1's runs, so ``e2`` is pointed at ``e1``)."""
+    if name in EXPERIMENTS:
+        return EXPERIMENTS[name]
+    hint = ("E2 is part of e1 (`qkgeom reproduce e1` runs E1 and E2 on one grid); "
+            if name.lower() == "e2" else "")
+    raise QKGeomError(f"unknown experiment {name!r}; {hint}choose one of "
+                      f"{', '.join(EXPERIMENTS)}")
+
+
+def reproduce(name: str, preset: str, out_dir: str | Path | None = None, data: str = "",
+              *, overrides: dict[str, Any] | None = None, **options: Any) -> Any:
+    """Run the experiment ``name`` at size ``preset`` into ``out_dir`` (default
+    ``sweeps/<name>-<preset>``), resumable. E1/E3: ``options`` are :func:`run_sweep`'s
+    (``workers``, ``backend``, ...), returns the :class:`SweepSummary`; E4: those of
+    :meth:`E4.run` (``model``, ``revisions``, ...), returns the folder it reported."""
+    exp = experiment(name)
+    if isinstance(exp, E4):
+        return exp.run(preset, out_dir, data=data, overrides=overrides, **options)
+    grid = exp.grid(preset, data, overrides)
+    return exp.run(grid, out_dir or exp.default_out(preset), **options)
+
+
+#: E4 end to end (:meth:`E4.run`): returns the folder whose report was written.
+reproduce_e4 = EXPERIMENTS["e4"].run
+
+
 __all__ = ["Arm", "Grid", "RunSpec", "load_grid", "run_sweep", "run_one", "sweep_status",
-           "SweepSummary", "e1_grid", "reproduce_e1", "E1_PRESETS", "e3_grid", "reproduce_e3",
-           "E3_PRESETS", "GRIDS", "e3_arm", "reproduce", "reproduce_e4"]
+           "SweepSummary", "Experiment", "EXPERIMENTS", "experiment", "reproduce",
+           "reproduce_e4", "E1_PRESETS", "E3_PRESETS", "E4_PRESETS", "e3_arm"]

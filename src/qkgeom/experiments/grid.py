@@ -74,8 +74,9 @@ from typing import Any
 
 from qkgeom.config import PRESETS, TrainConfig, deep_merge, load_yaml_file, make_config
 from qkgeom.errors import QKGeomError
+from qkgeom.runs.sweep import EXPERIMENT_NAMES
 
-GRID_KEYS = ("name", "preset", "base", "axes", "arms", "distinct_seeds")
+GRID_KEYS = ("name", "preset", "experiment", "base", "axes", "arms", "distinct_seeds")
 ARM_KEYS = ("name", "set", "reference")
 ARM_LABEL = "arm"  # the run-id label of the arm (and its key in RunSpec.axes)
 # The sweep runner sets these per run (threads from --workers / --threads-per-run).
@@ -130,6 +131,7 @@ class Grid:
     axes: dict[str, list[Any]]
     arms: tuple[Arm, ...] = ()
     distinct_seeds: bool = False
+    experiment: str = ""  # the paper's experiment it is (its report); "": the runs tell
 
     @classmethod
     def from_dict(cls, d: Any, *, default_name: str = "sweep") -> Grid:
@@ -164,8 +166,13 @@ class Grid:
         if distinct and "seed" not in axes:
             raise QKGeomError(f"grid {name!r}: distinct_seeds needs a seed axis (the "
                               "replicates of each combination of the other axes)")
+        experiment = d.get("experiment", "")
+        if experiment not in ("", *EXPERIMENT_NAMES):
+            raise QKGeomError(f"grid {name!r}: experiment must be one of "
+                              f"{', '.join(EXPERIMENT_NAMES)}, got {experiment!r}")
         grid = cls(name=name, preset=preset, base=nest_keys(base, f"grid {name!r}: base"),
-                   axes=axes, arms=_arms(d.get("arms"), name, axes), distinct_seeds=distinct)
+                   axes=axes, arms=_arms(d.get("arms"), name, axes), distinct_seeds=distinct,
+                   experiment=experiment)
         runs = grid.size
         if runs > MAX_RUNS:
             raise QKGeomError(f"grid {name!r} expands to {runs:,} runs; a sweep holds at most "
@@ -194,6 +201,8 @@ class Grid:
             out["arms"] = [arm.to_dict() for arm in self.arms]
         if self.distinct_seeds:
             out["distinct_seeds"] = True
+        if self.experiment:
+            out["experiment"] = self.experiment
         return out
 
     def expand(self) -> list[RunSpec]:

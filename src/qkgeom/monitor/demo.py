@@ -29,7 +29,7 @@ import torch
 
 __all__ = ["DEMO_OVERRIDES", "closed_loop", "figure", "monitored_gpt2"]
 
-# The E1/E3 demo's shape and schedule (qkgeom.experiments.presets), probed every 10 steps so
+# The E1/E3 demo's shape and schedule (qkgeom.experiments.e1), probed every 10 steps so
 # the controller acts 30 times.
 DEMO_OVERRIDES: dict[str, Any] = {
     "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64},

@@ -35,6 +35,8 @@ RUNS_DIR = "runs"
 ATTEMPTS_FILE = "attempts.jsonl"
 WORKER_LOG = "worker.log"
 ERROR_LOG = "error.log"
+#: The paper's experiments a grid may declare (``experiment:``), so its report is theirs.
+EXPERIMENT_NAMES = ("e1", "e3", "e4")
 
 
 def run_dir(out_dir: str | Path, run_id: str) -> Path:
@@ -53,6 +55,16 @@ def read_sweep_record(out_dir: str | Path) -> dict[str, Any]:
             raise QKGeomError(f"{path}: run id {rid[:40]!r} is not a folder name; the file "
                               "is corrupt or not qkgeom's")
     return record
+
+
+def sweep_experiment(out_dir: str | Path) -> str:
+    """The experiment the sweep's grid declares (``e1``, ``e3``, ``e4``), or ``""`` when it
+    declares none or the folder is not a sweep."""
+    if not (Path(out_dir) / SWEEP_FILE).is_file():
+        return ""
+    grid = read_sweep_record(out_dir).get("grid")
+    kind = grid.get("experiment", "") if isinstance(grid, dict) else ""
+    return kind if kind in EXPERIMENT_NAMES else ""
 
 
 def refuse_sweep_links(out_dir: str | Path, run_ids: list[str]) -> None:

@@ -1,0 +1,63 @@
+"""E1 and E2: depths x Q/K inits x replicates, every run with its own seed.
+
+``distinct_seeds``: runs that shared a seed would share their data order and, within a
+depth, every initial weight but W_Q/W_K, so they would not be independent units. Every run
+sees the same probe set (probes come from the start of the val split). E2's claims are
+measured on the same runs. Sizes (docs/definitions.md#presets):
+
+``smoke``  depths {1, 2} x 3 inits x 1: a wiring check of the ``smoke`` training preset.
+``demo``   depths {4, 6, 8} x 3 inits x 2 = 18 runs of the demo model (4 heads, width 128,
+           context 64) on the embedded Wikipedia sample, 400 steps of 16 x 64 tokens.
+``lab``    the demo's grid x 3 replicates, 2 000 steps each: the regime after the early
+           transient.
+``paper``  depths {4, 6, 8} x 3 inits x 4 of the ``paper`` training preset on WikiText-103.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qkgeom.config import QK_INITS
+from qkgeom.experiments.experiment import Experiment
+
+PAPER_DEPTHS = [4, 6, 8]
+
+
+@dataclass(frozen=True)
+class E1Preset:
+    """One size of E1: the training preset, the overrides every run gets, the depths and
+    the replicates."""
+
+    train_preset: str
+    overrides: dict[str, Any]
+    depths: list[int]
+    seeds: list[int]
+
+
+#: The demo model and schedule, shared by E1's and E3's demo and lab sizes.
+DEMO_RUN: dict[str, Any] = {
+    "model": {"n_head": 4, "n_embd": 128, "block_size": 64},
+    "steps": 400, "batch_size": 16, "warmup_steps": 30, "probe_every": 40,
+    "eval_every": 100, "eval_batches": 4, "checkpoint_every": 100,
+}
+#: The lab size: the demo run 5x longer, probed and evaluated less often.
+LAB_RUN: dict[str, Any] = {**DEMO_RUN, "steps": 2000, "probe_every": 100, "eval_every": 250,
+                           "checkpoint_every": 500}
+
+E1_PRESETS: dict[str, E1Preset] = {
+    "smoke": E1Preset("smoke", {}, [1, 2], [0]),
+    "demo": E1Preset("demo", DEMO_RUN, PAPER_DEPTHS, [0, 1]),
+    "lab": E1Preset("demo", LAB_RUN, PAPER_DEPTHS, [0, 1, 2]),
+    "paper": E1Preset("paper", {}, PAPER_DEPTHS, [0, 1, 2, 3]),
+}
+
+
+class E1(Experiment):
+    name = "e1"
+    presets = E1_PRESETS
+
+    def grid_dict(self, spec: E1Preset) -> dict[str, Any]:
+        return {"axes": {"model.n_layer": list(spec.depths), "model.qk_init": list(QK_INITS),
+                         "seed": list(spec.seeds)},
+                "distinct_seeds": True}

@@ -1,0 +1,190 @@
+"""E4: how Q/K geometry changes across a family of checkpoints.
+
+Offline: runs of our GPT, one per seed, trained with the ``log`` checkpoint schedule (step
+0, the powers of two below ``checkpoint_every``, then its multiples: the shape of Pythia's
+suite); each run's checkpoints are analysed as a family on held-out text and the report
+takes the seed as the unit. With a hub family (``--model`` and ``--revisions``, e.g.
+EleutherAI/pythia-160m at step0, step512, ...) nothing is trained: the family is analysed as
+it is, one model, whose layers describe it. The folder ``OUT`` (layout:
+:mod:`qkgeom.runs.family`) holds ``e4.json``, ``train/`` (the sweep of the runs),
+``analysis/seed-<s>/`` and ``report/``. Sizes (docs/checkpoints.md#e4):
+
+``smoke``  the ``smoke`` training preset, 40 steps, seeds 0 and 1, 2 048 tokens.
+``demo``   the demo model (4 layers x 128, context 64, normal init), batch 32, 1 024 steps,
+           23 checkpoints (15 after the LR warm-up), seeds 0-4 (with n independent units the
+           sign-flip p is at least 2^-n, so fewer than five seeds never reach p < 0.05),
+           32 768 tokens of the sample's held-out text.
+``paper``  no training run: pass a hub family; 200 000 tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qkgeom.errors import QKGeomError
+from qkgeom.experiments.experiment import Experiment
+from qkgeom.experiments.grid import Grid
+from qkgeom.experiments.runner import available_cpus, on_this_machine, run_sweep
+from qkgeom.runs.sweep import run_dir
+
+E4_TRAIN = "train"  # OUT/train: the sweep folder of the offline E4's runs (one per seed)
+E4_ANALYSIS = "analysis"  # OUT/analysis: the family (--model) or a folder per seed
+
+
+@dataclass(frozen=True)
+class E4Preset:
+    """One size of E4: the training runs (``train_preset`` None: a hub family is required),
+    the seeds, and the analysis."""
+
+    train_preset: str | None
+    overrides: dict[str, Any]
+    tokens: int  # text tokens analysed per checkpoint (the same tokens for all)
+    seeds: tuple[int, ...] = ()
+    blocks: int = 8  # contiguous token blocks, for the noise and the bootstrap
+    text: str = "sample"  # the embedded sample: its held-out (val) split first
+
+
+E4_PRESETS: dict[str, E4Preset] = {
+    "smoke": E4Preset("smoke", {"steps": 40, "checkpoint_every": 16,
+                                "checkpoint_schedule": "log", "keep_checkpoints": 0}, 2048,
+                      (0, 1)),
+    "demo": E4Preset("demo", {
+        "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64,
+                  "qk_init": "normal"},
+        "steps": 1024, "batch_size": 32, "probe_every": 64, "eval_every": 128,
+        "checkpoint_every": 64, "checkpoint_schedule": "log", "keep_checkpoints": 0,
+    }, 32768, (0, 1, 2, 3, 4)),
+    "paper": E4Preset(None, {}, 200_000),
+}
+
+
+@contextmanager
+def _one_thread_on_cpu(device: str | None) -> Iterator[None]:
+    """torch on one thread while the runs' checkpoints are analysed here on a CPU: the runs
+    trained in single-threaded workers, and a thread per core stalls on a shared machine
+    (docs/checkpoints.md has the times)."""
+    import torch
+
+    from qkgeom.training import resolve_device
+
+    before = torch.get_num_threads()
+    if str(resolve_device(device or "auto")) == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+class E4(Experiment):
+    name = "e4"
+    presets = E4_PRESETS
+
+    def training(self, preset: str) -> E4Preset:
+        """The preset, when it trains runs; a one-line error when it needs a hub family."""
+        spec = self.preset(preset)
+        if spec.train_preset is None:
+            raise QKGeomError(f"the {preset} E4 preset analyses a pretrained family: pass "
+                              "model=<hub id or folder> and revisions (CLI: --model, "
+                              "--revisions)")
+        return spec
+
+    def grid_dict(self, spec: E4Preset) -> dict[str, Any]:
+        return {"axes": {"seed": list(spec.seeds)}}
+
+    def grid(self, preset: str, data: str = "", overrides: dict[str, Any] | None = None
+             ) -> Grid:
+        self.training(preset)
+        return super().grid(preset, data, overrides)
+
+    def train(self, preset: str, out_dir: str | Path, data: str = "", *,
+              overrides: dict[str, Any] | None = None, progress: bool = True
+              ) -> dict[int, Path]:
+        """Train the runs into ``out_dir/train`` (one single-threaded run per CPU on a CPU)
+        and return ``{seed: run folder}``; resumable like every sweep."""
+        grid = self.grid(preset, data, overrides)
+        specs = grid.expand()
+        out = Path(out_dir) / E4_TRAIN
+        on_cpu = not on_this_machine(specs[0]).config.device.startswith("cuda")
+        summary = run_sweep(grid, out, workers=max(1, min(available_cpus(), len(specs)))
+                            if on_cpu else None, threads_per_run=1 if on_cpu else None,
+                            progress=progress)
+        if not summary.complete or summary.counts["diverged"]:
+            bad = {k: v for k, v in summary.states.items() if v != "done"}
+            raise QKGeomError(f"the E4 runs in {out} did not all finish ({bad}); run the same "
+                              "command again to resume (`qkgeom sweep status` shows why)")
+        return {int(s.axes["seed"]): run_dir(out, s.run_id) for s in specs}
+
+    def run(self, preset: str, out: str | Path | None = None, *, data: str = "",  # type: ignore[override]
+            model: str | None = None, revisions: list[str] | None = None,
+            text: str | None = None, tokens: int | None = None, device: str | None = None,
+            overrides: dict[str, Any] | None = None, progress: bool = True) -> Path:
+        """E4 end to end; returns the folder whose report was written.
+
+        Without ``model``: train the preset's runs (:meth:`train`), analyse each run's
+        checkpoints into ``OUT/analysis/seed-<s>`` (its own report beside), mark ``OUT`` as
+        an E4 set (``e4.json``) and report over seeds into ``OUT/report``; returns ``OUT``.
+        With ``model`` and ``revisions``: analyse that family into ``OUT/analysis`` and report
+        it; returns that folder. ``OUT`` defaults to ``sweeps/e4-<preset>``
+        (``sweeps/e4-<model>`` for a family). Rerunning trains nothing twice and reuses every
+        analysed checkpoint. ``device`` (default ``auto``) is where runs train and families
+        are measured."""
+        from qkgeom.checkpoints.family import analyze_checkpoints
+        from qkgeom.training import resolve_device
+
+        spec = self.preset(preset)
+        if device:
+            resolve_device(device)
+        analysis = {"text": text or spec.text, "max_tokens": tokens or spec.tokens,
+                    "blocks": spec.blocks, "device": device or "auto", "progress": progress}
+        if model is not None:
+            if data or overrides:
+                raise QKGeomError("--data and --set configure the training run; with --model "
+                                  "there is none (the family is analysed as it is)")
+            out = Path(out or Path("sweeps") / f"e4-{model.rstrip('/').replace('/', '_')}")
+            folder = analyze_checkpoints([model], out / E4_ANALYSIS, revisions=revisions,
+                                         **analysis)
+            self.report(folder)
+            return folder
+        if revisions is not None:
+            raise QKGeomError("--revisions names checkpoints of --model; pass --model too")
+        self.training(preset)
+        out = Path(out or self.default_out(preset))
+        self._refuse_other_preset(out, preset)
+        over = {**({"device": device} if device else {}), **(overrides or {})} or None
+        runs = self.train(preset, out, data, overrides=over, progress=progress)
+        units = {}
+        with _one_thread_on_cpu(device):
+            for seed, run in runs.items():
+                folder = analyze_checkpoints([str(run)], out / E4_ANALYSIS / f"seed-{seed}",
+                                             **analysis)
+                self.report(folder)
+                units[f"seed-{seed}"] = f"{E4_ANALYSIS}/seed-{seed}"
+        self._mark_set(out, preset, sorted(runs), units, data, over)
+        self.report(out)
+        return out
+
+    @staticmethod
+    def _refuse_other_preset(out: Path, preset: str) -> None:
+        from qkgeom.io import read_json
+        from qkgeom.runs.family import SET_MARKER
+
+        marker = out / SET_MARKER
+        if marker.is_file() and read_json(marker).get("preset") != preset:
+            raise QKGeomError(f"{out} holds an E4 set of another preset; use another --out")
+
+    def _mark_set(self, out: Path, preset: str, seeds: list[int], units: dict[str, str],
+                  data: str, overrides: dict[str, Any] | None) -> None:
+        """``OUT/e4.json``: the folder is an E4 set of these seeds (and their warm-up, which
+        the report shows but does not test)."""
+        from qkgeom.io import write_json
+        from qkgeom.runs.family import SET_KIND, SET_MARKER
+
+        cfg = self.grid(preset, data, overrides).expand()[0].config
+        write_json(out / SET_MARKER, {"kind": SET_KIND, "name": f"e4-{preset}",
+                                      "preset": preset, "seeds": seeds,
+                                      "warmup_steps": cfg.warmup_steps, "units": units})
