@@ -23,7 +23,7 @@ from qkgeom.analysis import stats
 from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
 from qkgeom.analysis.e1.trajectories import layer_statistics
 from qkgeom.analysis.e3 import manipulation_summary
-from qkgeom.analysis.e3.analysis import e3_tables, e3_verdicts
+from qkgeom.analysis.e3.evaluate import e3_tables, e3_verdicts
 from qkgeom.analysis.e3.paired import PREDICTED, in_windows
 
 from .synthetic import Run, table_of

@@ -34,7 +34,7 @@ from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajecto
 
 _EXPORTS = {
     "CLAIMS": "qkgeom.analysis.e1.claims", "evaluate_claims": "qkgeom.analysis.e1.claims",
-    "e3_analysis": "qkgeom.analysis.e3.analysis",
+    "e3_analysis": "qkgeom.analysis.e3.evaluate",
     "claims_table": "qkgeom.analysis.report", "write_report": "qkgeom.analysis.report",
     "summary_line": "qkgeom.analysis.report", "excluded_count": "qkgeom.analysis.report",
     "layer_table": "qkgeom.analysis.tables",
@@ -45,7 +45,7 @@ __all__ = ["collate", "trajectories", "write_report", "claims_table", "summary_l
 
 if TYPE_CHECKING:
     from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims
-    from qkgeom.analysis.e3.analysis import e3_analysis
+    from qkgeom.analysis.e3.evaluate import e3_analysis
     from qkgeom.analysis.report import (
         claims_table,
         excluded_count,

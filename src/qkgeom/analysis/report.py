@@ -34,8 +34,8 @@ import pandas as pd
 
 from qkgeom.analysis.collate import collate
 from qkgeom.analysis.e1.report import e1_claims, write_e1_report
-from qkgeom.analysis.e3.analysis import e3_analysis
 from qkgeom.analysis.e3.arms import is_e3
+from qkgeom.analysis.e3.evaluate import e3_analysis
 from qkgeom.analysis.e3.report import write_e3_report
 from qkgeom.analysis.e4.bootstrap import N_BOOT
 from qkgeom.analysis.e4.report import e4_claims_table, write_e4_report

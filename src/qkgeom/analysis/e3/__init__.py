@@ -7,9 +7,9 @@ as intended: the gate before any verdict), ``claims`` (E3.1–E3.5, the mediatio
 (matplotlib, imported only to draw) and ``report``.
 """
 
-from qkgeom.analysis.e3.analysis import e3_analysis
 from qkgeom.analysis.e3.arms import is_e3, pair_groups, run_arms
 from qkgeom.analysis.e3.claims import E3_CLAIMS, evaluate_e3_claims, mediation_table
+from qkgeom.analysis.e3.evaluate import e3_analysis
 from qkgeom.analysis.e3.manipulation import (
     manipulation_gate,
     manipulation_summary,

@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.e3.analysis import e3_analysis
 from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES, with_ci
+from qkgeom.analysis.e3.evaluate import e3_analysis
 from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
 from qkgeom.analysis.e3.paired import EARLY_SHARE, QUANTITIES
 from qkgeom.analysis.kit import (
