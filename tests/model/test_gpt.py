@@ -8,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from qkgeom.arch import adapter_for
 from qkgeom.config import GPTConfig
-from qkgeom.model import GPT, tap_qk
+from qkgeom.model import GPT
 
 CFG = GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, vocab_size=50)
 
@@ -68,11 +69,12 @@ def test_same_generator_seed_gives_same_weights() -> None:
 
 
 def test_tap_sees_q_and_k_and_matches_explicit_attention() -> None:
-    """The tapped q/k reproduce SDPA's output with an explicit causal softmax."""
+    """The tapped q/k (through the adapter's capture, which sets each layer's tap) reproduce
+    SDPA's output with an explicit causal softmax."""
     model = make("normal").eval()
     x = torch.randint(0, CFG.vocab_size, (2, 16))
     seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    with tap_qk(model, lambda layer, q, k: seen.__setitem__(layer, (q, k))):
+    with adapter_for(model).capture(lambda layer, q, k, *_: seen.__setitem__(layer, (q, k))):
         model(x)
     assert sorted(seen) == [0, 1]
     q, k = seen[0]
@@ -90,7 +92,7 @@ def test_tap_sees_q_and_k_and_matches_explicit_attention() -> None:
 
 def test_tap_removed_when_forward_raises() -> None:
     model = make("normal")
-    with pytest.raises(ValueError), tap_qk(model, lambda *a: None):
+    with pytest.raises(ValueError), adapter_for(model).capture(lambda *a: None):
         model(torch.zeros(1, CFG.block_size + 1, dtype=torch.long))
     assert all(b.attn.tap is None for b in model.blocks)
 

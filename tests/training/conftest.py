@@ -5,21 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-import qkgeom.arch.gpt as gpt_family
+from qkgeom.arch import ModelAdapter
 
 
 @pytest.fixture
 def probe_dtypes(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
     """The raw q/k dtypes (before any cast) every probe of the test sees, in order: the
-    tap through which the measurement captures our GPT's q/k is wrapped for the test."""
+    capture through which the measurement receives our GPT's q/k is wrapped for the test."""
     seen: list[torch.dtype] = []
-    real = gpt_family.tap_qk
+    real = ModelAdapter.capture
 
-    def spy(model, fn):
-        def wrapped(layer, q, k):
+    def spy(adapter, on_qk, qk_site="post-rotary"):
+        def wrapped(layer, q, k, *rest):
             seen.extend([q.dtype, k.dtype])
-            fn(layer, q, k)
-        return real(model, wrapped)
+            on_qk(layer, q, k, *rest)
+        return real(adapter, wrapped, qk_site)
 
-    monkeypatch.setattr(gpt_family, "tap_qk", spy)
+    monkeypatch.setattr(ModelAdapter, "capture", spy)
     return seen

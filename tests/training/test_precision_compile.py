@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from qkgeom import make_config, train
+from qkgeom.arch import adapter_for
 from qkgeom.config import GPTConfig
 from qkgeom.data.batches import BatchStream, sample_batch
 from qkgeom.geometry import measure
-from qkgeom.model import GPT, tap_qk
+from qkgeom.model import GPT
 from qkgeom.training.checkpoint import load_latest_checkpoint
 
 
@@ -85,7 +86,7 @@ def test_probe_disables_an_enclosing_autocast() -> None:
     tokens = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(1))
     train_dtypes: list[torch.dtype] = []
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        with tap_qk(model, lambda layer, q, k: train_dtypes.append(q.dtype)):
+        with adapter_for(model).capture(lambda layer, q, *_: train_dtypes.append(q.dtype)):
             model(tokens)
         inside = measure(model, tokens, batch_size=2).frame
     assert set(train_dtypes) == {torch.bfloat16}  # the training forward is bf16 here

@@ -1,6 +1,6 @@
 """The project's own GPT (:mod:`qkgeom.model`): separate ``q_proj`` / ``k_proj`` / ``v_proj``
-per layer, no rotary, causal. q/k are handed over by the model's taps (``tap_qk``); the
-model is also exported as a Hugging Face GPT-2 (:func:`to_gpt2`)."""
+per layer, no rotary, causal. Each attention layer hands its q/k to its ``tap`` (set only
+during a capture); the model is also exported as a Hugging Face GPT-2 (:func:`to_gpt2`)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,24 @@ import torch
 from torch import nn
 
 from qkgeom.arch.base import AttentionSite, ModelAdapter, QKCallback
-from qkgeom.model import GPT, tap_qk
+from qkgeom.model import GPT
 
 __all__ = ["detect", "to_gpt2"]
 
 
 @contextmanager
 def _capture(adapter: ModelAdapter, on_qk: QKCallback, qk_site: str) -> Iterator[None]:
+    """No rotary: the site q/k are the attention's whatever ``qk_site``; SDPA's default
+    scale. The taps are removed whatever happens."""
     scale = 1.0 / math.sqrt(adapter.sites[0].head_dim)
-    with tap_qk(adapter.net, lambda i, q, k: on_qk(i, q, k, q, k, scale)):
+    try:
+        for site in adapter.sites:
+            site.attention.tap = (lambda q, k, layer=site.layer:
+                                  on_qk(layer, q, k, q, k, scale))
         yield
+    finally:
+        for site in adapter.sites:
+            site.attention.tap = None
 
 
 def detect(model: nn.Module) -> ModelAdapter | None:

@@ -26,7 +26,7 @@ from torch import nn
 from qkgeom.arch import ModelAdapter, adapter_for
 from qkgeom.data.text import framing_ids, token_windows
 from qkgeom.errors import QKGeomError
-from qkgeom.geometry import METRIC_NAMES, measure_batches
+from qkgeom.geometry import METRIC_NAMES, Measurement, measure_batches
 
 __all__ = ["DEFAULT_SEQ_LEN", "analyze_model"]
 
@@ -94,19 +94,10 @@ def _block_plan(held: list[np.ndarray], blocks: int
 
 
 def analyze_model(
-    model: nn.Module,
-    tokenizer: Any,
-    texts: str | Iterable[str] | Callable[[], Iterable[str]],
-    *,
-    max_tokens: int = 200_000,
-    seq_len: int | None = None,
-    batch_size: int | None = None,
-    qk_site: str = "pre-rotary",
-    logit_spectrum: bool = True,
-    precision: str = "float32",
-    blocks: int = 1,
-    progress: Callable[[int], None] | None = None,
-    **columns: Any,
+    model: nn.Module, tokenizer: Any, texts: str | Iterable[str] | Callable[[], Iterable[str]],
+    *, max_tokens: int = 200_000, seq_len: int | None = None, batch_size: int | None = None,
+    qk_site: str = "pre-rotary", logit_spectrum: bool = True, precision: str = "float32",
+    blocks: int = 1, progress: Callable[[int], None] | None = None, **columns: Any,
 ) -> pd.DataFrame:
     """Every metric of ``model`` per layer and head on the first ``max_tokens`` text tokens.
 
@@ -165,15 +156,20 @@ def analyze_model(
         result = measure_batches(model, stream if blocks > 1 else (ids for _, ids in stream),
                                  metrics=metrics, qk_site=qk_site, precision=precision,
                                  blocked=blocks > 1, **columns)
-    positions = result.tokens
-    tokens = positions - extra * result.sequences
-    site = adapter.sites[0]
-    frame = result.frame
-    if blocks == 1:
+    return analysis_frame(result, tokens=result.tokens - extra * result.sequences,
+                          seq_len=seq_len, qk_site=qk_site, blocks=blocks, block_tokens=sizes)
+
+
+def analysis_frame(result: Measurement, *, tokens: int, seq_len: int, qk_site: str,
+                   blocks: int, block_tokens: list[int]) -> pd.DataFrame:
+    """``result.frame`` as :func:`analyze_model` returns it: a ``block`` column (−1, all
+    tokens) when unblocked, and the ``attrs`` its Returns section lists."""
+    adapter, site, frame = result.adapter, result.adapter.sites[0], result.frame
+    if "block" not in frame:
         frame["block"] = pd.Series([-1] * len(frame), dtype="int64")
-    frame.attrs.update(arch=adapter.arch, tokens=tokens, positions=positions,
+    frame.attrs.update(arch=adapter.arch, tokens=tokens, positions=result.tokens,
                        seconds=result.seconds, tokens_per_s=tokens / max(result.seconds, 1e-9),
                        seq_len=seq_len, n_head=site.n_head, n_kv_head=site.n_kv_head,
                        causal=adapter.causal, rotary=adapter.rotary, qk_site=qk_site,
-                       blocks=blocks, block_tokens=sizes)
+                       blocks=blocks, block_tokens=block_tokens)
     return frame

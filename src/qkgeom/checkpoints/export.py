@@ -8,7 +8,7 @@ any HF tool can open the run.
 The model has learned positions up to its context (``block_size``) and no further: the
 tokenizer's ``model_max_length`` is the context and it truncates from the left
 (``tokenizer(text, truncation=True)`` keeps the last ``block_size`` characters, the ones a
-continuation depends on), so a long prompt no longer indexes past the position table.
+continuation depends on), so a long prompt never indexes past the position table.
 ``model.generate(ids)`` stays within the context by itself (transformers caps its default
 length at the config's ``n_positions``); a generation config ``max_length`` is not
 written, as it would make every call with ``max_new_tokens`` warn.

@@ -127,24 +127,12 @@ Spread = Callable[[Callable[[CheckpointJob], dict[str, Any]], list[CheckpointJob
 
 
 def analyze_checkpoints(
-    models: list[str],
-    out: str | Path,
-    *,
-    revisions: list[str] | None = None,
-    text: str | None = None,
-    max_tokens: int = 200_000,
-    seq_len: int | None = None,
-    batch_size: int | None = None,
-    qk_site: str = "pre-rotary",
-    dtype: str = "float32",
-    device: str = "auto",
-    keep_duplicates: bool = False,
-    tokenizer: str | None = None,
-    logit_spectrum: bool = True,
-    trust_remote_code: bool = False,
-    blocks: int = 8,
-    progress: bool = False,
-    spread: Spread | None = None,
+    models: list[str], out: str | Path, *, revisions: list[str] | None = None,
+    text: str | None = None, max_tokens: int = 200_000, seq_len: int | None = None,
+    batch_size: int | None = None, qk_site: str = "pre-rotary", dtype: str = "float32",
+    device: str = "auto", keep_duplicates: bool = False, tokenizer: str | None = None,
+    logit_spectrum: bool = True, trust_remote_code: bool = False, blocks: int = 8,
+    progress: bool = False, spread: Spread | None = None,
 ) -> Path:
     """Analyse every checkpoint of ``models``/``revisions`` into ``out``; returns ``out``.
 
@@ -166,20 +154,10 @@ def analyze_checkpoints(
     are the same whichever way the checkpoints were measured.
     Raises :class:`QKGeomError` for bad input, before any model is loaded where possible.
     """
-    from qkgeom.arch import QK_SITES
     from qkgeom.checkpoints.resolve import check_analysis_fits, resolve_checkpoints
     from qkgeom.training import resolve_device
 
-    if qk_site not in QK_SITES:
-        raise QKGeomError(f"unknown --qk-site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
-    if max_tokens < 1:
-        raise QKGeomError(f"--tokens must be >= 1, got {max_tokens}")
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-        raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
-    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise QKGeomError(f"{flag} must be a whole number >= 1, got {value!r}")
+    _check_arguments(qk_site, max_tokens, blocks, batch_size, seq_len)
     device = str(resolve_device(device))
     out = Path(out)
     specs = resolve_checkpoints(models, revisions)
@@ -195,6 +173,46 @@ def analyze_checkpoints(
     settings = _settings(specs, PROBE_SET if probe_set else text or "sample", max_tokens,
                          seq_len, qk_site, dtype, logit_spectrum, tokenizer, blocks)
     key = _hash(settings)
+    _claim(out, key)
+    meta = _meta(models, revisions, specs, settings, key, keep_duplicates)
+    write_json(out / MARKER, meta)
+    jobs = [CheckpointJob(spec=spec, out=str(out), key=key, label=meta["model"],
+                          text=None if probe_set else text or "sample", max_tokens=max_tokens,
+                          seq_len=seq_len, batch_size=batch_size, qk_site=qk_site, dtype=dtype,
+                          device=device, logit_spectrum=logit_spectrum, blocks=blocks,
+                          tokenizer=tokenizer, tokenizer_spec=specs[0],
+                          trust_remote_code=trust_remote_code) for spec in specs]
+    results = _measure_all(jobs, spread, progress, max_tokens, out)
+    rows = [results[s.name][1] for s in specs]
+    finish(out, [results[s.name][0] for s in specs], rows, keep_duplicates)
+    meta["state"] = "done"
+    write_json(out / MARKER, meta)
+    for line in (record_text_shortfall(out), _fewer_blocks(rows, blocks)):
+        if line:
+            warnings.warn(line, stacklevel=2)
+    return out
+
+
+def _check_arguments(qk_site: str, max_tokens: int, blocks: int, batch_size: int | None,
+                     seq_len: int | None) -> None:
+    """The settings that need no model or text, checked first (named as on the CLI)."""
+    from qkgeom.arch import QK_SITES
+
+    if qk_site not in QK_SITES:
+        raise QKGeomError(f"unknown --qk-site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
+    if max_tokens < 1:
+        raise QKGeomError(f"--tokens must be >= 1, got {max_tokens}")
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
+    for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < 1):
+            raise QKGeomError(f"{flag} must be a whole number >= 1, got {value!r}")
+
+
+def _claim(out: Path, key: str) -> None:
+    """Refuse ``out`` unless it is new, empty, or an analysis with the same settings
+    (``key``), which then resumes; never write through a planted link."""
     links = links_in(out)  # a planted link (checkpoints/ -> elsewhere) is never written through
     if links:
         raise LinkError(links[0])
@@ -209,23 +227,26 @@ def analyze_checkpoints(
     elif out.exists() and any(out.iterdir()):
         raise QKGeomError(f"{out} exists, is not empty and is not an analysis folder; "
                           "choose another --out")
+
+
+def _meta(models: list[str], revisions: list[str] | None, specs: list[CheckpointSpec],
+          settings: dict[str, Any], key: str, keep_duplicates: bool) -> dict[str, Any]:
+    """``analysis.json`` of a running analysis; its ``model`` (the hub model, else the
+    folder's name) is the ``run_id`` of every row."""
     label = Path(models[0]).name if len(models) == 1 else Path(models[0]).parent.name or "local"
-    if specs[0].kind == "hub":
-        label = specs[0].source
-    meta = {"format_version": FORMAT_VERSION, "kind": "qkgeom-checkpoint-analysis",
-            "model": label, "models": list(models), "revisions": revisions,
+    return {"format_version": FORMAT_VERSION, "kind": "qkgeom-checkpoint-analysis",
+            "model": specs[0].source if specs[0].kind == "hub" else label,
+            "models": list(models), "revisions": revisions,
             "settings": settings, "settings_hash": key, "keep_duplicates": keep_duplicates,
             "checkpoints": [asdict(s) for s in specs], "state": "running",
             "warmup_steps": _warmup(specs),
             "versions": {"qkgeom": __version__, "python": platform.python_version()}}
-    write_json(out / MARKER, meta)
 
-    jobs = [CheckpointJob(spec=spec, out=str(out), key=key, label=label,
-                          text=None if probe_set else text or "sample", max_tokens=max_tokens,
-                          seq_len=seq_len, batch_size=batch_size, qk_site=qk_site, dtype=dtype,
-                          device=device, logit_spectrum=logit_spectrum, blocks=blocks,
-                          tokenizer=tokenizer, tokenizer_spec=specs[0],
-                          trust_remote_code=trust_remote_code) for spec in specs]
+
+def _measure_all(jobs: list[CheckpointJob], spread: Spread | None, progress: bool,
+                 max_tokens: int, out: Path) -> dict[str, tuple[pd.DataFrame, dict[str, Any]]]:
+    """``{name: (frame, row)}`` of every job: cached ones read back, the others measured
+    here or through ``spread``, under a progress bar when asked."""
     results: dict[str, tuple[pd.DataFrame, dict[str, Any]]] = {}
     bar = task = None
     if progress:
@@ -233,7 +254,7 @@ def analyze_checkpoints(
 
         bar = progress_bar("analyse", "{task.fields[ckpt]}", stderr=True)
         bar.start()
-        task = bar.add_task("", total=len(specs) * max_tokens, ckpt="")
+        task = bar.add_task("", total=len(jobs) * max_tokens, ckpt="")
     try:
         todo = []
         for job in jobs:
@@ -251,18 +272,7 @@ def analyze_checkpoints(
     finally:
         if bar is not None:
             bar.stop()
-    frames = [results[s.name][0] for s in specs]
-    rows = [results[s.name][1] for s in specs]
-    finish(out, frames, rows, keep_duplicates)
-    meta["state"] = "done"
-    write_json(out / MARKER, meta)
-    short = record_text_shortfall(out)
-    if short:
-        warnings.warn(short, stacklevel=2)
-    fewer = _fewer_blocks(rows, blocks)
-    if fewer:
-        warnings.warn(fewer, stacklevel=2)
-    return out
+    return results
 
 
 def _fewer_blocks(rows: list[dict[str, Any]], asked: int) -> str | None:
@@ -413,21 +423,14 @@ def _run_probe_set(run: Path) -> tuple[Any, int]:
 def _measure_probe_set(model: Any, ids: Any, batch_size: int, logit_spectrum: bool,
                        progress: Any, **columns: Any) -> pd.DataFrame:
     """A run checkpoint on the run's probe set, as the trainer measures it (float64)."""
+    from qkgeom.checkpoints.analyze import analysis_frame
     from qkgeom.geometry import METRIC_NAMES, measure
 
     metrics = "all" if logit_spectrum else [m for m in METRIC_NAMES if m != "pr_qk_token"]
     result = measure(model, ids, metrics=metrics, batch_size=batch_size, **columns)
     progress(result.tokens)
-    frame = result.frame
-    frame["block"] = pd.Series([-1] * len(frame), dtype="int64")  # blocks do not apply
-    site = result.adapter.sites[0]
-    frame.attrs.update(arch=result.adapter.arch, tokens=result.tokens,
-                       positions=result.tokens, seconds=result.seconds,
-                       tokens_per_s=result.tokens / max(result.seconds, 1e-9),
-                       seq_len=int(ids.shape[1]), n_head=site.n_head, n_kv_head=site.n_kv_head,
-                       causal=True, rotary=False, qk_site="post-rotary", blocks=1,
-                       block_tokens=[])
-    return frame
+    return analysis_frame(result, tokens=result.tokens, seq_len=int(ids.shape[1]),
+                          qk_site="post-rotary", blocks=1, block_tokens=[])
 
 
 def finish(out: Path, frames: list[pd.DataFrame], rows: list[dict[str, Any]],

@@ -2,14 +2,17 @@
 
 The one measurement path of qkgeom: the trainer's probes, the monitor and checkpoint
 analysis all call :func:`measure` / :func:`measure_batches`, so a number means the same
-thing whichever produced it. :func:`~qkgeom.arch.adapter_for` knows where q/k live
-(the project's GPT and the supported Hugging Face families); the adapter captures them
-during forward passes over the given token windows; one
+thing whichever produced it. Read top to bottom: :func:`measure_batches` asks
+:func:`~qkgeom.arch.adapter_for` where q/k live (the project's GPT and the supported
+Hugging Face families); :class:`_TokenPasses` runs the forward passes, the adapter's
+capture hands each layer's q/k to :meth:`_TokenPasses.on_qk`, and one
 :class:`~qkgeom.geometry.tokens.LayerGeometry` per layer streams them into the token
-metrics and :func:`~qkgeom.geometry.records.weight_records` reads the weight metrics. The
-forward runs on the base model (no LM head), in eval mode, without gradients or autocast,
-inside :func:`~qkgeom.geometry.state.frozen_training_state`: training computes exactly what
-it would without the measurement.
+metrics; :func:`_frame_of` adds the weight metrics
+(:func:`~qkgeom.geometry.records.weight_records`) and builds the long frame. The forward
+runs on the adapter's ``net`` (our GPT whole, LM head included; an HF model's base model,
+without its task head), in eval mode, without gradients or autocast, inside
+:func:`~qkgeom.geometry.state.frozen_training_state`: training computes exactly what it
+would without the measurement.
 
 Input: token ids of windows (n_seq, T) -- a probe set, or batches of a corpus -- unpadded,
 or padded with an ``attention_mask`` (1 = real token, 0 = padding; left or right padding):
@@ -20,12 +23,10 @@ of all ones is no padding: the unpadded path, bit for bit.
 
 ``precision="float64"`` (default) runs every product of the accumulation in float64
 (probe-sized inputs: exact); ``"float32"`` runs them in float32 with float64 running
-totals (long corpora: about twice as fast).
+totals (long corpora: faster, within float32 round-off; docs/checkpoints.md).
 
-Token blocks (``blocked=True``): each batch comes with the index of the contiguous token
-block it belongs to; the frame then holds every metric over all tokens (``block = -1``,
-the numbers of an unblocked measurement, exactly) and over each block (``block = k``),
-for the token-block bootstrap of checkpoint analysis (docs/checkpoints.md).
+Token blocks (``blocked=True``, for the bootstrap of docs/checkpoints.md): every metric over
+all tokens (``block = -1``, exactly an unblocked measurement's) and over each block.
 """
 
 from __future__ import annotations
@@ -115,18 +116,6 @@ class Measurement:
                 f"{self.frame['metric'].nunique()} metrics, {self.seconds:.2f} s)")
 
 
-def _weight_records(adapter: ModelAdapter) -> dict[int, list[Record]]:
-    """Weight-level records of every layer; under GQA each query head is paired with its
-    key head by repeating W_K's heads (which leaves every PR unchanged)."""
-    out = {}
-    for site in adapter.sites:
-        w_q, w_k = site.qk_weights()  # (H·hd, d), (H_kv·hd, d)
-        if site.group > 1:  # key head g serves query heads g·R .. g·R+R-1
-            w_k = site.k_heads(w_k).repeat_interleave(site.group, dim=0).reshape(w_q.shape)
-        out[site.layer] = weight_records(w_q.float(), w_k.float(), site.n_head)
-    return out
-
-
 def measure(model: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | None = None,
             metrics: str | Iterable[str] = "all", batch_size: int = 8,
             qk_site: str = "post-rotary", precision: str = "float64", spectra: bool = False,
@@ -143,47 +132,11 @@ def measure(model: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | Non
     if batch_size < 1:
         raise QKGeomError(f"batch_size must be >= 1, got {batch_size}")
     mask = check_mask(ids, attention_mask)
-    batches: Iterable[Any] = ids.split(batch_size)
-    if mask is not None:
-        batches = [{"input_ids": i, "attention_mask": m}
-                   for i, m in zip(ids.split(batch_size), mask.split(batch_size), strict=True)]
+    batches = ids.split(batch_size) if mask is None else [
+        {"input_ids": i, "attention_mask": m}
+        for i, m in zip(ids.split(batch_size), mask.split(batch_size), strict=True)]
     return measure_batches(model, batches, metrics=metrics, qk_site=qk_site,
                            precision=precision, spectra=spectra, **columns)
-
-
-def _unpadded(batch: Any) -> tuple[Tensor, Padded | None]:
-    """Token ids of a batch (a tensor, or a mapping with ``input_ids`` and optionally an
-    ``attention_mask``) and, when the mask pads anything, the batch moved to right padding."""
-    if not isinstance(batch, Mapping):
-        return torch.as_tensor(batch), None
-    if "input_ids" not in batch:
-        raise QKGeomError("a batch mapping needs 'input_ids'")
-    ids = torch.as_tensor(batch["input_ids"])
-    if ids.ndim == 1:
-        ids = ids[None]
-    mask = check_mask(ids, batch.get("attention_mask"))
-    if mask is None:
-        return ids, None
-    padded = right_padded(ids, mask)
-    return padded.ids, padded
-
-
-def _blocks_in_order(batches: Iterable[Any], blocked: bool) -> Iterator[tuple[int, Any]]:
-    """``(block, ids)`` of each batch (block −1 when not blocked); block indices must be
-    whole numbers that never decrease (a block is contiguous)."""
-    last = -1
-    for item in batches:
-        if not blocked:
-            yield -1, item
-            continue
-        if not (isinstance(item, tuple) and len(item) == 2):
-            raise QKGeomError("blocked=True: each batch must be a (block, token ids) pair")
-        block, ids = int(item[0]), item[1]
-        if block < max(last, 0):
-            raise QKGeomError(f"token block {block} after block {last}: blocks must be "
-                              "contiguous, numbered 0, 1, ... in order")
-        last = block
-        yield block, ids
 
 
 def measure_batches(model: nn.Module, batches: Iterable[Any], *,
@@ -224,95 +177,162 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
     if precision not in PRECISIONS:
         raise QKGeomError(f"unknown precision {precision!r}; choose one of "
                           f"{', '.join(PRECISIONS)}")
-    dtype = PRECISIONS[precision]
     adapter = adapter_for(model)
-    want_token = spectra or any(m in TOKEN_METRICS for m in wanted)
-    with_post = adapter.rotary and qk_site == "pre-rotary"  # site q/k != attention's
-    acc: dict[int, LayerGeometry] = {}
-    block_records: dict[int, dict[int, list[Record]]] = {}
-    block_tokens: dict[int, int] = {}
-    n_tokens = n_seq = 0
+    passes = _TokenPasses(adapter, PRECISIONS[precision], qk_site)
     with frozen_training_state(model):
-        device = next(model.parameters()).device
-        if want_token:
-            ws = Workspace()  # scratch buffers shared by every layer and batch
-            acc = {s.layer: LayerGeometry(s.n_head, s.n_kv_head, s.head_dim, adapter.causal,
-                                          "pr_qk_token" in wanted, ws, with_post)
-                   for s in adapter.sites}
-            seen: set[int] = set()
-            lengths: list[Tensor | None] = [None]  # real tokens per row of the batch in hand
-
-            def on_qk(layer: int, q_site: Tensor, k_site: Tensor, q_attn: Tensor,
-                      k_attn: Tensor, scale: float) -> None:
-                seen.add(layer)
-                acc[layer].update(q_site.to(dtype), k_site.to(dtype), q_attn.to(dtype),
-                                  k_attn.to(dtype), scale, lengths=lengths[0])
-
-            def end_block(block: int) -> None:
-                block_records[block] = {layer: geo.end_block() for layer, geo in acc.items()}
-
-            current = -1
-            with adapter.capture(on_qk, qk_site), torch.autocast(device.type, enabled=False):
-                for block, batch in _blocks_in_order(batches, blocked):
-                    if block != current:
-                        if current >= 0:
-                            end_block(current)
-                        for geo in acc.values():
-                            geo.begin_block()
-                        current = block
-                    seen.clear()
-                    batch, padded = _unpadded(batch)
-                    lengths[0] = None if padded is None else padded.lengths
-                    # right padding: a causal model needs no mask (real tokens come first)
-                    mask = None if padded is None or adapter.causal else padded.mask
-                    adapter.forward(batch.to(device), mask)
-                    missing = sorted(set(acc) - seen)
-                    if missing:
-                        raise QKGeomError(f"no q/k captured for layers {missing}: the attention "
-                                          "implementation bypasses the HF attention interface; "
-                                          "load the model with attn_implementation='sdpa'")
-                    real = batch.numel() if padded is None else padded.tokens
-                    n_tokens += real
-                    n_seq += batch.shape[0]
-                    if blocked:
-                        block_tokens[block] = block_tokens.get(block, 0) + real
-                    if progress is not None:
-                        progress(real)
-            if current >= 0:
-                end_block(current)
-            if n_seq == 0:
-                raise QKGeomError("no token windows to measure")
-        weights: dict[int, list[Record]] = {s.layer: [] for s in adapter.sites}
-        if any(m in WEIGHT_METRICS for m in wanted):
-            weights.update(_weight_records(adapter))
-        frame = _frame({layer: weights[layer] + (geo.records() if geo else [])
-                        for layer, geo in ((s.layer, acc.get(s.layer)) for s in adapter.sites)},
-                       wanted, columns, -1 if blocked else None)
-        if blocked:
-            frame = pd.concat([frame] + [
-                _frame({layer: weights[layer] + recs.get(layer, []) for layer in weights},
-                       wanted, columns, block) for block, recs in block_records.items()],
-                ignore_index=True)
-        out = Measurement(frame, adapter, tokens=n_tokens, sequences=n_seq,
-                          block_tokens=block_tokens)
-        if spectra:
+        if spectra or any(m in TOKEN_METRICS for m in wanted):  # weight metrics need none
+            passes.run(batches, wanted, blocked, progress, next(model.parameters()).device)
+        out = Measurement(_frame_of(adapter, passes, wanted, columns, blocked), adapter,
+                          tokens=passes.tokens, sequences=passes.sequences,
+                          block_tokens=passes.block_tokens)
+        if spectra:  # the two key spectra, descending
             for site in adapter.sites:
                 w_k = site.weight("k").to(torch.float64)  # (H_kv·hd, d)
                 out.key_sv_weight[site.layer] = torch.linalg.svdvals(w_k).cpu()
-                cov = acc[site.layer].key_covariance()  # (H_kv·hd, H_kv·hd)
-                out.key_eig_token[site.layer] = torch.linalg.eigvalsh(cov).flip(-1).clamp_min(0).cpu()
+                cov = passes.layers[site.layer].key_covariance()  # (H_kv·hd, H_kv·hd)
+                out.key_eig_token[site.layer] = \
+                    torch.linalg.eigvalsh(cov).flip(-1).clamp_min(0).cpu()
     out.seconds = time.perf_counter() - t0
     return out
 
 
-def _frame(records: dict[int, list[Record]], wanted: tuple[str, ...], columns: dict[str, Any],
-           block: int | None) -> pd.DataFrame:
-    """The long frame of ``records`` restricted to ``wanted``, constant ``columns`` in
-    front and, for a blocked measurement, the ``block`` column last."""
-    frame = records_to_frame(records)
+class _TokenPasses:
+    """The forward passes of a measurement: the adapter's capture hands each layer's q/k
+    to :meth:`on_qk`, which streams them into that layer's
+    :class:`~qkgeom.geometry.tokens.LayerGeometry` (and the token block in hand)."""
+
+    def __init__(self, adapter: ModelAdapter, dtype: torch.dtype, qk_site: str) -> None:
+        self.adapter, self.dtype, self.qk_site = adapter, dtype, qk_site
+        self.layers: dict[int, LayerGeometry] = {}  # by :meth:`run`
+        self.lengths: Tensor | None = None  # real tokens per row of the batch in hand
+        self.seen: set[int] = set()  # layers whose q/k the batch in hand delivered
+        self.tokens = self.sequences = 0
+        self.block_tokens: dict[int, int] = {}
+        self.block_records: dict[int, dict[int, list[Record]]] = {}
+
+    def on_qk(self, layer: int, q_site: Tensor, k_site: Tensor, q_attn: Tensor,
+              k_attn: Tensor, scale: float) -> None:
+        """The capture's callback (:data:`~qkgeom.arch.QKCallback`)."""
+        self.seen.add(layer)
+        d = self.dtype
+        self.layers[layer].update(q_site.to(d), k_site.to(d), q_attn.to(d), k_attn.to(d),
+                                  scale, lengths=self.lengths)
+
+    def run(self, batches: Iterable[Any], wanted: tuple[str, ...], blocked: bool,
+            progress: Callable[[int], None] | None, device: torch.device) -> None:
+        """Every batch through the model, token blocks opened and closed in order."""
+        ws = Workspace()  # scratch buffers shared by every layer and batch
+        post = self.adapter.rotary and self.qk_site == "pre-rotary"  # site q/k != attention's
+        self.layers = {s.layer: LayerGeometry(s.n_head, s.n_kv_head, s.head_dim,
+                                              self.adapter.causal, "pr_qk_token" in wanted,
+                                              ws, post) for s in self.adapter.sites}
+        current = -1
+        with self.adapter.capture(self.on_qk, self.qk_site), \
+                torch.autocast(device.type, enabled=False):
+            for block, batch in _blocks_in_order(batches, blocked):
+                if block != current:
+                    self._end_block(current)
+                    for geo in self.layers.values():
+                        geo.begin_block()
+                    current = block
+                real = self._forward(batch, device)
+                if blocked:
+                    self.block_tokens[block] = self.block_tokens.get(block, 0) + real
+                if progress is not None:
+                    progress(real)
+        self._end_block(current)
+        if self.sequences == 0:
+            raise QKGeomError("no token windows to measure")
+
+    def _forward(self, batch: Any, device: torch.device) -> int:
+        """One forward pass over ``batch``; returns its real tokens."""
+        self.seen.clear()
+        ids, padded = _unpadded(batch)
+        self.lengths = None if padded is None else padded.lengths
+        # right padding: a causal model needs no mask (real tokens come first)
+        mask = None if padded is None or self.adapter.causal else padded.mask
+        self.adapter.forward(ids.to(device), mask)
+        missing = sorted(set(self.layers) - self.seen)
+        if missing:
+            raise QKGeomError(f"no q/k captured for layers {missing}: the attention "
+                              "implementation bypasses the HF attention interface; "
+                              "load the model with attn_implementation='sdpa'")
+        real = ids.numel() if padded is None else padded.tokens
+        self.tokens += real
+        self.sequences += ids.shape[0]
+        return real
+
+    def _end_block(self, block: int) -> None:
+        if block >= 0:
+            self.block_records[block] = {layer: geo.end_block()
+                                         for layer, geo in self.layers.items()}
+
+
+def _blocks_in_order(batches: Iterable[Any], blocked: bool) -> Iterator[tuple[int, Any]]:
+    """``(block, ids)`` of each batch (block −1 when not blocked); block indices must be
+    whole numbers that never decrease (a block is contiguous)."""
+    last = -1
+    for item in batches:
+        if not blocked:
+            yield -1, item
+            continue
+        if not (isinstance(item, tuple) and len(item) == 2):
+            raise QKGeomError("blocked=True: each batch must be a (block, token ids) pair")
+        block, ids = int(item[0]), item[1]
+        if block < max(last, 0):
+            raise QKGeomError(f"token block {block} after block {last}: blocks must be "
+                              "contiguous, numbered 0, 1, ... in order")
+        last = block
+        yield block, ids
+
+
+def _unpadded(batch: Any) -> tuple[Tensor, Padded | None]:
+    """Token ids of a batch (a tensor, or a mapping with ``input_ids`` and optionally an
+    ``attention_mask``) and, when the mask pads anything, the batch moved to right padding."""
+    if not isinstance(batch, Mapping):
+        return torch.as_tensor(batch), None
+    if "input_ids" not in batch:
+        raise QKGeomError("a batch mapping needs 'input_ids'")
+    ids = torch.as_tensor(batch["input_ids"])
+    if ids.ndim == 1:
+        ids = ids[None]
+    mask = check_mask(ids, batch.get("attention_mask"))
+    if mask is None:
+        return ids, None
+    padded = right_padded(ids, mask)
+    return padded.ids, padded
+
+
+def _frame_of(adapter: ModelAdapter, passes: _TokenPasses, wanted: tuple[str, ...],
+              columns: dict[str, Any], blocked: bool) -> pd.DataFrame:
+    """The long frame of the ``wanted`` metrics, constant ``columns`` in front: weight and
+    token records of every layer over all tokens and, when ``blocked``, over each token
+    block (the ``block`` column, last)."""
+    weights: dict[int, list[Record]] = {s.layer: [] for s in adapter.sites}
+    if any(m in WEIGHT_METRICS for m in wanted):
+        weights.update(_weight_records(adapter))
+    tokens = {layer: geo.records() for layer, geo in passes.layers.items()}
+    frames = []
+    for block, part in {-1 if blocked else None: tokens, **passes.block_records}.items():
+        frame = records_to_frame({layer: recs + part.get(layer, [])
+                                  for layer, recs in weights.items()})
+        if block is not None:
+            frame["block"] = pd.Series([block] * len(frame), dtype="int64")
+        frames.append(frame)
+    frame = pd.concat(frames, ignore_index=True)
     frame = frame[frame["metric"].isin(wanted)].reset_index(drop=True)
     for i, (name, value) in enumerate(columns.items()):
         frame.insert(i, name, [value] * len(frame))
-    if block is not None:
-        frame["block"] = pd.Series([block] * len(frame), dtype="int64")
     return frame
+
+
+def _weight_records(adapter: ModelAdapter) -> dict[int, list[Record]]:
+    """Weight-level records of every layer; under GQA each query head is paired with its
+    key head by repeating W_K's heads (which leaves every PR unchanged)."""
+    out = {}
+    for site in adapter.sites:
+        w_q, w_k = site.qk_weights()  # (H·hd, d), (H_kv·hd, d)
+        if site.group > 1:  # key head g serves query heads g·R .. g·R+R-1
+            w_k = site.k_heads(w_k).repeat_interleave(site.group, dim=0).reshape(w_q.shape)
+        out[site.layer] = weight_records(w_q.float(), w_k.float(), site.n_head)
+    return out

@@ -3,8 +3,9 @@
 Pre-LayerNorm blocks, learned positions, GELU MLP x4, tied input/output embeddings
 (docs/definitions.md#model). Queries, keys and values have their own ``nn.Linear`` per layer (no fused
 ``c_attn``) so that probes and the key-spectrum control address W_Q and W_K of every head
-directly. Training attention uses ``scaled_dot_product_attention``; probes tap q and k
-through :func:`qkgeom.model.taps.tap_qk` and compute the explicit softmax themselves.
+directly. Training attention uses ``scaled_dot_product_attention``; probes read q and k
+through each attention layer's ``tap``, which :mod:`qkgeom.arch.gpt` sets only while it
+captures, and compute the explicit softmax themselves.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.tap: QKTap | None = None  # set only while probing
+        self.tap: QKTap | None = None  # set only while a capture runs (qkgeom.arch.gpt)
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape

@@ -69,12 +69,12 @@ from qkgeom.runs import (
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "GeometryMonitor", "train_config_mapping"]
 
 DEFAULT_EVERY = 200
-# The paired token-level PRs and their contrast, the interaction PR of the weights, and
-# attention entropy (what the closed loop and the alerts read).
 #: The monitor's lock file, inside its run folder (a trained run's lock sits beside its
 #: folder, :func:`qkgeom.runs.lock_path`; the monitor's out= is often inside a folder
 #: another tool owns, such as a Trainer's output_dir, where it writes nothing).
 MONITOR_LOCK = ".qkgeom-monitor.lock"
+# The paired token-level PRs and their contrast, the interaction PR of the weights, and
+# attention entropy (what the closed loop and the alerts read).
 DEFAULT_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight", "attn_entropy")
 
 
