@@ -124,6 +124,25 @@ CLAIM_COLUMNS = ["claim_id", "claim", "role", "level", "origin", "from", "criter
                  "p_adj", "p_opposite_adj", "p_equiv_adj", "family", "beside", "verdict",
                  "reason"]
 
+#: The numbers of a claims row that come from its units' test (:func:`stats.unit_test`).
+_UNIT_NUMBERS = ("share", "mean", "ci_low", "ci_high", "p_value", "p_opposite", "p_sign",
+                 "p_equiv", "detectable")
+
+
+def claim_row(claim_id: str, claim: str, level: str, u: dict[str, Any], *, role: str,
+              unit: str, measured: str, estimate: str, test: str, beside: str,
+              reason: str = "", **extra: Any) -> dict[str, Any]:
+    """One row of a claims table, every experiment's (:data:`CLAIM_COLUMNS`; :func:`decide`
+    adds the adjusted p's and the verdict): ``k``, ``n`` and the numbers ``u`` has of
+    :func:`qkgeom.analysis.stats.unit_test`'s (NaN for those it lacks); ``extra``: the
+    experiment's own columns (``origin``, ``from``, ``criterion``, ``delta``, ...)."""
+    nan = float("nan")
+    return {"claim_id": claim_id, "claim": claim, "role": role, "level": level, "unit": unit,
+            "measured": measured, "k": u["k"], "n": u["n"],
+            **{key: u.get(key, nan) for key in _UNIT_NUMBERS}, "estimate": estimate,
+            "test": test, "beside": beside, "reason": reason, **extra}
+
+
 #: A column of a claims table in Markdown: (header, cell of one claims record).
 Cell = tuple[str, Callable[[dict[str, Any]], Any]]
 
