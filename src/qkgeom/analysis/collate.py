@@ -136,29 +136,17 @@ def is_single_run(folder: str | Path) -> bool:
 
 
 def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
-    """One row per run of the sweep: identity, config facts, state, and why it is excluded.
+    """One row per run of the sweep: identity, config facts (:func:`_config_facts`), state,
+    and why it is left out (``excluded``: ``""`` = included, else the reason).
 
-    Columns: ``run_id, dir, depth, qk_init, variant, seed, state, step, steps, warmup_steps,
-    ref_step, batch_size, block_size, n_embd, n_head, lr, probe_every, probe_sequences,
-    vocab_size, data_source, key_control, control, pair_key, cell_key, tokens, source,
-    n_params, model, started, ended, train_seconds, final_val_loss, excluded`` (``""`` =
-    included, else the reason). ``source`` is who wrote the run (``"qkgeom.monitor"`` for a
-    :class:`~qkgeom.monitor.GeometryMonitor`, ``""`` for the trainer); ``n_params`` is the
-    parameter count the record states (a monitored model's), else NaN. A monitored run did
-    not build its model, so its Q/K init is unknown (a pretrained model has none):
-    ``model`` and ``qk_init`` then hold the model's class (``""`` and the init for a
-    trained run). ``started`` and ``ended`` are the run's first start and last write
-    (``status.json``, seconds since the epoch; NaN when not recorded). A record without a
-    training config (a monitored model qkgeom could not map) takes depth, heads and width
-    from the model facts it records.
-    ``ref_step`` is the configured post-transient reference (:attr:`TrainConfig.ref_step`:
-    ``reference_step``, or 25 % of the steps when it is −1). ``key_control`` is the control's
-    mode and ``control`` the ``key_control.*`` settings the run's own config.json states
-    (unprefixed; E3 names its arm from them); runs with equal ``pair_key`` differ only in
-    their key control (and in device/threads/compile), runs with equal ``cell_key`` also in
-    their seed. ``train_seconds`` sums the logged intervals' tokens
-    over their throughput (time in training steps; probes and evals not counted).
-    """
+    ``source`` is who wrote the run: ``"qkgeom.monitor"`` for a
+    :class:`~qkgeom.monitor.GeometryMonitor`, which did not build its model, so ``model`` and
+    ``qk_init`` hold the model's class (a pretrained model has no init); ``ref_step`` is
+    :attr:`TrainConfig.ref_step`; runs with equal ``pair_key`` differ only in their key
+    control (and device/threads/compile), with equal ``cell_key`` also in their seed;
+    ``started``/``ended`` come from ``status.json`` (seconds since the epoch), and
+    ``train_seconds`` (time in training steps: tokens over logged throughput) and the final
+    losses from the training log."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise QKGeomError(f"{sweep_dir}: not a folder")

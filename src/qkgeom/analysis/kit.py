@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -175,7 +176,8 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
         out.loc[rows, "family"] = len(rows)
         for col in ("p_value", "p_opposite", "p_equiv"):
             values = out.loc[rows, col].to_numpy(dtype=float)
-            out.loc[rows, _adj_name(col)] = stats.holm(values) if adjust else values
+            adj = "p_adj" if col == "p_value" else f"{col}_adj"
+            out.loc[rows, adj] = stats.holm(values) if adjust else values
     universal = out["universal_ok"] if "universal_ok" in out else pd.Series(None,
                                                                            index=out.index)
     out["verdict"] = [
@@ -185,11 +187,6 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
                       else bool(u), reason=r.reason)
         for r, u in zip(out.itertuples(), universal, strict=True)]
     return out
-
-
-def _adj_name(col: str) -> str:
-    """The column of ``col``'s adjusted value: p_value → p_adj, p_opposite → p_opposite_adj."""
-    return "p_adj" if col == "p_value" else f"{col}_adj"
 
 
 def field(key: str) -> Callable[[dict[str, Any]], Any]:
@@ -221,17 +218,9 @@ SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
 INDEPENDENT_UNITS = ("runs", "seeds")
 
 
-def _min_units(alpha: float = ALPHA) -> int:
-    """The fewest units whose exact sign-flip p can fall below ``alpha``: with n units
-    the smallest p is 1/2^n (every unit with the predicted sign)."""
-    n = 1
-    while 0.5 ** n >= alpha:
-        n += 1
-    return n
-
-
-#: Fewer independent units than this give a descriptive report: no verdicts.
-MIN_UNITS = _min_units()
+#: Fewer independent units than this give a descriptive report, no verdicts: the smallest
+#: exact sign-flip p of n units is 1/2^n, which must fall below α.
+MIN_UNITS = math.floor(-math.log2(ALPHA)) + 1
 
 
 def _unit_word(n: int, unit: str) -> str:
@@ -441,25 +430,8 @@ def setup_markdown(table: pd.DataFrame, folder: Path, _traj: Any = None,
         preset = f" on preset {md_code(grid['preset'])}" if grid.get("preset") else ""
         lines.append(f"- **Grid** (sweep.json){preset}: " + "; ".join(
             f"{md_code(k)} ∈ {{{md_text(', '.join(map(str, v)))}}}" for k, v in axes.items()))
-    if len(inc):
-        lines += _model_lines(inc, trained, monitored, unit_line)
-        lines += _training_lines(inc, trained, monitored, reference_line)
-        lines += _val_loss_lines(inc)
-    return "\n".join(lines)
-
-
-def _folder_line(name: str, folder: Path, runs: pd.DataFrame, inc: pd.DataFrame) -> str:
-    if is_single_run(folder):
-        state = "analysed" if len(inc) else "left out (below)"
-        return f"- **Run folder**: {md_code(name)} ({md_text(folder)}); {state}."
-    return (f"- **Sweep**: {md_code(name)} ({md_text(folder)}); {len(runs)} runs, {len(inc)} "
-            f"analysed, {len(runs) - len(inc)} excluded (below).")
-
-
-def _model_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.DataFrame,
-                 unit_line: str) -> list[str]:
-    """Depths, inits, seeds, varying settings, data and model sizes."""
-    lines = []
+    if not len(inc):
+        return "\n".join(lines)
     if len(trained):
         lines.append(f"- **Depths** (n_layer): {distinct(trained['depth'])}; **Q/K inits**: "
                      f"{distinct(trained['qk_init'])}; **seeds**: {distinct(trained['seed'])}")
@@ -482,12 +454,21 @@ def _model_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.DataFra
     if len(unknown):
         lines.append(f"- **Model**: not recorded for {len(unknown)} run(s) (their "
                      "config.json holds no training config); depth 0 stands for unknown.")
-    return lines
+    return "\n".join(lines + _training_lines(inc, trained, monitored, reference_line))
+
+
+def _folder_line(name: str, folder: Path, runs: pd.DataFrame, inc: pd.DataFrame) -> str:
+    if is_single_run(folder):
+        state = "analysed" if len(inc) else "left out (below)"
+        return f"- **Run folder**: {md_code(name)} ({md_text(folder)}); {state}."
+    return (f"- **Sweep**: {md_code(name)} ({md_text(folder)}); {len(runs)} runs, {len(inc)} "
+            f"analysed, {len(runs) - len(inc)} excluded (below).")
 
 
 def _training_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.DataFrame,
                     reference_line: str) -> list[str]:
-    """Steps, batch, tokens and rate; probes; training and wall-clock time."""
+    """Steps, batch, tokens and rate; probes; training and wall-clock time; the final
+    validation loss per depth × init (× varying setting), over seeds."""
     lines = []
     if len(trained):
         lines.append(f"- **Training**: {distinct(trained['steps'])} steps × batch "
@@ -517,20 +498,15 @@ def _training_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.Data
         lines.append(f"- **Wall-clock time**: {_duration(wall)} from the first run's "
                      "start to the last run's end (status.json; runs side by side "
                      "overlap, a pause between attempts counts)")
-    return lines
-
-
-def _val_loss_lines(inc: pd.DataFrame) -> list[str]:
-    """The final validation loss per depth × init (× varying setting), over seeds."""
     if "final_val_loss" not in inc or not inc["final_val_loss"].notna().any():
-        return []
+        return lines
     variants = any(v for v in inc["variant"].unique())
     vl = inc.groupby(["depth", "qk_init", "variant"])["final_val_loss"].agg(["mean", "std"])
-    return ["", "Final validation loss (nats/char), mean ± sd over seeds:", "", md_table(
-        ["depth", "qk_init", *(["variant"] if variants else []), "val loss"],
-        [[d, md_text(i), *([md_text(v)] if variants else []),
-          f"{m:.3f}" + (f" ± {s:.3f}" if np.isfinite(s) else "")]
-         for (d, i, v), (m, s) in vl.iterrows()])]
+    return [*lines, "", "Final validation loss (nats/char), mean ± sd over seeds:", "",
+            md_table(["depth", "qk_init", *(["variant"] if variants else []), "val loss"],
+                     [[d, md_text(i), *([md_text(v)] if variants else []),
+                       f"{m:.3f}" + (f" ± {s:.3f}" if np.isfinite(s) else "")]
+                      for (d, i, v), (m, s) in vl.iterrows()])]
 
 
 def excluded_markdown(table: pd.DataFrame) -> str:
