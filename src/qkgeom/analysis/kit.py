@@ -636,7 +636,7 @@ def _place_image(el: Any, folder: Path) -> None:
     try:
         path = (root / el.get("src", "")).resolve()
         ok = path.suffix.lower() == ".png" and path.is_relative_to(root) and path.is_file()
-    except (OSError, ValueError):
+    except (OSError, RuntimeError, ValueError):  # a bad name, a link loop
         ok = False
     if not ok:
         alt = el.get("alt", "")
