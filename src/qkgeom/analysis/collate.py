@@ -5,7 +5,7 @@ docs/definitions.md). Every fact the analysis needs (depth, Q/K init, seed, warm
 reference step) is read from each run's own ``config.json``, so the analysis works whatever
 ``sweep.json`` records, on a bare folder of runs, and on one run folder. Runs that did not
 finish (``diverged``, ``failed``, still ``running``, or with no metrics) are left out of
-every average and listed, with the reason, in ``table.attrs["excluded"]``. So is a run
+every average and listed, with the reason, by :func:`excluded_runs`. So is a run
 whose files are unreadable or of the wrong types (checked against their schemas,
 :mod:`qkgeom.runs.schema`): one bad run never sinks the report. A run folder that
 ``sweep.json`` places outside the sweep folder (``"dir": "/abs/run"``, ``../x``) is
@@ -136,135 +136,124 @@ def is_single_run(folder: str | Path) -> bool:
 
 
 def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
-    """One row per run of the sweep: identity, config facts, state, and why it is excluded.
+    """One row per run of the sweep: identity, config facts (:func:`_config_facts`), state,
+    and why it is left out (``excluded``: ``""`` = included, else the reason).
 
-    Columns: ``run_id, dir, depth, qk_init, variant, seed, state, step, steps, warmup_steps,
-    ref_step, batch_size, block_size, n_embd, n_head, lr, probe_every, probe_sequences,
-    vocab_size, data_source, key_control, control, pair_key, cell_key, tokens, source,
-    n_params, model, started, ended, train_seconds, final_val_loss, excluded`` (``""`` =
-    included, else the reason). ``source`` is who wrote the run (``"qkgeom.monitor"`` for a
-    :class:`~qkgeom.monitor.GeometryMonitor`, ``""`` for the trainer); ``n_params`` is the
-    parameter count the record states (a monitored model's), else NaN. A monitored run did
-    not build its model, so its Q/K init is unknown (a pretrained model has none):
-    ``model`` and ``qk_init`` then hold the model's class (``""`` and the init for a
-    trained run). ``started`` and ``ended`` are the run's first start and last write
-    (``status.json``, seconds since the epoch; NaN when not recorded). A record without a
-    training config (a monitored model qkgeom could not map) takes depth, heads and width
-    from the model facts it records.
-    ``ref_step`` is the configured post-transient reference (:attr:`TrainConfig.ref_step`:
-    ``reference_step``, or 25 % of the steps when it is −1). ``key_control`` is the control's
-    mode and ``control`` the ``key_control.*`` settings the run's own config.json states
-    (unprefixed; E3 names its arm from them); runs with equal ``pair_key`` differ only in
-    their key control (and in device/threads/compile), runs with equal ``cell_key`` also in
-    their seed. ``train_seconds`` sums the logged intervals' tokens
-    over their throughput (time in training steps; probes and evals not counted).
-    """
+    ``source`` is who wrote the run: ``"qkgeom.monitor"`` for a
+    :class:`~qkgeom.monitor.GeometryMonitor`, which did not build its model, so ``model`` and
+    ``qk_init`` hold the model's class (a pretrained model has no init); ``ref_step`` is
+    :attr:`TrainConfig.ref_step`; runs with equal ``pair_key`` differ only in their key
+    control (and device/threads/compile), with equal ``cell_key`` also in their seed;
+    ``started``/``ended`` come from ``status.json`` (seconds since the epoch), and
+    ``train_seconds`` (time in training steps: tokens over logged throughput) and the final
+    losses from the training log."""
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise QKGeomError(f"{sweep_dir}: not a folder")
     _, entries = _sweep_entries(sweep_dir)
     if not entries:
         raise QKGeomError(f"{sweep_dir}: no runs found (expected sweep.json or runs/<id>/config.json)")
-    rows, flat_cfgs = [], []
-    for entry in entries:
-        folder: Path = entry["dir"]
-        row: dict[str, Any] = {"run_id": entry["run_id"], "dir": str(folder), "excluded": ""}
-        flat: dict[str, Any] = {}
-        if entry.get("refused"):
-            row.update(state="unreadable", excluded=entry["refused"])
-            rows.append(row)
-            flat_cfgs.append(flat)
-            continue
-        if not (folder / "config.json").exists():
-            row.update(state="pending", excluded="not started (no config.json)")
-            axes = entry["axes"]
-            row.update(depth=axes.get("model.n_layer"), qk_init=axes.get("model.qk_init"),
-                       seed=axes.get("seed"))
-            rows.append(row)
-            flat_cfgs.append(flat)
-            continue
-        try:
-            prov = read_record(folder)
-            try:  # the values of the types a config has (a monitor's may be {})
-                check_config_types(prov["config"])
-            except QKGeomError as err:
-                raise QKGeomError(f"{folder / 'config.json'}: {err}") from None
-        except QKGeomError as err:  # one unreadable run is listed, never sinks the report
-            row.update(state="unreadable", excluded=f"unreadable run: {err}")
-            rows.append(row)
-            flat_cfgs.append(flat)
-            continue
-        cfg = prov.get("config", {})
-        # A field a run's config lacks (written by an older qkgeom) has its default value,
-        # so adding a config field never splits one setting into two variants.
-        flat = {**_DEFAULT_FLAT, **_flatten(cfg)}
-        try:  # record facts of the wrong types: this run is unreadable, not the report
-            facts = prov.get("model") if isinstance(prov.get("model"), dict) else {}
-            known = {"n_layer": facts.get("n_layer"), "n_head": facts.get("n_head"),
-                     "n_embd": facts.get("d_model")}
-            model = {**{k: v for k, v in known.items() if v is not None}, **cfg.get("model", {})}
-            warmup = int(cfg.get("warmup_steps", 0))
-            steps = int(cfg.get("steps", 0))
-            # the one rule (TrainConfig.ref_step): explicit reference_step, else 25 % of steps
-            ref = TrainConfig(steps=steps, reference_step=int(cfg.get("reference_step", -1))).ref_step
-            row.update(
-                run_id=prov.get("run_id", entry["run_id"]),
-                depth=int(model.get("n_layer", 0)),
-                qk_init=(_model_name(facts) if prov.get("source") == MONITOR_SOURCE
-                         else str(model.get("qk_init", "?"))),
-                seed=int(cfg.get("seed", 0)), steps=steps, warmup_steps=warmup,
-                ref_step=ref, batch_size=int(cfg.get("batch_size", 0)),
-                block_size=int(model.get("block_size", 0)), n_embd=int(model.get("n_embd", 0)),
-                n_head=int(model.get("n_head", 0)), bias=bool(model.get("bias", False)),
-                lr=cfg.get("lr"),
-                probe_every=cfg.get("probe_every"), probe_sequences=cfg.get("probe_sequences"),
-                vocab_size=int(prov.get("vocab_size", model.get("vocab_size", 0))),
-                data_source=str(prov.get("data_source") or cfg.get("data") or "?"),
-                config_hash=prov.get("config_hash", ""),
-                key_control=str(flat.get("key_control.mode", "none")),
-                control={k.removeprefix(CONTROL_PREFIX): v for k, v in _flatten(cfg).items()
-                         if k.startswith(CONTROL_PREFIX)},
-                pair_key=_digest(flat, _EXECUTION), cell_key=_digest(flat, _EXECUTION | {"seed"}),
-                source=str(prov.get("source") or ""),
-                n_params=facts.get("n_params", np.nan),
-                model=_model_name(facts) if prov.get("source") == MONITOR_SOURCE else "",
-            )
-        except (TypeError, ValueError, AttributeError) as err:
-            row.update(state="unreadable", excluded=f"unreadable run: {folder / 'config.json'}: "
-                       f"a value of the wrong type ({' '.join(str(err).split())[:100]})")
-            rows.append(row)
-            flat_cfgs.append({})
-            continue
-        row["tokens"] = steps * row["batch_size"] * row["block_size"]
-        status, problem = _read_status(folder / "status.json")
-        state = status.get("state", "unknown")
-        row.update(state=state, step=status.get("step"), started=status.get("started"),
-                   ended=status.get("updated"))
-        if state in ("diverged", "failed"):
-            where = status.get("diverged_step", status.get("step"))
-            msg = status.get("error") or status.get("message") or ""
-            row["excluded"] = f"{state} at step {where}" + (f": {msg}" if msg else "")
-        elif problem:
-            row["excluded"] = problem
-        elif state != "done":
-            row["excluded"] = (f"incomplete ({state}, step {status.get('step', '?')}/{steps})"
-                               if status else "incomplete (no status.json)")
-        elif not has_metrics(folder):
-            row["excluded"] = "no metrics.parquet"
-        try:
-            log = read_log(folder)
-        except QKGeomError as err:
-            log = None
-            row["excluded"] = row["excluded"] or f"unreadable training log ({err})"
-        if log is not None:
-            row.update(_log_facts(log, row["batch_size"] * row["block_size"]))
-        rows.append(row)
-        flat_cfgs.append(flat)
-    table = pd.DataFrame(rows)
-    table["variant"] = _variants(flat_cfgs)
+    rows, flat_cfgs = zip(*(_run_row(entry) for entry in entries), strict=True)
+    table = pd.DataFrame(list(rows))
+    table["variant"] = _variants(list(flat_cfgs))
     dup = table["run_id"].duplicated(keep="first")
     table.loc[dup, "excluded"] = "duplicate run_id"
     return table
+
+
+def _run_row(entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run's row of :func:`runs_table` and its flattened config ({} for a run that is
+    not read: refused, not started, or unreadable, each with its reason)."""
+    folder: Path = entry["dir"]
+    row: dict[str, Any] = {"run_id": entry["run_id"], "dir": str(folder), "excluded": ""}
+    if entry.get("refused"):
+        return {**row, "state": "unreadable", "excluded": entry["refused"]}, {}
+    if not (folder / "config.json").exists():
+        axes = entry["axes"]
+        return {**row, "state": "pending", "excluded": "not started (no config.json)",
+                "depth": axes.get("model.n_layer"), "qk_init": axes.get("model.qk_init"),
+                "seed": axes.get("seed")}, {}
+    try:
+        prov = read_record(folder)
+        try:  # the values of the types a config has (a monitor's may be {})
+            check_config_types(prov["config"])
+        except QKGeomError as err:
+            raise QKGeomError(f"{folder / 'config.json'}: {err}") from None
+    except QKGeomError as err:  # one unreadable run is listed, never sinks the report
+        return {**row, "state": "unreadable", "excluded": f"unreadable run: {err}"}, {}
+    # A field a run's config lacks (written by an older qkgeom) has its default value,
+    # so adding a config field never splits one setting into two variants.
+    flat = {**_DEFAULT_FLAT, **_flatten(prov.get("config", {}))}
+    try:  # record facts of the wrong types: this run is unreadable, not the report
+        row.update(_config_facts(prov, entry["run_id"], flat))
+    except (TypeError, ValueError, AttributeError) as err:
+        return {**row, "state": "unreadable", "excluded": f"unreadable run: "
+                f"{folder / 'config.json'}: a value of the wrong type "
+                f"({' '.join(str(err).split())[:100]})"}, {}
+    row["tokens"] = row["steps"] * row["batch_size"] * row["block_size"]
+    _add_state(row, folder)
+    return row, flat
+
+
+def _config_facts(prov: dict[str, Any], run_id: str, flat: dict[str, Any]) -> dict[str, Any]:
+    """The facts of one run's record (its config, else the model facts a monitor
+    recorded); a value of the wrong type raises TypeError or ValueError."""
+    cfg = prov.get("config", {})
+    facts = prov.get("model") if isinstance(prov.get("model"), dict) else {}
+    known = {"n_layer": facts.get("n_layer"), "n_head": facts.get("n_head"),
+             "n_embd": facts.get("d_model")}
+    model = {**{k: v for k, v in known.items() if v is not None}, **cfg.get("model", {})}
+    monitored = prov.get("source") == MONITOR_SOURCE
+    warmup, steps = int(cfg.get("warmup_steps", 0)), int(cfg.get("steps", 0))
+    # the one rule (TrainConfig.ref_step): explicit reference_step, else 25 % of steps
+    ref = TrainConfig(steps=steps, reference_step=int(cfg.get("reference_step", -1))).ref_step
+    return {
+        "run_id": prov.get("run_id", run_id), "depth": int(model.get("n_layer", 0)),
+        "qk_init": _model_name(facts) if monitored else str(model.get("qk_init", "?")),
+        "seed": int(cfg.get("seed", 0)), "steps": steps, "warmup_steps": warmup,
+        "ref_step": ref, "batch_size": int(cfg.get("batch_size", 0)),
+        "block_size": int(model.get("block_size", 0)), "n_embd": int(model.get("n_embd", 0)),
+        "n_head": int(model.get("n_head", 0)), "bias": bool(model.get("bias", False)),
+        "lr": cfg.get("lr"), "probe_every": cfg.get("probe_every"),
+        "probe_sequences": cfg.get("probe_sequences"),
+        "vocab_size": int(prov.get("vocab_size", model.get("vocab_size", 0))),
+        "data_source": str(prov.get("data_source") or cfg.get("data") or "?"),
+        "config_hash": prov.get("config_hash", ""),
+        # E3 pairs runs by these (qkgeom.analysis.e3.arms)
+        "key_control": str(flat.get("key_control.mode", "none")),
+        "control": {k.removeprefix(CONTROL_PREFIX): v for k, v in _flatten(cfg).items()
+                    if k.startswith(CONTROL_PREFIX)},
+        "pair_key": _digest(flat, _EXECUTION), "cell_key": _digest(flat, _EXECUTION | {"seed"}),
+        "source": str(prov.get("source") or ""), "n_params": facts.get("n_params", np.nan),
+        "model": _model_name(facts) if monitored else "",
+    }
+
+
+def _add_state(row: dict[str, Any], folder: Path) -> None:
+    """The run's state, step and times from ``status.json``, why it is left out (if it
+    is), and its training log's facts, into ``row``."""
+    status, problem = _read_status(folder / "status.json")
+    state = status.get("state", "unknown")
+    row.update(state=state, step=status.get("step"), started=status.get("started"),
+               ended=status.get("updated"))
+    if state in ("diverged", "failed"):
+        where = status.get("diverged_step", status.get("step"))
+        msg = status.get("error") or status.get("message") or ""
+        row["excluded"] = f"{state} at step {where}" + (f": {msg}" if msg else "")
+    elif problem:
+        row["excluded"] = problem
+    elif state != "done":
+        row["excluded"] = (f"incomplete ({state}, step {status.get('step', '?')}/{row['steps']})"
+                           if status else "incomplete (no status.json)")
+    elif not has_metrics(folder):
+        row["excluded"] = "no metrics.parquet"
+    try:
+        log = read_log(folder)
+    except QKGeomError as err:
+        row["excluded"] = row["excluded"] or f"unreadable training log ({err})"
+        return
+    if log is not None:
+        row.update(_log_facts(log, row["batch_size"] * row["block_size"]))
 
 
 def _model_name(facts: dict[str, Any]) -> str:
@@ -398,6 +387,9 @@ def bare(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+# What collate() attaches to its table is read through these four functions only.
+
+
 def runs_of(table: pd.DataFrame) -> pd.DataFrame:
     """The per-run facts :func:`collate` attached to ``table`` (all runs, excluded too)."""
     return pd.DataFrame(table.attrs.get("runs", []))
@@ -407,6 +399,19 @@ def excluded_runs(table: pd.DataFrame) -> pd.DataFrame:
     """The runs :func:`collate` left out, with ``state`` and the reason (``excluded``)."""
     return pd.DataFrame(table.attrs.get("excluded", []),
                         columns=["run_id", "depth", "qk_init", "seed", "state", "excluded"])
+
+
+def sweep_of(table: pd.DataFrame) -> tuple[str | None, dict[str, Any]]:
+    """``(name, sweep.json)`` of the folder :func:`collate` read (None and {} when the
+    table carries neither)."""
+    return table.attrs.get("name"), table.attrs.get("sweep") or {}
+
+
+def ref_steps(table: pd.DataFrame) -> dict[str, int]:
+    """Each run's configured reference step (:attr:`TrainConfig.ref_step`), from the run
+    facts :func:`collate` attached (runs without one left out)."""
+    return {r["run_id"]: int(r["ref_step"]) for r in table.attrs.get("runs", [])
+            if r.get("ref_step") is not None}
 
 
 def trajectories(table: pd.DataFrame, metric: str, head: int | None = -1,

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import base64
 import html
+import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -40,6 +41,7 @@ from qkgeom.analysis.collate import (
     is_single_run,
     runs_of,
     sweep_axes,
+    sweep_of,
 )
 from qkgeom.analysis.stats import ALPHA, SUPPORTED
 from qkgeom.io import atomic_write
@@ -123,6 +125,25 @@ CLAIM_COLUMNS = ["claim_id", "claim", "role", "level", "origin", "from", "criter
                  "p_adj", "p_opposite_adj", "p_equiv_adj", "family", "beside", "verdict",
                  "reason"]
 
+#: The numbers of a claims row that come from its units' test (:func:`stats.unit_test`).
+_UNIT_NUMBERS = ("share", "mean", "ci_low", "ci_high", "p_value", "p_opposite", "p_sign",
+                 "p_equiv", "detectable")
+
+
+def claim_row(claim_id: str, claim: str, level: str, u: dict[str, Any], *, role: str,
+              unit: str, measured: str, estimate: str, test: str, beside: str,
+              reason: str = "", **extra: Any) -> dict[str, Any]:
+    """One row of a claims table, every experiment's (:data:`CLAIM_COLUMNS`; :func:`decide`
+    adds the adjusted p's and the verdict): ``k``, ``n`` and the numbers ``u`` has of
+    :func:`qkgeom.analysis.stats.unit_test`'s (NaN for those it lacks); ``extra``: the
+    experiment's own columns (``origin``, ``from``, ``criterion``, ``delta``, ...)."""
+    nan = float("nan")
+    return {"claim_id": claim_id, "claim": claim, "role": role, "level": level, "unit": unit,
+            "measured": measured, "k": u["k"], "n": u["n"],
+            **{key: u.get(key, nan) for key in _UNIT_NUMBERS}, "estimate": estimate,
+            "test": test, "beside": beside, "reason": reason, **extra}
+
+
 #: A column of a claims table in Markdown: (header, cell of one claims record).
 Cell = tuple[str, Callable[[dict[str, Any]], Any]]
 
@@ -155,7 +176,8 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
         out.loc[rows, "family"] = len(rows)
         for col in ("p_value", "p_opposite", "p_equiv"):
             values = out.loc[rows, col].to_numpy(dtype=float)
-            out.loc[rows, _adj_name(col)] = stats.holm(values) if adjust else values
+            adj = "p_adj" if col == "p_value" else f"{col}_adj"
+            out.loc[rows, adj] = stats.holm(values) if adjust else values
     universal = out["universal_ok"] if "universal_ok" in out else pd.Series(None,
                                                                            index=out.index)
     out["verdict"] = [
@@ -165,11 +187,6 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
                       else bool(u), reason=r.reason)
         for r, u in zip(out.itertuples(), universal, strict=True)]
     return out
-
-
-def _adj_name(col: str) -> str:
-    """The column of ``col``'s adjusted value: p_value → p_adj, p_opposite → p_opposite_adj."""
-    return "p_adj" if col == "p_value" else f"{col}_adj"
 
 
 def field(key: str) -> Callable[[dict[str, Any]], Any]:
@@ -201,17 +218,9 @@ SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
 INDEPENDENT_UNITS = ("runs", "seeds")
 
 
-def _min_units(alpha: float = ALPHA) -> int:
-    """The fewest units whose exact sign-flip p can fall below ``alpha``: with n units
-    the smallest p is 1/2^n (every unit with the predicted sign)."""
-    n = 1
-    while 0.5 ** n >= alpha:
-        n += 1
-    return n
-
-
-#: Fewer independent units than this give a descriptive report: no verdicts.
-MIN_UNITS = _min_units()
+#: Fewer independent units than this give a descriptive report, no verdicts: the smallest
+#: exact sign-flip p of n units is 1/2^n, which must fall below α.
+MIN_UNITS = math.floor(-math.log2(ALPHA)) + 1
 
 
 def _unit_word(n: int, unit: str) -> str:
@@ -351,7 +360,8 @@ def _n_params(r: pd.Series) -> int:
         2 if r.get("bias") else 1)
 
 
-def _range(values: pd.Series, fmt: str = "{}") -> str:
+def distinct(values: pd.Series, fmt: str = "{}") -> str:
+    """The distinct values, sorted, as Markdown text (``n/a`` for none)."""
     vals = sorted({v for v in values.dropna().tolist()}, key=lambda v: (str(type(v)), v))
     if not vals:
         return "n/a"
@@ -390,9 +400,64 @@ def _model_line(sizes: pd.DataFrame) -> str:
     return "- **Models**: " + "; ".join(one(r) for _, r in sizes.iterrows())
 
 
-def _folder_line(table: pd.DataFrame, folder: Path, runs: pd.DataFrame,
-                 inc: pd.DataFrame) -> str:
-    name = table.attrs.get("name") or folder.name
+def run_groups(table: pd.DataFrame) -> tuple[pd.DataFrame, ...]:
+    """``(runs, included, trained, monitored)``: every run :func:`collate` listed, those
+    in the numbers, and of these the ones qkgeom trained and the ones a
+    :class:`~qkgeom.monitor.GeometryMonitor` watched in the user's own loop."""
+    runs = runs_of(table)
+    inc = runs[runs["excluded"] == ""] if len(runs) else runs
+    monitored = inc[inc["source"] == MONITOR_SOURCE] if "source" in inc else inc.iloc[:0]
+    return runs, inc, inc.drop(monitored.index), monitored
+
+
+def setup_markdown(table: pd.DataFrame, folder: Path, _traj: Any = None,
+                   trajectories: bool = False, *, unit_line: str = "",
+                   reference_line: str = "") -> str:
+    """Grid, data, model sizes, tokens, seeds, probes and time of a sweep or of one run
+    folder; an experiment adds its own lines: ``unit_line`` (after the models: what its
+    statistics count) and ``reference_line`` (before the probes). ``_traj`` and
+    ``trajectories`` are unused (E3's call still passes them).
+
+    Facts a folder does not record are left out with a note: runs whose ``config.json``
+    holds no training config, and runs a :class:`~qkgeom.monitor.GeometryMonitor` watched
+    (its record knows the model and probes, not the training loop's data, batch or rate)."""
+    runs, inc, trained, monitored = run_groups(table)
+    name, spec = sweep_of(table)
+    lines = ["## Setup", "", _folder_line(name or folder.name, folder, runs, inc)]
+    axes = sweep_axes(spec)
+    if axes:
+        grid = spec.get("grid", {})
+        preset = f" on preset {md_code(grid['preset'])}" if grid.get("preset") else ""
+        lines.append(f"- **Grid** (sweep.json){preset}: " + "; ".join(
+            f"{md_code(k)} ∈ {{{md_text(', '.join(map(str, v)))}}}" for k, v in axes.items()))
+    if not len(inc):
+        return "\n".join(lines)
+    if len(trained):
+        lines.append(f"- **Depths** (n_layer): {distinct(trained['depth'])}; **Q/K inits**: "
+                     f"{distinct(trained['qk_init'])}; **seeds**: {distinct(trained['seed'])}")
+    if len(monitored):  # the monitor did not build the model: no init, no seed
+        lines.append(f"- **Monitored model**: {distinct(monitored['qk_init'])}, depth "
+                     f"{distinct(monitored['depth'])} (the monitor watched a model it did "
+                     "not build: its Q/K init, e.g. pretrained, and seed are not known)")
+    lines += [unit_line] if unit_line else []
+    variants = [v for v in inc["variant"].unique() if v]
+    if variants:
+        lines.append(f"- **Other varying settings** (kept apart): "
+                     f"{md_text(', '.join(variants))}")
+    if len(trained):
+        lines.append(f"- **Data**: {distinct(trained['data_source'])}; vocabulary "
+                     f"{distinct(trained['vocab_size'])} characters")
+    sizes = inc[inc["depth"] > 0].drop_duplicates("depth").sort_values("depth")
+    if len(sizes):
+        lines.append(_model_line(sizes))
+    unknown = inc[inc["depth"] == 0]
+    if len(unknown):
+        lines.append(f"- **Model**: not recorded for {len(unknown)} run(s) (their "
+                     "config.json holds no training config); depth 0 stands for unknown.")
+    return "\n".join(lines + _training_lines(inc, trained, monitored, reference_line))
+
+
+def _folder_line(name: str, folder: Path, runs: pd.DataFrame, inc: pd.DataFrame) -> str:
     if is_single_run(folder):
         state = "analysed" if len(inc) else "left out (below)"
         return f"- **Run folder**: {md_code(name)} ({md_text(folder)}); {state}."
@@ -400,98 +465,48 @@ def _folder_line(table: pd.DataFrame, folder: Path, runs: pd.DataFrame,
             f"analysed, {len(runs) - len(inc)} excluded (below).")
 
 
-def setup_markdown(table: pd.DataFrame, sweep_dir: Path, traj: pd.DataFrame,
-                   trajectories: bool = True) -> str:
-    """Grid, data, model sizes, tokens, seeds, reference steps and wall time of a sweep or
-    of one run folder. ``trajectories=False`` (E3, whose unit is the seed) leaves out the
-    E1 trajectory count and the reference probe used by the E1/E2 statistics.
-
-    Facts a folder does not record are left out with a note: runs whose ``config.json``
-    holds no training config, and runs a :class:`~qkgeom.monitor.GeometryMonitor` watched
-    (its record knows the model and probes, not the training loop's data, batch or rate)."""
-    runs = runs_of(table)
-    spec = table.attrs.get("sweep") or {}
-    inc = runs[runs["excluded"] == ""] if len(runs) else runs
-    lines = ["## Setup", "", _folder_line(table, sweep_dir, runs, inc)]
-    axes = sweep_axes(spec)
-    if axes:
-        grid = spec.get("grid", {})
-        preset = f" on preset {md_code(grid['preset'])}" if grid.get("preset") else ""
-        lines.append(f"- **Grid** (sweep.json){preset}: " + "; ".join(
-            f"{md_code(k)} ∈ {{{md_text(', '.join(map(str, v)))}}}" for k, v in axes.items()))
-    if len(inc):
-        monitored = inc[inc["source"] == MONITOR_SOURCE] if "source" in inc else inc.iloc[:0]
-        trained = inc.drop(monitored.index)
-        unknown = inc[inc["depth"] == 0]
-        if len(trained):
-            lines.append(f"- **Depths** (n_layer): {_range(trained['depth'])}; **Q/K inits**: "
-                         f"{_range(trained['qk_init'])}; **seeds**: {_range(trained['seed'])}")
-        if len(monitored):  # the monitor did not build the model: no init, no seed
-            lines.append(f"- **Monitored model**: {_range(monitored['qk_init'])}, depth "
-                         f"{_range(monitored['depth'])} (the monitor watched a model it did "
-                         "not build: its Q/K init, e.g. pretrained, and seed are not known)")
-        per = inc.groupby(["depth", "qk_init", "variant"])["seed"].nunique()
-        if trajectories:
-            cells = int(inc.drop_duplicates(['depth', 'qk_init', 'variant'])['depth'].sum())
-            what = "model" if len(monitored) and not len(trained) else "init"
-            seeds = (f"**Seeds per depth × init**: {per.min()}–{per.max()}; "
-                     if len(trained) else "")
-            label = "**trajectories**" if seeds else "**Trajectories**"
-            lines.append(f"- {seeds}{label} (depth × {what} × layer): {cells}")
-        variants = [v for v in inc["variant"].unique() if v]
-        if variants:
-            lines.append(f"- **Other varying settings** (kept apart): "
-                         f"{md_text(', '.join(variants))}")
-        if len(trained):
-            lines.append(f"- **Data**: {_range(trained['data_source'])}; vocabulary "
-                         f"{_range(trained['vocab_size'])} characters")
-        sizes = inc[inc["depth"] > 0].drop_duplicates("depth").sort_values("depth")
-        if len(sizes):
-            lines.append(_model_line(sizes))
-        if len(unknown):
-            lines.append(f"- **Model**: not recorded for {len(unknown)} run(s) (their "
-                         "config.json holds no training config); depth 0 stands for unknown.")
-        if len(trained):
-            lines.append(f"- **Training**: {_range(trained['steps'])} steps × batch "
-                         f"{_range(trained['batch_size'])} × {_range(trained['block_size'])} "
-                         f"tokens = {_range(trained['tokens'], '{:,}')} tokens per run; peak lr "
-                         f"{_range(trained['lr'])}; LR warm-up {_range(trained['warmup_steps'])} "
-                         "steps")
-        if len(monitored):
-            lines.append(f"- **Monitored** ({len(monitored)} run(s), `GeometryMonitor` in the "
-                         f"user's own training loop): "
-                         f"{_range(monitored['steps'].where(monitored['steps'] > 0))} steps; the "
-                         "loop's data, batch, learning rate and warm-up are not recorded "
-                         "(config.json holds defaults for them) and not shown.")
-        ref_used = (sorted(traj.loc[traj["origin"] == "reference", "start_step"].unique())
-                    if len(traj) else [])
-        if trajectories:
-            lines.append(f"- **Reference step** (configured): {_range(inc['ref_step'])}; first "
-                         f"probe at or after it (used): {', '.join(map(str, ref_used)) or 'n/a'}")
-        lines.append(f"- **Probes**: every {_range(inc['probe_every'])} steps plus step 0 and the "
-                     f"last, on {_range(inc['probe_sequences'])} held-out sequences × context")
-        if "train_seconds" in trained and trained["train_seconds"].notna().any():
-            ts = trained["train_seconds"].dropna()
-            summed = (f", {_duration(float(ts.sum()))} summed over {len(ts)} runs"
-                      if len(ts) > 1 else "")
-            lines.append(f"- **Training time** (training steps only, from train_log "
-                         f"throughput; probes and evals not counted): "
-                         f"{'median ' if len(ts) > 1 else ''}{_duration(float(ts.median()))}"
-                         f"{' per run' if len(ts) > 1 else ''}{summed}")
-        wall = _wall_clock(trained)
-        if wall is not None:
-            lines.append(f"- **Wall-clock time**: {_duration(wall)} from the first run's "
-                         "start to the last run's end (status.json; runs side by side "
-                         "overlap, a pause between attempts counts)")
-        if "final_val_loss" in inc and inc["final_val_loss"].notna().any():
-            vl = inc.groupby(["depth", "qk_init", "variant"])["final_val_loss"].agg(["mean", "std"])
-            lines += ["", "Final validation loss (nats/char), mean ± sd over seeds:", ""]
-            lines.append(md_table(
-                ["depth", "qk_init", *(["variant"] if variants else []), "val loss"],
-                [[d, md_text(i), *([md_text(v)] if variants else []),
-                  f"{m:.3f}" + (f" ± {s:.3f}" if np.isfinite(s) else "")]
-                 for (d, i, v), (m, s) in vl.iterrows()]))
-    return "\n".join(lines)
+def _training_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.DataFrame,
+                    reference_line: str) -> list[str]:
+    """Steps, batch, tokens and rate; probes; training and wall-clock time; the final
+    validation loss per depth × init (× varying setting), over seeds."""
+    lines = []
+    if len(trained):
+        lines.append(f"- **Training**: {distinct(trained['steps'])} steps × batch "
+                     f"{distinct(trained['batch_size'])} × {distinct(trained['block_size'])} "
+                     f"tokens = {distinct(trained['tokens'], '{:,}')} tokens per run; peak lr "
+                     f"{distinct(trained['lr'])}; LR warm-up "
+                     f"{distinct(trained['warmup_steps'])} steps")
+    if len(monitored):
+        lines.append(f"- **Monitored** ({len(monitored)} run(s), `GeometryMonitor` in the "
+                     f"user's own training loop): "
+                     f"{distinct(monitored['steps'].where(monitored['steps'] > 0))} steps; the "
+                     "loop's data, batch, learning rate and warm-up are not recorded "
+                     "(config.json holds defaults for them) and not shown.")
+    lines += [reference_line] if reference_line else []
+    lines.append(f"- **Probes**: every {distinct(inc['probe_every'])} steps plus step 0 and "
+                 f"the last, on {distinct(inc['probe_sequences'])} held-out sequences × context")
+    if "train_seconds" in trained and trained["train_seconds"].notna().any():
+        ts = trained["train_seconds"].dropna()
+        summed = (f", {_duration(float(ts.sum()))} summed over {len(ts)} runs"
+                  if len(ts) > 1 else "")
+        lines.append(f"- **Training time** (training steps only, from train_log "
+                     f"throughput; probes and evals not counted): "
+                     f"{'median ' if len(ts) > 1 else ''}{_duration(float(ts.median()))}"
+                     f"{' per run' if len(ts) > 1 else ''}{summed}")
+    wall = _wall_clock(trained)
+    if wall is not None:
+        lines.append(f"- **Wall-clock time**: {_duration(wall)} from the first run's "
+                     "start to the last run's end (status.json; runs side by side "
+                     "overlap, a pause between attempts counts)")
+    if "final_val_loss" not in inc or not inc["final_val_loss"].notna().any():
+        return lines
+    variants = any(v for v in inc["variant"].unique())
+    vl = inc.groupby(["depth", "qk_init", "variant"])["final_val_loss"].agg(["mean", "std"])
+    return [*lines, "", "Final validation loss (nats/char), mean ± sd over seeds:", "",
+            md_table(["depth", "qk_init", *(["variant"] if variants else []), "val loss"],
+                     [[d, md_text(i), *([md_text(v)] if variants else []),
+                       f"{m:.3f}" + (f" ± {s:.3f}" if np.isfinite(s) else "")]
+                      for (d, i, v), (m, s) in vl.iterrows()])]
 
 
 def excluded_markdown(table: pd.DataFrame) -> str:
@@ -613,83 +628,53 @@ def _safe_link(href: str) -> bool:
     return scheme in ("", *_SAFE_SCHEMES)
 
 
-def _local_png(folder: Path, src: str) -> Path | None:
-    """The PNG file ``src`` names inside ``folder`` (a relative path without ``..``), or
-    None: nothing outside the report folder is ever read into the page."""
-    src = html.unescape(src)
-    if _URL_NOISE.search(src) or ":" in src or "\\" in src:
-        return None
-    rel = PurePosixPath(src)
-    if rel.is_absolute() or ".." in rel.parts or rel.suffix.lower() != ".png":
-        return None
+def _place_image(el: Any, folder: Path) -> None:
+    """An existing PNG that ``el``'s src names inside ``folder`` (links resolved) is
+    embedded when small, else shown from its file; any other image becomes its alt text,
+    so nothing from elsewhere on the machine or the web enters the page."""
     root = folder.resolve()
-    path = (root / rel).resolve()
-    return path if path.is_file() and path.is_relative_to(root) else None
+    try:
+        path = (root / el.get("src", "")).resolve()
+        ok = path.suffix.lower() == ".png" and path.is_relative_to(root) and path.is_file()
+    except (OSError, RuntimeError, ValueError):  # a bad name, a link loop
+        ok = False
+    if not ok:
+        alt = el.get("alt", "")
+        el.attrib.clear()
+        el.tag, el.text = "span", alt
+    elif path.stat().st_size <= EMBED_MAX_BYTES:
+        el.set("src", "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode())
+    else:
+        el.set("src", path.relative_to(root).as_posix())
+        el.set("loading", "lazy")
 
 
-def _page_extension(folder: Path) -> Any:
-    """A Python-Markdown extension: raw HTML off (it is shown as text), unsafe links
-    dropped, images kept only when they are PNGs inside ``folder`` (embedded when small,
-    else shown from their file) and else replaced by their alt text; tables styled
-    (:func:`_style_table`)."""
-    from markdown.extensions import Extension
+def render_html(markdown_text: str, folder: Path, title: str) -> str:
+    """Markdown → standalone HTML. Raw HTML in the Markdown is shown as text (Markdown's
+    own escaping, its HTML parsers off); links keep only web, mail and relative addresses;
+    images only PNGs inside ``folder`` (:func:`_place_image`; embedded up to
+    :data:`EMBED_MAX_BYTES`, so the page stays small and opens from its folder). Claims
+    tables get group rows and coloured verdict cells (:func:`_style_table`)."""
+    import markdown  # the report extra; a missing one is named by the CLI (one line)
     from markdown.treeprocessors import Treeprocessor
 
     class Guard(Treeprocessor):
         def run(self, root: Any) -> None:
-            parents = {child: parent for parent in root.iter() for child in parent}
             for el in list(root.iter()):
                 if el.tag == "a" and not _safe_link(el.get("href", "")):
                     del el.attrib["href"]
                 elif el.tag == "img":
-                    self._image(el, parents.get(el))
+                    _place_image(el, folder)
                 elif el.tag == "table":
                     _style_table(el)
 
-        def _image(self, el: Any, parent: Any) -> None:
-            path = _local_png(folder, el.get("src", ""))
-            if path is not None:
-                if path.stat().st_size <= EMBED_MAX_BYTES:
-                    el.set("src", "data:image/png;base64,"
-                           + base64.b64encode(path.read_bytes()).decode("ascii"))
-                else:
-                    el.set("src", path.relative_to(folder.resolve()).as_posix())
-                    el.set("loading", "lazy")
-                return
-            if parent is not None:  # the alt text in place of the image
-                alt = el.get("alt", "")
-                index = list(parent).index(el)
-                if index == 0:
-                    parent.text = (parent.text or "") + alt + (el.tail or "")
-                else:
-                    prev = parent[index - 1]
-                    prev.tail = (prev.tail or "") + alt + (el.tail or "")
-                parent.remove(el)
-
-    class Page(Extension):
-        def extendMarkdown(self, md: Any) -> None:  # noqa: N802 - Markdown's API
-            md.preprocessors.deregister("html_block")
-            md.inlinePatterns.deregister("html")
-            md.treeprocessors.register(Guard(md), "qkgeom_guard", 15)  # after inline (20)
-
-    return Page()
-
-
-def render_html(markdown_text: str, folder: Path, title: str) -> str:
-    """Markdown → HTML. Raw HTML in the Markdown is shown as text, never passed through;
-    links keep only web, mail and relative addresses; a PNG inside ``folder`` (a relative
-    path without ``..``) is embedded as a data URI when it is at most
-    :data:`EMBED_MAX_BYTES`, else shown from its file beside the page (the figures of a
-    report: the page stays small and opens from its folder); any other image is left out
-    (its alt text stays), so the page never carries a script or a file from elsewhere on
-    the machine. Claims tables get group rows and coloured verdict cells
-    (:func:`_style_table`)."""
-    import markdown  # the report extra; a missing one is named by the CLI (one line)
-
-    body = markdown.markdown(markdown_text, extensions=["tables", _page_extension(folder)])
+    md = markdown.Markdown(extensions=["tables"])
+    md.preprocessors.deregister("html_block")
+    md.inlinePatterns.deregister("html")
+    md.treeprocessors.register(Guard(md), "qkgeom_guard", 15)  # after inline (20)
     return (f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{_CSS}</style></head>\n"
-            f"<body>\n{body}\n</body></html>\n")
+            f"<body>\n{md.convert(markdown_text)}\n</body></html>\n")
 
 
 def write_pages(out: Path, text: str, title: str) -> Path:

@@ -4,8 +4,7 @@ Fixed in docs/protocols.md before any experiment; every experiment's claims call
 nothing else:
 
 - :func:`t_interval`: two-sided 95 % t-interval of the mean over *independent units* (runs,
-  seeds). A percentile bootstrap of a handful of seeds under-covers badly (about 52 % with
-  2 seeds, 79 % with 4; a simulation test keeps the t-interval at ≥ 93 %).
+  seeds); a percentile bootstrap of a handful of seeds under-covers (docs/protocols.md).
 - :func:`sign_flip_p`: the exact sign-flip (permutation) test of the mean, one-sided in the
   predicted direction: under H0 each unit's value is symmetric about 0, so every pattern of
   signs is equally likely. All 2^n patterns are enumerated for n ≤ 20 (meet in the middle:
@@ -23,6 +22,9 @@ nothing else:
 - :func:`seeds_for_power`: how many independent units a design needs (the protocol's
   power statement).
 - :func:`spearman`: Spearman ρ along the last axis (vectorised).
+
+Written out rather than ``scipy.stats``: ``ttest_1samp(...).confidence_interval()`` and
+``permutation_test`` differ in the last bits or on ties, and are far slower (docs/speed.md).
 """
 
 from __future__ import annotations

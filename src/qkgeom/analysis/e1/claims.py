@@ -30,7 +30,7 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.e1.trajectories import LEVELS, ORIGINS, cell_stats, run_stats
-from qkgeom.analysis.kit import CLAIM_COLUMNS, decide, fmt_p, signed
+from qkgeom.analysis.kit import CLAIM_COLUMNS, claim_row, decide, fmt_p, signed
 
 
 @dataclass(frozen=True)
@@ -146,20 +146,13 @@ def evaluate_claims(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.Data
                 if np.isfinite(ru["ci_low"]):
                     estimate += f" [{signed(ru['ci_low'])}, {signed(ru['ci_high'])}]"
                 primary = level == PRIMARY[0] and (origin == PRIMARY[1] or not claim.per_origin)
-                rows.append({
-                    "claim_id": claim.id, "claim": claim.text, "level": level,
-                    "role": "primary" if primary else "secondary",
-                    "origin": origin if claim.per_origin else "last",
-                    "from": _origin_label(r_sel, origin) if claim.per_origin
-                    else "last checkpoint",
-                    "criterion": claim.criterion, "unit": UNIT, "k": ru["k"], "n": ru["n"],
-                    "share": ru["share"], "measured": f"{ru['k']}/{ru['n']} {UNIT}",
-                    "mean": ru["mean"], "ci_low": ru["ci_low"], "ci_high": ru["ci_high"],
-                    "estimate": estimate, "test": stats.TEST_FLIP, "p_value": ru["p_value"],
-                    "p_opposite": ru["p_opposite"], "p_sign": ru["p_sign"],
-                    "detectable": ru["detectable"], "beside": beside,
-                    "universal_ok": universal_ok, "reason": "",
-                })
+                rows.append(claim_row(
+                    claim.id, claim.text, level, ru, role="primary" if primary else "secondary",
+                    unit=UNIT, measured=f"{ru['k']}/{ru['n']} {UNIT}", estimate=estimate,
+                    test=stats.TEST_FLIP, beside=beside, universal_ok=universal_ok,
+                    criterion=claim.criterion, origin=origin if claim.per_origin else "last",
+                    **{"from": _origin_label(r_sel, origin) if claim.per_origin
+                       else "last checkpoint"}))
     claims = pd.DataFrame(rows)
     order = claims["role"].ne("primary").astype(int)  # each claim's primary row first
     claims = claims.assign(_o=order).sort_values(["claim_id", "_o"], kind="stable")

@@ -34,7 +34,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import GROUP, bare
+from qkgeom.analysis.collate import GROUP, bare, ref_steps
 from qkgeom.analysis.e1.trajectories import LEVELS, reference_probe
 from qkgeom.analysis.figstyle import (
     KEY_COLOR,
@@ -74,11 +74,6 @@ def seeds_per_panel(table: pd.DataFrame) -> list[int]:
     if table.empty:
         return []
     return [int(n) for n in table.groupby(GROUP)["run_id"].nunique()]
-
-
-def _ref_steps(table: pd.DataFrame) -> dict[str, int]:
-    return {r["run_id"]: int(r["ref_step"]) for r in table.attrs.get("runs", [])
-            if r.get("ref_step") is not None}
 
 
 def _group_ref(refs: dict[str, int], panel: pd.DataFrame) -> int | None:
@@ -137,7 +132,7 @@ def _trajectory_rows(table: pd.DataFrame, level: str,
     y label, log y), lines being (metric, line style, label) drawn per layer in the same
     panel. Panels share the step axis, and the y axis along each row (tick labels on the
     outer panels only: easier to compare, and much less text to lay out)."""
-    refs, table = _ref_steps(table), bare(table)  # attrs: deep-copied by every filter
+    refs, table = ref_steps(table), bare(table)  # attrs: deep-copied by every filter
     depths, cols = _settings(table)
     fig, axes = grid(len(depths) * len(rows), len(cols), legend=True, sharex=True,
                      sharey="row")

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
+from qkgeom.analysis.collate import sweep_of
 from qkgeom.analysis.e1.claims import READINGS, contrast_readings, evaluate_claims
 from qkgeom.analysis.e1.trajectories import (
     LEVELS,
@@ -31,6 +32,7 @@ from qkgeom.analysis.e1.trajectories import (
 from qkgeom.analysis.kit import (
     claims_markdown,
     descriptive_reason,
+    distinct,
     excluded_markdown,
     fmt_p,
     md_table,
@@ -38,6 +40,7 @@ from qkgeom.analysis.kit import (
     metrics_note,
     missing_metrics,
     not_recorded_reason,
+    run_groups,
     setup_markdown,
     signed,
     summary_markdown,
@@ -211,6 +214,25 @@ def _figures_markdown(figures: dict[str, Path], gaps: dict[str, list[str]], draw
     return parts
 
 
+def _setup(table: pd.DataFrame, folder: Path, traj: pd.DataFrame) -> str:
+    """The shared setup section with E1's own lines: the layer trajectories the
+    statistics count and the reference probe they start from."""
+    _, inc, trained, monitored = run_groups(table)
+    if not len(inc):
+        return setup_markdown(table, folder)
+    per = inc.groupby(["depth", "qk_init", "variant"])["seed"].nunique()
+    cells = int(inc.drop_duplicates(["depth", "qk_init", "variant"])["depth"].sum())
+    what = "model" if len(monitored) and not len(trained) else "init"
+    seeds = f"**Seeds per depth × init**: {per.min()}–{per.max()}; " if len(trained) else ""
+    label = "**trajectories**" if seeds else "**Trajectories**"
+    used = sorted(traj.loc[traj["origin"] == "reference", "start_step"].unique()) \
+        if len(traj) else []
+    return setup_markdown(
+        table, folder, unit_line=f"- {seeds}{label} (depth × {what} × layer): {cells}",
+        reference_line=f"- **Reference step** (configured): {distinct(inc['ref_step'])}; first "
+                       f"probe at or after it (used): {', '.join(map(str, used)) or 'n/a'}")
+
+
 def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
                     figures: dict[str, Path], sweep_dir: Path,
                     gaps: dict[str, list[str]] | None = None, drawn: bool = True,
@@ -220,7 +242,7 @@ def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
     ``degenerate`` those not drawn because they would show nothing ({name: why});
     ``spread`` says how the figures show the seeds; ``drawn=False`` when figures were not
     asked for. Opens with the one-line summary, then the claims table."""
-    name = table.attrs.get("name") or sweep_dir.name
+    name = sweep_of(table)[0] or sweep_dir.name
     descriptive = descriptive_reason(e1["claims"])
     parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(e1["claims"]), ""]
     if descriptive:
@@ -241,8 +263,7 @@ def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
     readings = readings_markdown(e1["readings"], bool(descriptive))
     if readings:
         parts += [readings, ""]
-    parts += [setup_markdown(table, sweep_dir, e1["trajectories"]), "",
-              excluded_markdown(table), ""]
+    parts += [_setup(table, sweep_dir, e1["trajectories"]), "", excluded_markdown(table), ""]
     parts += _figures_markdown(figures, gaps or {}, drawn, spread, degenerate)
     return "\n".join(parts).rstrip() + "\n"
 
@@ -278,5 +299,5 @@ def write_e1_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
         spread = spread_note(seeds_per_panel(table))
     text = report_markdown(table, e1, figs, sweep_dir, gaps, drawn=figures, spread=spread,
                            degenerate=degenerate)
-    name = table.attrs.get("name") or sweep_dir.name
+    name = sweep_of(table)[0] or sweep_dir.name
     return write_pages(out, text, f"qkgeom report: {name}")

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis.collate import GROUP, bare
+from qkgeom.analysis.collate import GROUP, bare, ref_steps
 from qkgeom.analysis.stats import nanmean, spearman
 
 LEVELS = ("weight", "token")
@@ -150,8 +150,7 @@ class _Cell:
 def _ref_steps(table: pd.DataFrame, ref_step: int | None) -> dict[str, int]:
     if ref_step is not None:
         return {rid: int(ref_step) for rid in table["run_id"].unique()}
-    runs = table.attrs.get("runs") or []
-    refs = {r["run_id"]: int(r["ref_step"]) for r in runs if r.get("ref_step") is not None}
+    refs = ref_steps(table)
     missing = set(table["run_id"].unique()) - set(refs)
     if missing:
         raise ValueError(f"no reference step known for runs {sorted(missing)[:3]}; collate the "
@@ -215,11 +214,11 @@ def layer_statistics(table: pd.DataFrame, levels: Iterable[str] = LEVELS,
     """``(per run and layer, per seed-averaged layer trajectory)``: one row per layer,
     level and origin (see the module docstring), in one pass over the cells.
 
-    ``table`` is :func:`qkgeom.analysis.collate`'s output (its ``attrs`` give each run's
-    reference step; else pass ``ref_step``). Both frames have the cell keys, ``layer, level,
-    origin, start_step, end_step, n_steps, n_heads`` and the statistics; the per-run frame
-    adds ``run_id, seed``, the trajectory frame ``n_seeds``, ``*_of_mean`` ρ's with their
-    p-values."""
+    ``table`` is :func:`qkgeom.analysis.collate`'s output (it gives each run's reference
+    step, :func:`~qkgeom.analysis.collate.ref_steps`; else pass ``ref_step``). Both frames
+    have the cell keys, ``layer, level, origin, start_step, end_step, n_steps, n_heads`` and
+    the statistics; the per-run frame adds ``run_id, seed``, the trajectory frame
+    ``n_seeds``, ``*_of_mean`` ρ's with their p-values."""
     run_rows: list[dict[str, Any]] = []
     traj_rows: list[dict[str, Any]] = []
     for level in levels:

@@ -15,6 +15,8 @@ percentile intervals of the share of the gain lost and of the peak step; per
 checkpoint (every one, the warm-up's included), a percentile band of the trajectory (the
 figure). With 8 blocks of one text this describes how much the call depends on which
 tokens were read; it is not a test over independent units.
+Written out: ``scipy.stats.bootstrap`` resamples observations of a numeric statistic, not
+blocks of a trajectory whose categorical call is recomputed on each resample.
 """
 
 from __future__ import annotations

@@ -40,10 +40,12 @@ from scipy import stats as sst
 from qkgeom.analysis import stats
 from qkgeom.analysis.e4.regime import CALLS, FALL, MIN_POINTS, MONOTONE, RISE_FALL
 from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS
-from qkgeom.analysis.kit import decide
+from qkgeom.analysis.kit import claim_row, decide
 
 __all__ = ["COLUMNS", "PRIMARY_LEVEL", "e4_claims", "model_scores", "seed_claims"]
 
+#: E4's claims.csv: the shared columns (:func:`qkgeom.analysis.kit.claim_row`) less those
+#: E4 leaves empty (origin, interval, equivalence: no row is read that way).
 COLUMNS = ["claim_id", "claim", "role", "level", "unit", "measured", "k", "n", "estimate",
            "test", "p_value", "p_opposite", "p_sign", "p_adj", "p_opposite_adj", "family",
            "beside", "verdict", "reason"]
@@ -63,14 +65,11 @@ PRIMARY_LEVEL = {"E4.1": TREND_METRICS[PRIMARY], "E4.2": TREND_METRICS[PRIMARY],
 
 def _row(cid: str, level: str, unit: str, measured: str, u: dict, estimate: str, test: str,
          beside: str, reason: str = "") -> dict:
-    """One claims row from ``u`` (:func:`qkgeom.analysis.stats.unit_test`'s keys ``k, n,
-    p_value, p_opposite, p_sign``); the role from :data:`PRIMARY_LEVEL`, the verdict later
-    (:func:`_frame`)."""
+    """One claims row (:func:`qkgeom.analysis.kit.claim_row`) with the claim's text and its
+    role (:data:`PRIMARY_LEVEL`); the verdict comes later (:func:`_frame`)."""
     role = "primary" if PRIMARY_LEVEL[cid] == level else "secondary"
-    return {"claim_id": cid, "claim": TEXTS[cid], "role": role, "level": level, "unit": unit,
-            "measured": measured, "k": u["k"], "n": u["n"], "estimate": estimate,
-            "test": test, "p_value": u["p_value"], "p_opposite": u.get("p_opposite", np.nan),
-            "p_sign": u.get("p_sign", np.nan), "beside": beside, "reason": reason}
+    return claim_row(cid, TEXTS[cid], level, u, role=role, unit=unit, measured=measured,
+                     estimate=estimate, test=test, beside=beside, reason=reason)
 
 
 def _sidak(p: np.ndarray) -> float:

@@ -34,6 +34,7 @@ from qkgeom.analysis.e4.trends import (
     trend_table,
 )
 from qkgeom.analysis.kit import (
+    MIN_UNITS,
     P_CELL,
     P_SIGN_CELL,
     VERDICT_CELL,
@@ -366,7 +367,7 @@ def _with_unit(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
 
 def _set_rules(n: int) -> str:
     few = (f" With {n} seeds no claim can be supported (the sign-flip p is at least "
-           f"1/2^{n} ≥ 0.05)." if n < 5 else "")
+           f"1/2^{n} ≥ {stats.ALPHA})." if n < MIN_UNITS else "")
     return (
         "**Unit: the seed.** The layers of one model share its data, optimiser and every "
         "update, so they are not independent: each seed's layers are summarised into one "

@@ -10,6 +10,7 @@ Layers of one model are not independent.
   ``S = Σ_{i<j} sign(x_j − x_i)``, ``Var S = [n(n−1)(2n+5) − Σ_ties t(t−1)(2t+5)] / 18``,
   ``Z = (S ∓ 1)/√Var`` (continuity correction, 0 when S = 0), one-sided p for an increase
   ``1 − Φ(Z)`` and a decrease ``Φ(Z)``; Kendall's ``τ = S / (n(n−1)/2)``.
+  Written out: scipy has no Mann–Kendall test, and this one runs on every layer at once.
 - **Regime call** (:func:`trend_table`, the rule in :mod:`qkgeom.analysis.e4.regime`;
   docs/protocols.md): on the checkpoints after the LR warm-up, a rise to the peak and a
   drop from it to the last checkpoint, each tested against what noise gives a monotone
