@@ -32,7 +32,9 @@ from qkgeom.training import train as train_with_callbacks
     ({"key_control": {"mode": "hold", "level": "heads"}}, "unknown key_control.level 'heads'"),
     ({"key_control": {"mode": "shrink", "ramp_steps": -2}}, "ramp_steps"),
     ({"key_control": {"record": "yes"}}, "key_control.record"),
-    ({"key_control": {"shrink_to": 0.5}}, "unknown config key 'key_control.shrink_to'"),
+    ({"key_control": {"shrink_to": 0.5}},
+     "unknown config key 'key_control.shrink_to'; did you mean 'key_control.dose'?"),
+    ({"shrink_to": 0.5}, "unknown config key 'shrink_to'; did you mean 'key_control.dose'?"),
     ({"key_control": "hold"}, "must be a mapping"),
 ])
 def test_bad_control_settings_are_clear_errors(over: dict, words: str) -> None:
@@ -59,20 +61,6 @@ def test_record_alone_is_a_feature_the_callback_serves(tmp_path: Path) -> None:
     assert cb.feature == "key_control"
     with pytest.raises(QKGeomError, match="run folder"):
         callbacks_for(cfg)  # where would key_pr.parquet go?
-
-
-def test_old_key_control_sections_upgrade_to_doses() -> None:
-    up = KeyControlConfig.upgrade
-    assert up({"mode": "shrink", "shrink_to": 0.3, "expand_to": 2.0}) == {
-        "mode": "shrink", "dose": 0.3, "scale": "frobenius"}
-    assert up({"mode": "expand", "shrink_to": 0.5, "expand_to": 3.0}) == {
-        "mode": "expand", "dose": 3.0, "scale": "frobenius"}
-    assert up({"mode": "hold", "shrink_to": 0.5, "expand_to": 2.0}) == {
-        "mode": "hold", "scale": "frobenius"}
-    current = {"mode": "hold", "scale": "data"}
-    assert up(current) == current
-    for old in ({"mode": "shrink", "shrink_to": 0.3}, {"mode": "hold", "expand_to": 2.0}):
-        KeyControlConfig(**up(old)).validate()  # an upgraded section is a valid one
 
 
 def test_shrink_from_the_config_reaches_its_target(sample_data: Path, tmp_path: Path) -> None:

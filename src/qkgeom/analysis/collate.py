@@ -206,7 +206,7 @@ def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
             warmup = int(cfg.get("warmup_steps", 0))
             steps = int(cfg.get("steps", 0))
             # the one rule (TrainConfig.ref_step): explicit reference_step, else 25 % of steps
-            ref = TrainConfig(steps=steps, reference_step=int(cfg.get("reference_step", -1))).ref_step
+            ref = TrainConfig.ref_step_of(steps, int(cfg.get("reference_step", -1)))
             row.update(
                 run_id=prov.get("run_id", entry["run_id"]),
                 depth=int(model.get("n_layer", 0)),
