@@ -1,4 +1,5 @@
-"""ensure_sample_data: the real offline corpus prepared once, reused, safe under concurrency."""
+"""ensure_sample_data: the real offline corpus (token arrays and raw text) prepared once,
+reused, safe under concurrency."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from qkgeom.data import default_data_dir, ensure_sample_data, load_prepared
 from qkgeom.data import prepare as prepare_mod
 from qkgeom.data import sources as sources_mod
+from qkgeom.data.text import open_text
 from qkgeom.errors import QKGeomError
 
 
@@ -40,6 +42,11 @@ def test_real_sample_prepared_once_then_reused(monkeypatch, tmp_path, sample_art
     seen = {t: data.vocab.decode(data.vocab.encode(body)) for t, body in sample_articles}
     titles = {s: [t for t, body in seen.items() if body in first[s]] for s in first}
     assert sorted(sum(titles.values(), [])) == sorted(t for t, _ in sample_articles)
+    # The raw text (held-out splits first) is in the same cache: --text sample reads it.
+    text = (folder / "sample.txt").read_text(encoding="utf-8")
+    val = data.vocab.decode(data.vocab.encode(text[:sizes["val"]]))
+    assert len(text) == sum(sizes.values()) and val == first["val"]
+    assert "".join(open_text("sample")()) == text
     stamp = (folder / "meta.json").stat().st_mtime_ns
 
     def fail(*args, **kwargs):
