@@ -139,22 +139,18 @@ def _as_format_2(run: Path, mode: str) -> None:
     path.write_text(json.dumps(record))
 
 
-def test_old_run_folders_read_in_todays_keys(sample_data: Path, tmp_path: Path) -> None:
+def test_old_run_folders_with_the_pre_dose_keys_are_one_line_errors(sample_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """No migration in a 0.1: a record with shrink_to/expand_to names the key to use."""
     from qkgeom.runs import load_config
 
     cfg = make_config("smoke", {"data": str(sample_data), "steps": 4, "probe_every": 2,
                                 "checkpoint_every": 2, "warmup_steps": 1, "threads": 1})
     train(cfg, tmp_path / "r")
-    recorded = load_config(tmp_path / "r").config_hash()
-    _as_format_2(tmp_path / "r", "shrink")
-    kc = load_config(tmp_path / "r").key_control
-    assert (kc.mode, kc.dose, kc.scale) == ("shrink", 0.5, "frobenius")
-    # an old run with key control cannot be continued: its checkpoints lack the state
-    shrink = make_config("smoke", {**cfg.to_dict(), "key_control": {
-        "mode": "shrink", "dose": 0.5, "scale": "frobenius"}})
-    with pytest.raises(QKGeomError, match="format 2.*cannot be resumed"):
-        train(shrink, tmp_path / "r", resume=True)
-    # an uncontrolled one keeps its config hash and resumes
-    _as_format_2(tmp_path / "r", "none")
-    assert load_config(tmp_path / "r").config_hash() == recorded
-    train(cfg, tmp_path / "r", resume=True)
+    for mode in ("shrink", "none"):
+        _as_format_2(tmp_path / "r", mode)
+        for read in (lambda: load_config(tmp_path / "r"),
+                     lambda: train(cfg, tmp_path / "r", resume=True)):
+            with pytest.raises(QKGeomError, match="did you mean 'key_control.dose'") as err:
+                read()
+            assert "\n" not in str(err.value)
