@@ -133,3 +133,15 @@ def test_corrupt_cache_is_rebuilt_foreign_folder_refused(tmp_path, counted_fake_
     ):
         ensure_sample_data(other)
     assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_a_cache_of_arrays_only_gets_its_text_added_in_place(tmp_path, counted_fake_sample):
+    """A cache from before the raw text was kept with the arrays: the text is added and the
+    arrays (maybe memory-mapped by a running job) stay where they are."""
+    target = tmp_path / "sample"
+    ensure_sample_data(target)
+    (target / "sample.txt").unlink()
+    inode = (target / "train.bin").stat().st_ino
+    ensure_sample_data(target)
+    assert (target / "sample.txt").read_text() == "cab " * 50 + "bca " * 50 + "abc " * 100
+    assert (target / "train.bin").stat().st_ino == inode and len(counted_fake_sample.calls) == 2

@@ -338,8 +338,7 @@ def default_data_dir() -> Path:
 
 def _ready_sample(folder: Path) -> bool:
     try:
-        return (load_prepared(folder).meta.get("source") == "sample"
-                and (folder / SAMPLE_TEXT).is_file())
+        return load_prepared(folder).meta.get("source") == "sample"
     except QKGeomError:
         return False
 
@@ -378,10 +377,11 @@ def ensure_sample_data(dir: str | Path | None = None) -> Path:
 
     Later calls return at once. Safe when several processes call it together: the first
     takes a lock file next to the folder and prepares into a temp folder that is renamed
-    into place; the others wait for the lock and then find the data ready.
+    into place (a cache holding only the arrays gets the text added, the arrays left in
+    place for the runs reading them); the others wait for the lock and find it ready.
     """
     target = Path(dir) if dir is not None else default_data_dir()
-    if _ready_sample(target):
+    if _ready_sample(target) and (target / SAMPLE_TEXT).is_file():
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -391,14 +391,18 @@ def ensure_sample_data(dir: str | Path | None = None) -> Path:
                           f"({err.strerror or type(err).__name__}); set QKGEOM_CACHE to a "
                           "writable folder") from None
     with FileLock(str(target.parent / f".{target.name}.lock")):
-        if _ready_sample(target):
+        ready = _ready_sample(target)
+        if ready and (target / SAMPLE_TEXT).is_file():
             return target
         _check_replaceable(target)
+        splits = sources.sample_splits()
+        text = splits["val"] + splits["test"] + splits["train"]  # held-out splits first
+        if ready:  # arrays cached before the text was kept with them: add it, replace nothing
+            atomic_write(target / SAMPLE_TEXT, lambda p: p.write_text(text, encoding="utf-8"))
+            return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            splits = sources.sample_splits()
             _write_prepared(tmp, "sample", None, splits)
-            text = splits["val"] + splits["test"] + splits["train"]  # held-out splits first
             (tmp / SAMPLE_TEXT).write_text(text, encoding="utf-8")
             if target.exists():
                 shutil.rmtree(target)
