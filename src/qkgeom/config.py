@@ -1,9 +1,11 @@
 """Frozen, typed run configuration: presets, overrides, validation, stable hash.
 
 A run is fully described by one :class:`TrainConfig` (which nests the :class:`GPTConfig`),
-so a sweep runner can build, hash and compare runs without touching globals. Every value is
-validated before any work starts: an unknown key or an impossible value is a
-:class:`~qkgeom.errors.QKGeomError` (exit code 2), never a crash an hour into training.
+so a sweep runner can build, hash and compare runs without touching globals. A config is
+validated once, when it is built (each dataclass checks itself in ``__post_init__``, also
+under ``dataclasses.replace``), so no reader checks it again: an unknown key or an
+impossible value is a :class:`~qkgeom.errors.QKGeomError` (exit code 2) before any work,
+never a crash an hour into training.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         _check_types(self, "model.")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
             if getattr(self, name) <= 0:
@@ -95,8 +97,7 @@ class KeyControlConfig:
     def __post_init__(self) -> None:
         if self.dose == 0 and isinstance(self.mode, str) and self.mode in self.DEFAULT_DOSE:
             object.__setattr__(self, "dose", self.DEFAULT_DOSE[self.mode])
-
-    def validate(self, prefix: str = "key_control.") -> None:
+        prefix = "key_control."
         _check_types(self, prefix)
         for name, allowed in (("mode", self.MODES), ("level", self.LEVELS),
                               ("scale", self.SCALES), ("scope", self.SCOPES),
@@ -168,25 +169,6 @@ class KeyControlConfig:
             return out
         raise bad
 
-    @staticmethod
-    def upgrade(section: dict[str, Any]) -> dict[str, Any]:
-        """A ``key_control`` mapping written before ``dose`` (with ``shrink_to`` /
-        ``expand_to``) in today's keys: the mode's old share becomes its dose, the other
-        is dropped. Old controls used ‖W_K‖_F as the scale, so an active mode's ``scale``
-        is set to frobenius where absent (mode none keeps today's default: the scale
-        means nothing there, and the config hash of an uncontrolled run stays as it
-        is). A current mapping comes back unchanged."""
-        if "shrink_to" not in section and "expand_to" not in section:
-            return dict(section)
-        out = {k: v for k, v in section.items() if k not in ("shrink_to", "expand_to")}
-        mode = out.get("mode", "none")
-        old = {"shrink": "shrink_to", "expand": "expand_to"}.get(mode)
-        if old in section and "dose" not in out:
-            out["dose"] = section[old]
-        if mode != "none":
-            out.setdefault("scale", "frobenius")
-        return out
-
 
 @dataclass(frozen=True)
 class TrainConfig:
@@ -231,14 +213,13 @@ class TrainConfig:
     compile: bool = False  # torch.compile the training forward/backward (probes stay eager)
     key_control: KeyControlConfig = field(default_factory=KeyControlConfig)
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
+        # The nested sections validated themselves when they were built.
         for name, kind in (("model", GPTConfig), ("key_control", KeyControlConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise QKGeomError(f"config key {name!r} must be a {kind.__name__}, got "
                                   f"{getattr(self, name)!r}")
         _check_types(self, "")
-        self.model.validate()
-        self.key_control.validate()
         positive = ("steps", "batch_size", "probe_every", "probe_sequences", "probe_batch",
                     "eval_every", "eval_batches", "log_every", "checkpoint_every")
         for name in positive:
@@ -304,14 +285,16 @@ class TrainConfig:
 
     @property
     def ref_step(self) -> int:
-        """The post-transient reference step: explicit, or 25 % of the run (rounded up, so
-        the first probe at or after it is the first at or after a quarter of the steps).
+        """The post-transient reference step of this run (:meth:`ref_step_of`)."""
+        return self.ref_step_of(self.steps, self.reference_step)
 
-        Why not the end of warm-up: in small runs the key PR is still collapsing there (demo:
-        weight PR_K 54–56 at step 25, 7–12 at step 50, its minimum at steps 50–125), so an
-        origin at warm-up sits inside the transient. Why not the PR minimum: an origin chosen
-        from the data would bias every "expands after the transient" test."""
-        return math.ceil(self.steps / 4) if self.reference_step < 0 else self.reference_step
+    @staticmethod
+    def ref_step_of(steps: int, reference_step: int = -1) -> int:
+        """The post-transient reference step of a run of ``steps``: ``reference_step`` when
+        >= 0, else 25 % of the run, rounded up (so the first probe at or after it is the first
+        at or after a quarter of the steps). Why 25 %, and not the end of warm-up or the PR
+        minimum: docs/protocols.md. A function of the two numbers, for recorded configs."""
+        return math.ceil(steps / 4) if reference_step < 0 else reference_step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -390,36 +373,68 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+# --- nested mappings and dotted keys: the one set of helpers (config, grid, CLI) -----------
+
+
+def deep_merge(base: dict[str, Any], over: dict[str, Any], *, strict: bool = False,
+               prefix: str = "") -> dict[str, Any]:
     """``over`` on top of ``base``, recursing into nested mappings; neither is modified.
-    No validation: for combining override layers (file, flags, ``--set``) before
-    :func:`make_config` checks the result."""
+    ``strict`` (config overrides on the full defaults): a key ``base`` lacks is a one-line
+    error with a "did you mean", and a section must stay a mapping."""
     out = dict(base)
     for key, value in over.items():
+        name = f"{prefix}{key}"
+        if strict and key not in base:
+            raise QKGeomError(f"unknown config key {name!r}{_did_you_mean(key, base, prefix)}")
+        if strict and isinstance(base[key], dict) and not isinstance(value, dict):
+            raise QKGeomError(f"config key {name!r} must be a mapping (e.g. "
+                              f"{name}.{next(iter(base[key]))}=...)")
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
+            out[key] = deep_merge(out[key], value, strict=strict, prefix=f"{name}.")
         else:
             out[key] = value
     return out
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out = dict(base)
-    for key, value in over.items():
-        if key not in base:
-            renamed = (" (renamed: key_control.dose is the share kept, key_control.scale the "
-                       "norm it is measured in)" if prefix == "key_control." and key in
-                       ("shrink_to", "expand_to") else "")
-            raise QKGeomError(f"unknown config key {prefix + key!r}{renamed}"
-                              f"{_did_you_mean(key, base, prefix) if not renamed else ''}")
-        if isinstance(base[key], dict):
-            if not isinstance(value, dict):
-                first = next(iter(base[key]))
-                raise QKGeomError(f"config key {prefix + key!r} must be a mapping (e.g. "
-                                  f"{prefix + key}.{first}=...)")
-            out[key] = _merge(base[key], value, prefix + key + ".")
+def nest_keys(d: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys -> nested mappings; a key set twice (``model.x`` and ``model: {x}``) fails."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if not isinstance(key, str) or not key:
+            raise QKGeomError(f"{where}: keys must be non-empty strings, got {key!r}")
+        parts = key.split(".")
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise QKGeomError(f"{where}: {prefix + '.'.join(parts[:i + 1])!r} is set twice")
+            node = child
+        last = parts[-1]
+        full = prefix + key
+        if isinstance(value, dict):
+            sub = nest_keys(value, where, full + ".")
+            existing = node.setdefault(last, {})
+            if not isinstance(existing, dict):
+                raise QKGeomError(f"{where}: {full!r} is set twice")
+            for k, v in sub.items():
+                if k in existing:
+                    raise QKGeomError(f"{where}: {full + '.' + k!r} is set twice")
+                existing[k] = v
         else:
-            out[key] = value
+            if last in node:
+                raise QKGeomError(f"{where}: {full!r} is set twice")
+            node[last] = value
+    return out
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mapping -> dotted keys (``{"model": {"n_layer": 4}}`` -> ``model.n_layer``)."""
+    out: dict[str, Any] = {}
+    for key, value in d.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
     return out
 
 
@@ -441,11 +456,13 @@ def _did_you_mean(key: Any, base: dict[str, Any], prefix: str) -> str:
     return "; did you mean " + " or ".join(repr(names[c]) for c in close) + "?"
 
 
-# Names other tools (and the CLI's flags) use for config keys, for "did you mean".
+# Names other tools (and the CLI's flags) use for config keys, for "did you mean"; and the
+# control's share before it was called dose.
 _SYNONYMS = {"depth": "n_layer", "layers": "n_layer", "num_layers": "n_layer",
              "width": "n_embd", "d_model": "n_embd", "hidden_size": "n_embd",
              "heads": "n_head", "num_heads": "n_head", "context": "block_size",
-             "seq_len": "block_size", "learning_rate": "lr", "max_steps": "steps"}
+             "seq_len": "block_size", "learning_rate": "lr", "max_steps": "steps",
+             "shrink_to": "dose", "expand_to": "dose"}
 
 
 def _coerce(value: Any, default: Any, name: str) -> Any:
@@ -513,9 +530,7 @@ def from_dict(d: dict[str, Any]) -> TrainConfig:
     if not isinstance(d, dict):
         raise QKGeomError("a config must be a mapping of keys to values")
     defaults = TrainConfig().to_dict()
-    cfg = _build(TrainConfig, _merge(defaults, d), defaults)
-    cfg.validate()
-    return cfg
+    return _build(TrainConfig, deep_merge(defaults, d, strict=True), defaults)
 
 
 #: A config or grid file is a few hundred bytes; these bound what a crafted one can cost
@@ -637,22 +652,14 @@ def _scalar(raw: str) -> Any:
 
 
 def parse_dotted(overrides: list[str]) -> dict[str, Any]:
-    """``["model.n_layer=6", "lr=1e-3"]`` -> nested dict; values parsed as YAML scalars."""
+    """``["model.n_layer=6", "lr=1e-3"]`` -> nested dict (later wins); values parsed as YAML
+    scalars."""
     out: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
             raise QKGeomError(f"override {item!r} must look like key=value (e.g. model.n_layer=6)")
         key, raw = item.split("=", 1)
-        value = _scalar(raw)
-        node = out
-        parts = key.strip().split(".")
-        for i, part in enumerate(parts[:-1]):
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                section = ".".join(parts[:i + 1])
-                raise QKGeomError(f"override {item!r}: {section} was given a value by an "
-                                  f"earlier --set, so it has no key {parts[i + 1]!r}")
-        node[parts[-1]] = value
+        out = deep_merge(out, nest_keys({key.strip(): _scalar(raw)}, f"override {item!r}"))
     return out
 
 
@@ -660,16 +667,13 @@ def make_config(preset: str = "demo", overrides: dict[str, Any] | None = None) -
     """A preset with overrides applied on top (later wins), validated."""
     if preset not in PRESETS:
         raise QKGeomError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    merged = _merge(TrainConfig().to_dict(), PRESETS[preset])
-    if overrides:
-        merged = _merge(merged, overrides)
-        given = overrides.get("key_control")
-        dose = given.get("dose") if isinstance(given, dict) else None
-        # 0 is the stored "not given" mark; a dose the user wrote must be a real one.
-        if isinstance(dose, (int, float)) and not isinstance(dose, bool) and dose <= 0:
-            raise QKGeomError(f"key_control.dose must be > 0, got {dose} (leave it unset for "
-                              "the mode's default)")
-    return from_dict(merged)
+    given = (overrides or {}).get("key_control")
+    dose = given.get("dose") if isinstance(given, dict) else None
+    # 0 is the stored "not given" mark; a dose the user wrote must be a real one.
+    if isinstance(dose, (int, float)) and not isinstance(dose, bool) and dose <= 0:
+        raise QKGeomError(f"key_control.dose must be > 0, got {dose} (leave it unset for "
+                          "the mode's default)")
+    return from_dict(deep_merge(PRESETS[preset], overrides or {}))
 
 
 def with_vocab(cfg: TrainConfig, vocab_size: int) -> TrainConfig:

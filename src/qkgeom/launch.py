@@ -45,7 +45,6 @@ def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     :class:`~qkgeom.errors.DivergedError` (after recording ``status: diverged``) when the
     loss or the geometry stops being finite.
     """
-    cfg.validate()  # before reading any feature setting
     return _train_with(cfg, out_dir, resume=resume,
                        callbacks=[*callbacks_for(cfg, out_dir), *(callbacks or [])],
                        progress=progress, run_id=run_id, progress_every=progress_every)

@@ -245,7 +245,7 @@ def test_e4_1_of_one_model_is_its_sidak_p_at_a_strict_level() -> None:
 
 def test_the_reference_is_the_first_probe_at_or_after_a_quarter_of_the_run() -> None:
     assert TrainConfig(steps=100).ref_step == 25
-    assert TrainConfig(steps=30).ref_step == 8  # 7.5 rounded up
+    assert TrainConfig.ref_step_of(30) == 8  # 7.5 rounded up
     assert TrainConfig(steps=100, reference_step=0).ref_step == 0  # explicit wins
     assert reference_probe([0, 10, 20, 25, 30], 25) == 25  # at: that probe
     assert reference_probe([0, 10, 20, 30], 25) == 30  # else the next one

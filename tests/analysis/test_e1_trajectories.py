@@ -32,7 +32,7 @@ def test_reference_probe_is_first_probe_at_or_after():
 def test_default_reference_is_a_quarter_of_the_run_and_an_explicit_one_wins():
     assert TrainConfig(steps=300, warmup_steps=30).ref_step == 75
     assert TrainConfig(steps=2000).ref_step == 500
-    assert TrainConfig(steps=41).ref_step == 11  # rounded up: no probe before 25 % counts
+    assert TrainConfig.ref_step_of(41) == 11  # rounded up: no probe before 25 % counts
     assert TrainConfig(steps=300, reference_step=40).ref_step == 40
     assert TrainConfig(steps=300, reference_step=0).ref_step == 0
 

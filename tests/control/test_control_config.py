@@ -32,7 +32,9 @@ from qkgeom.training import train as train_with_callbacks
     ({"key_control": {"mode": "hold", "level": "heads"}}, "unknown key_control.level 'heads'"),
     ({"key_control": {"mode": "shrink", "ramp_steps": -2}}, "ramp_steps"),
     ({"key_control": {"record": "yes"}}, "key_control.record"),
-    ({"key_control": {"shrink_to": 0.5}}, "unknown config key 'key_control.shrink_to'"),
+    ({"key_control": {"shrink_to": 0.5}},
+     "unknown config key 'key_control.shrink_to'; did you mean 'key_control.dose'?"),
+    ({"shrink_to": 0.5}, "unknown config key 'shrink_to'; did you mean 'key_control.dose'?"),
     ({"key_control": "hold"}, "must be a mapping"),
 ])
 def test_bad_control_settings_are_clear_errors(over: dict, words: str) -> None:
@@ -59,20 +61,6 @@ def test_record_alone_is_a_feature_the_callback_serves(tmp_path: Path) -> None:
     assert cb.feature == "key_control"
     with pytest.raises(QKGeomError, match="run folder"):
         callbacks_for(cfg)  # where would key_pr.parquet go?
-
-
-def test_old_key_control_sections_upgrade_to_doses() -> None:
-    up = KeyControlConfig.upgrade
-    assert up({"mode": "shrink", "shrink_to": 0.3, "expand_to": 2.0}) == {
-        "mode": "shrink", "dose": 0.3, "scale": "frobenius"}
-    assert up({"mode": "expand", "shrink_to": 0.5, "expand_to": 3.0}) == {
-        "mode": "expand", "dose": 3.0, "scale": "frobenius"}
-    assert up({"mode": "hold", "shrink_to": 0.5, "expand_to": 2.0}) == {
-        "mode": "hold", "scale": "frobenius"}
-    current = {"mode": "hold", "scale": "data"}
-    assert up(current) == current
-    for old in ({"mode": "shrink", "shrink_to": 0.3}, {"mode": "hold", "expand_to": 2.0}):
-        KeyControlConfig(**up(old)).validate()  # an upgraded section is a valid one
 
 
 def test_shrink_from_the_config_reaches_its_target(sample_data: Path, tmp_path: Path) -> None:
@@ -151,22 +139,18 @@ def _as_format_2(run: Path, mode: str) -> None:
     path.write_text(json.dumps(record))
 
 
-def test_old_run_folders_read_in_todays_keys(sample_data: Path, tmp_path: Path) -> None:
+def test_old_run_folders_with_the_pre_dose_keys_are_one_line_errors(sample_data: Path,
+                                                                    tmp_path: Path) -> None:
+    """No migration in a 0.1: a record with shrink_to/expand_to names the key to use."""
     from qkgeom.runs import load_config
 
     cfg = make_config("smoke", {"data": str(sample_data), "steps": 4, "probe_every": 2,
                                 "checkpoint_every": 2, "warmup_steps": 1, "threads": 1})
     train(cfg, tmp_path / "r")
-    recorded = load_config(tmp_path / "r").config_hash()
-    _as_format_2(tmp_path / "r", "shrink")
-    kc = load_config(tmp_path / "r").key_control
-    assert (kc.mode, kc.dose, kc.scale) == ("shrink", 0.5, "frobenius")
-    # an old run with key control cannot be continued: its checkpoints lack the state
-    shrink = make_config("smoke", {**cfg.to_dict(), "key_control": {
-        "mode": "shrink", "dose": 0.5, "scale": "frobenius"}})
-    with pytest.raises(QKGeomError, match="format 2.*cannot be resumed"):
-        train(shrink, tmp_path / "r", resume=True)
-    # an uncontrolled one keeps its config hash and resumes
-    _as_format_2(tmp_path / "r", "none")
-    assert load_config(tmp_path / "r").config_hash() == recorded
-    train(cfg, tmp_path / "r", resume=True)
+    for mode in ("shrink", "none"):
+        _as_format_2(tmp_path / "r", mode)
+        for read in (lambda: load_config(tmp_path / "r"),
+                     lambda: train(cfg, tmp_path / "r", resume=True)):
+            with pytest.raises(QKGeomError, match="did you mean 'key_control.dose'") as err:
+                read()
+            assert "\n" not in str(err.value)

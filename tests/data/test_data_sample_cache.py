@@ -1,4 +1,5 @@
-"""ensure_sample_data: the real offline corpus prepared once, reused, safe under concurrency."""
+"""ensure_sample_data: the real offline corpus (token arrays and raw text) prepared once,
+reused, safe under concurrency."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from qkgeom.data import default_data_dir, ensure_sample_data, load_prepared
 from qkgeom.data import prepare as prepare_mod
 from qkgeom.data import sources as sources_mod
+from qkgeom.data.text import open_text
 from qkgeom.errors import QKGeomError
 
 
@@ -40,6 +42,11 @@ def test_real_sample_prepared_once_then_reused(monkeypatch, tmp_path, sample_art
     seen = {t: data.vocab.decode(data.vocab.encode(body)) for t, body in sample_articles}
     titles = {s: [t for t, body in seen.items() if body in first[s]] for s in first}
     assert sorted(sum(titles.values(), [])) == sorted(t for t, _ in sample_articles)
+    # The raw text (held-out splits first) is in the same cache: --text sample reads it.
+    text = (folder / "sample.txt").read_text(encoding="utf-8")
+    val = data.vocab.decode(data.vocab.encode(text[:sizes["val"]]))
+    assert len(text) == sum(sizes.values()) and val == first["val"]
+    assert "".join(open_text("sample")()) == text
     stamp = (folder / "meta.json").stat().st_mtime_ns
 
     def fail(*args, **kwargs):
@@ -126,3 +133,15 @@ def test_corrupt_cache_is_rebuilt_foreign_folder_refused(tmp_path, counted_fake_
     ):
         ensure_sample_data(other)
     assert (other / "notes.txt").read_text() == "keep me"
+
+
+def test_a_cache_of_arrays_only_gets_its_text_added_in_place(tmp_path, counted_fake_sample):
+    """A cache from before the raw text was kept with the arrays: the text is added and the
+    arrays (maybe memory-mapped by a running job) stay where they are."""
+    target = tmp_path / "sample"
+    ensure_sample_data(target)
+    (target / "sample.txt").unlink()
+    inode = (target / "train.bin").stat().st_ino
+    ensure_sample_data(target)
+    assert (target / "sample.txt").read_text() == "cab " * 50 + "bca " * 50 + "abc " * 100
+    assert (target / "train.bin").stat().st_ino == inode and len(counted_fake_sample.calls) == 2

@@ -301,20 +301,21 @@ def test_python_api_fuzz(change: tuple[tuple[str, str], object], overrides: dict
         ok = False
     tally("make_config", ok)
     assert ok, nested
-    # A config built in Python with one ill-typed or impossible field: train() must refuse
-    # it before writing anything, or train it (stopped after its first update).
+    # A config built in Python with one ill-typed or impossible field: building it (it is
+    # validated then) or train() must refuse it before writing anything, or train it
+    # (stopped after its first update).
     (prefix, name), value = change
     cfg = qkgeom.make_config("smoke", {"data": str(sample_data)})
-    if prefix:
-        section = prefix.rstrip(".")
-        inner = dataclasses.replace(getattr(cfg, section), **{name: value})
-        cfg = dataclasses.replace(cfg, **{section: inner})
-    else:
-        cfg = dataclasses.replace(cfg, **{name: value})
     root = tmp_path_factory.mktemp("api")
     out = root / "run"
     before = first_step.fired
     try:
+        if prefix:
+            section = prefix.rstrip(".")
+            inner = dataclasses.replace(getattr(cfg, section), **{name: value})
+            cfg = dataclasses.replace(cfg, **{section: inner})
+        else:
+            cfg = dataclasses.replace(cfg, **{name: value})
         qkgeom.train(cfg, out)
         ok = False  # steps >= 1 always: the stopper ends every run that starts
     except _FirstStepDone:
@@ -332,7 +333,7 @@ def test_python_api_fuzz(change: tuple[tuple[str, str], object], overrides: dict
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["random bytes corpus", "grid not a mapping",
-                                  "config n_embd % n_head", "unknown init", "shrink_to 0",
+                                  "config n_embd % n_head", "unknown init", "dose 0",
                                   "probe_every > steps"])
 def test_fuzz_cases_in_real_subprocesses(case: str, sample_data: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
@@ -347,7 +348,7 @@ def test_fuzz_cases_in_real_subprocesses(case: str, sample_data: Path, tmp_path:
     else:
         flags = {"config n_embd % n_head": ["--n-embd", "30", "--n-head", "4"],
                  "unknown init": ["--qk-init", "xavier"],
-                 "shrink_to 0": ["--key-control", "shrink", "--shrink-to", "0"],
+                 "dose 0": ["--key-control", "shrink", "--dose", "0"],
                  "probe_every > steps": ["--steps", "5", "--probe-every", "10"]}[case]
         res = cli("train", "--preset", "smoke", "--data", str(sample_data), "--out", str(out),
                   "--quiet", *flags)

@@ -206,7 +206,7 @@ def _config_facts(prov: dict[str, Any], run_id: str, flat: dict[str, Any]) -> di
     monitored = prov.get("source") == MONITOR_SOURCE
     warmup, steps = int(cfg.get("warmup_steps", 0)), int(cfg.get("steps", 0))
     # the one rule (TrainConfig.ref_step): explicit reference_step, else 25 % of steps
-    ref = TrainConfig(steps=steps, reference_step=int(cfg.get("reference_step", -1))).ref_step
+    ref = TrainConfig.ref_step_of(steps, int(cfg.get("reference_step", -1)))
     return {
         "run_id": prov.get("run_id", run_id), "depth": int(model.get("n_layer", 0)),
         "qk_init": _model_name(facts) if monitored else str(model.get("qk_init", "?")),

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from qkgeom.cli.output import Format, check_format, info, show_layers
-from qkgeom.config import DEVICE_HELP, PRESETS, TrainConfig
+from qkgeom.config import DEVICE_HELP, PRESETS, TrainConfig, deep_merge, flatten, nest_keys
 from qkgeom.errors import QKGeomError
 
 # CLI flag -> dotted config key (flags left None keep the preset's value).
@@ -27,15 +27,8 @@ def preset_values(key: str) -> str:
     """``smoke 2 · demo 4 · paper 6``: what each preset sets ``key`` (dotted) to, for the
     help of a flag whose default is the preset's."""
     defaults = TrainConfig().to_dict()
-    parts = []
-    for name, preset in PRESETS.items():
-        value: Any = preset
-        fallback: Any = defaults
-        for part in key.split("."):
-            value = value.get(part, {}) if isinstance(value, dict) else {}
-            fallback = fallback[part]
-        parts.append(f"{name} {fallback if value == {} else value}")
-    return " · ".join(parts)
+    return " · ".join(f"{name} {flatten(deep_merge(defaults, preset))[key]}"
+                      for name, preset in PRESETS.items())
 
 
 def _preset_help(text: str, key: str) -> str:
@@ -50,16 +43,8 @@ def data_spec(value: str | None) -> str | None:
 
 def train_overrides(**flags: Any) -> dict[str, Any]:
     """Nested config overrides from CLI flags; None = not given."""
-    out: dict[str, Any] = {}
-    for name, value in flags.items():
-        if value is None:
-            continue
-        *parents, leaf = _FLAG_KEYS.get(name, name).split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
+    return nest_keys({_FLAG_KEYS.get(k, k): v for k, v in flags.items() if v is not None},
+                     "flags")
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -75,13 +60,20 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 def show_run(run: Path, step: int | None, fmt: str = "table") -> None:
     """Print the per-layer table of a run folder at ``step`` (default: its last probe)."""
-    from qkgeom.analysis.tables import layer_table
     from qkgeom.runs import CONFIG, METRICS, load_config, read_metrics
 
     metrics = read_metrics(run)
     if metrics is None:
         raise QKGeomError(f"{run / METRICS}: not found; is {run} a qkgeom run folder?")
     ref = load_config(run).ref_step if (run / CONFIG).exists() else None
+    _show_metrics(run, metrics, step, ref, fmt)
+
+
+def _show_metrics(run: Path, metrics: Any, step: int | None, ref: int | None,
+                  fmt: str = "table") -> None:
+    from qkgeom.analysis.tables import layer_table
+    from qkgeom.runs import METRICS
+
     try:
         at, table = layer_table(metrics, step, ref)
     except ValueError as err:
@@ -160,7 +152,7 @@ def register(app: typer.Typer) -> None:
             help="Key-spectrum control: none | hold | shrink | sham | expand "
                  "(default: none).", show_default=False)] = None,
         dose: Annotated[float | None, typer.Option(
-            "--dose", "--shrink-to", help="shrink: cap PR_K at this share of the reference "
+            "--dose", help="shrink: cap PR_K at this share of the reference "
             "(the paired --set key_control.reference run, else PR_K at step 0); expand: a "
             "multiple (>= 1) (default: shrink 0.5, expand 2).", show_default=False)] = None,
         key_control_scope: Annotated[str | None, typer.Option(
@@ -182,21 +174,20 @@ def register(app: typer.Typer) -> None:
             "--quiet", "-q", help="Print nothing but warnings and errors.")] = False,
     ) -> None:
         """Train a char-level GPT and record Q/K geometry along the way."""
-        from qkgeom.config import deep_merge, make_config, parse_dotted
+        from qkgeom.config import make_config, parse_dotted
         from qkgeom.launch import train
 
         if progress_every is not None and progress_every < 1:
             raise QKGeomError(f"--progress-every must be >= 1, got {progress_every}")
-        overrides: dict[str, Any] = {}
-        if config is not None:
-            overrides = deep_merge(overrides, read_config_file(config))
-        overrides = deep_merge(overrides, train_overrides(
+        flags = train_overrides(
             data=data_spec(data), seed=seed, steps=steps, n_layer=n_layer, n_embd=n_embd,
             n_head=n_head, block_size=block_size, batch_size=batch_size, lr=lr,
             qk_init=qk_init, probe_every=probe_every, precision=precision, compile=compile_,
             device=device, threads=threads, key_control=key_control, dose=dose,
-            key_control_scope=key_control_scope, key_control_level=key_control_level))
-        overrides = deep_merge(overrides, parse_dotted(set_ or []))
+            key_control_scope=key_control_scope, key_control_level=key_control_level)
+        overrides = read_config_file(config) if config is not None else {}
+        for layer in (flags, parse_dotted(set_ or [])):  # file, then flags, then --set
+            overrides = deep_merge(overrides, layer)
         cfg = make_config(preset, overrides)
         out = out or Path("runs") / f"{preset}-s{cfg.seed}"
         callbacks = _report_callbacks(report_to, out)
@@ -204,7 +195,7 @@ def register(app: typer.Typer) -> None:
                        progress_every=progress_every)
         if quiet:
             return
-        show_run(result.out_dir, None)
+        _show_metrics(result.out_dir, result.metrics, None, cfg.ref_step)
         final = result.log.dropna(subset=["val_loss"]).tail(1)
         if len(final):
             info(f"val loss {final['val_loss'].iloc[0]:.4f} at step {result.step}")

@@ -45,7 +45,6 @@ class KeyControlCallback(Callback):
 
     def __init__(self, settings: KeyControlConfig, *, run_dir: str | Path | None = None,
                  layers: list[int] | None = None) -> None:
-        settings.validate()
         self.settings, self.layers = settings, layers
         self.run_dir = None if run_dir is None else Path(run_dir)
         if self.run_dir is None and (settings.record or (

@@ -275,8 +275,7 @@ class KeySpectrumControl:
         settings = KeyControlConfig(mode=mode, level=level, scale=scale,
                                     dose=0.0 if dose is None else dose,
                                     reference=str(reference or ""), scope=scope, how=how,
-                                    record=bool(record))
-        settings.validate(prefix="key control ")
+                                    record=bool(record))  # validated as it is built
         if int(ramp_steps) < 0:
             raise QKGeomError(f"key control ramp_steps must be >= 0, got {ramp_steps}")
         kw = dict(mode=mode, level=level, scope=scope, scale=scale, dose=settings.dose,

@@ -54,6 +54,9 @@ __all__ = [
 
 FORMAT_VERSION = 1
 SOURCES = ("sample", "wikitext-103", "text", "wikidump")
+#: The sample cache's raw text (val + test + train), beside its token arrays: what
+#: ``--text sample`` reads (:mod:`qkgeom.data.text`).
+SAMPLE_TEXT = "sample.txt"
 _SPLITS = sources.SPLITS
 _META = "meta.json"
 _PREPARED_FILES = frozenset({_META, *(f"{s}.bin" for s in _SPLITS)})
@@ -142,8 +145,8 @@ def _check_target(out: Path, provenance: dict[str, Any], force: bool) -> None:
     if not isinstance(meta, dict):
         return
     saved = {k: meta.get(k) for k in provenance}
-    # Inputs compare by content: the same files under another path (a moved venv, the
-    # sample now shipped inside qkgeom instead of gensim) are the same corpus.
+    # Inputs compare by content: the same files under another path (a moved venv or
+    # package) are the same corpus.
     if isinstance(saved.get("inputs"), dict):
         saved["inputs"] = sorted(saved["inputs"].values())
     if saved != provenance and not force:
@@ -165,8 +168,12 @@ def prepare_data(source: str, out_dir: str | Path, *, path: str | Path | None = 
     empty, or hold prepared data of the same source and inputs, unless ``force`` (see the
     module doc); files that are not prepared data are never deleted.
     """
-    out = Path(out_dir)
-    splits = source_splits(source, path)
+    return _write_prepared(Path(out_dir), source, path, source_splits(source, path), force)
+
+
+def _write_prepared(out: Path, source: str, path: str | Path | None, splits: dict[str, str],
+                    force: bool = False) -> Path:
+    """:func:`prepare_data` once the splits are read."""
     empty = [s for s in _SPLITS if not splits.get(s)]
     if empty:
         where = f" at {path}" if path is not None else ""
@@ -346,7 +353,8 @@ def _check_replaceable(folder: Path) -> None:
         return
     if not folder.is_dir():
         raise QKGeomError(f"{folder}: exists and is not a folder; pass another data dir")
-    foreign = sorted(p.name for p in folder.iterdir() if p.name not in _PREPARED_FILES)
+    foreign = sorted(p.name for p in folder.iterdir()
+                     if p.name not in _PREPARED_FILES and p.name != SAMPLE_TEXT)
     if foreign:
         raise QKGeomError(
             f"{folder}: holds files that are not prepared data ({', '.join(foreign[:3])}); "
@@ -363,14 +371,17 @@ def _check_replaceable(folder: Path) -> None:
 
 
 def ensure_sample_data(dir: str | Path | None = None) -> Path:
-    """Prepare the offline sample corpus into ``dir`` (default :func:`default_data_dir`) once.
+    """Prepare the offline sample corpus into ``dir`` (default :func:`default_data_dir`) once:
+    the token arrays, and its raw text as :data:`SAMPLE_TEXT` for models with their own
+    tokenizer (the one sample cache: the dump is converted once for both).
 
     Later calls return at once. Safe when several processes call it together: the first
     takes a lock file next to the folder and prepares into a temp folder that is renamed
-    into place; the others wait for the lock and then find the data ready.
+    into place (a cache holding only the arrays gets the text added, the arrays left in
+    place for the runs reading them); the others wait for the lock and find it ready.
     """
     target = Path(dir) if dir is not None else default_data_dir()
-    if _ready_sample(target):
+    if _ready_sample(target) and (target / SAMPLE_TEXT).is_file():
         return target
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -380,12 +391,19 @@ def ensure_sample_data(dir: str | Path | None = None) -> Path:
                           f"({err.strerror or type(err).__name__}); set QKGEOM_CACHE to a "
                           "writable folder") from None
     with FileLock(str(target.parent / f".{target.name}.lock")):
-        if _ready_sample(target):
+        ready = _ready_sample(target)
+        if ready and (target / SAMPLE_TEXT).is_file():
             return target
         _check_replaceable(target)
+        splits = sources.sample_splits()
+        text = splits["val"] + splits["test"] + splits["train"]  # held-out splits first
+        if ready:  # arrays cached before the text was kept with them: add it, replace nothing
+            atomic_write(target / SAMPLE_TEXT, lambda p: p.write_text(text, encoding="utf-8"))
+            return target
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
         try:
-            prepare_data("sample", tmp)
+            _write_prepared(tmp, "sample", None, splits)
+            (tmp / SAMPLE_TEXT).write_text(text, encoding="utf-8")
             if target.exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)

@@ -9,7 +9,7 @@ Splits are deterministic: the same input always gives the same three texts.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from qkgeom.data.wikidump import iter_articles
@@ -25,6 +25,7 @@ __all__ = [
     "wikidump_splits",
     "split_articles",
     "wikitext103_splits",
+    "wikitext103_pieces",
     "text_splits",
     "read_utf8",
     "text_files",
@@ -46,11 +47,8 @@ _HF_SPLITS = {"train": "train", "val": "validation", "test": "test"}
 
 
 def sample_dump_path() -> Path:
-    """Path of the Wikipedia dump excerpt shipped inside qkgeom (``qkgeom/data/sample/``).
-
-    Shipped in the package (1.7 MB) so the offline default corpus needs no other package:
-    it used to be read from the gensim wheel, a 58 MB install for this one file.
-    """
+    """Path of the Wikipedia dump excerpt shipped inside qkgeom (``qkgeom/data/sample/``),
+    so the offline default corpus needs no other package."""
     path = Path(__file__).resolve().parent / "sample" / SAMPLE_DUMP
     if not path.is_file():
         raise QKGeomError(
@@ -127,12 +125,7 @@ def read_utf8(path: Path) -> str:
 
 
 def wikitext103_splits(path: str | Path | None = None) -> dict[str, str]:
-    """WikiText-103 raw: from a folder with ``wiki.{train,valid,test}.raw``, else from ``datasets``.
-
-    The ``datasets`` copy (``Salesforce/wikitext``, ``wikitext-103-raw-v1``) stores one row
-    per line of the raw files but blank lines (`` \\n`` in the files) as empty strings;
-    they are restored, so both routes give the same text byte for byte.
-    """
+    """WikiText-103 raw: from a folder with ``wiki.{train,valid,test}.raw``, else from ``datasets``."""
     if path is not None:
         folder = Path(path)
         if not folder.is_dir():
@@ -146,34 +139,29 @@ def wikitext103_splits(path: str | Path | None = None) -> dict[str, str]:
                 f"{folder}: missing {', '.join(missing)}; the folder must hold all three WikiText raw files"
             )
         return {split: read_utf8(folder / name) for split, name in WIKITEXT_FILES.items()}
-    return _wikitext103_from_datasets()
+    return {split: "".join(wikitext103_pieces(split)) for split in SPLITS}
 
 
-def _wikitext103_from_datasets() -> dict[str, str]:
+def wikitext103_pieces(split: str) -> Iterator[str]:
+    """One split (train | val | test) of the ``datasets`` copy of WikiText-103 raw
+    (``Salesforce/wikitext``, ``wikitext-103-raw-v1``), in order, 2000 rows a piece: the one
+    loader of both ``data prepare`` and ``--text``. The copy stores one row per line of the
+    raw files but blank lines (`` \\n`` there) as empty rows; they are restored, so both
+    routes give the same text byte for byte."""
     try:
         import datasets
     except ImportError:
-        raise QKGeomError(
-            "WikiText-103 without --path needs the `datasets` package: "
-            "pip install 'qkgeom[data]', or pass --path to a folder with wiki.*.raw"
-        ) from None
+        raise QKGeomError("WikiText-103 without its wiki.*.raw files needs the `datasets` "
+                          "package: pip install 'qkgeom[data]', or pass the raw files") from None
     try:
-        dsd = datasets.load_dataset(_HF_DATASET, _HF_CONFIG)
+        rows = datasets.load_dataset(_HF_DATASET, _HF_CONFIG, split=_HF_SPLITS[split])["text"]
     except Exception as err:  # network, hub or cache problems: all user-fixable
         first = (str(err).strip().splitlines() or [""])[0]
-        raise QKGeomError(
-            f"could not load {_HF_DATASET} ({_HF_CONFIG}) with datasets: {type(err).__name__}: {first}; "
-            "check the network/HF cache or pass --path to a folder with wiki.*.raw"
-        ) from None
-    out = {}
-    for split, hf_split in _HF_SPLITS.items():
-        if hf_split not in dsd:
-            raise QKGeomError(
-                f"{_HF_DATASET} ({_HF_CONFIG}) has no split {hf_split!r}; clear the HF cache and retry"
-            )
-        lines = dsd[hf_split]["text"]
-        out[split] = "".join(line if line else " \n" for line in lines)
-    return out
+        raise QKGeomError(f"could not load {_HF_DATASET} ({_HF_CONFIG}) with datasets: "
+                          f"{type(err).__name__}: {first}; check the network/HF cache or pass "
+                          "the wiki.*.raw files") from None
+    for start in range(0, len(rows), 2000):
+        yield "".join(row if row else " \n" for row in rows[start:start + 2000])
 
 
 def text_files(path: Path) -> list[Path]:

@@ -5,8 +5,8 @@ monitor's text probe sets. A text spec names a corpus:
 
 - ``sample`` (default): the embedded Wikipedia text, its held-out splits first
   (val, then test, then train), so the first tokens of a character-level run are exactly
-  the trainer's probe set. Converted once and cached as UTF-8 text in
-  ``$QKGEOM_CACHE/text/sample.txt``;
+  the trainer's probe set; read from the sample cache (:func:`~qkgeom.data.ensure_sample_data`
+  keeps it beside the token arrays);
 - ``wikitext-103[:split]``: WikiText-103 raw through ``datasets`` (split ``validation``
   by default; ``train``, ``validation``/``valid``/``val``, ``test``);
 - any UTF-8 text file, or a folder of them (sorted by path).
@@ -24,70 +24,32 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from filelock import FileLock
 
-from qkgeom.data.prepare import default_data_dir
-from qkgeom.data.sources import read_utf8, sample_splits, text_files
+from qkgeom.data.prepare import SAMPLE_TEXT, ensure_sample_data
+from qkgeom.data.sources import read_utf8, text_files, wikitext103_pieces
 from qkgeom.data.vocab import CharVocab
 from qkgeom.errors import QKGeomError
-from qkgeom.io import atomic_write
 
-__all__ = ["TEXT_HELP", "encode", "framing_ids", "open_text", "sample_text_path",
-           "token_windows"]
+__all__ = ["TEXT_HELP", "encode", "framing_ids", "open_text", "token_windows"]
 
 TEXT_HELP = "sample | wikitext-103[:split] | a UTF-8 file or folder"
 _BLOCK_CHARS = 1 << 16  # characters tokenized at a time (cut at a line end)
-_WIKITEXT_SPLITS = {"train": "train", "validation": "validation", "valid": "validation",
-                    "val": "validation", "test": "test"}
-
-
-def sample_text_path() -> Path:
-    """The cached raw text of the embedded sample (val + test + train), built on first use."""
-    path = default_data_dir().parents[1] / "text" / "sample.txt"
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(path.parent / ".sample.lock")):
-        if not path.is_file():
-            splits = sample_splits()
-            text = splits["val"] + splits["test"] + splits["train"]
-            atomic_write(path, lambda p: p.write_text(text, encoding="utf-8"))
-    return path
-
-
-def _wikitext(split: str) -> Iterator[str]:
-    name = _WIKITEXT_SPLITS.get(split)
-    if name is None:
-        raise QKGeomError(f"unknown WikiText split {split!r}; choose one of "
-                          + ", ".join(sorted(_WIKITEXT_SPLITS)))
-    try:
-        import datasets
-    except ImportError:
-        raise QKGeomError("--text wikitext-103 needs the `datasets` package "
-                          "(pip install 'qkgeom[data]'), or pass a wiki.*.raw file") from None
-    try:
-        ds = datasets.load_dataset("Salesforce/wikitext", "wikitext-103-raw-v1", split=name)
-    except Exception as err:  # network / hub / cache: user-fixable
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise QKGeomError(f"could not load WikiText-103 ({name}): {type(err).__name__}: {first}; "
-                          "check the network/HF cache or pass a wiki.*.raw file") from None
-    lines = ds["text"]
-    for start in range(0, len(lines), 2000):  # blank rows are " \n" in the raw files
-        yield "".join(line if line else " \n" for line in lines[start:start + 2000])
+_WIKITEXT_SPLITS = {"train": "train", "validation": "val", "valid": "val", "val": "val",
+                    "test": "test"}
 
 
 def open_text(spec: str) -> Callable[[], Iterator[str]]:
     """A re-iterable source of the corpus ``spec`` (see the module docstring): calling it
     yields the text in order, in pieces. Validates ``spec`` now (QKGeomError if bad)."""
     if spec == "sample":
-        path = sample_text_path()
+        path = ensure_sample_data() / SAMPLE_TEXT
         return lambda: iter([read_utf8(path)])
     if spec == "wikitext-103" or spec.startswith("wikitext-103:"):
-        split = spec.partition(":")[2] or "validation"
-        if split not in _WIKITEXT_SPLITS:
-            raise QKGeomError(f"unknown WikiText split {split!r}; choose one of "
+        name = spec.partition(":")[2] or "validation"
+        if name not in _WIKITEXT_SPLITS:
+            raise QKGeomError(f"unknown WikiText split {name!r}; choose one of "
                               + ", ".join(sorted(_WIKITEXT_SPLITS)))
-        return lambda: _wikitext(split)
+        return lambda: wikitext103_pieces(_WIKITEXT_SPLITS[name])
     path = Path(spec)
     if not path.exists():
         raise QKGeomError(f"--text {spec!r}: no such file or folder; use {TEXT_HELP}")

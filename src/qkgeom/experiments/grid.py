@@ -72,7 +72,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import PRESETS, TrainConfig, deep_merge, load_yaml_file, make_config
+from qkgeom.config import (
+    PRESETS,
+    TrainConfig,
+    deep_merge,
+    flatten,
+    load_yaml_file,
+    make_config,
+    nest_keys,
+)
 from qkgeom.errors import QKGeomError
 from qkgeom.runs.sweep import EXPERIMENT_NAMES
 
@@ -215,7 +223,8 @@ class Grid:
             raise QKGeomError(f"{where}: base: {err}") from None
         for key, values in self.axes.items():
             try:
-                make_config(self.preset, _with(self.base, key, values[0]))
+                make_config(self.preset, deep_merge(self.base,
+                                                    nest_keys({key: values[0]}, where)))
             except QKGeomError as err:
                 raise QKGeomError(f"{where}: axis {key!r}: {err}") from None
         labels = _labels(list(self.axes))
@@ -226,11 +235,10 @@ class Grid:
             axes = dict(zip(self.axes, combo, strict=True))
             if self.distinct_seeds:
                 axes["seed"] = _cell_seed(self.axes, combo)
-            over = self.base
-            for key, value in axes.items():
-                over = _with(over, key, value)
+            over = deep_merge(self.base, nest_keys(axes, where))  # axes win over base
             try:
-                resolved = {k: _get(make_config(self.preset, over), k) for k in axes}
+                flat = flatten(make_config(self.preset, over).to_dict())
+                resolved = {k: flat[k] for k in axes}
             except QKGeomError as err:
                 raise QKGeomError(f"{where}: run {axes}: {err}") from None
             stem = ",".join(f"{labels[k]}={_id_value(v)}" for k, v in resolved.items())
@@ -258,7 +266,7 @@ class Grid:
         depends_on = _arm_id(stem, arm.reference) if arm.reference else ""
         over = deep_merge(over, arm.set)
         if depends_on:
-            over = _with(over, "key_control.reference", depends_on)
+            over = deep_merge(over, {"key_control": {"reference": depends_on}})
         try:
             cfg = make_config(self.preset, over)
         except QKGeomError as err:
@@ -281,37 +289,6 @@ def load_grid(path: str | Path) -> Grid:
 
 
 # --- helpers -------------------------------------------------------------------------------
-
-
-def nest_keys(d: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Dotted keys -> nested mappings; a key set twice (``model.x`` and ``model: {x}``) fails."""
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-        if not isinstance(key, str) or not key:
-            raise QKGeomError(f"{where}: keys must be non-empty strings, got {key!r}")
-        parts = key.split(".")
-        node = out
-        for i, part in enumerate(parts[:-1]):
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise QKGeomError(f"{where}: {prefix + '.'.join(parts[:i + 1])!r} is set twice")
-            node = child
-        last = parts[-1]
-        full = prefix + key
-        if isinstance(value, dict):
-            sub = nest_keys(value, where, full + ".")
-            existing = node.setdefault(last, {})
-            if not isinstance(existing, dict):
-                raise QKGeomError(f"{where}: {full!r} is set twice")
-            for k, v in sub.items():
-                if k in existing:
-                    raise QKGeomError(f"{where}: {full + '.' + k!r} is set twice")
-                existing[k] = v
-        else:
-            if last in node:
-                raise QKGeomError(f"{where}: {full!r} is set twice")
-            node[last] = value
-    return out
 
 
 def _flat_axes(axes: dict[str, Any], name: str, prefix: str = "") -> dict[str, list[Any]]:
@@ -404,7 +381,7 @@ def _arms(arms_in: Any, name: str, axes: dict[str, list[Any]]) -> tuple[Arm, ...
             raise QKGeomError(f"{where}: arm {arm_name!r}: set must be a mapping of config "
                               "keys to values")
         nested = nest_keys(sets, f"{where}: arm {arm_name!r}")
-        clash = [k for k in axes if _has(nested, k)]
+        clash = [k for k in axes if k in flatten(nested)]
         if clash:
             raise QKGeomError(f"{where}: arm {arm_name!r} sets {clash[0]!r}, which an axis "
                               "sweeps")
@@ -412,7 +389,7 @@ def _arms(arms_in: Any, name: str, axes: dict[str, list[Any]]) -> tuple[Arm, ...
         if not isinstance(ref, str):
             raise QKGeomError(f"{where}: arm {arm_name!r}: reference must be an arm name, "
                               f"got {ref!r}")
-        if ref and _has(nested, "key_control.reference"):
+        if ref and "key_control.reference" in flatten(nested):
             raise QKGeomError(f"{where}: arm {arm_name!r} sets key_control.reference and "
                               "has a reference arm; give one of them")
         arms.append(Arm(name=arm_name, set=nested, reference=ref))
@@ -445,36 +422,6 @@ def _check_references(specs: list[RunSpec], where: str) -> None:
         if ref.steps < spec.config.steps:
             raise QKGeomError(f"{where}: run {spec.run_id!r} trains {spec.config.steps} steps "
                               f"but its reference {spec.depends_on!r} only {ref.steps}")
-
-
-def _has(nested: dict[str, Any], dotted: str) -> bool:
-    node: Any = nested
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _with(over: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
-    """A copy of nested ``over`` with ``dotted`` set to ``value`` (axes win over base)."""
-    out = dict(over)
-    parts = dotted.split(".")
-    node = out
-    for part in parts[:-1]:
-        child = node.get(part)
-        child = dict(child) if isinstance(child, dict) else {}
-        node[part] = child
-        node = child
-    node[parts[-1]] = value
-    return out
-
-
-def _get(cfg: TrainConfig, dotted: str) -> Any:
-    node: Any = cfg
-    for part in dotted.split("."):
-        node = getattr(node, part)
-    return node
 
 
 def _labels(keys: list[str]) -> dict[str, str]:

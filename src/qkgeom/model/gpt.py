@@ -79,7 +79,6 @@ class GPT(nn.Module):
 
     def __init__(self, cfg: GPTConfig, generator: torch.Generator | None = None) -> None:
         super().__init__()
-        cfg.validate()
         self.config = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)

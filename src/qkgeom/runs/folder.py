@@ -92,18 +92,16 @@ def run_record(cfg: TrainConfig | None, run_id: str, **facts: Any) -> dict[str, 
 
 def migrate_config(config: dict[str, Any]) -> dict[str, Any]:
     """A config mapping written by an older format in today's keys. Format 1 kept the
-    key-control settings flat; formats 1 and 2 gave the control's share as
-    ``shrink_to``/``expand_to`` against ``‖W_K‖_F`` (today: ``dose`` and ``scale:
-    frobenius``); formats 1-3 controlled the weight-level spectrum (today: ``level:
-    weight``). A current mapping comes back unchanged (its ``level`` is there)."""
-    from qkgeom.config import KeyControlConfig
-
+    key-control settings flat (formats 1 and 2 with ``shrink_to``/``expand_to``, which
+    building the config refuses, naming ``key_control.dose``); formats 1-3 controlled the
+    weight-level spectrum (today: ``level: weight``). A current mapping comes back
+    unchanged (its ``level`` is there)."""
     cfg = dict(config)
     if not isinstance(cfg.get("key_control", {}), dict):
         nested = {new: cfg.pop(old) for old, new in _V1_KEY_CONTROL.items() if old in cfg}
         cfg["key_control"] = nested
     if isinstance(cfg.get("key_control"), dict):
-        section = KeyControlConfig.upgrade(cfg["key_control"])
+        section = dict(cfg["key_control"])  # shrink_to/expand_to: refused when built
         if section.get("mode", "none") != "none":
             section.setdefault("level", "weight")
         cfg["key_control"] = section

@@ -182,8 +182,8 @@ def evaluate(model: GPT, data: np.ndarray, cfg: TrainConfig, device: torch.devic
 class Trainer:
     """One run into one folder: ``Trainer(cfg, out).run()``.
 
-    Everything is checked in the constructor, before any work: the config, the features it
-    enables against the callbacks given, the device, the data, the memory and probe-time
+    Everything is checked in the constructor, before any work (the config checked itself
+    when it was built): the features it enables against the callbacks given, the device, the data, the memory and probe-time
     estimates, the run's lock and the run folder (a fresh run needs an empty folder; a
     resume needs a qkgeom run folder with the same config, vocabulary and corpus). The
     lock is held until :meth:`run` ends (or :meth:`close`).
@@ -192,7 +192,6 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
                  callbacks: list[Callback] | None = None, progress: bool = False,
                  run_id: str | None = None, progress_every: int | None = None) -> None:
-        cfg.validate()
         self.callbacks = list(callbacks or [])
         served = {cb.feature for cb in self.callbacks}
         unserved = [f for f in cfg.active_features() if f not in served]
@@ -214,7 +213,6 @@ class Trainer:
         self.data = load_data(cfg.data)
         self.data.require_block(cfg.model.block_size)
         self.cfg = cfg = with_vocab(cfg, self.data.vocab.vocab_size)
-        cfg.validate()
         self.probe_tokens = probe_set(self.data.val, cfg.probe_sequences, cfg.model.block_size)
         check_training_fits(cfg, self.device)
         check_eval_fits(cfg, len(self.data.val))
