@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import deep_merge
+from qkgeom.config import deep_merge, nest_keys
 from qkgeom.errors import QKGeomError
-from qkgeom.experiments.grid import Grid, nest_keys
+from qkgeom.experiments.grid import Grid
 from qkgeom.experiments.runner import SweepSummary, available_cpus, on_this_machine, run_sweep
 
 
