@@ -410,8 +410,7 @@ def run_groups(table: pd.DataFrame) -> tuple[pd.DataFrame, ...]:
     return runs, inc, inc.drop(monitored.index), monitored
 
 
-def setup_markdown(table: pd.DataFrame, folder: Path, _traj: Any = None,
-                   trajectories: bool = False, *, unit_line: str = "",
+def setup_markdown(table: pd.DataFrame, folder: Path, *, unit_line: str = "",
                    reference_line: str = "") -> str:
     """Grid, data, model sizes, tokens, seeds, probes and time of a sweep or of one run
     folder; an experiment adds its own lines: ``unit_line`` (after the models: what its

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qkgeom.analysis.collate import collate
+from qkgeom.analysis.collate import collate, excluded_runs
 from qkgeom.analysis.e1.report import e1_claims, write_e1_report
 from qkgeom.analysis.e3.arms import is_e3
 from qkgeom.analysis.e3.evaluate import e3_analysis
@@ -99,7 +99,7 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     path = write(table, folder, out, figures)
     # what was left out, for a command to say so without collating the folder again
     write_json(out / REPORT_MARKER, {**read_json(out / REPORT_MARKER),
-                                      "excluded": len(table.attrs.get("excluded", []))})
+                                      "excluded": len(excluded_runs(table))})
     return path
 
 
@@ -116,10 +116,10 @@ def _refuse_unfinished_run(folder: Path, table: pd.DataFrame) -> None:
     (A diverged or failed run is reported, with the reason it is left out.)"""
     from qkgeom.analysis.collate import is_single_run
 
-    left_out = table.attrs.get("excluded", [])
-    if not (is_single_run(folder) and left_out):
+    left_out = excluded_runs(table)
+    if not (is_single_run(folder) and len(left_out)):
         return
-    reason = str(left_out[0].get("excluded", ""))
+    reason = str(left_out["excluded"].iloc[0])
     if reason.startswith("incomplete"):
         state = reason.removeprefix("incomplete").strip(" ()")
         raise QKGeomError(f"{folder}: the run is not finished ({state}); nothing to report "

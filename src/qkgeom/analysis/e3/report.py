@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
+from qkgeom.analysis.collate import sweep_of
 from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES, with_ci
 from qkgeom.analysis.e3.evaluate import e3_analysis
 from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
@@ -218,7 +219,7 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
                        spread: str = "") -> str:
     """The E3 ``report.md``, opening with the one-line summary; ``spread`` says how the
     figures show the seeds; ``drawn=False`` when figures were not asked for."""
-    name = table.attrs.get("name") or sweep_dir.name
+    name = sweep_of(table)[0] or sweep_dir.name
     members = analysis["members"]
     per_arm = members.groupby("arm")["seed"].nunique().to_dict() if len(members) else {}
     gate = analysis["gate"]
@@ -240,7 +241,7 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
     excluded_pairs = _excluded_pairs_markdown(analysis["excluded_pairs"])
     if excluded_pairs:
         parts += [excluded_pairs, ""]
-    parts += [setup_markdown(table, sweep_dir, pd.DataFrame(), trajectories=False), "",
+    parts += [setup_markdown(table, sweep_dir), "",
               excluded_markdown(table), "", "## Figures", ""]
     if not figures:
         parts.append("No figures: no controlled run could be paired." if drawn else
@@ -271,5 +272,5 @@ def write_e3_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
         figs = make_e3_figures(analysis, out)
         spread = spread_note(seeds_per_arm(analysis["members"]))
     text = e3_report_markdown(table, analysis, figs, sweep_dir, drawn=figures, spread=spread)
-    name = table.attrs.get("name") or sweep_dir.name
+    name = sweep_of(table)[0] or sweep_dir.name
     return write_pages(out, text, f"qkgeom report: {name}")
