@@ -138,35 +138,26 @@ def test_cli_key_control_flags(sample_data: Path, tmp_path: Path) -> None:
     assert "Traceback" not in bad.stderr
 
 
-def _as_format_2(run: Path, mode: str) -> None:
-    """Rewrite ``run``'s record as qkgeom wrote it before doses (format 2)."""
+def test_old_run_folders_are_refused_in_one_line(sample_data: Path, tmp_path: Path) -> None:
+    """A format-2 record (key control before doses: ``shrink_to``) is not migrated: reading
+    or resuming it is one line saying what to do, and nothing is written."""
     import json
 
-    path = run / "config.json"
-    record = json.loads(path.read_text())
-    kc = {"mode": mode, "scope": "layer", "how": "post_step", "shrink_to": 0.5,
-          "expand_to": 2.0}
-    record["config"]["key_control"] = kc
-    record["format_version"] = 2
-    path.write_text(json.dumps(record))
-
-
-def test_old_run_folders_read_in_todays_keys(sample_data: Path, tmp_path: Path) -> None:
     from qkgeom.runs import load_config
 
     cfg = make_config("smoke", {"data": str(sample_data), "steps": 4, "probe_every": 2,
                                 "checkpoint_every": 2, "warmup_steps": 1, "threads": 1})
     train(cfg, tmp_path / "r")
-    recorded = load_config(tmp_path / "r").config_hash()
-    _as_format_2(tmp_path / "r", "shrink")
-    kc = load_config(tmp_path / "r").key_control
-    assert (kc.mode, kc.dose, kc.scale) == ("shrink", 0.5, "frobenius")
-    # an old run with key control cannot be continued: its checkpoints lack the state
-    shrink = make_config("smoke", {**cfg.to_dict(), "key_control": {
-        "mode": "shrink", "dose": 0.5, "scale": "frobenius"}})
-    with pytest.raises(QKGeomError, match="format 2.*cannot be resumed"):
-        train(shrink, tmp_path / "r", resume=True)
-    # an uncontrolled one keeps its config hash and resumes
-    _as_format_2(tmp_path / "r", "none")
-    assert load_config(tmp_path / "r").config_hash() == recorded
-    train(cfg, tmp_path / "r", resume=True)
+    path = tmp_path / "r" / "config.json"
+    record = json.loads(path.read_text())
+    record["config"]["key_control"] = {"mode": "shrink", "scope": "layer", "how": "post_step",
+                                       "shrink_to": 0.5, "expand_to": 2.0}
+    path.write_text(json.dumps({**record, "format_version": 2}))
+    files = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    for call in (lambda: load_config(tmp_path / "r"),
+                 lambda: train(cfg, tmp_path / "r", resume=True)):
+        with pytest.raises(QKGeomError, match=r"older qkgeom \(run folder format 2\).*"
+                                              "train it again") as info:
+            call()
+        assert "\n" not in str(info.value)
+    assert {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()} == files
