@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.pool import WorkerPool
-from qkgeom.experiments.worker import record_failure
+from qkgeom.experiments.worker import one_line, record_failure, result_of
 from qkgeom.io import append_file, make_dir
 from qkgeom.runs.sweep import WORKER_LOG
 
@@ -84,8 +84,7 @@ def make_backend(name: str, address: str | None = None, retries: int = 0, *,
 def crashed(run_dir: Path, message: str) -> dict[str, Any]:
     """Record (under the run's lock) and report a worker that died without a result."""
     record_failure(run_dir, message)
-    return {"run_id": run_dir.name, "state": "failed", "step": 0, "steps": 0,
-            "error": message, "action": "crashed"}
+    return result_of(run_dir, "failed", "crashed", {"error": message})
 
 
 class LocalBackend:
@@ -202,14 +201,13 @@ def connect_ray(address: str | None) -> tuple[Any, bool]:
 def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
                  retry_failed: bool) -> dict[str, Any]:
     """The Ray task: ``run_one`` with the run's prints in its worker.log, as locally."""
-    from qkgeom.experiments.worker import one_line, run_one
+    from qkgeom.experiments.worker import run_one
 
     try:
         make_dir(run_dir)
         raw = append_file(Path(run_dir) / WORKER_LOG)  # never through a planted link
     except QKGeomError as err:
-        return {"run_id": Path(run_dir).name, "state": "failed", "step": 0, "steps": 0,
-                "error": one_line(err), "action": "refused"}
+        return result_of(Path(run_dir), "failed", "refused", {"error": one_line(err)})
     with io.TextIOWrapper(raw, encoding="utf-8", write_through=True) as log, \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return run_one(run_dir, config_dict, threads, retry_failed=retry_failed)
@@ -278,8 +276,6 @@ class RayBackend:
             try:
                 results.append(self._ray.get(ref))
             except Exception as err:  # a crashed worker, a lost node, a task error
-                from qkgeom.experiments.worker import one_line
-
                 results.append(crashed(run_dir, f"ray task failed: {one_line(err)}"))
         return results
 
