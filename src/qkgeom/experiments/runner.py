@@ -1,32 +1,17 @@
 """Run a grid into a sweep folder: skip what is done, resume what was cut, record the rest.
 
-:func:`run_sweep` is safe to rerun and to run twice at once on one folder:
+:func:`run_sweep` is safe to rerun and to run twice at once on one folder: a finished run is
+skipped (:func:`qkgeom.runs.finished_state`), any other resumes; every run trains under its
+own lock, and a process does not wait for runs another holds: it counts them ``locked`` and
+ends (run it again later, or see :func:`sweep_status`); one run's exception never stops the
+others. A run that depends on another (:attr:`RunSpec.depends_on`, an arm's reference)
+starts only once that one is ``done``; a reference that diverged or failed makes its
+dependents ``failed`` with the reason, one held by another process leaves them ``pending``.
 
-- a run whose status.json says ``done`` is skipped, ``diverged`` is recorded and not
-  retried, ``failed`` (an exception in training, with a one-line message) is skipped unless
-  ``retry_failed``; a run with a checkpoint that is not done (interrupted) is resumed;
-- every run is trained under its own lock (see :mod:`~qkgeom.runs.sweep`), so two
-  sweep processes on one folder never train the same run; a process **does not wait** for
-  runs another process holds: it counts them ``locked`` and ends when every run is either
-  finished or locked by someone else (run it again later, or use :func:`sweep_status`);
-- one exception in one run never stops the others;
-- a run that depends on another (an arm's reference run, :attr:`RunSpec.depends_on`)
-  starts only after that run is ``done``; runs without a pending dependency go first, so
-  workers never idle while something can run. A reference that diverged or failed makes
-  its dependents ``failed`` with a one-line reason ("reference run seed=0,arm=none
-  diverged"); one held by another sweep process leaves them ``pending`` for a later call.
-
-``workers`` runs train at once (local worker processes, or Ray tasks in flight), each with
-``threads_per_run`` torch threads, by default ``max(1, cpus // workers)`` where ``cpus``
-counts the CPUs this process may use (its affinity mask, else ``os.cpu_count()``); the
-``threads`` field is outside the config hash, so it never changes a run's identity.
-``workers=None`` picks: one run per CPU on a CPU grid (at most one per run), and on a CUDA
-grid ``runs_per_gpu`` runs per GPU (local: every visible GPU; Ray: the cluster's GPUs).
-Locally a CUDA grid never has more than ``runs_per_gpu`` runs on one GPU; ``runs_per_gpu
-="auto"`` measures the number (:mod:`~qkgeom.experiments.packing`) once per sweep folder
-and records it in ``packing.json``. Local workers are persistent processes that train
-several runs in turn (:mod:`~qkgeom.experiments.pool`; ``max_runs_per_worker=1`` for a
-fresh process per run).
+``workers`` runs train at once, each with ``threads_per_run`` torch threads (default: the
+CPUs this process may use / ``workers``; ``threads`` is outside the config hash). The
+defaults and ``runs_per_gpu`` (``"auto"``: measured once per sweep folder, recorded in
+``packing.json``) are in docs/sweeps.md.
 """
 
 from __future__ import annotations

@@ -36,11 +36,16 @@ from typing import Any
 
 from qkgeom.errors import DivergedError, QKGeomError, signals_interrupt
 from qkgeom.io import append_file, make_dir, refuse_link, write_bytes
-from qkgeom.runs import RunLock, finished_state, list_checkpoints, read_status, refuse_links
+from qkgeom.runs import (
+    RunLock,
+    finished_state,
+    list_checkpoints,
+    one_line,
+    read_status,
+    record_failed,
+    refuse_links,
+)
 from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG, WORKER_LOG
-from qkgeom.runs.writer import record_failed
-
-_MAX_MESSAGE = 300
 
 
 def run_one(run_dir: str, config_dict: dict[str, Any], threads: int, *,
@@ -106,13 +111,6 @@ def _train(run: Path, config_dict: dict[str, Any]) -> dict[str, Any]:
         return result_of(run, "failed", action,
                          record_failed(run, message, steps) or {"error": message})
     return result_of(run, "done", action, {"step": result.step, "steps": steps})
-
-
-def one_line(err: BaseException) -> str:
-    """``Type: message`` on one line, at most a few hundred characters (user errors bare)."""
-    text = str(err) if isinstance(err, QKGeomError) else f"{type(err).__name__}: {err}"
-    text = " ".join(text.split())
-    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE - 3] + "..."
 
 
 def record_failure(run: Path, message: str) -> bool:

@@ -1,24 +1,11 @@
 """File names, format version, config record, status and tables of a run folder.
 
-::
-
-    RUN/
-      config.json         the run record: config, its hash, data, vocabulary, corpus, versions
-      metrics.parquet     run_id, step, layer, head (−1 = layer), metric, value
-      metrics.parts/      rows written since the last compaction (read_metrics sees both)
-      train_log.parquet   step, loss, val_loss, lr, tokens_per_s (+ train_log.parts/)
-      status.json         state (running | interrupted | done | diverged | failed), step,
-                          steps, wall time, threads (interrupted: the signal and the
-                          newest checkpoint's step, or null)
-      checkpoints/        ckpt_<step:08d>.pt, the newest few
-      tensorboard/        event files (``qkgeom train --report-to tensorboard``)
-      alerts.json         monitor runs: alerts that fired
-
+The layout is in docs/definitions.md#run-folder; its names are the constants below.
 One format is read, :data:`FORMAT_VERSION`: an older folder is refused in one line saying
 to train it again (a 0.1 carries no migrations).
 
 Ownership: qkgeom writes into a folder only when it is new, empty, or already a qkgeom run
-folder holding nothing but the entries above (plus a sweep's bookkeeping files, a
+folder holding nothing but its own entries (plus a sweep's bookkeeping files, a
 ``report/`` folder and qkgeom's own temp files): :func:`claim_run_dir` refuses anything
 else, so ``--resume`` never overwrites or deletes a file qkgeom did not write. A symbolic link
 among those entries (``checkpoints -> another run's``, ``status.json -> ~/notes``) is
@@ -127,11 +114,6 @@ def is_run_folder(path: str | Path) -> bool:
                                           .exists() or table.exists(path / METRICS))
 
 
-def _is_own_status(path: Path) -> bool:
-    """Whether ``status.json`` reads as a status qkgeom wrote (its schema)."""
-    return status_of(path.parent)[0] is not None
-
-
 def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
     """Names in ``run`` that qkgeom did not write there (sorted): anything but the run
     folder's own files and folders, a sweep's bookkeeping, and qkgeom's temp files; a
@@ -147,25 +129,19 @@ def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
         own = not entry.is_symlink() and (
             (name in _OWN_FILES and entry.is_file()) or (name in _OWN_DIRS and entry.is_dir())
             or (_TEMP.fullmatch(name) is not None and entry.is_file()))
-        if name == STATUS and own and check_status:
-            own = _is_own_status(entry)
+        if name == STATUS and own and check_status:  # a status qkgeom wrote (its schema)
+            own = status_of(run)[0] is not None
         if not own:
             foreign.append(name)
     return sorted(foreign)
 
 
-def linked_entries(run: str | Path) -> list[Path]:
-    """The symbolic links among a run folder's entries and inside its sub-folders
-    (``checkpoints/``, the table parts, ``report/`` ...), sorted: nothing qkgeom writes
-    there is a link, so each is planted (or a user's), and writing through it could
-    overwrite or delete any file."""
-    return links_in(run)
-
-
 def refuse_links(run: str | Path) -> None:
-    """One line (:class:`~qkgeom.io.LinkError`) naming the first link in the run folder
-    (:func:`linked_entries`), if any."""
-    links = linked_entries(run)
+    """One line (:class:`~qkgeom.io.LinkError`) naming the first symbolic link among the run
+    folder's entries and inside its sub-folders (``checkpoints/``, the table parts,
+    ``report/`` ...), if any: nothing qkgeom writes there is a link, so each is planted (or
+    a user's), and writing through it could overwrite or delete any file."""
+    links = links_in(run)
     if links:
         raise LinkError(links[0])
 

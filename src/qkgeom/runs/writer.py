@@ -154,6 +154,14 @@ class RunWriter:
         return record
 
 
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """The error a status records: ``Type: message`` on one line (qkgeom's own errors
+    bare), at most ``limit`` characters."""
+    text = " ".join((str(err) if isinstance(err, QKGeomError)
+                     else f"{type(err).__name__}: {err}").split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def record_failed(run: str | Path, message: str, steps: int | None = None, *,
                   keep: bool = True) -> dict[str, Any] | None:
     """Record ``failed`` with ``message`` for a run its trainer could not record (refused
