@@ -51,7 +51,7 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
     """One run folder: config.json, metrics.parquet, train_log.parquet, status.json.
     ``records(step)`` adds flat records (layer −1, head −1) the way a callback's
     ``on_probe`` does (``ctl_dose_l0``, ...); ``format_version`` is the run folder
-    format config.json says it is written in (1: an old run, read through migration)."""
+    format config.json says it is written in (another than 4 is refused)."""
     out = root / "runs" / run_id
     out.mkdir(parents=True)
     cfg = {

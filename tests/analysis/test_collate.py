@@ -164,13 +164,12 @@ def test_a_config_field_missing_from_older_runs_takes_its_default(tmp_path):
     from qkgeom.config import TrainConfig
 
     root = tmp_path / "mixed"
-    write_run(root, "old", 2, "normal", 0, monotone_values(), format_version=1)
+    write_run(root, "old", 2, "normal", 0, monotone_values())  # no key_control section
     write_run(root, "new", 2, "normal", 1, monotone_values(),
               extra_cfg={"key_control": TrainConfig().to_dict()["key_control"]})
-    write_run(root, "other", 2, "normal", 2, monotone_values(), extra_cfg={"key_control": "hold"},
-              format_version=1)
+    write_run(root, "other", 2, "normal", 2, monotone_values(),
+              extra_cfg={"key_control": {"mode": "hold", "level": "weight"}})
     variants = runs_table(root).set_index("run_id")["variant"]
-    # (an old run's control acted on the weights: it reads as level weight)
     assert variants["old"] == variants["new"] == "key_control.level=token,key_control.mode=none"
     assert variants["other"] == "key_control.level=weight,key_control.mode=hold"
 

@@ -126,31 +126,26 @@ def test_cli_key_control_flags(sample_data: Path, tmp_path: Path) -> None:
     assert "Traceback" not in bad.stderr
 
 
-def _as_format_2(run: Path, mode: str) -> None:
-    """Rewrite ``run``'s record as qkgeom wrote it before doses (format 2)."""
+def test_old_run_folders_are_refused_in_one_line(sample_data: Path, tmp_path: Path) -> None:
+    """A format-2 record (key control before doses: ``shrink_to``) is not migrated: reading
+    or resuming it is one line saying what to do, and nothing is written."""
     import json
 
-    path = run / "config.json"
-    record = json.loads(path.read_text())
-    kc = {"mode": mode, "scope": "layer", "how": "post_step", "shrink_to": 0.5,
-          "expand_to": 2.0}
-    record["config"]["key_control"] = kc
-    record["format_version"] = 2
-    path.write_text(json.dumps(record))
-
-
-def test_old_run_folders_with_the_pre_dose_keys_are_one_line_errors(sample_data: Path,
-                                                                    tmp_path: Path) -> None:
-    """No migration in a 0.1: a record with shrink_to/expand_to names the key to use."""
     from qkgeom.runs import load_config
 
     cfg = make_config("smoke", {"data": str(sample_data), "steps": 4, "probe_every": 2,
                                 "checkpoint_every": 2, "warmup_steps": 1, "threads": 1})
     train(cfg, tmp_path / "r")
-    for mode in ("shrink", "none"):
-        _as_format_2(tmp_path / "r", mode)
-        for read in (lambda: load_config(tmp_path / "r"),
-                     lambda: train(cfg, tmp_path / "r", resume=True)):
-            with pytest.raises(QKGeomError, match="did you mean 'key_control.dose'") as err:
-                read()
-            assert "\n" not in str(err.value)
+    path = tmp_path / "r" / "config.json"
+    record = json.loads(path.read_text())
+    record["config"]["key_control"] = {"mode": "shrink", "scope": "layer", "how": "post_step",
+                                       "shrink_to": 0.5, "expand_to": 2.0}
+    path.write_text(json.dumps({**record, "format_version": 2}))
+    files = {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()}
+    for call in (lambda: load_config(tmp_path / "r"),
+                 lambda: train(cfg, tmp_path / "r", resume=True)):
+        with pytest.raises(QKGeomError, match=r"older qkgeom \(run folder format 2\).*"
+                                              "train it again") as info:
+            call()
+        assert "\n" not in str(info.value)
+    assert {p: p.read_bytes() for p in (tmp_path / "r").rglob("*") if p.is_file()} == files

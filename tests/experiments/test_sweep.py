@@ -145,6 +145,7 @@ def test_run_one_respects_the_lock_and_finished_states(tmp_path: Path) -> None:
     assert record_failure(run, "worker died")
     status = json.loads((run / "status.json").read_text())
     assert status["state"] == "failed" and status["step"] == 5 and status["error"] == "worker died"
+    assert status["steps"] == 9 and "wall_s" in status  # written by RunWriter, as the trainer's
     assert run_one(str(run), {}, 1)["action"] == "skipped"  # failed: not retried by default
     for state in ("done", "diverged"):
         (run / "status.json").write_text(json.dumps({"state": state, "step": 9, "steps": 9}))

@@ -18,6 +18,7 @@ from fault_helpers import (
     status,
     train_args,
     train_in_process,
+    tree,
 )
 
 STEPS, EVERY = 12, 4
@@ -104,7 +105,10 @@ def test_status_json_garbage_is_rewritten_on_resume(
     RESULTS[f"status.json {garbage[:8]!r}"] = True
 
 
-@pytest.mark.parametrize("version, words", [(99, "upgrade qkgeom"), (0, "train it again")])
+@pytest.mark.parametrize("version, words", [
+    (99, "upgrade qkgeom"), (0, "train it again"),
+    # formats 1-3 (older key-control keys) are not migrated: refused, saying what to do
+    (2, "older qkgeom"), (3, "train it again with this version")])
 def test_run_folder_of_another_format_version(
         sample_data: Path, base_run: Path, tmp_path: Path,
         capsys: pytest.CaptureFixture[str], version: int, words: str) -> None:
@@ -112,11 +116,11 @@ def test_run_folder_of_another_format_version(
     prov = json.loads((run / "config.json").read_text())
     prov["format_version"] = version
     (run / "config.json").write_text(json.dumps(prov))
-    before = (run / "config.json").read_bytes()
+    before = tree(run)
     for args in (_resume_args(sample_data, run), ["show", str(run)]):
         code, _, err = in_process(args, capsys)
         assert_clean_error(code, err, words=("config.json", f"format {version}", words))
-    assert (run / "config.json").read_bytes() == before  # not overwritten
+    assert tree(run) == before  # nothing written
     RESULTS[f"run folder format {version}"] = True
 
 

@@ -192,7 +192,9 @@ def test_report_out_refuses_a_folder_it_did_not_write(base_run: Path, tmp_path: 
                                                       ) -> None:
     theirs = tmp_path / "paper"
     theirs.mkdir()
-    (theirs / "report.md").write_text("# My own report\n")
+    # qkgeom's heading and an HTML beside it, but no report.json: not a report folder
+    (theirs / "report.md").write_text("# qkgeom report: my own notes\n")
+    (theirs / "report.html").write_text("<p>mine</p>\n")
     before = _files(theirs)
     code, _, err = in_process(["report", str(base_run), "--out", str(theirs)], capsys)
     assert_clean_error(code, err, words=(str(theirs), "not a qkgeom report folder"))

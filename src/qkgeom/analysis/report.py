@@ -49,8 +49,6 @@ from qkgeom.version import __version__
 
 REPORT_MARKER = "report.json"
 _REPORT_KIND = "qkgeom-report"
-# The first line of report.md as qkgeom versions before the marker wrote it.
-_LEGACY_HEADINGS = ("# qkgeom report: ", "# E4: token-level Q/K geometry across checkpoints")
 
 
 def claims_table(folder: str | Path, include_incomplete: bool = False,
@@ -170,21 +168,12 @@ def summary_line(report_dir: str | Path) -> str:
 
 
 def _is_report_folder(out: Path) -> bool:
-    """Marked by ``report.json``, or a report folder an earlier qkgeom wrote (its
-    ``report.md`` opens with qkgeom's heading and ``report.html`` is beside it)."""
-    marker = out / REPORT_MARKER
-    if marker.is_file():
-        try:
-            record = read_json(marker)
-        except QKGeomError:
-            return False
-        return isinstance(record, dict) and record.get("kind") == _REPORT_KIND
+    """Marked by ``report.json`` (what qkgeom writes into every report folder)."""
     try:
-        with open(out / "report.md", encoding="utf-8") as fh:
-            first = fh.readline()
-    except (OSError, UnicodeDecodeError):
+        record = read_json(out / REPORT_MARKER)
+    except QKGeomError:
         return False
-    return first.startswith(_LEGACY_HEADINGS) and (out / "report.html").is_file()
+    return isinstance(record, dict) and record.get("kind") == _REPORT_KIND
 
 
 def claim_report_dir(out: Path, source: Path) -> None:

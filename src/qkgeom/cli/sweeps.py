@@ -155,11 +155,10 @@ def _status_table(status: pd.DataFrame) -> pd.DataFrame:
 def unfinished(out: Path, runs: list[Any]) -> list[Any]:
     """The runs of a sweep (``RunSpec``s) that ``out`` does not hold finished yet: what a
     ``sweep run`` or ``reproduce`` into ``out`` would still train."""
-    from qkgeom.runs import FINAL_STATES, read_status
+    from qkgeom.runs import finished_state, read_status
     from qkgeom.runs.sweep import run_dir
 
-    return [r for r in runs
-            if (read_status(run_dir(out, r.run_id)) or {}).get("state") not in FINAL_STATES]
+    return [r for r in runs if finished_state(read_status(run_dir(out, r.run_id))) is None]
 
 
 def warn_long_sweep(configs: list[Any], device: str | None) -> None:

@@ -1,30 +1,14 @@
 """Where a sweep's runs execute: local worker processes or Ray tasks, both calling ``run_one``.
 
 A backend only starts runs and reports finished ones; skipping, locking and recording are
-:func:`~qkgeom.experiments.worker.run_one`'s job, identical for both.
-
-**Local** keeps persistent worker processes (:mod:`~qkgeom.experiments.pool`): each trains
-the runs it is handed one after another, so the torch import and the first-step warm-up
-are paid once per worker instead of once per run (``max_runs_per_worker=1`` restores a
-fresh process per run). A worker that dies hard is one failed run, recorded as such, and
-a new worker takes the next run. On a CUDA grid (device ``cuda``) every worker is pinned
-to one GPU (``CUDA_VISIBLE_DEVICES``) and runs go to the GPU with the fewest runs, so the
-sweep's ``workers`` runs at once are packed ``runs_per_gpu`` to a GPU.
-
-**Ray** submits ``run_one`` as one task per run with ``num_cpus=threads`` (plus
-``num_gpus=1/runs_per_gpu`` for a CUDA config: Ray's fractional GPUs pack that many runs
-on a GPU) and ``max_retries=retries`` (default 0: a crashed run is recorded ``failed`` and
-rerunning the sweep resumes it from its checkpoint; with ``--retries N`` Ray itself starts
-a task whose worker died again, up to N times, and the retry resumes from the run's newest
-checkpoint under the run's lock). CPU runs reuse Ray's worker processes as the local pool
-does (``run_one`` resets the process state a run could leave behind); a GPU run gets a fresh
-worker (``max_calls=1``: a process cannot follow Ray to another GPU). Results go to
-the sweep folder, so that folder must be on a filesystem every node sees, and qkgeom must
-be installed on every node. A local Ray instance that qkgeom starts itself (no
-``--address``) listens on 127.0.0.1 only (its node address is the loopback one, no
-dashboard): nothing of it is reachable from the network. Before a run is submitted the
-cluster's resources are checked (:meth:`RayBackend.check_fits`): a run asking for more CPUs
-or GPUs than the whole cluster has would wait for ever, so it is refused in one line.
+:func:`~qkgeom.experiments.worker.run_one`'s job, identical for both (docs/sweeps.md).
+**Local**: persistent worker processes (:mod:`~qkgeom.experiments.pool`); on a CUDA grid
+each is pinned to the GPU with the fewest runs, ``runs_per_gpu`` to a GPU. **Ray**: one
+task per run asking for its threads (and ``1/runs_per_gpu`` of a GPU: Ray's fractional GPUs
+pack them), retried up to ``retries`` times when its worker dies (the retry resumes from
+the newest checkpoint under the run's lock); the sweep folder must be on a filesystem every
+node sees. A local instance qkgeom starts listens on 127.0.0.1 only, and a run asking for
+more than the whole cluster has is refused in one line (it would wait for ever).
 """
 
 from __future__ import annotations
@@ -40,8 +24,9 @@ from typing import Any, Protocol
 
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.pool import WorkerPool
-from qkgeom.experiments.worker import record_failure
+from qkgeom.experiments.worker import record_failure, result_of
 from qkgeom.io import append_file, make_dir
+from qkgeom.runs import one_line
 from qkgeom.runs.sweep import WORKER_LOG
 
 BACKENDS = ("local", "ray")
@@ -84,8 +69,7 @@ def make_backend(name: str, address: str | None = None, retries: int = 0, *,
 def crashed(run_dir: Path, message: str) -> dict[str, Any]:
     """Record (under the run's lock) and report a worker that died without a result."""
     record_failure(run_dir, message)
-    return {"run_id": run_dir.name, "state": "failed", "step": 0, "steps": 0,
-            "error": message, "action": "crashed"}
+    return result_of(run_dir, "failed", "crashed", {"error": message})
 
 
 class LocalBackend:
@@ -202,14 +186,13 @@ def connect_ray(address: str | None) -> tuple[Any, bool]:
 def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
                  retry_failed: bool) -> dict[str, Any]:
     """The Ray task: ``run_one`` with the run's prints in its worker.log, as locally."""
-    from qkgeom.experiments.worker import one_line, run_one
+    from qkgeom.experiments.worker import run_one
 
     try:
         make_dir(run_dir)
         raw = append_file(Path(run_dir) / WORKER_LOG)  # never through a planted link
     except QKGeomError as err:
-        return {"run_id": Path(run_dir).name, "state": "failed", "step": 0, "steps": 0,
-                "error": one_line(err), "action": "refused"}
+        return result_of(Path(run_dir), "failed", "refused", {"error": one_line(err)})
     with io.TextIOWrapper(raw, encoding="utf-8", write_through=True) as log, \
             contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
         return run_one(run_dir, config_dict, threads, retry_failed=retry_failed)
@@ -278,8 +261,6 @@ class RayBackend:
             try:
                 results.append(self._ray.get(ref))
             except Exception as err:  # a crashed worker, a lost node, a task error
-                from qkgeom.experiments.worker import one_line
-
                 results.append(crashed(run_dir, f"ray task failed: {one_line(err)}"))
         return results
 

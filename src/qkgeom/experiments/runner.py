@@ -1,32 +1,17 @@
 """Run a grid into a sweep folder: skip what is done, resume what was cut, record the rest.
 
-:func:`run_sweep` is safe to rerun and to run twice at once on one folder:
+:func:`run_sweep` is safe to rerun and to run twice at once on one folder: a finished run is
+skipped (:func:`qkgeom.runs.finished_state`), any other resumes; every run trains under its
+own lock, and a process does not wait for runs another holds: it counts them ``locked`` and
+ends (run it again later, or see :func:`sweep_status`); one run's exception never stops the
+others. A run that depends on another (:attr:`RunSpec.depends_on`, an arm's reference)
+starts only once that one is ``done``; a reference that diverged or failed makes its
+dependents ``failed`` with the reason, one held by another process leaves them ``pending``.
 
-- a run whose status.json says ``done`` is skipped, ``diverged`` is recorded and not
-  retried, ``failed`` (an exception in training, with a one-line message) is skipped unless
-  ``retry_failed``; a run with a checkpoint that is not done (interrupted) is resumed;
-- every run is trained under its own lock (see :mod:`~qkgeom.runs.sweep`), so two
-  sweep processes on one folder never train the same run; a process **does not wait** for
-  runs another process holds: it counts them ``locked`` and ends when every run is either
-  finished or locked by someone else (run it again later, or use :func:`sweep_status`);
-- one exception in one run never stops the others;
-- a run that depends on another (an arm's reference run, :attr:`RunSpec.depends_on`)
-  starts only after that run is ``done``; runs without a pending dependency go first, so
-  workers never idle while something can run. A reference that diverged or failed makes
-  its dependents ``failed`` with a one-line reason ("reference run seed=0,arm=none
-  diverged"); one held by another sweep process leaves them ``pending`` for a later call.
-
-``workers`` runs train at once (local worker processes, or Ray tasks in flight), each with
-``threads_per_run`` torch threads, by default ``max(1, cpus // workers)`` where ``cpus``
-counts the CPUs this process may use (its affinity mask, else ``os.cpu_count()``); the
-``threads`` field is outside the config hash, so it never changes a run's identity.
-``workers=None`` picks: one run per CPU on a CPU grid (at most one per run), and on a CUDA
-grid ``runs_per_gpu`` runs per GPU (local: every visible GPU; Ray: the cluster's GPUs).
-Locally a CUDA grid never has more than ``runs_per_gpu`` runs on one GPU; ``runs_per_gpu
-="auto"`` measures the number (:mod:`~qkgeom.experiments.packing`) once per sweep folder
-and records it in ``packing.json``. Local workers are persistent processes that train
-several runs in turn (:mod:`~qkgeom.experiments.pool`; ``max_runs_per_worker=1`` for a
-fresh process per run).
+``workers`` runs train at once, each with ``threads_per_run`` torch threads (default: the
+CPUs this process may use / ``workers``; ``threads`` is outside the config hash). The
+defaults and ``runs_per_gpu`` (``"auto"``: measured once per sweep folder, recorded in
+``packing.json``) are in docs/sweeps.md.
 """
 
 from __future__ import annotations
@@ -50,7 +35,7 @@ from qkgeom.experiments.packing import parse_runs_per_gpu
 from qkgeom.experiments.progress import sweep_view
 from qkgeom.experiments.worker import record_failure
 from qkgeom.io import make_dir, read_json, write_json
-from qkgeom.runs import FolderLock, lock_is_held, read_status, status_of
+from qkgeom.runs import FolderLock, finished_state, lock_is_held, read_status, status_of
 from qkgeom.runs.sweep import (
     PACKING_FILE,
     SWEEP_FILE,
@@ -127,27 +112,10 @@ def run_sweep(
     :class:`QKGeomError` for any of those.
     """
     t0 = time.perf_counter()
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
-        raise QKGeomError(f"workers must be a positive integer, got {workers!r}")
-    if threads_per_run is not None and (not isinstance(threads_per_run, int)
-                                        or not 1 <= threads_per_run <= MAX_THREADS):
-        raise QKGeomError(f"--threads must be a whole number in [1, {MAX_THREADS}] (torch "
-                          f"threads per run), got {threads_per_run!r}")
-    if max_runs_per_worker is not None and (not isinstance(max_runs_per_worker, int)
-                                            or max_runs_per_worker < 1):
-        raise QKGeomError("max_runs_per_worker must be a positive integer or None, got "
-                          f"{max_runs_per_worker!r}")
-    if backend not in BACKENDS:
-        raise QKGeomError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    _check_arguments(workers, threads_per_run, max_runs_per_worker, backend)
     per_gpu = parse_runs_per_gpu(runs_per_gpu)
-    specs = resolve_data(grid.expand())
-    if backend == "local":  # device auto means this machine's device (Ray: each worker's)
-        specs = [on_this_machine(s) for s in specs]
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise QKGeomError(f"{out} exists and is not a folder")
-    refuse_sweep_links(out, [s.run_id for s in specs])  # a planted link: refused, untouched
-    check_sweep_file(out, grid, specs)  # before connecting to anything
+    specs = _checked_specs(grid, out, backend)
     on_cuda = any(s.config.device.startswith("cuda") for s in specs)
     gpus = cuda_devices() if on_cuda and backend == "local" else []
     if per_gpu == "auto":
@@ -177,6 +145,35 @@ def run_sweep(
         raise
     finally:
         runner.close()
+
+
+def _check_arguments(workers: int | None, threads_per_run: int | None,
+                     max_runs_per_worker: int | None, backend: str) -> None:
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise QKGeomError(f"workers must be a positive integer, got {workers!r}")
+    if threads_per_run is not None and (not isinstance(threads_per_run, int)
+                                        or not 1 <= threads_per_run <= MAX_THREADS):
+        raise QKGeomError(f"--threads must be a whole number in [1, {MAX_THREADS}] (torch "
+                          f"threads per run), got {threads_per_run!r}")
+    if max_runs_per_worker is not None and (not isinstance(max_runs_per_worker, int)
+                                            or max_runs_per_worker < 1):
+        raise QKGeomError("max_runs_per_worker must be a positive integer or None, got "
+                          f"{max_runs_per_worker!r}")
+    if backend not in BACKENDS:
+        raise QKGeomError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _checked_specs(grid: Grid, out: Path, backend: str) -> list[RunSpec]:
+    """The grid's runs with their data resolved, once ``out`` is known to be a folder
+    holding no planted link and no other grid: before connecting to anything."""
+    specs = resolve_data(grid.expand())
+    if backend == "local":  # device auto means this machine's device (Ray: each worker's)
+        specs = [on_this_machine(s) for s in specs]
+    if out.exists() and not out.is_dir():
+        raise QKGeomError(f"{out} exists and is not a folder")
+    refuse_sweep_links(out, [s.run_id for s in specs])  # a planted link: refused, untouched
+    check_sweep_file(out, grid, specs)
+    return specs
 
 
 def cuda_devices() -> list[str]:
@@ -354,17 +351,12 @@ def _settle_blocked(waiting: list[RunSpec], states: dict[str, str], out: Path,
 def _precheck(folder: Path, retry_failed: bool) -> str | None:
     """A run's known outcome without starting a worker: finished, or locked by another.
 
-    Saves handing a skipped run to a worker (and starting one, about 3 s of imports, when
-    none is idle); the worker checks again under the lock, which is what makes skipping
+    Saves handing a skipped run to a worker (and starting one, with its imports, when none
+    is idle); the worker checks again under the lock, which is what makes skipping
     race-free.
     """
-    status = read_status(folder)
-    state = status.get("state") if status else None
-    if state in ("done", "diverged") or (state == "failed" and not retry_failed):
-        return state
-    if lock_is_held(folder):
-        return "locked"
-    return None
+    state = finished_state(read_status(folder), retry_failed)
+    return state or ("locked" if lock_is_held(folder) else None)
 
 
 def _live_states(specs: list[RunSpec], out: Path, states: dict[str, str],

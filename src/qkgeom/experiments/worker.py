@@ -35,11 +35,17 @@ from pathlib import Path
 from typing import Any
 
 from qkgeom.errors import DivergedError, QKGeomError, signals_interrupt
-from qkgeom.io import append_file, make_dir, refuse_link, write_bytes, write_json
-from qkgeom.runs import STATUS, RunLock, list_checkpoints, read_status, refuse_links
+from qkgeom.io import append_file, make_dir, refuse_link, write_bytes
+from qkgeom.runs import (
+    RunLock,
+    finished_state,
+    list_checkpoints,
+    one_line,
+    read_status,
+    record_failed,
+    refuse_links,
+)
 from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG, WORKER_LOG
-
-_MAX_MESSAGE = 300
 
 
 def run_one(run_dir: str, config_dict: dict[str, Any], threads: int, *,
@@ -49,42 +55,40 @@ def run_one(run_dir: str, config_dict: dict[str, Any], threads: int, *,
     Returns ``{"run_id", "state", "step", "steps", "error", "action"}``: ``state`` is the
     run's state afterwards (done | diverged | failed, or ``locked`` when another process
     holds the run), ``action`` what this call did (trained | resumed | skipped | locked).
-    A run whose status says ``done`` or ``diverged`` is skipped (a divergence is a result,
-    not retried); ``failed`` is skipped unless ``retry_failed``; anything else (no status,
-    or ``running`` without a lock holder, i.e. interrupted) is trained with ``resume=True``,
-    which continues from the newest checkpoint or starts fresh when there is none. Any
-    exception in training is recorded as ``failed`` with a one-line message in status.json
-    (traceback in error.log) and returned, never raised; KeyboardInterrupt is not caught,
-    so an interrupted run stays resumable.
+    A finished run is skipped (:func:`qkgeom.runs.finished_state`); anything else is
+    trained with ``resume=True``, which continues from the newest checkpoint or starts
+    fresh when there is none. Any exception in training is recorded as ``failed`` with a
+    one-line message in status.json (traceback in error.log) and returned, never raised;
+    KeyboardInterrupt is not caught, so an interrupted run stays resumable.
     """
     run = Path(run_dir)
     try:
         make_dir(run)
         lock = RunLock(run)
         if not lock.acquire():
-            return _result(run, "locked", "locked", read_status(run))
+            return result_of(run, "locked", "locked", read_status(run))
     except QKGeomError as err:  # a link where the run folder or its lock should be
-        return {"run_id": run.name, "state": "failed", "step": 0, "steps": 0,
-                "error": one_line(err), "action": "refused"}
+        return result_of(run, "failed", "refused", {"error": one_line(err)})
     try:
         try:
             refuse_links(run)
-        except QKGeomError as err:  # recorded (status.json is not a link), nothing else
-            return _refused(run, one_line(err))
+        except QKGeomError as err:  # recorded where status.json is not the link; not read
+            message = one_line(err)
+            return result_of(run, "failed", "refused",
+                             record_failed(run, message, 0, keep=False) or {"error": message})
         status = read_status(run)
-        state = status.get("state") if status else None
-        if state in ("done", "diverged") or (state == "failed" and not retry_failed):
-            return _result(run, state, "skipped", status)
+        state = finished_state(status, retry_failed)
+        if state is not None:
+            return result_of(run, state, "skipped", status)
         try:
-            return _train(run, dict(config_dict, threads=threads), status)
+            return _train(run, dict(config_dict, threads=threads))
         finally:
             fresh_run_state(0)  # hand back what the run held (a packed GPU's memory) now
     finally:
         lock.release()
 
 
-def _train(run: Path, config_dict: dict[str, Any],
-           status: dict[str, Any] | None) -> dict[str, Any]:
+def _train(run: Path, config_dict: dict[str, Any]) -> dict[str, Any]:
     from qkgeom.config import from_dict
     from qkgeom.launch import train
 
@@ -99,37 +103,14 @@ def _train(run: Path, config_dict: dict[str, Any],
         fresh_run_state(int(config_dict.get("threads") or 0))
         result = train(cfg, run, resume=True, progress=False, run_id=run.name)
     except DivergedError:
-        return _result(run, "diverged", action, read_status(run))
-    except Exception as err:  # recorded; the sweep goes on
-        message = one_line(err)
+        return result_of(run, "diverged", action, read_status(run))
+    except Exception as err:  # recorded (the traceback in error.log); the sweep goes on
         with contextlib.suppress(QKGeomError):
             write_bytes(run / ERROR_LOG, traceback.format_exc().encode("utf-8"))
-        last = read_status(run) or status or {}
-        failed = {"state": "failed", "step": int(last.get("step", 0)), "steps": steps,
-                  "error": message, "updated": time.time()}
-        with contextlib.suppress(QKGeomError):
-            write_json(run / STATUS, failed)
-        return _result(run, "failed", action, failed)
-    return {"run_id": run.name, "state": "done", "step": result.step, "steps": steps,
-            "error": None, "action": action}
-
-
-def _refused(run: Path, message: str) -> dict[str, Any]:
-    """A run this worker will not touch (a link in its folder): recorded ``failed`` with
-    the reason where status.json can be written safely, and reported."""
-    failed = {"state": "failed", "step": 0, "steps": 0, "error": message,
-              "updated": time.time()}
-    with contextlib.suppress(QKGeomError):
-        write_json(run / STATUS, failed)
-    return {"run_id": run.name, **{k: failed[k] for k in ("state", "step", "steps", "error")},
-            "action": "refused"}
-
-
-def one_line(err: BaseException) -> str:
-    """``Type: message`` on one line, at most a few hundred characters (user errors bare)."""
-    text = str(err) if isinstance(err, QKGeomError) else f"{type(err).__name__}: {err}"
-    text = " ".join(text.split())
-    return text if len(text) <= _MAX_MESSAGE else text[:_MAX_MESSAGE - 3] + "..."
+        message = one_line(err)
+        return result_of(run, "failed", action,
+                         record_failed(run, message, steps) or {"error": message})
+    return result_of(run, "done", action, {"step": result.step, "steps": steps})
 
 
 def record_failure(run: Path, message: str) -> bool:
@@ -146,15 +127,7 @@ def record_failure(run: Path, message: str) -> bool:
     except (QKGeomError, OSError):  # a link where the folder or its lock should be
         return False
     try:
-        status = read_status(run) or {}
-        if status.get("state") in ("done", "diverged", "failed"):
-            return False
-        write_json(run / STATUS, {
-            "state": "failed", "step": int(status.get("step", 0)),
-            "steps": int(status.get("steps", 0)), "error": message, "updated": time.time()})
-        return True
-    except QKGeomError:
-        return False
+        return finished_state(read_status(run)) is None and record_failed(run, message) is not None
     finally:
         lock.release()
 
@@ -167,8 +140,10 @@ def _append_attempt(run: Path, resume_from: int | None, threads: int) -> None:
         fh.write(line.encode("utf-8") + b"\n")
 
 
-def _result(run: Path, state: str, action: str,
-            status: dict[str, Any] | None) -> dict[str, Any]:
+def result_of(run: Path, state: str, action: str,
+              status: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a sweep learns of a run: its state afterwards and what this call did, with the
+    step, planned steps and error of ``status``."""
     status = status or {}
     return {"run_id": run.name, "state": state, "step": int(status.get("step", 0)),
             "steps": int(status.get("steps", 0)), "error": status.get("error"),
@@ -253,7 +228,7 @@ def serve(requests: Any, results: Any, max_runs: int | None = None) -> int:
 def warm_up() -> None:
     """Pay a process's one-time costs before the first run: importing torch and the
     trainer, and what torch imports on the first optimiser it builds (torch._dynamo,
-    sympy: 1-4 s, measured by benchmarks/run_fixed_costs.py)."""
+    sympy; measured in docs/speed.md)."""
     import torch
 
     import qkgeom.launch  # noqa: F401

@@ -6,7 +6,7 @@
 - the **sweep folder** (:mod:`.sweep`): ``sweep.json`` and ``runs/<run_id>/``;
 - the **checkpoint-family analysis folder** of E4 (:mod:`.family`).
 
-Nothing here imports torch, so readers stay light.
+Nothing here imports torch but :func:`.folder.run_record`, when called: readers stay light.
 """
 
 from qkgeom.runs.folder import (
@@ -27,13 +27,12 @@ from qkgeom.runs.folder import (
     checkpoint_dir,
     checkpoint_path,
     claim_run_dir,
+    finished_state,
     foreign_entries,
     has_metrics,
     is_run_folder,
-    linked_entries,
     list_checkpoints,
     load_config,
-    migrate_config,
     read_alerts,
     read_log,
     read_metrics,
@@ -46,14 +45,14 @@ from qkgeom.runs.folder import (
     status_of,
 )
 from qkgeom.runs.lock import FolderLock, RunLock, holder, lock_is_held, lock_path
-from qkgeom.runs.writer import RunWriter
+from qkgeom.runs.writer import RunWriter, one_line, record_failed
 
 __all__ = [
     "ALERTS", "CHECKPOINTS", "CONFIG", "FINAL_STATES", "FORMAT_VERSION", "KEY_PR", "LOG_COLUMNS",
     "METRICS", "METRIC_COLUMNS", "STATES", "STATUS", "TENSORBOARD", "TRAIN_LOG", "FolderLock",
     "RunLock", "RunWriter", "check_run_dir", "checkpoint_dir", "checkpoint_path",
-    "claim_run_dir", "foreign_entries", "has_metrics", "holder", "is_run_folder",
-    "linked_entries", "list_checkpoints", "load_config", "lock_is_held", "lock_path",
-    "migrate_config", "read_alerts", "read_log", "read_metrics", "read_record", "read_status", "read_table",
-    "refuse_links", "remove_stale_temp_files", "run_record", "status_of",
+    "claim_run_dir", "finished_state", "foreign_entries", "has_metrics", "holder", "is_run_folder",
+    "list_checkpoints", "load_config", "lock_is_held", "lock_path", "one_line",
+    "read_alerts", "read_log", "read_metrics", "read_record", "read_status", "read_table",
+    "record_failed", "refuse_links", "remove_stale_temp_files", "run_record", "status_of",
 ]

@@ -1,24 +1,11 @@
 """File names, format version, config record, status and tables of a run folder.
 
-::
-
-    RUN/
-      config.json         the run record: config, its hash, data, vocabulary, corpus, versions
-      metrics.parquet     run_id, step, layer, head (−1 = layer), metric, value
-      metrics.parts/      rows written since the last compaction (read_metrics sees both)
-      train_log.parquet   step, loss, val_loss, lr, tokens_per_s (+ train_log.parts/)
-      status.json         state (running | interrupted | done | diverged | failed), step,
-                          steps, wall time, threads (interrupted: the signal and the
-                          newest checkpoint's step, or null)
-      checkpoints/        ckpt_<step:08d>.pt, the newest few
-      tensorboard/        event files (``qkgeom train --report-to tensorboard``)
-      alerts.json         monitor runs: alerts that fired
-
-Format 2 nests the key-control settings (``config.key_control.mode`` ...); a format-1
-record (flat ``key_control``, ``key_control_scope``, ``shrink_to`` ...) is read as format 2.
+The layout is in docs/definitions.md#run-folder; its names are the constants below.
+One format is read, :data:`FORMAT_VERSION`: an older folder is refused in one line saying
+to train it again (a 0.1 carries no migrations).
 
 Ownership: qkgeom writes into a folder only when it is new, empty, or already a qkgeom run
-folder holding nothing but the entries above (plus a sweep's bookkeeping files, a
+folder holding nothing but its own entries (plus a sweep's bookkeeping files, a
 ``report/`` folder and qkgeom's own temp files): :func:`claim_run_dir` refuses anything
 else, so ``--resume`` never overwrites or deletes a file qkgeom did not write. A symbolic link
 among those entries (``checkpoints -> another run's``, ``status.json -> ~/notes``) is
@@ -70,9 +57,6 @@ _OWN_DIRS = frozenset({CHECKPOINTS, REPORT, TENSORBOARD, table.parts_dir(METRICS
 # The temp files of qkgeom's own atomic writes in a run folder, its checkpoints and parts.
 _TEMP = temp_name_pattern("|".join(re.escape(n) for n in sorted(_OWN_FILES))
                           + r"|ckpt_\d{8}\.pt|p\d{10}-L\d+\.parquet")
-# Format 1 kept the key-control settings flat in the config: old name -> nested name.
-_V1_KEY_CONTROL = {"key_control": "mode", "key_control_scope": "scope",
-                   "key_control_how": "how", "shrink_to": "shrink_to", "expand_to": "expand_to"}
 
 
 # ----------------------------------------------------------------------------- the record
@@ -90,49 +74,25 @@ def run_record(cfg: TrainConfig | None, run_id: str, **facts: Any) -> dict[str, 
                          "python": platform.python_version()}}
 
 
-def migrate_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A config mapping written by an older format in today's keys. Format 1 kept the
-    key-control settings flat (formats 1 and 2 with ``shrink_to``/``expand_to``, which
-    building the config refuses, naming ``key_control.dose``); formats 1-3 controlled the
-    weight-level spectrum (today: ``level: weight``). A current mapping comes back
-    unchanged (its ``level`` is there)."""
-    cfg = dict(config)
-    if not isinstance(cfg.get("key_control", {}), dict):
-        nested = {new: cfg.pop(old) for old, new in _V1_KEY_CONTROL.items() if old in cfg}
-        cfg["key_control"] = nested
-    if isinstance(cfg.get("key_control"), dict):
-        section = dict(cfg["key_control"])  # shrink_to/expand_to: refused when built
-        if section.get("mode", "none") != "none":
-            section.setdefault("level", "weight")
-        cfg["key_control"] = section
-    return cfg
-
-
-def _migrate(record: dict[str, Any], version: int) -> dict[str, Any]:
-    """An older record in today's format (:func:`migrate_config`). ``migrated_from`` keeps
-    the version the file was written in, so a resume can refuse what it cannot continue."""
-    return {**record, "config": migrate_config(record["config"]),
-            "format_version": FORMAT_VERSION, "migrated_from": version}
-
-
 def read_record(run: str | Path) -> dict[str, Any]:
-    """The run's ``config.json``, checked and brought to the current format.
+    """The run's ``config.json``, checked.
 
-    Raises QKGeomError (one line) for a missing, torn, foreign or newer-format file."""
+    Raises QKGeomError (one line) for a missing, torn or foreign file, or one of another
+    format (a record without ``format_version`` is format 1)."""
     path = Path(run) / CONFIG
     record = read_json(path)
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
         raise QKGeomError(f"{path}: not a qkgeom run record (no 'config' mapping); the file "
                           "is corrupt or from another tool")
     version = record.get("format_version", 1)
-    if version in (1, 2, 3):
-        return _migrate(record, version)
     if version != FORMAT_VERSION:
         newer = isinstance(version, int) and version > FORMAT_VERSION
-        advice = ("upgrade qkgeom to read it" if newer else
-                  "read it with the qkgeom version that wrote it, or train it again")
-        raise QKGeomError(f"{path}: run folder format {version!r}, this qkgeom reads formats "
-                          f"1-{FORMAT_VERSION}; {advice}")
+        raise QKGeomError(
+            f"{path}: written by a newer qkgeom (run folder format {version!r}); this qkgeom "
+            f"reads format {FORMAT_VERSION}: upgrade qkgeom to read it" if newer else
+            f"{path}: written by an older qkgeom (run folder format {version!r}); this qkgeom "
+            f"reads format {FORMAT_VERSION} only: train it again with this version, or read "
+            "it with the qkgeom version that wrote it")
     return record
 
 
@@ -154,11 +114,6 @@ def is_run_folder(path: str | Path) -> bool:
                                           .exists() or table.exists(path / METRICS))
 
 
-def _is_own_status(path: Path) -> bool:
-    """Whether ``status.json`` reads as a status qkgeom wrote (its schema)."""
-    return status_of(path.parent)[0] is not None
-
-
 def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
     """Names in ``run`` that qkgeom did not write there (sorted): anything but the run
     folder's own files and folders, a sweep's bookkeeping, and qkgeom's temp files; a
@@ -174,25 +129,19 @@ def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
         own = not entry.is_symlink() and (
             (name in _OWN_FILES and entry.is_file()) or (name in _OWN_DIRS and entry.is_dir())
             or (_TEMP.fullmatch(name) is not None and entry.is_file()))
-        if name == STATUS and own and check_status:
-            own = _is_own_status(entry)
+        if name == STATUS and own and check_status:  # a status qkgeom wrote (its schema)
+            own = status_of(run)[0] is not None
         if not own:
             foreign.append(name)
     return sorted(foreign)
 
 
-def linked_entries(run: str | Path) -> list[Path]:
-    """The symbolic links among a run folder's entries and inside its sub-folders
-    (``checkpoints/``, the table parts, ``report/`` ...), sorted: nothing qkgeom writes
-    there is a link, so each is planted (or a user's), and writing through it could
-    overwrite or delete any file."""
-    return links_in(run)
-
-
 def refuse_links(run: str | Path) -> None:
-    """One line (:class:`~qkgeom.io.LinkError`) naming the first link in the run folder
-    (:func:`linked_entries`), if any."""
-    links = linked_entries(run)
+    """One line (:class:`~qkgeom.io.LinkError`) naming the first symbolic link among the run
+    folder's entries and inside its sub-folders (``checkpoints/``, the table parts,
+    ``report/`` ...), if any: nothing qkgeom writes there is a link, so each is planted (or
+    a user's), and writing through it could overwrite or delete any file."""
+    links = links_in(run)
     if links:
         raise LinkError(links[0])
 
@@ -243,8 +192,7 @@ def check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
 
     A fresh run needs an empty or missing folder. Resuming needs a qkgeom run folder (or a
     folder holding only a sweep's files for the run) with nothing foreign in it and no
-    symbolic link in it, the same config (compared by hash, after reading an older
-    format), a vocabulary with the same characters and, where both records have one, the
+    symbolic link in it, the same config (compared by hash), a vocabulary with the same characters and, where both records have one, the
     same corpus (``corpus_sha256``)."""
     cfg_path = out / CONFIG
     if out.exists() and not out.is_dir():
@@ -273,12 +221,6 @@ def check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
                               "resume with --data pointing at that corpus, or train into a "
                               "new --out")
         saved_cfg = load_config(out)
-        if "migrated_from" in saved and saved_cfg.key_control.active:
-            raise QKGeomError(
-                f"{cfg_path}: written in run folder format {saved['migrated_from']}, before "
-                "key control kept its state in checkpoints; a run with key control cannot be "
-                "resumed across that change: resume it with the qkgeom version that wrote "
-                "it, or train it again into a new --out")
         if saved_cfg.config_hash() != record["config_hash"]:
             _refuse_config_change(cfg_path, saved_cfg, record)
     elif out.exists() and any(out.iterdir()):
@@ -312,6 +254,14 @@ def read_status(run: str | Path) -> dict[str, Any] | None:
     wrong types, reads as "never finished": a sweep then resumes the run from its newest
     checkpoint, cheap and safe."""
     return status_of(run)[0]
+
+
+def finished_state(status: dict[str, Any] | None, retry_failed: bool = False) -> str | None:
+    """The state of a run not to train again (the skip rule of every sweep path), or None:
+    ``done``; ``diverged`` (a result, not retried); ``failed`` unless ``retry_failed``.
+    Anything else (no status, ``running`` with nobody holding it, ``interrupted``) resumes."""
+    state = (status or {}).get("state")
+    return state if state in FINAL_STATES and not (state == "failed" and retry_failed) else None
 
 
 def read_alerts(run: str | Path) -> list[dict[str, Any]]:

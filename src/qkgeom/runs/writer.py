@@ -5,7 +5,8 @@ files behind. The tables grow by parts (:mod:`qkgeom.runs.table`): a flush write
 rows added since the last one, and :meth:`RunWriter.compact` folds them into
 ``metrics.parquet`` / ``train_log.parquet`` when the run ends or resumes. The status
 records when the run started, the wall time spent on it (summed over resumed attempts) and
-the torch thread count of the attempt.
+the torch thread count of the attempt. :meth:`RunWriter.status` is the only code that writes
+a run's state (:func:`record_failed` for a run whose trainer could not).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import pandas as pd
 
+from qkgeom.errors import QKGeomError
 from qkgeom.io import write_json
 from qkgeom.runs.folder import (
     LOG_COLUMNS,
@@ -140,12 +142,37 @@ class RunWriter:
         if self._log:
             self._tables["log"].compact(self.log)
 
-    def status(self, state: str, step: int, **extra: Any) -> None:
-        """Write ``status.json``: state, step, planned steps, start and wall time, threads,
-        extras."""
+    def status(self, state: str, step: int, **extra: Any) -> dict[str, Any]:
+        """Write ``status.json`` (state, step, planned steps, start and wall time, threads,
+        extras) and return it: the one writer of a run's state."""
         record = {"state": state, "step": int(step), "steps": max(self.steps, int(step)),
                   "started": self.started, "updated": time.time(),
                   "wall_s": self._wall_before + time.perf_counter() - self._t0, **extra}
         if self.threads is not None:
             record["threads"] = int(self.threads)
         write_json(self.out / STATUS, record)
+        return record
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    """The error a status records: ``Type: message`` on one line (qkgeom's own errors
+    bare), at most ``limit`` characters."""
+    text = " ".join((str(err) if isinstance(err, QKGeomError)
+                     else f"{type(err).__name__}: {err}").split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def record_failed(run: str | Path, message: str, steps: int | None = None, *,
+                  keep: bool = True) -> dict[str, Any] | None:
+    """Record ``failed`` with ``message`` for a run its trainer could not record (refused
+    before training, or its process died). ``keep``: the step reached, the planned
+    ``steps`` (unless given) and the time spent carry over from the status there; off for a
+    folder not to be read (one holding a link). Returns the status written, or None when it
+    could not be (a link where it goes, a full disk)."""
+    try:
+        writer = RunWriter(run, Path(run).name, resume=keep)
+        before = writer.previous
+        writer.steps = int(before.get("steps", 0)) if steps is None else steps
+        return writer.status("failed", int(before.get("step", 0)), error=message)
+    except (QKGeomError, OSError):
+        return None

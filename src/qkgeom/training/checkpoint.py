@@ -45,7 +45,6 @@ from qkgeom.runs import (
     checkpoint_path,
     list_checkpoints,
     load_config,
-    migrate_config,
 )
 
 if TYPE_CHECKING:
@@ -157,7 +156,7 @@ def check_checkpoint(state: dict[str, Any], path: Path, cfg: TrainConfig) -> Non
     if not isinstance(saved, dict):
         refuse("it records no config")
     try:
-        theirs = from_dict(migrate_config(saved))
+        theirs = from_dict(saved)
     except QKGeomError as err:
         refuse(f"its config is not valid: {' '.join(str(err).split())[:120]}")
     if theirs.config_hash() != cfg.config_hash():

@@ -64,6 +64,7 @@ from qkgeom.runs import (
     check_run_dir,
     claim_run_dir,
     list_checkpoints,
+    one_line,
     remove_stale_temp_files,
     run_record,
 )
@@ -292,8 +293,7 @@ class Trainer:
                 message = self._oom_message(err)
                 self._fail(message)
                 raise QKGeomError(message) from None
-            self._fail(" ".join(f"{type(err).__name__}: {err}".split())[:300]
-                       if not isinstance(err, QKGeomError) else " ".join(str(err).split()))
+            self._fail(one_line(err))
             raise
         finally:
             self.lock.release()
