@@ -13,8 +13,9 @@ import sys
 import time
 from typing import Any
 
+from qkgeom.runs import FINAL_STATES
+
 COUNTED = ("done", "running", "failed", "diverged", "locked", "pending")
-FINISHED = ("done", "failed", "diverged")
 
 
 def sweep_view(title: str, steps: dict[str, int]) -> SweepView | PlainSweepView:
@@ -34,7 +35,7 @@ def _progress(runs: dict[str, tuple[str, int]], steps: dict[str, int]
     for run_id, (state, step) in runs.items():
         counts[state] = counts.get(state, 0) + 1
         total = steps[run_id]
-        completed += total if state in FINISHED else min(step, total)
+        completed += total if state in FINAL_STATES else min(step, total)
     return counts, completed
 
 
@@ -105,7 +106,7 @@ class PlainSweepView:
         for run_id, (state, step) in runs.items():
             before = self._states.get(run_id)
             # runs finished before this sweep process started are counted, not listed
-            if state != before and (state == "running" or (state in FINISHED and not first)):
+            if state != before and (state == "running" or (state in FINAL_STATES and not first)):
                 where = f" at step {step}/{self._steps[run_id]}" if state != "done" else ""
                 self._print(f"{self.title}: run {run_id} {state}{where}")
             self._states[run_id] = state

@@ -8,9 +8,6 @@ the ``key_control.*`` settings (and device/threads/compile, which change speed, 
 results): such a *pair group* shares init and data order, so it is one independent unit
 (one seed). In each group exactly one ``none`` run is the baseline; a group without one,
 or with two, is left out with the reason, and so are two runs of one arm in a group.
-
-The run folder reader brings an older run's settings to today's keys (a weight-level
-control, the Frobenius rule, its dose), so it is named like a run trained today.
 """
 
 from __future__ import annotations
