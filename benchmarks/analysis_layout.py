@@ -6,7 +6,7 @@ embedded sample text (``--tokens`` tokens per checkpoint, windows of 64, one blo
 Layouts, interleaved within each rep (order flipped every rep): one process with
 ``--threads`` threads (the default ``qkgeom analyze``), and ``--threads`` worker processes
 with 1 thread each (``qkgeom analyze --workers N --threads 1``); both write the same tables
-(tests/checkpoints/test_spread.py). Wall time includes the workers' start.
+(tests/checkpoints/test_executors.py). Wall time includes the workers' start.
 
 Last line: wall(one process x N threads) / wall(N workers x 1 thread), medians.
 
@@ -27,7 +27,7 @@ import torch
 from qkgeom import make_config, train
 from qkgeom.checkpoints.family import analyze_checkpoints
 from qkgeom.data import ensure_sample_data
-from qkgeom.experiments.spread import make_spread
+from qkgeom.experiments.executors import make_executor
 
 
 def main() -> None:
@@ -46,7 +46,7 @@ def main() -> None:
         run = train(cfg, Path(tmp) / "run").out_dir
         kw = {"text": "sample", "max_tokens": args.tokens, "seq_len": 64, "blocks": 1}
         layouts = {f"1 process x {args.threads} threads": None,
-                   f"{args.threads} workers x 1 thread": make_spread("local",
+                   f"{args.threads} workers x 1 thread": make_executor("local",
                                                                       workers=args.threads)}
         walls: dict[str, list[float]] = {name: [] for name in layouts}
         print(f"family: {n} checkpoints of the demo model (4 x 128, context 64), "
@@ -57,7 +57,7 @@ def main() -> None:
                 torch.set_num_threads(args.threads)
                 t0 = time.perf_counter()
                 analyze_checkpoints([str(run)], Path(tmp) / f"an-{rep}-{len(walls[name])}"
-                                    f"-{name.split()[0]}", spread=layouts[name], **kw)
+                                    f"-{name.split()[0]}", executor=layouts[name], **kw)
                 walls[name].append(time.perf_counter() - t0)
                 print(f"rep {rep + 1}: {name}: {walls[name][-1]:.1f} s", flush=True)
     tokens = n * args.tokens

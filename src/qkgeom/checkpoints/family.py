@@ -2,7 +2,7 @@
 
 Each checkpoint is loaded, hashed, analysed and freed before the next, so 150 revisions of
 a 1B model need one model's memory per worker; by default one process measures them in
-turn, and with ``spread`` (``qkgeom analyze --backend ray`` / ``--workers N``) each
+turn, and with an ``executor`` (``qkgeom analyze --backend ray`` / ``--workers N``) each
 checkpoint is a job of its own (:class:`CheckpointJob`, :func:`measure_checkpoint`) on
 Ray workers or local processes. Its results go to ``DIR/checkpoints/<name>.parquet``
 plus ``<name>.json`` (written last: the completion marker), so an interrupted analysis
@@ -56,7 +56,7 @@ from qkgeom.version import __version__
 if TYPE_CHECKING:
     from qkgeom.checkpoints.resolve import CheckpointSpec
 
-__all__ = ["CheckpointJob", "Spread", "analyze_checkpoints", "flag_duplicates", "measure_checkpoint"]
+__all__ = ["CheckpointJob", "Executor", "analyze_checkpoints", "flag_duplicates", "measure_checkpoint"]
 
 PROBE_SET = "probe-set"  # the ``text`` of an analysis on a run's own probe set
 #: The columns of checkpoints.parquet before ``duplicate_of`` and ``in_trends``, in order.
@@ -119,10 +119,10 @@ class CheckpointJob:
     trust_remote_code: bool
 
 
-#: ``spread(measure, jobs)``: runs ``measure(job)`` for every job somewhere, yielding
-#: ``(job, row or exception)`` as each ends (``qkgeom.experiments.spread`` has Ray and
+#: ``executor(measure, jobs)``: runs ``measure(job)`` for every job somewhere, yielding
+#: ``(job, row or exception)`` as each ends (``qkgeom.experiments.executors`` has Ray and
 #: local-process ones).
-Spread = Callable[[Callable[[CheckpointJob], dict[str, Any]], list[CheckpointJob]],
+Executor = Callable[[Callable[[CheckpointJob], dict[str, Any]], list[CheckpointJob]],
                   Iterable[tuple[CheckpointJob, "dict[str, Any] | BaseException"]]]
 
 
@@ -132,7 +132,7 @@ def analyze_checkpoints(
     batch_size: int | None = None, qk_site: str = "pre-rotary", dtype: str = "float32",
     device: str = "auto", keep_duplicates: bool = False, tokenizer: str | None = None,
     logit_spectrum: bool = True, trust_remote_code: bool = False, blocks: int = 8,
-    progress: bool = False, spread: Spread | None = None,
+    progress: bool = False, executor: Executor | None = None,
 ) -> Path:
     """Analyse every checkpoint of ``models``/``revisions`` into ``out``; returns ``out``.
 
@@ -147,9 +147,9 @@ def analyze_checkpoints(
     beside all tokens for the E4 bootstrap. ``device`` defaults to ``auto`` (CUDA, then
     MPS, then CPU), as on the command line.
 
-    ``spread`` (default: one checkpoint after another in this process) measures the
+    ``executor`` (default: one checkpoint after another in this process) measures the
     checkpoints not cached yet elsewhere, e.g. over Ray workers
-    (:func:`qkgeom.experiments.spread.make_spread`); each writes its own cache entry, so
+    (:func:`qkgeom.experiments.executors.make_executor`); each writes its own cache entry, so
     an interrupted or partly failed analysis resumes with what is missing, and the tables
     are the same whichever way the checkpoints were measured.
     Raises :class:`QKGeomError` for bad input, before any model is loaded where possible.
@@ -182,7 +182,7 @@ def analyze_checkpoints(
                           device=device, logit_spectrum=logit_spectrum, blocks=blocks,
                           tokenizer=tokenizer, tokenizer_spec=specs[0],
                           trust_remote_code=trust_remote_code) for spec in specs]
-    results = _measure_all(jobs, spread, progress, max_tokens, out)
+    results = _measure_all(jobs, executor, progress, max_tokens, out)
     rows = [results[s.name][1] for s in specs]
     finish(out, [results[s.name][0] for s in specs], rows, keep_duplicates)
     meta["state"] = "done"
@@ -243,10 +243,10 @@ def _meta(models: list[str], revisions: list[str] | None, specs: list[Checkpoint
             "versions": {"qkgeom": __version__, "python": platform.python_version()}}
 
 
-def _measure_all(jobs: list[CheckpointJob], spread: Spread | None, progress: bool,
+def _measure_all(jobs: list[CheckpointJob], executor: Executor | None, progress: bool,
                  max_tokens: int, out: Path) -> dict[str, tuple[pd.DataFrame, dict[str, Any]]]:
     """``{name: (frame, row)}`` of every job: cached ones read back, the others measured
-    here or through ``spread``, under a progress bar when asked."""
+    here or through ``executor``, under a progress bar when asked."""
     results: dict[str, tuple[pd.DataFrame, dict[str, Any]]] = {}
     bar = task = None
     if progress:
@@ -265,10 +265,10 @@ def _measure_all(jobs: list[CheckpointJob], spread: Spread | None, progress: boo
             results[job.spec.name] = cached
             if bar is not None:
                 bar.update(task, advance=max_tokens, ckpt=f"{job.spec.name} (cached)")
-        if spread is None:
+        if executor is None:
             _measure_here(todo, results, bar, task)
         else:
-            _measure_spread(spread, todo, results, bar, task, out)
+            _measure_with(executor, todo, results, bar, task, out)
     finally:
         if bar is not None:
             bar.stop()
@@ -339,13 +339,13 @@ def _measure_here(jobs: list[CheckpointJob],
             bar.update(task, advance=job.max_tokens - advanced)
 
 
-def _measure_spread(spread: Spread, jobs: list[CheckpointJob],
+def _measure_with(executor: Executor, jobs: list[CheckpointJob],
                     results: dict[str, tuple[pd.DataFrame, dict[str, Any]]],
                     bar: Any, task: Any, out: Path) -> None:
-    """The jobs through ``spread``; each result is read back from its cache entry. Every
+    """The jobs through ``executor``; each result is read back from its cache entry. Every
     job runs even when some fail; then one line names the failures."""
     failed: list[str] = []
-    for job, outcome in spread(measure_checkpoint, jobs):
+    for job, outcome in executor(measure_checkpoint, jobs):
         cached = None if isinstance(outcome, BaseException) else read_cached(job)
         if cached is None:
             why = outcome if isinstance(outcome, BaseException) else "no cache entry written"

@@ -139,7 +139,7 @@ def register(app: typer.Typer) -> None:
         """Token-level Q/K geometry of checkpoints (E4): cached per checkpoint, resumable;
         measured here one at a time, or spread over local processes or Ray workers."""
         from qkgeom.checkpoints.family import analyze_checkpoints
-        from qkgeom.experiments.spread import make_spread
+        from qkgeom.experiments.executors import make_executor
         from qkgeom.training import resolve_device
 
         check_format(fmt)
@@ -148,7 +148,7 @@ def register(app: typer.Typer) -> None:
 
             open_text(text)
         device = str(resolve_device(device))
-        spread = make_spread(backend, workers=workers, threads=threads, address=address,
+        executor = make_executor(backend, workers=workers, threads=threads, address=address,
                              device=device)
         folder = analyze_checkpoints(
             models, out or _default_out(models), revisions=split_revisions(revisions), text=text,
@@ -156,7 +156,7 @@ def register(app: typer.Typer) -> None:
             dtype=dtype, device=device, keep_duplicates=keep_duplicates,
             tokenizer=tokenizer, logit_spectrum=logit_spectrum,
             trust_remote_code=trust_remote_code, blocks=blocks,
-            progress=not quiet and fmt == "table", spread=spread)
+            progress=not quiet and fmt == "table", executor=executor)
         summarise(folder, fmt)
         info(f"analysis folder: {folder}  (report: qkgeom report {folder})", fmt)
 

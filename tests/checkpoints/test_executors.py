@@ -17,7 +17,7 @@ import torch
 from qkgeom import make_config, train
 from qkgeom.checkpoints.family import analyze_checkpoints
 from qkgeom.errors import QKGeomError
-from qkgeom.experiments.spread import make_spread
+from qkgeom.experiments.executors import make_executor
 
 pytestmark = pytest.mark.slow  # trains a smoke run; starts processes
 
@@ -64,8 +64,8 @@ def _same_tables(a: Path, b: Path) -> None:
 def test_local_processes_give_the_same_tables_and_resume(run: Path, text: str, here: Path,
                                                          tmp_path: Path) -> None:
     out = tmp_path / "an"
-    spread = make_spread("local", workers=2, threads=1)
-    analyze_checkpoints([str(run)], out, text=text, spread=spread, **KW)
+    executor = make_executor("local", workers=2, threads=1)
+    analyze_checkpoints([str(run)], out, text=text, executor=executor, **KW)
     _same_tables(here, out)
     assert pd.read_parquet(out / "checkpoints.parquet")["step"].tolist() == [5, 10, 15, 20]
     # one cache entry lost (an interrupted job): only that checkpoint is measured again
@@ -75,9 +75,9 @@ def test_local_processes_give_the_same_tables_and_resume(run: Path, text: str, h
 
     def counting(measure, jobs):
         measured.extend(j.spec.name for j in jobs)
-        yield from spread(measure, jobs)
+        yield from executor(measure, jobs)
 
-    analyze_checkpoints([str(run)], out, text=text, spread=counting, **KW)
+    analyze_checkpoints([str(run)], out, text=text, executor=counting, **KW)
     assert measured == ["ckpt_00000010"]
     assert (out / "checkpoints" / "ckpt_00000005.parquet").stat().st_mtime_ns == kept
     _same_tables(here, out)
@@ -95,7 +95,7 @@ def test_a_failed_checkpoint_is_named_and_the_rest_is_cached(run: Path, text: st
                 yield job, measure(job)
 
     with pytest.raises(QKGeomError) as err:
-        analyze_checkpoints([str(run)], out, text=text, spread=flaky, **KW)
+        analyze_checkpoints([str(run)], out, text=text, executor=flaky, **KW)
     message = str(err.value)
     assert "1 of 4 checkpoint(s) failed (ckpt_00000010: RuntimeError: worker lost)" in message
     assert "\n" not in message and "run the same command again" in message
@@ -106,14 +106,14 @@ def test_a_failed_checkpoint_is_named_and_the_rest_is_cached(run: Path, text: st
     assert json.loads((out / "analysis.json").read_text())["state"] == "done"
 
 
-def test_bad_spread_options_are_one_line_errors() -> None:
+def test_bad_executor_options_are_one_line_errors() -> None:
     for kwargs, words in [({"workers": 0}, "--workers"), ({"threads": 0}, "--threads"),
                           ({"address": "auto"}, "--address is for the ray backend")]:
         with pytest.raises(QKGeomError, match=words):
-            make_spread("local", **kwargs)
+            make_executor("local", **kwargs)
     with pytest.raises(QKGeomError, match="unknown backend"):
-        make_spread("slurm")
-    assert make_spread("local", workers=1) is None  # one worker: this process
+        make_executor("slurm")
+    assert make_executor("local", workers=1) is None  # one worker: this process
 
 
 def test_analyze_backend_ray_gives_the_same_table(run: Path, text: str, here: Path,

@@ -1,12 +1,12 @@
 """Checkpoint families spread over workers: Ray tasks on a cluster, or local processes.
 
-:func:`qkgeom.checkpoints.family.analyze_checkpoints` takes a ``spread``: something that
+:func:`qkgeom.checkpoints.family.analyze_checkpoints` takes an ``executor``: something that
 runs ``measure(job)`` for each checkpoint job somewhere and yields ``(job, row or
 exception)`` as each ends. The job writes its own cache entry in the analysis folder
 (``checkpoints/<name>.parquet`` + ``.json``), so the folder must be on a filesystem the
 workers see; a failed or interrupted job leaves the others' entries, and running the
 same analysis again measures only what is missing. The tables are the same whichever
-way the checkpoints were measured (tests/checkpoints/test_spread.py).
+way the checkpoints were measured (tests/checkpoints/test_executors.py).
 
 - ``ray``: one task per checkpoint (``num_cpus=threads``, plus ``num_gpus=1`` on CUDA:
   each task sees one GPU, where a large model may still be split by ``device_map="auto"``
@@ -29,10 +29,10 @@ Measure = Callable[[Any], dict[str, Any]]
 Outcome = tuple[Any, "dict[str, Any] | BaseException"]
 
 
-def make_spread(backend: str, *, workers: int | None = None, threads: int = 1,
+def make_executor(backend: str, *, workers: int | None = None, threads: int = 1,
                 address: str | None = None, device: str = "cpu"
                 ) -> Callable[[Measure, list[Any]], Iterator[Outcome]] | None:
-    """The spread for ``qkgeom analyze --backend/--workers``; None: measure in this process
+    """The executor for ``qkgeom analyze --backend/--workers``; None: measure in this process
     (backend ``local`` with at most one worker)."""
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise QKGeomError(f"--workers must be a whole number >= 1, got {workers!r}")
