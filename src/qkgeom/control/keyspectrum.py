@@ -191,6 +191,23 @@ class KeySpectrumParametrization(nn.Module):
         return w
 
 
+def _controlled_sites(sites: list[Any], layers: Iterable[int] | None) -> list[Any]:
+    """The attention sites of ``layers`` (all when None), none already parametrised; a
+    one-line error for a layer out of range or a control attached twice."""
+    if layers is not None:
+        wanted = sorted({int(i) for i in layers})
+        bad = [i for i in wanted if not 0 <= i < len(sites)]
+        if bad or not wanted:
+            raise QKGeomError(f"layers {bad or '[]'} out of range: the model has "
+                              f"{len(sites)} layers (0..{len(sites) - 1})")
+        sites = [sites[i] for i in wanted]
+    for site in sites:
+        if parametrize.is_parametrized(site.k_module, "weight"):
+            raise QKGeomError(f"layer {site.layer}: its key weight is already "
+                              "parametrised (is a key control attached twice?)")
+    return sites
+
+
 class KeySpectrumControl:
     """Holds / shrinks / shams / expands the key spectrum of a model's layers (or heads).
 
@@ -283,19 +300,8 @@ class KeySpectrumControl:
         if not settings.active:
             return cls(model, "", [], **kw)
         adapter = adapter_for(model)
-        arch, sites = adapter.arch, adapter.sites
-        if layers is not None:
-            wanted = sorted({int(i) for i in layers})
-            bad = [i for i in wanted if not 0 <= i < len(sites)]
-            if bad or not wanted:
-                raise QKGeomError(f"layers {bad or '[]'} out of range: the model has "
-                                  f"{len(sites)} layers (0..{len(sites) - 1})")
-            sites = [sites[i] for i in wanted]
-        for site in sites:
-            if parametrize.is_parametrized(site.k_module, "weight"):
-                raise QKGeomError(f"layer {site.layer}: its key weight is already "
-                                  "parametrised (is a key control attached twice?)")
-        ctl = cls(model, arch, sites, **kw)
+        sites = _controlled_sites(adapter.sites, layers)
+        ctl = cls(model, adapter.arch, sites, **kw)
         if reference:
             ctl.reference = reference_table(reference, ctl.names)
         if ctl.needs_moments:
@@ -307,14 +313,19 @@ class KeySpectrumControl:
                 ctl.pr0 = torch.cat([weight_pr(u).cpu() for u in ctl._w0])
             ctl._last = ctl._initial_record()
         if mode != "none" and how == "parametrize":
-            for site, sl in zip(sites, ctl._slices, strict=True):
-                p = KeySpectrumParametrization(site, scope, level, scale,
-                                               torch.ones(sl.stop - sl.start))
-                p.identity.fill_(True)  # the identity until the first step sets targets
-                p.to(site.key_stored().device)
-                parametrize.register_parametrization(site.k_module, "weight", p)
-                ctl._params.append(p)
+            ctl._register_parametrizations()
         return ctl
+
+    def _register_parametrizations(self) -> None:
+        """``how="parametrize"``: W_K becomes a function of the stored weight, the identity
+        until the first step sets targets."""
+        for site, sl in zip(self.sites, self._slices, strict=True):
+            p = KeySpectrumParametrization(site, self.scope, self.level, self.scale,
+                                           torch.ones(sl.stop - sl.start))
+            p.identity.fill_(True)
+            p.to(site.key_stored().device)
+            parametrize.register_parametrization(site.k_module, "weight", p)
+            self._params.append(p)
 
     @property
     def needs_moments(self) -> bool:
