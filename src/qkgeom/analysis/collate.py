@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from qkgeom.config import TrainConfig, check_config_types
+from qkgeom.config import TrainConfig, check_config_types, flatten
 from qkgeom.errors import QKGeomError
 from qkgeom.runs import (
     has_metrics,
@@ -55,18 +55,7 @@ CONTROL_PREFIX = "key_control."
 MONITOR_SOURCE = "qkgeom.monitor"  # the "source" a GeometryMonitor writes into config.json
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested mapping -> dotted keys (``{"model": {"n_layer": 4}}`` -> ``model.n_layer``)."""
-    out: dict[str, Any] = {}
-    for key, value in d.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[prefix + key] = value
-    return out
-
-
-_DEFAULT_FLAT = _flatten(TrainConfig().to_dict())
+_DEFAULT_FLAT = flatten(TrainConfig().to_dict())
 
 
 def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -183,7 +172,7 @@ def _run_row(entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         return {**row, "state": "unreadable", "excluded": f"unreadable run: {err}"}, {}
     # A field a run's config lacks (written by an older qkgeom) has its default value,
     # so adding a config field never splits one setting into two variants.
-    flat = {**_DEFAULT_FLAT, **_flatten(prov.get("config", {}))}
+    flat = {**_DEFAULT_FLAT, **flatten(prov.get("config", {}))}
     try:  # record facts of the wrong types: this run is unreadable, not the report
         row.update(_config_facts(prov, entry["run_id"], flat))
     except (TypeError, ValueError, AttributeError) as err:
@@ -221,7 +210,7 @@ def _config_facts(prov: dict[str, Any], run_id: str, flat: dict[str, Any]) -> di
         "config_hash": prov.get("config_hash", ""),
         # E3 pairs runs by these (qkgeom.analysis.e3.arms)
         "key_control": str(flat.get("key_control.mode", "none")),
-        "control": {k.removeprefix(CONTROL_PREFIX): v for k, v in _flatten(cfg).items()
+        "control": {k.removeprefix(CONTROL_PREFIX): v for k, v in flatten(cfg).items()
                     if k.startswith(CONTROL_PREFIX)},
         "pair_key": _digest(flat, _EXECUTION), "cell_key": _digest(flat, _EXECUTION | {"seed"}),
         "source": str(prov.get("source") or ""), "n_params": facts.get("n_params", np.nan),
