@@ -284,3 +284,24 @@ def test_e1_runs_each_have_their_own_seed() -> None:
         Grid.from_dict({"axes": {"model.n_layer": [1]}, "distinct_seeds": True})
     with pytest.raises(QKGeomError, match="WikiText-103"):
         e3_grid("paper")
+
+
+def test_reproduce_runs_the_experiments_grid_and_records_its_name(sample_data: Path,
+                                                                  tmp_path: Path) -> None:
+    """The Python API's ``reproduce`` trains the experiment's grid (here E3 at smoke size,
+    cut to 8 steps) into a sweep folder whose sweep.json names the experiment, so the
+    report is E3's without looking at the runs."""
+    import json
+
+    from qkgeom.analysis import claims_table
+    from qkgeom.experiments import SweepSummary, reproduce
+
+    short = {"steps": 8, "warmup_steps": 2, "probe_every": 4, "eval_every": 4,
+             "checkpoint_every": 8, "log_every": 4}
+    summary = reproduce("e3", "smoke", tmp_path / "e3", str(sample_data), overrides=short,
+                        workers=1, progress=False)
+    assert isinstance(summary, SweepSummary) and summary.complete
+    assert summary.counts["done"] == 8
+    record = json.loads((tmp_path / "e3" / "sweep.json").read_text())
+    assert record["grid"]["experiment"] == "e3"
+    assert claims_table(tmp_path / "e3")["claim_id"].iloc[0] == "E3.1"
