@@ -20,8 +20,9 @@ from qkgeom.experiments.runner import SweepSummary, available_cpus, on_this_mach
 
 
 class Experiment:
-    """An experiment of the paper. Subclasses set :attr:`name` and :attr:`presets` (each preset has ``train_preset`` and ``overrides``) and give the rest
-    of their grid in :meth:`grid_dict`."""
+    """An experiment of the paper. Subclasses set :attr:`name` and :attr:`presets` (each
+    preset has ``train_preset`` and ``overrides``) and give the rest of their grid in
+    :meth:`grid_dict`."""
 
     name: str = ""
     presets: dict[str, Any] = {}
