@@ -101,12 +101,11 @@ class E4(Experiment):
         self.training(preset)
         return super().grid(preset, data, overrides)
 
-    def train(self, preset: str, out_dir: str | Path, data: str = "", *,
-              overrides: dict[str, Any] | None = None, progress: bool = True
+    def train(self, grid: Grid, out_dir: str | Path, *, progress: bool = True
               ) -> dict[int, Path]:
-        """Train the runs into ``out_dir/train`` (one single-threaded run per CPU on a CPU)
-        and return ``{seed: run folder}``; resumable like every sweep."""
-        grid = self.grid(preset, data, overrides)
+        """Train the runs of ``grid`` (:meth:`grid`) into ``out_dir/train`` (one
+        single-threaded run per CPU on a CPU) and return ``{seed: run folder}``; resumable
+        like every sweep."""
         specs = grid.expand()
         out = Path(out_dir) / E4_TRAIN
         on_cpu = not on_this_machine(specs[0]).config.device.startswith("cuda")
@@ -156,7 +155,8 @@ class E4(Experiment):
         out = Path(out or self.default_out(preset))
         self._refuse_other_preset(out, preset)
         over = {**({"device": device} if device else {}), **(overrides or {})} or None
-        runs = self.train(preset, out, data, overrides=over, progress=progress)
+        grid = self.grid(preset, data, over)
+        runs = self.train(grid, out, progress=progress)
         units = {}
         with _one_thread_on_cpu(device):
             for seed, run in runs.items():
@@ -164,7 +164,8 @@ class E4(Experiment):
                                              **analysis)
                 self.report(folder)
                 units[f"seed-{seed}"] = f"{E4_ANALYSIS}/seed-{seed}"
-        self._mark_set(out, preset, sorted(runs), units, data, over)
+        warmup = grid.expand()[0].config.warmup_steps
+        self._mark_set(out, preset, sorted(runs), units, warmup)
         self.report(out)
         return out
 
@@ -178,13 +179,12 @@ class E4(Experiment):
             raise QKGeomError(f"{out} holds an E4 set of another preset; use another --out")
 
     def _mark_set(self, out: Path, preset: str, seeds: list[int], units: dict[str, str],
-                  data: str, overrides: dict[str, Any] | None) -> None:
+                  warmup_steps: int) -> None:
         """``OUT/e4.json``: the folder is an E4 set of these seeds (and their warm-up, which
         the report shows but does not test)."""
         from qkgeom.io import write_json
         from qkgeom.runs.family import SET_KIND, SET_MARKER
 
-        cfg = self.grid(preset, data, overrides).expand()[0].config
         write_json(out / SET_MARKER, {"kind": SET_KIND, "name": f"e4-{preset}",
                                       "preset": preset, "seeds": seeds,
-                                      "warmup_steps": cfg.warmup_steps, "units": units})
+                                      "warmup_steps": warmup_steps, "units": units})
