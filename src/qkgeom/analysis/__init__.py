@@ -3,8 +3,8 @@
 Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures and files::
 
     from qkgeom.analysis import collate, trajectories, claims_table, write_report
-    table = collate("sweeps/e1")            # long table; table.attrs["excluded"]
-    pr_q = trajectories(table, "pr_q_token")  # seed mean ± 95 % t-interval per layer and step
+    sweep = collate("sweeps/e1")            # .metrics (long table), .runs, .excluded, ...
+    pr_q = trajectories(sweep, "pr_q_token")  # seed mean ± 95 % t-interval per layer and step
     print(claims_table("sweeps/e1"))        # claims: units, tests, intervals, verdicts
     write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
     write_report("runs/demo")               # one run folder; "ckpt/pythia" an E4 analysis
@@ -30,7 +30,7 @@ from qkgeom._lazy import lazy_getattr
 
 # Eager: ``collate`` is also the name of its submodule, and importing the submodule would
 # bind the module on this package in place of a lazily loaded function (pandas only).
-from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
+from qkgeom.analysis.collate import Collated, collate, runs_table, trajectories
 
 _EXPORTS = {
     "CLAIMS": "qkgeom.analysis.e1.claims", "evaluate_claims": "qkgeom.analysis.e1.claims",
@@ -40,8 +40,8 @@ _EXPORTS = {
     "layer_table": "qkgeom.analysis.tables",
 }
 
-__all__ = ["collate", "trajectories", "write_report", "claims_table", "summary_line", "runs_table",
-           "excluded_runs", "excluded_count", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]
+__all__ = ["collate", "Collated", "trajectories", "write_report", "claims_table", "summary_line",
+           "runs_table", "excluded_count", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]
 
 if TYPE_CHECKING:
     from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims

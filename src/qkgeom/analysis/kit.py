@@ -35,14 +35,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import (
-    MONITOR_SOURCE,
-    excluded_runs,
-    is_single_run,
-    runs_of,
-    sweep_axes,
-    sweep_of,
-)
+from qkgeom.analysis.collate import MONITOR_SOURCE, Collated, is_single_run, sweep_axes
 from qkgeom.analysis.stats import ALPHA, SUPPORTED
 from qkgeom.io import atomic_write
 
@@ -400,18 +393,16 @@ def _model_line(sizes: pd.DataFrame) -> str:
     return "- **Models**: " + "; ".join(one(r) for _, r in sizes.iterrows())
 
 
-def run_groups(table: pd.DataFrame) -> tuple[pd.DataFrame, ...]:
+def run_groups(data: Collated) -> tuple[pd.DataFrame, ...]:
     """``(runs, included, trained, monitored)``: every run :func:`collate` listed, those
     in the numbers, and of these the ones qkgeom trained and the ones a
     :class:`~qkgeom.monitor.GeometryMonitor` watched in the user's own loop."""
-    runs = runs_of(table)
-    inc = runs[runs["excluded"] == ""] if len(runs) else runs
+    runs, inc = data.runs, data.included
     monitored = inc[inc["source"] == MONITOR_SOURCE] if "source" in inc else inc.iloc[:0]
     return runs, inc, inc.drop(monitored.index), monitored
 
 
-def setup_markdown(table: pd.DataFrame, folder: Path, *, unit_line: str = "",
-                   reference_line: str = "") -> str:
+def setup_markdown(data: Collated, *, unit_line: str = "", reference_line: str = "") -> str:
     """Grid, data, model sizes, tokens, seeds, probes and time of a sweep or of one run
     folder; an experiment adds its own lines: ``unit_line`` (after the models: what its
     statistics count) and ``reference_line`` (before the probes). ``_traj`` and
@@ -420,9 +411,9 @@ def setup_markdown(table: pd.DataFrame, folder: Path, *, unit_line: str = "",
     Facts a folder does not record are left out with a note: runs whose ``config.json``
     holds no training config, and runs a :class:`~qkgeom.monitor.GeometryMonitor` watched
     (its record knows the model and probes, not the training loop's data, batch or rate)."""
-    runs, inc, trained, monitored = run_groups(table)
-    name, spec = sweep_of(table)
-    lines = ["## Setup", "", _folder_line(name or folder.name, folder, runs, inc)]
+    runs, inc, trained, monitored = run_groups(data)
+    spec = data.sweep
+    lines = ["## Setup", "", _folder_line(data.name, data.folder, runs, inc)]
     axes = sweep_axes(spec)
     if axes:
         grid = spec.get("grid", {})
@@ -508,9 +499,9 @@ def _training_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.Data
                       for (d, i, v), (m, s) in vl.iterrows()])]
 
 
-def excluded_markdown(table: pd.DataFrame) -> str:
+def excluded_markdown(data: Collated) -> str:
     """The runs left out of every number, with their reason."""
-    ex = excluded_runs(table)
+    ex = data.excluded
     lines = ["## Excluded runs", ""]
     if ex.empty:
         lines.append("None: every run of the sweep finished and is in the averages.")

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qkgeom.analysis.collate import collate, excluded_runs
+from qkgeom.analysis.collate import Collated, collate, is_single_run
 from qkgeom.analysis.e1.report import e1_claims, write_e1_report
 from qkgeom.analysis.e3.arms import is_e3
 from qkgeom.analysis.e3.evaluate import e3_analysis
@@ -58,17 +58,13 @@ def claims_table(folder: str | Path, include_incomplete: bool = False,
     the sign-flip p (the verdict's), the sign-test p, what is shown beside, the verdict and,
     when it is *not evaluated*, the reason.
 
-    For a sweep or a run folder (E1/E2, see :func:`qkgeom.analysis.e1.claims.evaluate_claims`;
-    E3, :func:`qkgeom.analysis.e3.claims.evaluate_e3_claims`), ``claims.attrs["excluded"]``
-    lists the runs left out. An analysis folder gets the E4 claims of one model (``n_boot``
+    A sweep or a run folder gets the E1/E2 or the E3 claims (the runs left out:
+    ``collate(folder).excluded``), an analysis folder the E4 claims of one model (``n_boot``
     token-block bootstrap resamples), an E4 set those over its seeds."""
     if is_analysis_folder(folder) or is_e4_set(folder):
         return e4_claims_table(folder, n_boot=n_boot)
-    table = collate(_result_folder(folder), include_incomplete=include_incomplete)
-    e3 = _is_e3_folder(folder, table)
-    claims = e3_analysis(table)["claims"] if e3 else e1_claims(table)["claims"]
-    claims.attrs["excluded"] = table.attrs["excluded"]
-    return claims
+    data = collate(_result_folder(folder), include_incomplete=include_incomplete)
+    return e3_analysis(data)["claims"] if _is_e3_folder(data) else e1_claims(data)["claims"]
 
 
 def write_report(folder: str | Path, out: str | Path | None = None, *, figures: bool = True,
@@ -90,31 +86,29 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     if is_analysis_folder(folder) or is_e4_set(folder):  # checkpoint families: E4
         claim_report_dir(out, folder)
         return write_e4_report(folder, out, figures=figures, n_boot=n_boot)
-    table = collate(_result_folder(folder), include_incomplete=include_incomplete)
-    _refuse_unfinished_run(folder, table)
+    data = collate(_result_folder(folder), include_incomplete=include_incomplete)
+    _refuse_unfinished_run(data)
     claim_report_dir(out, folder)
-    write = write_e3_report if _is_e3_folder(folder, table) else write_e1_report
-    path = write(table, folder, out, figures)
+    write = write_e3_report if _is_e3_folder(data) else write_e1_report
+    path = write(data, out, figures)
     # what was left out, for a command to say so without collating the folder again
     write_json(out / REPORT_MARKER, {**read_json(out / REPORT_MARKER),
-                                      "excluded": len(excluded_runs(table))})
+                                      "excluded": len(data.excluded)})
     return path
 
 
-def _is_e3_folder(folder: str | Path, table: pd.DataFrame) -> bool:
+def _is_e3_folder(data: Collated) -> bool:
     """E3 when the sweep's grid declares it; for a folder that declares no experiment, when
     its runs pair a controlled run with an uncontrolled one (:func:`is_e3`)."""
-    declared = sweep_experiment(folder)
-    return declared == "e3" if declared else is_e3(table)
+    declared = sweep_experiment(data.folder)
+    return declared == "e3" if declared else is_e3(data)
 
 
-def _refuse_unfinished_run(folder: Path, table: pd.DataFrame) -> None:
+def _refuse_unfinished_run(data: Collated) -> None:
     """One run folder that is not finished (interrupted, killed, still running) or whose
     files are unreadable: one line saying so, instead of a claims table of nothing.
     (A diverged or failed run is reported, with the reason it is left out.)"""
-    from qkgeom.analysis.collate import is_single_run
-
-    left_out = excluded_runs(table)
+    folder, left_out = data.folder, data.excluded
     if not (is_single_run(folder) and len(left_out)):
         return
     reason = str(left_out["excluded"].iloc[0])

@@ -34,7 +34,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import GROUP, bare, ref_steps
+from qkgeom.analysis.collate import GROUP, Collated
 from qkgeom.analysis.e1.trajectories import LEVELS, reference_probe
 from qkgeom.analysis.figstyle import (
     KEY_COLOR,
@@ -125,14 +125,14 @@ def _panels(table: pd.DataFrame, metrics: set[str]) -> dict[Panel, pd.DataFrame]
     return {(int(d), str(i), str(v)): g for (d, i, v), g in rows.groupby(GROUP, sort=False)}
 
 
-def _trajectory_rows(table: pd.DataFrame, level: str,
+def _trajectory_rows(table: pd.DataFrame, level: str, refs: dict[str, int] | None,
                      rows: list[tuple[tuple[tuple[str, str, str], ...], str, bool]],
                      title: str, zero: bool = False) -> Figure:
     """Rows = depth × ``rows``, columns = Q/K init. Each entry of ``rows`` is (lines,
     y label, log y), lines being (metric, line style, label) drawn per layer in the same
     panel. Panels share the step axis, and the y axis along each row (tick labels on the
     outer panels only: easier to compare, and much less text to lay out)."""
-    refs, table = ref_steps(table), bare(table)  # attrs: deep-copied by every filter
+    refs = refs or {}
     depths, cols = _settings(table)
     fig, axes = grid(len(depths) * len(rows), len(cols), legend=True, sharex=True,
                      sharey="row")
@@ -179,28 +179,32 @@ def _trajectory_rows(table: pd.DataFrame, level: str,
     return fig
 
 
-def fig_pr(table: pd.DataFrame, level: str = "weight") -> Figure:
-    """(a) PR_Q (solid) and PR_K (dashed) against step per depth × init, per layer."""
+def fig_pr(table: pd.DataFrame, level: str = "weight",
+           refs: dict[str, int] | None = None) -> Figure:
+    """(a) PR_Q (solid) and PR_K (dashed) against step per depth × init, per layer
+    (``refs``: each run's reference step, marked; none without)."""
     with matplotlib.rc_context(STYLE):
         lines = tuple((f"{m}_{level}", style, label) for m, style, label in PR_LINES)
-        return _trajectory_rows(table, level, [(lines, "participation ratio (dims)", True)],
+        return _trajectory_rows(table, level, refs, [(lines, "participation ratio (dims)", True)],
                                 "PR_Q (solid) and PR_K (dashed)")
 
 
-def fig_contrast(table: pd.DataFrame, level: str = "weight") -> Figure:
+def fig_contrast(table: pd.DataFrame, level: str = "weight",
+                 refs: dict[str, int] | None = None) -> Figure:
     """(b) The paired contrast PR_Q − PR_K against step, per layer; 0 marked."""
     with matplotlib.rc_context(STYLE):
         lines = ((f"contrast_{level}", "-", "PR_Q − PR_K"),)
-        return _trajectory_rows(table, level, [(lines, "PR_Q − PR_K (dims)", False)],
+        return _trajectory_rows(table, level, refs, [(lines, "PR_Q − PR_K (dims)", False)],
                                 "Paired contrast PR_Q − PR_K (above 0: queries "
                                 "higher-dimensional)", zero=True)
 
 
-def fig_qk_entropy(table: pd.DataFrame, level: str = "weight") -> Figure:
+def fig_qk_entropy(table: pd.DataFrame, level: str = "weight",
+                   refs: dict[str, int] | None = None) -> Figure:
     """(c) Interaction PR (pr_qk) and attention entropy against step."""
     with matplotlib.rc_context(STYLE):
         return _trajectory_rows(
-            table, level,
+            table, level, refs,
             [(((f"pr_qk_{level}", "-", "pr_qk"),), "PR of QKᵀ spectrum (dims)", True),
              ((("attn_entropy", "-", "entropy"),), "attention entropy (nats)", False)],
             "Interaction spectrum and attention entropy")
@@ -227,12 +231,12 @@ def heads_rho(wide: pd.DataFrame, qk: str) -> tuple[float, int]:
     return (float(np.mean(rhos)) if rhos else float("nan")), len(rhos)
 
 
-def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
+def fig_heads(table: pd.DataFrame, level: str = "weight",
+              refs: dict[str, int] | None = None) -> Figure:
     """(d) pr_qk vs attention entropy for every head of every run at its last probe,
     coloured by layer (the E2.3 statistic is a ρ across the heads of a layer there; each
     panel prints it, :func:`heads_rho`); every panel on the same axes."""
     with matplotlib.rc_context(STYLE):
-        table = bare(table)
         depths, cols = _settings(table)
         heads = _last_probe(table[(table["head"] >= 0)
                                   & table["metric"].isin([f"pr_qk_{level}", "attn_entropy"])])
@@ -276,7 +280,7 @@ def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
         return fig
 
 
-FIGURES: dict[str, Callable[[pd.DataFrame, str], Figure]] = {
+FIGURES: dict[str, Callable[..., Figure]] = {
     "pr": fig_pr, "contrast": fig_contrast, "qk_entropy": fig_qk_entropy, "heads": fig_heads,
 }
 
@@ -302,18 +306,17 @@ def not_drawable(table: pd.DataFrame, kind: str) -> str | None:
     return None
 
 
-def make_figures(table: pd.DataFrame, out_dir: str | Path,
-                 levels: Iterable[str] = LEVELS,
+def make_figures(data: Collated, out_dir: str | Path, levels: Iterable[str] = LEVELS,
                  kinds: Iterable[str] = tuple(FIGURES)) -> dict[str, Path]:
     """Every figure at every level into ``out_dir``; returns {``kind_level``: PNG path}.
     A figure whose metrics the table does not record (:func:`missing_for`) or that would
     be degenerate (:func:`not_drawable`) is not drawn."""
     out = {}
-    rows = bare(table)
     for kind in kinds:
         for level in levels:
-            if missing_for(rows, kind, level) or not_drawable(rows, kind):
+            if missing_for(data.metrics, kind, level) or not_drawable(data.metrics, kind):
                 continue
             name = f"{kind}_{level}"
-            out[name] = save_figure(FIGURES[kind](table, level), out_dir, name)[0]
+            fig = FIGURES[kind](data.metrics, level, data.ref_steps)
+            out[name] = save_figure(fig, out_dir, name)[0]
     return out

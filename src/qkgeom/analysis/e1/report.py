@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import sweep_of
+from qkgeom.analysis.collate import Collated
 from qkgeom.analysis.e1.claims import READINGS, contrast_readings, evaluate_claims
 from qkgeom.analysis.e1.trajectories import (
     LEVELS,
@@ -98,18 +98,18 @@ def name_missing_metrics(claims: pd.DataFrame, table: pd.DataFrame) -> pd.DataFr
     return claims
 
 
-def e1_claims(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+def e1_claims(data: Collated) -> dict[str, pd.DataFrame]:
     """Everything the E1/E2 report shows of a collated table: ``claims`` (a row that
     could not be measured for want of recorded metrics names them in ``reason``),
     ``readings`` (E1.3 four ways), ``runs`` (one row per run, level and origin),
     ``cells``, ``trajectories`` (seed-averaged layers) and ``run_layers`` (per run and
     layer)."""
-    if table.empty:
+    if data.metrics.empty:
         per_layer = traj = pd.DataFrame()
     else:
-        per_layer, traj = layer_statistics(table)
+        per_layer, traj = layer_statistics(data)
     runs = run_stats(per_layer)
-    return {"claims": name_missing_metrics(evaluate_claims(per_layer, traj), table),
+    return {"claims": name_missing_metrics(evaluate_claims(per_layer, traj), data.metrics),
             "readings": contrast_readings(per_layer, traj), "runs": runs,
             "cells": cell_stats(runs), "trajectories": traj, "run_layers": per_layer}
 
@@ -214,12 +214,12 @@ def _figures_markdown(figures: dict[str, Path], gaps: dict[str, list[str]], draw
     return parts
 
 
-def _setup(table: pd.DataFrame, folder: Path, traj: pd.DataFrame) -> str:
+def _setup(data: Collated, traj: pd.DataFrame) -> str:
     """The shared setup section with E1's own lines: the layer trajectories the
     statistics count and the reference probe they start from."""
-    _, inc, trained, monitored = run_groups(table)
+    _, inc, trained, monitored = run_groups(data)
     if not len(inc):
-        return setup_markdown(table, folder)
+        return setup_markdown(data)
     per = inc.groupby(["depth", "qk_init", "variant"])["seed"].nunique()
     cells = int(inc.drop_duplicates(["depth", "qk_init", "variant"])["depth"].sum())
     what = "model" if len(monitored) and not len(trained) else "init"
@@ -228,13 +228,12 @@ def _setup(table: pd.DataFrame, folder: Path, traj: pd.DataFrame) -> str:
     used = sorted(traj.loc[traj["origin"] == "reference", "start_step"].unique()) \
         if len(traj) else []
     return setup_markdown(
-        table, folder, unit_line=f"- {seeds}{label} (depth × {what} × layer): {cells}",
+        data, unit_line=f"- {seeds}{label} (depth × {what} × layer): {cells}",
         reference_line=f"- **Reference step** (configured): {distinct(inc['ref_step'])}; first "
                        f"probe at or after it (used): {', '.join(map(str, used)) or 'n/a'}")
 
 
-def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
-                    figures: dict[str, Path], sweep_dir: Path,
+def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figures: dict[str, Path],
                     gaps: dict[str, list[str]] | None = None, drawn: bool = True,
                     spread: str = "", degenerate: dict[str, str] | None = None) -> str:
     """The E1/E2 ``report.md`` from :func:`e1_claims`'s tables: ``figures`` are the drawn
@@ -242,7 +241,7 @@ def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
     ``degenerate`` those not drawn because they would show nothing ({name: why});
     ``spread`` says how the figures show the seeds; ``drawn=False`` when figures were not
     asked for. Opens with the one-line summary, then the claims table."""
-    name = sweep_of(table)[0] or sweep_dir.name
+    table, name = data.metrics, data.name
     descriptive = descriptive_reason(e1["claims"])
     parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(e1["claims"]), ""]
     if descriptive:
@@ -263,16 +262,16 @@ def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
     readings = readings_markdown(e1["readings"], bool(descriptive))
     if readings:
         parts += [readings, ""]
-    parts += [_setup(table, sweep_dir, e1["trajectories"]), "", excluded_markdown(table), ""]
+    parts += [_setup(data, e1["trajectories"]), "", excluded_markdown(data), ""]
     parts += _figures_markdown(figures, gaps or {}, drawn, spread, degenerate)
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write_e1_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
-                    figures: bool = True) -> Path:
-    """The E1/E2 report of a collated ``table`` (a sweep or one run folder) into ``out``;
-    returns the path of ``report.md``."""
-    e1 = e1_claims(table)
+def write_e1_report(data: Collated, out: Path, figures: bool = True) -> Path:
+    """The E1/E2 report of a collated sweep or run folder into ``out``; returns the path
+    of ``report.md``."""
+    table = data.metrics
+    e1 = e1_claims(data)
     write_csvs(out, (("claims", e1["claims"]), ("contrast_readings", e1["readings"]),
                      ("run_stats", e1["runs"]), ("cell_stats", e1["cells"]),
                      ("trajectory_stats", e1["trajectories"]),
@@ -295,9 +294,8 @@ def write_e1_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
                 if (missing := missing_for(table, kind, level))}
         degenerate = {f"{kind}_{level}": why for kind in FIGURES for level in LEVELS
                       if f"{kind}_{level}" not in gaps and (why := not_drawable(table, kind))}
-        figs = make_figures(table, out)
+        figs = make_figures(data, out)
         spread = spread_note(seeds_per_panel(table))
-    text = report_markdown(table, e1, figs, sweep_dir, gaps, drawn=figures, spread=spread,
+    text = report_markdown(data, e1, figs, gaps, drawn=figures, spread=spread,
                            degenerate=degenerate)
-    name = sweep_of(table)[0] or sweep_dir.name
-    return write_pages(out, text, f"qkgeom report: {name}")
+    return write_pages(out, text, f"qkgeom report: {data.name}")

@@ -31,7 +31,6 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import bare
 from qkgeom.analysis.e3.arms import BASELINE, SHAM
 from qkgeom.runs import read_log
 
@@ -81,7 +80,6 @@ def e3_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
     quantity, value`` (the quantities above and ``val_loss`` at eval steps)."""
     runs = set(members["run_id"])
     metrics = {m for m, _, _ in QUANTITIES.values() if m != "val_loss"}
-    table = bare(table)
     mine = table[table["run_id"].isin(runs) & (table["head"] == -1)]
     sel = mine[mine["metric"].isin(metrics)]
     parts = [sel.groupby(["run_id", "step", "metric"])["value"].mean().reset_index()
@@ -101,7 +99,6 @@ def unit_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
     ``pr_qk_token`` of that unit, and the control's per-unit records
     (``UNIT_COLUMNS``). The uncontrolled run of a group is given in the scope of its
     group's controlled runs (both, when they differ)."""
-    table = bare(table)
     mine = table[table["run_id"].isin(set(members["run_id"]))]
     controlled = members[members["mode"] != BASELINE]
     scopes = controlled.groupby("group")["scope"].agg(set).to_dict()

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import sweep_of
+from qkgeom.analysis.collate import Collated
 from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES, with_ci
 from qkgeom.analysis.e3.evaluate import e3_analysis
 from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
@@ -214,12 +214,11 @@ def _rules_text() -> str:
     )
 
 
-def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
-                       figures: dict[str, Path], sweep_dir: Path, drawn: bool = True,
-                       spread: str = "") -> str:
+def e3_report_markdown(data: Collated, analysis: dict[str, pd.DataFrame],
+                       figures: dict[str, Path], drawn: bool = True, spread: str = "") -> str:
     """The E3 ``report.md``, opening with the one-line summary; ``spread`` says how the
     figures show the seeds; ``drawn=False`` when figures were not asked for."""
-    name = sweep_of(table)[0] or sweep_dir.name
+    name = data.name
     members = analysis["members"]
     per_arm = members.groupby("arm")["seed"].nunique().to_dict() if len(members) else {}
     gate = analysis["gate"]
@@ -241,8 +240,7 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
     excluded_pairs = _excluded_pairs_markdown(analysis["excluded_pairs"])
     if excluded_pairs:
         parts += [excluded_pairs, ""]
-    parts += [setup_markdown(table, sweep_dir), "",
-              excluded_markdown(table), "", "## Figures", ""]
+    parts += [setup_markdown(data), "", excluded_markdown(data), "", "## Figures", ""]
     if not figures:
         parts.append("No figures: no controlled run could be paired." if drawn else
                      "No figures: not drawn (`figures=False`).")
@@ -254,10 +252,9 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write_e3_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
-                    figures: bool = True) -> Path:
-    """The E3 report of a collated sweep ``table`` into ``out``; returns ``report.md``."""
-    analysis = e3_analysis(table)
+def write_e3_report(data: Collated, out: Path, figures: bool = True) -> Path:
+    """The E3 report of a collated sweep into ``out``; returns ``report.md``."""
+    analysis = e3_analysis(data)
     write_csvs(out, ((fname, analysis[key]) for fname, key in (
         ("claims", "claims"), ("e3_manipulation", "manipulation"),
         ("e3_manipulation_units", "manipulation_units"), ("e3_effects", "effects"),
@@ -271,6 +268,5 @@ def write_e3_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
 
         figs = make_e3_figures(analysis, out)
         spread = spread_note(seeds_per_arm(analysis["members"]))
-    text = e3_report_markdown(table, analysis, figs, sweep_dir, drawn=figures, spread=spread)
-    name = sweep_of(table)[0] or sweep_dir.name
-    return write_pages(out, text, f"qkgeom report: {name}")
+    text = e3_report_markdown(data, analysis, figs, drawn=figures, spread=spread)
+    return write_pages(out, text, f"qkgeom report: {data.name}")
