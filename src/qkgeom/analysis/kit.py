@@ -98,6 +98,11 @@ def signed(x: float, digits: int = 3) -> str:
     return f"{x:+.{digits}g}" if abs(x) < 1e-2 else f"{x:+.{digits}f}"
 
 
+def with_ci(mean: float, lo: float, hi: float) -> str:
+    """``+0.123 [+0.100, +0.146]`` (:func:`signed`; no bracket without an interval)."""
+    return signed(mean) + (f" [{signed(lo)}, {signed(hi)}]" if np.isfinite(lo) else "")
+
+
 # ---------------------------------------------------------------------------------------
 # The claims table
 # ---------------------------------------------------------------------------------------

@@ -25,12 +25,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.e1.trajectories import LEVELS, ORIGINS, cell_stats, run_stats
-from qkgeom.analysis.kit import CLAIM_COLUMNS, claim_row, decide, fmt_p, signed
+from qkgeom.analysis.kit import CLAIM_COLUMNS, claim_row, decide, fmt_p, with_ci
 
 
 @dataclass(frozen=True)
@@ -142,9 +141,7 @@ def evaluate_claims(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.Data
                     sc = stats.count_test(_values(r_sel, claim.secondary), claim.sign)
                     beside += f"; {claim.secondary_criterion}: {sc['k']}/{sc['n']} runs"
                 universal_ok = (u["traj"]["k"] == u["traj"]["n"]) if claim.universal else None
-                estimate = f"{claim.mean_label} {signed(ru['mean'])}"
-                if np.isfinite(ru["ci_low"]):
-                    estimate += f" [{signed(ru['ci_low'])}, {signed(ru['ci_high'])}]"
+                estimate = f"{claim.mean_label} {with_ci(ru['mean'], ru['ci_low'], ru['ci_high'])}"
                 primary = level == PRIMARY[0] and (origin == PRIMARY[1] or not claim.per_origin)
                 rows.append(claim_row(
                     claim.id, claim.text, level, ru, role="primary" if primary else "secondary",

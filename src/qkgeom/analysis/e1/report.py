@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
@@ -42,8 +41,8 @@ from qkgeom.analysis.kit import (
     not_recorded_reason,
     run_groups,
     setup_markdown,
-    signed,
     summary_markdown,
+    with_ci,
     write_csvs,
     write_pages,
 )
@@ -161,9 +160,9 @@ def readings_markdown(readings: pd.DataFrame, descriptive: bool = False) -> str:
     for r in readings.sort_values(["level", "origin", "reading"],
                                   ascending=[False, True, True]).itertuples():
         label = f"**({r.reading})**" if r.primary else f"({r.reading})"
-        ci = f" [{signed(r.ci_low)}, {signed(r.ci_high)}]" if np.isfinite(r.ci_low) else ""
         rows.append([label, r.criterion, r.level, r.origin, f"{r.k}/{r.n}",
-                     f"{signed(r.mean)}{ci}", fmt_p(r.p_value), f"{r.cells_k}/{r.cells_n}",
+                     with_ci(r.mean, r.ci_low, r.ci_high), fmt_p(r.p_value),
+                     f"{r.cells_k}/{r.cells_n}",
                      f"{r.traj_k}/{r.traj_n}", *([] if descriptive else [f"**{r.verdict}**"])])
     return "\n".join([
         "## E1.3 read four ways", "",

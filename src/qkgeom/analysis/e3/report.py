@@ -20,7 +20,7 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.collate import Collated
-from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES, with_ci
+from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES
 from qkgeom.analysis.e3.evaluate import e3_analysis
 from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
 from qkgeom.analysis.e3.paired import EARLY_SHARE, QUANTITIES
@@ -35,6 +35,7 @@ from qkgeom.analysis.kit import (
     setup_markdown,
     signed,
     summary_markdown,
+    with_ci,
     write_csvs,
     write_pages,
 )
