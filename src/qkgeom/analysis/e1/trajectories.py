@@ -4,7 +4,7 @@ against probe step), per run and seed-averaged, and per run: the independent uni
 Each is measured from step 0 and from the post-transient reference, at the weight and the
 token level, in one pass over each depth × init cell (its runs as a seed axis). Every
 column, and why E2.1/E2.2 read the probe-to-probe changes and seed-averaged ρ's are means
-of per-run ρ's: docs/report.md#e1e2-statistics-qkgeomanalysise1trajectories.
+of per-run ρ's: docs/report.md (E1/E2 statistics).
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """E3 arms and pair groups: which runs are compared with which (docs/protocols.md).
 
-An **arm** is named from the run's own config by
-:attr:`qkgeom.config.KeyControlConfig.arm` (the one home of arm names, both ways): ``none``,
-``sham-<level>-<scale>``, ``hold-<level>-<scale>``, ``shrink-<dose>-<level>-<scale>``,
-``expand-<dose>-<level>-<scale>``. Runs **pair** when their configs agree on every key except
-the ``key_control.*`` settings (and device/threads/compile, which change speed, not
-results): such a *pair group* shares init and data order, so it is one independent unit
-(one seed). In each group exactly one ``none`` run is the baseline; a group without one,
-or with two, is left out with the reason, and so are two runs of one arm in a group.
+A run's arm is named from its config (:attr:`qkgeom.config.KeyControlConfig.arm`, the one
+home of arm names). Runs pair when their configs agree on every key except the key
+control (and how fast they ran): such a group shares init and data order, so it is one
+independent unit (a seed), with exactly one ``none`` run as its baseline.
 """
 
 from __future__ import annotations

@@ -111,7 +111,7 @@ def _claim_rows(claim: E3Claim, arms: list[str], by_key: Effects,
     primary = (PRIMARY_ARMS[claim.mode], claim.quantities[0], PRIMARY_WINDOW)
     rows = []
     if primary[0] not in arms:
-        _, level, label = QUANTITIES[primary[1]]
+        level, label = QUANTITIES[primary[1]]
         rows.append(_row(claim.id, f"{claim.text} ({primary[0]})", level, PRIMARY_WINDOW,
                          window_label(np.nan, np.nan, PRIMARY_WINDOW),
                          f"{primary[0]} − none: {label} {rel}", _NO_UNIT, "",
@@ -119,7 +119,7 @@ def _claim_rows(claim: E3Claim, arms: list[str], by_key: Effects,
                          "primary", DELTA.get(primary[1], np.nan)))
     for arm in arms:
         for quantity in claim.quantities:
-            _, level, label = QUANTITIES[quantity]
+            level, label = QUANTITIES[quantity]
             for window in _WINDOWS:
                 e = by_key.get((arm, BASELINE, quantity, window))
                 where = window_label(e["first_step"], e["last_step"], window) \
@@ -166,7 +166,7 @@ def _dose_rows(windows: pd.DataFrame, gate: dict[tuple[str, str], str]) -> list[
     rows = []
     for quantity in (PRIMARY_ENTROPY, "attn_entropy"):
         effects = dose_effects(windows, quantity)
-        criterion = (f"within seed, Spearman ρ of the {QUANTITIES[quantity][2]} effect (arm − "
+        criterion = (f"within seed, Spearman ρ of the {QUANTITIES[quantity][1]} effect (arm − "
                      "none) against the dose r (sham = 1, shrink doses) > 0")
         shrink = effects[effects["mode"] == "shrink"]
         families = set(zip(shrink["level"], shrink["scale"], strict=True))

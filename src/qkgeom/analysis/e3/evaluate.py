@@ -1,8 +1,6 @@
-"""E3 from a collated sweep: arms and pairs, the manipulation check, effects and claims.
-
-Two stages: :func:`e3_tables` turns the collated rows into per-seed tables (pairs, paired
-differences, window means, the manipulation check), :func:`e3_verdicts` turns the window
-means and the check into effects, the gate and the claims. :func:`e3_analysis` is both.
+"""E3 from a collated sweep: :func:`e3_tables` (pairs, paired differences, window means,
+the manipulation check, per seed) then :func:`e3_verdicts` (effects, the gate, claims);
+:func:`e3_analysis` is both. Two stages, so simulations can pool many sweeps' tables.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def effects_markdown(eff: pd.DataFrame) -> str:
     """Every arm × baseline × quantity × window with its tests."""
     rows = []
     for r in eff.sort_values(["arm", "baseline", "quantity", "window"]).itertuples():
-        _, level, label = QUANTITIES[r.quantity]
+        level, label = QUANTITIES[r.quantity]
         pred = {1: "Δ > 0", -1: "Δ < 0"}.get(int(r.predicted), "")
         equiv = (f"{fmt_p(r.p_equiv)} (±{r.delta:g})" if np.isfinite(r.delta) else "—")
         rows.append([r.arm, f"− {r.baseline}", label, level, r.window,
