@@ -7,19 +7,10 @@ Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures an
     pr_q = trajectories(sweep, "pr_q_token")  # seed mean ± 95 % t-interval per layer and step
     print(claims_table("sweeps/e1"))        # claims: units, tests, intervals, verdicts
     write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
-    write_report("runs/demo")               # one run folder; "ckpt/pythia" an E4 analysis
     summary_line("sweeps/e1/report")        # "E1/E2: 12 of 22 claim rows supported, ..."
-    e3_analysis(collate("sweeps/e3"))       # E3: manipulation check, paired effects, claims
 
-Layout: ``collate`` (result folders → one long table), ``stats`` (the t-interval, the
-sign-flip and sign tests, the verdict rule: docs/protocols.md), ``kit`` (the text every
-report shares: Markdown, claims table and summary line, setup sections, HTML page),
-``figstyle`` (the figure house style every report shares), one sub-package
-per experiment (``e1`` for E1/E2, ``e3``, ``e4``), ``report`` (the one dispatcher) and
-``tables`` (the per-layer table of ``qkgeom show``).
-
-Names load on first use: ``qkgeom.analysis.tables`` (pandas only, what ``qkgeom show`` and
-``train`` print) must not need the ``report`` extra (scipy, matplotlib, markdown).
+Modules: docs/report.md. Names load on first use: ``qkgeom.analysis.tables`` (pandas
+only, what ``qkgeom show`` prints) must not need the ``report`` extra.
 """
 
 from __future__ import annotations

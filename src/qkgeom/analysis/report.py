@@ -1,28 +1,12 @@
 """One entry point for every result folder: its claims table and its report.
 
 :func:`write_report` and :func:`claims_table` tell the folder's kind and hand it to its
-experiment's report:
-
-- a checkpoint-family analysis folder (``analysis.json``, ``qkgeom analyze``), or a set of
-  them, one per seed (``e4.json``, ``qkgeom reproduce e4``): E4,
-  :mod:`qkgeom.analysis.e4.report`;
-- a sweep whose grid declares ``experiment: e3`` (``qkgeom reproduce e3`` does): E3,
-  :mod:`qkgeom.analysis.e3.report`;
-- any other sweep, or one run folder (trained by qkgeom, or written by its
-  :class:`~qkgeom.monitor.GeometryMonitor`, which may record only some metrics):
-  E1/E2, :mod:`qkgeom.analysis.e1.report`. A folder that declares no experiment (a run
-  folder, a sweep of your own grid) is E3 when its runs pair a controlled run with an
-  uncontrolled one of the same config.
-
-The report goes to ``<folder>/report/`` (layout: docs/report.md): ``report.md`` opening with
-a one-line summary and the claims table, ``report.html`` (the same, verdicts coloured,
-showing the figures beside it), the figures as PNG (150 dpi) and SVG, and the numbers as
-CSV; every file is written atomically. :func:`summary_line` reads the summary back from a
-written report folder. ``report.json`` marks the folder
-as a qkgeom report folder: a report is written only into a new or empty folder or one so
-marked (or a report folder of an earlier qkgeom, recognised by its ``report.md``), never
-over files qkgeom did not write. Nothing here imports torch; matplotlib is imported only
-to draw.
+experiment: an analysis folder or a set of them (E4), a sweep whose grid declares
+``experiment: e3`` (E3), any other sweep or one run folder (E1/E2; a folder that declares
+no experiment is E3 when its runs pair a controlled run with an uncontrolled one). The
+report goes to ``<folder>/report/`` (docs/report.md), marked by ``report.json``: it is
+written only into a new or empty folder or one so marked, never over files qkgeom did not
+write. Nothing here imports torch; matplotlib only to draw.
 """
 
 from __future__ import annotations

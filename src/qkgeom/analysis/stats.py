@@ -1,30 +1,12 @@
 """The statistics every claim is decided by: one test, one interval, one verdict rule.
 
-Fixed in docs/protocols.md before any experiment; every experiment's claims call these and
-nothing else:
-
-- :func:`t_interval`: two-sided 95 % t-interval of the mean over *independent units* (runs,
-  seeds); a percentile bootstrap of a handful of seeds under-covers (docs/protocols.md).
-- :func:`sign_flip_p`: the exact sign-flip (permutation) test of the mean, one-sided in the
-  predicted direction: under H0 each unit's value is symmetric about 0, so every pattern of
-  signs is equally likely. All 2^n patterns are enumerated for n ≤ 20 (meet in the middle:
-  two halves of 2^(n/2) sums), else 200 000 random patterns with a fixed seed and
-  p = (1 + count)/(1 + draws). This is the verdict's p.
-- :func:`binomial_p` / :func:`count_test`: the exact sign test (binomial, p = ½), shown
-  beside it; a zero counts against the claim.
-- :func:`unit_test`: both tests, the count and the interval for one set of unit values,
-  the sign-flip p of the opposite direction and, given a smallest effect of interest δ,
-  the equivalence p (:func:`tost_p`: two one-sided t-tests, seed as the unit, "no effect
-  larger than δ") and the smallest effect the units could detect (:func:`detectable`).
-- :func:`holm`: Holm's step-down adjustment of a family of p-values (the primary rows of an
-  experiment are one family, its secondary rows another).
-- :func:`verdict`: the one place the verdict rule lives.
-- :func:`seeds_for_power`: how many independent units a design needs (the protocol's
-  power statement).
-- :func:`spearman`: Spearman ρ along the last axis (vectorised).
-
-Written out rather than ``scipy.stats``: ``ttest_1samp(...).confidence_interval()`` and
-``permutation_test`` differ in the last bits or on ties, and are far slower (docs/speed.md).
+Fixed in docs/protocols.md before any experiment, each with its reason: the t-interval over
+independent units, the exact one-sided sign-flip test (the verdict's p; every sign pattern
+enumerated up to :data:`EXACT_MAX_N` units, meet in the middle), the exact sign test
+beside it, TOST equivalence, Holm's adjustment, the power of a design and the verdict rule
+(:func:`verdict`, its only home). Written out rather than ``scipy.stats``:
+``ttest_1samp(...).confidence_interval()`` and ``permutation_test`` differ in the last
+bits or on ties, and are far slower (docs/speed.md).
 """
 
 from __future__ import annotations

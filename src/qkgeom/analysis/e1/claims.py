@@ -1,24 +1,11 @@
 """The E1 and E2 claims, each decided over independent runs (docs/protocols.md).
 
-Every claim is a predicted sign of one statistic (:mod:`qkgeom.analysis.e1.trajectories`).
-The **unit is the run** (its own seed: independent); a run's value is the mean over its
-layers of the layer statistic. The verdict (:func:`qkgeom.analysis.stats.verdict`) comes
-from k of n runs with the predicted sign and the exact one-sided sign-flip test over runs;
-beside it, the same test over depth × init cells (seed means) and the descriptive count of
-seed-averaged layer trajectories (the paper's unit, 54 on its grid; layers of one run are
-not independent, so that count gets no p-value). Each claim is measured at the weight and
-the token level, from step 0 and from the post-transient reference.
-
-E1.3 ("PR_Q − PR_K > 0 in all trajectories") has four readings, all reported
-(:func:`contrast_readings`); the primary is (c), the time average after the origin, and the
-claim being universal, "supported" also needs every seed-averaged layer trajectory
-positive.
-
-Each claim has one **primary** row, declared in docs/protocols.md before any run
-(:data:`PRIMARY`: the token level, from the post-transient reference; E2.3 at the last
-checkpoint); the primary rows are Holm-adjusted together and decide the claims. The other
-rows (the weight level, from step 0) are **secondary**: Holm-adjusted among themselves,
-shown as descriptive.
+Every claim is a predicted sign of one statistic (:mod:`.trajectories`); the unit is the
+run (each has its own seed), its value the mean over its layers. Beside it: the same test
+over depth × init cells and the count of seed-averaged layer trajectories (the paper's
+unit, not independent: no p). Each claim has one primary row (:data:`PRIMARY`), declared
+before any run; the six primary rows are Holm-adjusted together, the others are secondary.
+E1.3 is read four ways (:func:`contrast_readings`); why (c): docs/protocols.md#e13-four-readings.
 """
 
 from __future__ import annotations

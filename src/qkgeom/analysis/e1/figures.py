@@ -1,23 +1,11 @@
-"""Figures of E1/E2 from a collated sweep table (matplotlib; PNG 150 dpi + SVG).
+"""Figures of E1/E2 from a collated sweep (matplotlib; PNG 150 dpi + SVG).
 
-One panel per depth × Q/K initialisation (columns: inits, rows: depths; a monitored run's
-column is its model, whose init the monitor does not know) in the house style of
-:mod:`qkgeom.analysis.figstyle`: 9 pt text, one colour per layer (never the black of the
-PR_Q/PR_K keys), a dotted vertical line at the post-transient reference step. The spread over seeds (:func:`~qkgeom.analysis.figstyle.draw_spread`): the seed mean
-with one thin line per seed below 5 seeds, a 95 % t-band from 5 seeds on. Each figure
-exists at the weight and at the token level:
-
-- ``pr_<level>``: PR_Q (solid) and PR_K (dashed) of each layer in the same panel against
-  step (log y): the claim E1.3 is about their difference, so they share the axes;
-- ``contrast_<level>``: the paired contrast PR_Q − PR_K per layer against step, 0 marked;
-- ``qk_entropy_<level>``: the interaction PR (pr_qk) and the attention entropy against step;
-- ``heads_<level>``: pr_qk against attention entropy for every head of every run at its
-  last probe (E2.3 is a last-checkpoint claim), coloured by layer, every panel on the same
-  axes and printing its ρ (E2.3's statistic).
-
-A figure whose metrics the runs do not record (e.g. a monitored run that measured only some)
-is not drawn: :func:`missing_for` names what it lacks; nor is a trajectory figure of runs
-probed at one step only (:func:`not_drawable`). The report says which and why.
+One panel per depth × Q/K init (a monitored run's column is its model), every figure at
+the weight and the token level: ``pr`` (PR_Q solid and PR_K dashed, sharing axes: E1.3 is
+about their gap), ``contrast``, ``qk_entropy`` and ``heads`` (every head at its run's last
+probe, where E2.3 is measured, each panel printing its ρ). A figure whose metrics are not
+recorded, or a trajectory of one probe step, is not drawn; the report says why. Style:
+:mod:`qkgeom.analysis.figstyle`; what each shows: docs/report.md#figures.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The E1/E2 report of a sweep or of one run folder: a one-line summary and the claims
-table first, then setup, excluded runs, figures.
-
-:func:`write_e1_report` writes ``report.md`` (opens with the summary line and the claims
-table, grouped by claim), ``report.html`` (verdicts coloured; figures shown from their
-files beside it), the figures as PNG (150 dpi) and SVG,
-and the numbers behind the table as CSV (``claims.csv``; ``contrast_readings.csv``, E1.3
-read four ways; ``run_stats.csv``, the independent unit, one row per run; ``cell_stats.csv``;
-``trajectory_stats.csv``, seed-averaged layers; ``trajectory_stats_runs.csv``). A folder
-that records only some metrics (a monitored run) gets the claims it can measure; the others
-read *not evaluated* and the figures it cannot draw are listed as skipped. Reached through
-:func:`qkgeom.analysis.report.write_report`.
+"""The E1/E2 report of a sweep or of one run folder: the summary line and the claims table
+first, then setup, excluded runs, figures; files: docs/report.md. A folder that records
+only some metrics (a monitored run) gets the claims it can measure; the others read *not
+evaluated* and the figures it cannot draw are listed as skipped.
 """
 
 from __future__ import annotations

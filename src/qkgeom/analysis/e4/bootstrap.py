@@ -1,22 +1,10 @@
 """The token-block bootstrap of the E4 regime calls (descriptive; docs/protocols.md).
 
-``qkgeom analyze --blocks K`` measures every checkpoint on all tokens (``block = −1``) and
-on K contiguous token blocks (``block = 0 … K−1``, the same blocks at every checkpoint).
-One resample draws K blocks with replacement (:data:`N_BOOT` resamples, a fixed seed) and
-moves the **all-token trajectory** by the mean of the drawn blocks' deviations from the
-blocks' mean, times √(K/(K−1)): the resamples are centred on the all-token estimate (the
-number every table reports) and spread as a mean of K blocks does. A mean of block PRs
-would be neither: a PR measured on 1/K of the tokens is biased (fewer tokens, a
-different spectrum), so that mean is not the all-token PR. On each resample the regime
-statistics are recomputed on the checkpoints after the warm-up and tested against the
-layer's own null distribution (:func:`qkgeom.analysis.e4.regime.regime_calls`, computed
-once on the data). Reported per layer: the share of resamples giving each call, and
-percentile intervals of the share of the gain lost and of the peak step; per
-checkpoint (every one, the warm-up's included), a percentile band of the trajectory (the
-figure). With 8 blocks of one text this describes how much the call depends on which
-tokens were read; it is not a test over independent units.
-Written out: ``scipy.stats.bootstrap`` resamples observations of a numeric statistic, not
-blocks of a trajectory whose categorical call is recomputed on each resample.
+One resample draws the K token blocks with replacement and moves the all-token trajectory
+by the mean of the drawn blocks' deviations, so resamples centre on the number every table
+reports; the calls are recomputed on each against the layer's own null. Written out:
+``scipy.stats.bootstrap`` resamples observations of a numeric statistic, not blocks of a
+trajectory whose categorical call is recomputed.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """E4 figures of an analysed checkpoint family (matplotlib; PNG 150 dpi + SVG).
 
-- ``contrast_steps``: PR_Q − PR_K per layer against step (log x; symlog when step 0 is
-  there), one panel per recorded contrast (the primary, head-mean token contrast first,
-  with its 95 % token-block bootstrap band); the peak of each layer marked (◆); duplicate
-  checkpoints as hollow markers;
-- ``prefix_trend`` (descriptive): Mann–Kendall Z of growing prefixes against the prefix's
-  last step, per layer, with the one-sided 5 % line (Z = 1.645);
-- ``qk_entropy_heads``: pr_qk (token level) against attention entropy, one panel per
-  checkpoint (at most 12, spread over the run, three across, on shared axes), heads
-  coloured by layer, the mean per-layer ρ in the title.
-
-A figure that would show nothing is not drawn (:func:`degenerate_figures`: one checkpoint
-has no trajectory, fewer than three no prefix trend, no per-head rows no head scatter)
-and the report says so. Checkpoints
-whose step is not known are labelled by their name (:mod:`qkgeom.analysis.e4.labels`),
-never by their position as a "step"; their x axis is the given order, labelled with the
-names.
-
-House style of :mod:`qkgeom.analysis.figstyle`, drawn on bare Figures (no pyplot).
+``contrast_steps`` (every contrast per layer against step, the primary with its bootstrap
+band, peaks marked), ``prefix_trend`` (descriptive), ``qk_entropy_heads`` (one panel per
+checkpoint, at most 12) and, for a set, ``e4_seeds``. A figure that would show nothing is
+not drawn (:func:`degenerate_figures`); checkpoints whose step is not known are labelled
+by name, never as a "step" (:mod:`.labels`). House style: :mod:`qkgeom.analysis.figstyle`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
-"""The E4 report of an analysis folder, or of a set of them (one per seed): a one-line
-summary and the claims table first, then setup, tables, figures.
-
-``write_e4_report(DIR)`` reads only the folder's JSON/Parquet (no torch, no model) and
-writes ``DIR/report/``: ``report.md`` (summary line and claims table first),
-``report.html`` (verdicts coloured, figures shown from their files), the figures (PNG
-150 dpi + SVG; those that would show nothing, e.g. a trajectory of one checkpoint, are
-listed instead) and the numbers as CSV (``claims.csv``,
-``trends.csv`` (the regime call per contrast and layer), ``bootstrap.csv`` (the token-block
-bootstrap of the primary contrast per layer), ``prefix_trends.csv``,
-``head_correlations.csv``, ``checkpoints.csv``). For a set (``e4.json``,
-:func:`write_e4_set_report`) the claims are over seeds, the tables carry a ``unit``
-column, and one figure shows every seed's primary contrast per layer.
+"""The E4 report of an analysis folder (one model) or of a set of them (one per seed):
+the summary line and the claims table first, then setup, tables, figures; files and
+layout: docs/report.md (E4). Reads only the folders' JSON/Parquet (no torch, no model).
 """
 
 from __future__ import annotations
