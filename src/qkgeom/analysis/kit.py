@@ -15,6 +15,7 @@ import html
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -157,7 +158,7 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
 Cell = tuple[str, Callable[[dict[str, Any]], Any]]
 
 
-def field(key: str) -> Callable[[dict[str, Any]], Any]:
+def show(key: str) -> Callable[[dict[str, Any]], Any]:
     """The cell that shows the record's ``key`` as it is."""
     return lambda r: r[key]
 
@@ -175,10 +176,10 @@ VERDICT_CELL: Cell = ("verdict", lambda r: f"**{r['verdict']}**" + (
 NOTE_CELL: Cell = ("note", _reason)
 #: The E1/E2 and E3 layout under each claim's group row.
 SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
-    ("level", field("level")), ("measured from", field("from")),
-    ("units with the sign (k/n)", field("measured")),
-    ("estimate [95 % t-interval]", field("estimate")), P_CELL, P_SIGN_CELL,
-    ("beside", field("beside")), VERDICT_CELL)
+    ("level", show("level")), ("measured from", show("from")),
+    ("units with the sign (k/n)", show("measured")),
+    ("estimate [95 % t-interval]", show("estimate")), P_CELL, P_SIGN_CELL,
+    ("beside", show("beside")), VERDICT_CELL)
 
 #: Units a claims table may decide verdicts over: independent runs (E1/E2) or seeds (E3).
 #: E4's unit, a layer of one model, is not independent; its report says so itself.
@@ -469,6 +470,32 @@ def metrics_note(missing: Sequence[str], what: str) -> str:
 def not_recorded_reason(missing: Iterable[str]) -> str:
     """A claim row's reason when the metrics it needs were not recorded."""
     return f"not recorded: {', '.join(missing)} ({RECORD_ALL} records them)"
+
+
+# ---------------------------------------------------------------------------------------
+# Figures in a report
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Drawn:
+    """What a report's figure step gave: the PNGs drawn ({name: path}), those not drawn
+    for want of metrics (``missing``: {name: metrics}) or because they would show nothing
+    (``empty``: {name: why}), how they show the seeds, and whether figures were asked for."""
+
+    pngs: dict[str, Path] = field(default_factory=dict)
+    missing: dict[str, list[str]] = field(default_factory=dict)
+    empty: dict[str, str] = field(default_factory=dict)
+    spread: str = ""
+    asked: bool = True
+
+
+def figure_markdown(png: Path, caption: str, title: str = "") -> list[str]:
+    """One figure in a report: its title, the PNG (linked to itself) and the caption
+    naming the SVG beside it."""
+    svg = png.with_suffix(".svg").name
+    return [*([f"### {title}", ""] if title else []), f"[![{png.stem}]({png.name})]({png.name})",
+            "", f"*{caption} Vector version: [{svg}]({svg}).*"]
 
 
 # ---------------------------------------------------------------------------------------

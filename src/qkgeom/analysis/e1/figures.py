@@ -10,7 +10,7 @@ recorded, or a trajectory of one probe step, is not drawn; the report says why. 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -38,7 +38,7 @@ from qkgeom.analysis.figstyle import (
     step_axis,
     suptitle,
 )
-from qkgeom.analysis.kit import missing_metrics
+from qkgeom.analysis.kit import Drawn, missing_metrics
 
 LEVEL_TITLE = {"weight": "weight level", "token": "token level (probe set)"}
 #: (metric stem, line style, legend label) of the PR figure: PR_Q solid, PR_K dashed.
@@ -294,17 +294,19 @@ def not_drawable(table: pd.DataFrame, kind: str) -> str | None:
     return None
 
 
-def make_figures(data: Collated, out_dir: str | Path, levels: Iterable[str] = LEVELS,
-                 kinds: Iterable[str] = tuple(FIGURES)) -> dict[str, Path]:
-    """Every figure at every level into ``out_dir``; returns {``kind_level``: PNG path}.
-    A figure whose metrics the table does not record (:func:`missing_for`) or that would
-    be degenerate (:func:`not_drawable`) is not drawn."""
-    out = {}
-    for kind in kinds:
-        for level in levels:
-            if missing_for(data.metrics, kind, level) or not_drawable(data.metrics, kind):
-                continue
+def make_figures(data: Collated, out_dir: str | Path) -> Drawn:
+    """Every figure at every level into ``out_dir``, except those whose metrics the runs
+    do not record (:func:`missing_for`) or that would show nothing (:func:`not_drawable`),
+    which are listed instead."""
+    drawn = Drawn(spread=spread_note(seeds_per_panel(data.metrics)))
+    for kind in FIGURES:
+        for level in LEVELS:
             name = f"{kind}_{level}"
-            fig = FIGURES[kind](data.metrics, level, data.ref_steps)
-            out[name] = save_figure(fig, out_dir, name)[0]
-    return out
+            if missing := missing_for(data.metrics, kind, level):
+                drawn.missing[name] = missing
+            elif why := not_drawable(data.metrics, kind):
+                drawn.empty[name] = why
+            else:
+                fig = FIGURES[kind](data.metrics, level, data.ref_steps)
+                drawn.pngs[name] = save_figure(fig, out_dir, name)[0]
+    return drawn

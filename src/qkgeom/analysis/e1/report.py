@@ -21,10 +21,12 @@ from qkgeom.analysis.e1.trajectories import (
     run_stats,
 )
 from qkgeom.analysis.kit import (
+    Drawn,
     claims_markdown,
     descriptive_reason,
     distinct,
     excluded_markdown,
+    figure_markdown,
     fmt_p,
     md_table,
     md_text,
@@ -179,29 +181,24 @@ def _figure_name(key: str) -> str:
     return f"{FIGURE_TITLES[kind]} — {level} level"
 
 
-def _figures_markdown(figures: dict[str, Path], gaps: dict[str, list[str]], drawn: bool,
-                      spread: str = "", degenerate: dict[str, str] | None = None) -> list[str]:
-    """The figures section: each drawn figure with its caption (``spread``: how seeds are
-    shown), then the figures skipped for want of metrics (``gaps``) or because they would
-    show nothing (``degenerate``: {name: why})."""
-    degenerate = degenerate or {}
+def _figures_markdown(figs: Drawn) -> list[str]:
+    """The figures section: each drawn figure with its caption, then the figures skipped
+    for want of metrics or because they would show nothing."""
     parts = ["## Figures", ""]
-    if not figures and not gaps and not degenerate:
-        parts.append("No figures: no run could be analysed." if drawn else
+    if not (figs.pngs or figs.missing or figs.empty):
+        parts.append("No figures: no run could be analysed." if figs.asked else
                      "No figures: not drawn (`figures=False`).")
-    for key, png in figures.items():
+    for key, png in figs.pngs.items():
         kind, level = key.rsplit("_", 1)
-        svg = png.with_suffix(".svg").name
-        parts += [f"### {_figure_name(key)}", "", f"[![{key}]({png.name})]({png.name})", "",
-                  f"*{CAPTIONS[kind].format(spread=spread)} {level.capitalize()} level. "
-                  f"Vector version: [{svg}]({svg}).*", ""]
-    if gaps:
+        caption = f"{CAPTIONS[kind].format(spread=figs.spread)} {level.capitalize()} level."
+        parts += [*figure_markdown(png, caption, _figure_name(key)), ""]
+    if figs.missing:
         parts += ["Skipped (their metrics are not recorded here): " + "; ".join(
             f"{_figure_name(key)} (no {', '.join(f'`{m}`' for m in missing)})"
-            for key, missing in gaps.items()) + ".", ""]
-    if degenerate:
+            for key, missing in figs.missing.items()) + ".", ""]
+    if figs.empty:
         parts += ["Not drawn (they would show nothing): " + "; ".join(
-            f"{_figure_name(key)} ({why})" for key, why in degenerate.items()) + ".", ""]
+            f"{_figure_name(key)} ({why})" for key, why in figs.empty.items()) + ".", ""]
     return parts
 
 
@@ -224,14 +221,8 @@ def _setup(data: Collated, traj: pd.DataFrame) -> str:
                        f"probe at or after it (used): {', '.join(map(str, used)) or 'n/a'}")
 
 
-def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figures: dict[str, Path],
-                    gaps: dict[str, list[str]] | None = None, drawn: bool = True,
-                    spread: str = "", degenerate: dict[str, str] | None = None) -> str:
-    """The E1/E2 ``report.md`` from :func:`e1_claims`'s tables: ``figures`` are the drawn
-    ones, ``gaps`` the figures not drawn for want of metrics ({name: missing metrics}),
-    ``degenerate`` those not drawn because they would show nothing ({name: why});
-    ``spread`` says how the figures show the seeds; ``drawn=False`` when figures were not
-    asked for. Opens with the one-line summary, then the claims table."""
+def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figs: Drawn) -> str:
+    """The E1/E2 ``report.md`` from :func:`e1_claims`'s tables and the figures drawn."""
     table, name = data.metrics, data.name
     descriptive = descriptive_reason(e1["claims"])
     parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(e1["claims"]), ""]
@@ -254,39 +245,21 @@ def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figures: dict[s
     if readings:
         parts += [readings, ""]
     parts += [_setup(data, e1["trajectories"]), "", excluded_markdown(data), ""]
-    parts += _figures_markdown(figures, gaps or {}, drawn, spread, degenerate)
+    parts += _figures_markdown(figs)
     return "\n".join(parts).rstrip() + "\n"
 
 
 def write_e1_report(data: Collated, out: Path, figures: bool = True) -> Path:
     """The E1/E2 report of a collated sweep or run folder into ``out``; returns the path
     of ``report.md``."""
-    table = data.metrics
     e1 = e1_claims(data)
     write_csvs(out, (("claims", e1["claims"]), ("contrast_readings", e1["readings"]),
                      ("run_stats", e1["runs"]), ("cell_stats", e1["cells"]),
                      ("trajectory_stats", e1["trajectories"]),
                      ("trajectory_stats_runs", e1["run_layers"])))
-    figs: dict[str, Path] = {}
-    gaps: dict[str, list[str]] = {}
-    degenerate: dict[str, str] = {}
-    spread = ""
-    if figures and not table.empty:
-        from qkgeom.analysis.e1.figures import (
-            FIGURES,
-            make_figures,
-            missing_for,
-            not_drawable,
-            seeds_per_panel,
-        )
-        from qkgeom.analysis.figstyle import spread_note
+    figs = Drawn(asked=figures)
+    if figures and not data.metrics.empty:
+        from qkgeom.analysis.e1.figures import make_figures  # matplotlib: only to draw
 
-        gaps = {f"{kind}_{level}": missing for kind in FIGURES for level in LEVELS
-                if (missing := missing_for(table, kind, level))}
-        degenerate = {f"{kind}_{level}": why for kind in FIGURES for level in LEVELS
-                      if f"{kind}_{level}" not in gaps and (why := not_drawable(table, kind))}
         figs = make_figures(data, out)
-        spread = spread_note(seeds_per_panel(table))
-    text = report_markdown(data, e1, figs, gaps, drawn=figures, spread=spread,
-                           degenerate=degenerate)
-    return write_pages(out, text, f"qkgeom report: {data.name}")
+    return write_pages(out, report_markdown(data, e1, figs), f"qkgeom report: {data.name}")

@@ -25,9 +25,11 @@ from qkgeom.analysis.e3.evaluate import e3_analysis
 from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
 from qkgeom.analysis.e3.paired import EARLY_SHARE, QUANTITIES
 from qkgeom.analysis.kit import (
+    Drawn,
     claims_markdown,
     descriptive_reason,
     excluded_markdown,
+    figure_markdown,
     fmt_p,
     md_table,
     md_text,
@@ -215,8 +217,7 @@ def _rules_text() -> str:
     )
 
 
-def e3_report_markdown(data: Collated, analysis: dict[str, pd.DataFrame],
-                       figures: dict[str, Path], drawn: bool = True, spread: str = "") -> str:
+def e3_report_markdown(data: Collated, analysis: dict[str, pd.DataFrame], figs: Drawn) -> str:
     """The E3 ``report.md``, opening with the one-line summary; ``spread`` says how the
     figures show the seeds; ``drawn=False`` when figures were not asked for."""
     name = data.name
@@ -242,14 +243,12 @@ def e3_report_markdown(data: Collated, analysis: dict[str, pd.DataFrame],
     if excluded_pairs:
         parts += [excluded_pairs, ""]
     parts += [setup_markdown(data), "", excluded_markdown(data), "", "## Figures", ""]
-    if not figures:
-        parts.append("No figures: no controlled run could be paired." if drawn else
+    if not figs.pngs:
+        parts.append("No figures: no controlled run could be paired." if figs.asked else
                      "No figures: not drawn (`figures=False`).")
-    for key, png in figures.items():
-        title = key.replace("e3_", "").replace("_", " ")
-        parts += [f"### E3 {title}", "", f"[![{key}]({png.name})]({png.name})", "",
-                  f"*{CAPTIONS[key].format(spread=spread)} Vector version: "
-                  f"[{png.with_suffix('.svg').name}]({png.with_suffix('.svg').name}).*", ""]
+    for key, png in figs.pngs.items():
+        title = "E3 " + key.replace("e3_", "").replace("_", " ")
+        parts += [*figure_markdown(png, CAPTIONS[key].format(spread=figs.spread), title), ""]
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -261,13 +260,10 @@ def write_e3_report(data: Collated, out: Path, figures: bool = True) -> Path:
         ("e3_manipulation_units", "manipulation_units"), ("e3_effects", "effects"),
         ("e3_mediation", "mediation"), ("e3_windows", "windows"), ("e3_paired", "paired"),
         ("e3_arms", "arms"))))
-    figs: dict[str, Path] = {}
-    spread = ""
+    figs = Drawn(asked=figures)
     if figures and not analysis["paired"].empty:
-        from qkgeom.analysis.e3.figures import make_e3_figures, seeds_per_arm
-        from qkgeom.analysis.figstyle import spread_note
+        from qkgeom.analysis.e3.figures import make_e3_figures  # matplotlib: only to draw
 
         figs = make_e3_figures(analysis, out)
-        spread = spread_note(seeds_per_arm(analysis["members"]))
-    text = e3_report_markdown(data, analysis, figs, drawn=figures, spread=spread)
+    text = e3_report_markdown(data, analysis, figs)
     return write_pages(out, text, f"qkgeom report: {data.name}")

@@ -31,6 +31,7 @@ from qkgeom.analysis.figstyle import (
     new_figure,
     save_figure,
 )
+from qkgeom.analysis.kit import Drawn
 
 __all__ = ["degenerate_figures", "fig_seeds", "make_e4_figures", "make_e4_set_figure"]
 
@@ -192,28 +193,23 @@ def degenerate_figures(metrics: pd.DataFrame, prefix: pd.DataFrame) -> dict[str,
     return out
 
 
-def make_e4_figures(metrics: pd.DataFrame, trends: pd.DataFrame, prefix: pd.DataFrame,
-                    heads: pd.DataFrame, band: pd.DataFrame, out_dir: str | Path,
-                    checkpoints: pd.DataFrame | None = None,
-                    warmup: int | None = None) -> dict[str, Path]:
-    """Draw the E4 figures into ``out_dir`` (``band``: the block bootstrap's percentile
-    band of the primary contrast, maybe empty; ``checkpoints``: the folder's checkpoint
-    table, for labels; ``warmup``: where the LR warm-up ends, shaded); returns {name: PNG
-    path}. The figures of :func:`degenerate_figures` are not drawn."""
-    ckpts = checkpoints if checkpoints is not None else pd.DataFrame(
-        columns=["checkpoint", "step", "step_source"])
+def make_e4_figures(analysis: dict, band: pd.DataFrame, out_dir: str | Path) -> Drawn:
+    """The E4 figures of one analysis folder (:func:`~qkgeom.analysis.e4.report.load_analysis`'s
+    tables; ``band``: the block bootstrap's band of the primary contrast, maybe empty) into
+    ``out_dir``; those of :func:`degenerate_figures` are listed instead."""
+    a, ckpts = analysis, analysis["checkpoints"]
     sources = dict(zip(ckpts["checkpoint"].astype(str), ckpts["step_source"], strict=True))
     names = names_by_position(ckpts[ckpts["in_trends"]] if "in_trends" in ckpts else ckpts)
-    skip = degenerate_figures(metrics, prefix)
-    out = {}
+    drawn = Drawn(empty=degenerate_figures(a["metrics"], a["prefix"]))
     with matplotlib.rc_context(STYLE):
-        for name, make in (("contrast_steps", lambda: fig_contrast(metrics, trends, band, names,
-                                                                     warmup)),
-                           ("prefix_trend", lambda: fig_prefix(prefix, trends, names)),
-                           ("qk_entropy_heads", lambda: fig_heads(metrics, heads, sources))):
-            if name not in skip:
-                out[name] = save_figure(make(), out_dir, name)[0]
-    return out
+        for name, make in (
+                ("contrast_steps", lambda: fig_contrast(a["metrics"], a["trends"], band, names,
+                                                        a["warmup"])),
+                ("prefix_trend", lambda: fig_prefix(a["prefix"], a["trends"], names)),
+                ("qk_entropy_heads", lambda: fig_heads(a["metrics"], a["heads"], sources))):
+            if name not in drawn.empty:
+                drawn.pngs[name] = save_figure(make(), out_dir, name)[0]
+    return drawn
 
 
 def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int | None
@@ -262,10 +258,10 @@ def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int |
 
 
 def make_e4_set_figure(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]],
-                       warmup: int | None, out_dir: str | Path) -> dict[str, Path]:
-    """Draw :func:`fig_seeds` into ``out_dir`` as ``e4_seeds``; {} when no seed records the
-    primary contrast."""
+                       warmup: int | None, out_dir: str | Path) -> Drawn:
+    """Draw :func:`fig_seeds` into ``out_dir`` as ``e4_seeds`` (none when no seed records
+    the primary contrast)."""
     if not any(((m["metric"] == PRIMARY) & (m["head"] == -1)).any() for m, _ in units.values()):
-        return {}
+        return Drawn()
     with matplotlib.rc_context(STYLE):
-        return {"e4_seeds": save_figure(fig_seeds(units, warmup), out_dir, "e4_seeds")[0]}
+        return Drawn({"e4_seeds": save_figure(fig_seeds(units, warmup), out_dir, "e4_seeds")[0]})
