@@ -15,7 +15,6 @@ import pandas as pd
 from qkgeom.analysis.e3.arms import BASELINE
 from qkgeom.analysis.e3.paired import in_windows, pairs_of
 
-LEVEL = "pr_k_token"  # the level the E3 claims are about
 GATED = ("shrink", "hold")
 EXEMPT = 0.05  # |intended − 1| below this: no change to check
 KEYS = ["group", "seed", "arm", "mode", "dose", "level", "scope", "scale"]

@@ -38,7 +38,6 @@ QUANTITIES: dict[str, tuple[str, str]] = {
 #: docs/protocols.md#e3 gives the reason. Other quantities have none.
 DELTA = {"attn_entropy_scalefree": 0.10, "attn_entropy": 0.10}
 #: The control's flat records (per unit ``l{layer}`` or ``l{layer}h{head}``).
-CONTROL_RECORDS = ("ctl_dose", "ctl_bound_share")
 _UNIT_RECORD = re.compile(r"^(ctl_dose|ctl_bound_share)_(l\d+(?:h\d+)?)$")
 
 #: Predicted sign of arm − baseline per (mode, quantity): the claims, plus the control's own

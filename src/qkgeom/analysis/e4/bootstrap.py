@@ -16,6 +16,7 @@ from qkgeom.analysis.e4.regime import (
     CALLS,
     FALL,
     RISE_FALL,
+    block_weights,
     call_of,
     peak_stats,
     regime_calls,
@@ -26,19 +27,11 @@ from qkgeom.analysis.e4.regime import (
 )
 from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS, trajectories
 
-__all__ = ["BOOT_SEED", "CI", "N_BOOT", "block_bootstrap", "resample_weights"]
+__all__ = ["BOOT_SEED", "CI", "N_BOOT", "block_bootstrap"]
 
 N_BOOT = 2000
 BOOT_SEED = 0
 CI = (2.5, 97.5)
-
-
-def resample_weights(k: int, n_boot: int, seed: int) -> np.ndarray:
-    """(n_boot, k): in each resample, the share of the k draws that fell on each block."""
-    idx = np.random.default_rng(seed).integers(0, k, size=(n_boot, k))
-    weights = np.zeros((n_boot, k))
-    np.add.at(weights, (np.repeat(np.arange(n_boot), k), idx.ravel()), 1.0 / k)
-    return weights
 
 
 def block_bootstrap(metrics: pd.DataFrame, blocks: pd.DataFrame, warmup: int | None = None,
@@ -63,7 +56,7 @@ def block_bootstrap(metrics: pd.DataFrame, blocks: pd.DataFrame, warmup: int | N
     x, cube = tr.x[ok], tr.blocks[ok]
     k = cube.shape[1]
     dev = token_deviations(cube, len(layers), len(tr.steps))
-    traj = x[:, None, :] + np.einsum("bk,lkn->lbn", resample_weights(k, n_boot, seed), dev)
+    traj = x[:, None, :] + np.einsum("bk,lkn->lbn", block_weights(np.random.default_rng(seed), n_boot, k), dev)
     win = traj[..., tr.window]  # (L, B, n in the rule)
     null = regime_calls(x[:, tr.window], cube[..., tr.window])
     peak, gain, drop = peak_stats(win)

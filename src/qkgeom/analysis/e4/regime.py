@@ -19,7 +19,7 @@ from scipy import stats as sst
 from qkgeom.analysis.stats import ALPHA
 
 __all__ = ["CALLS", "FALL", "MIN_POINTS", "MONOTONE", "NO_TREND", "N_SURROGATES", "RISE_FALL",
-           "Regime", "call_of", "peak_stats", "regime_calls", "roughness", "studentize",
+           "Regime", "block_weights", "call_of", "peak_stats", "regime_calls", "roughness", "studentize",
            "token_deviations", "upper_p"]
 
 RISE_FALL, MONOTONE, FALL, NO_TREND = "rise then fall", "monotone rise", "fall", "no trend"
@@ -135,16 +135,14 @@ def call_of(p_rise: np.ndarray, p_fall: np.ndarray, gain: np.ndarray, drop: np.n
     return call, lost
 
 
-def _draws(n: int, k: int, n_surrogates: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The shared draws: standard normals (S, n) for the jitter and block weights (S, K),
-    each row the share of the K draws that fell on each block."""
-    rng = np.random.default_rng(seed)
-    normals = rng.standard_normal((n_surrogates, n))
-    weights = np.zeros((n_surrogates, k))
+def block_weights(rng: np.random.Generator, draws: int, k: int) -> np.ndarray:
+    """(draws, k): in each draw of k blocks with replacement, the share that fell on each
+    block (the surrogates' token noise and the bootstrap's resamples)."""
+    weights = np.zeros((draws, k))
     if k:
-        idx = rng.integers(0, k, size=(n_surrogates, k))
-        np.add.at(weights, (np.repeat(np.arange(n_surrogates), k), idx.ravel()), 1.0 / k)
-    return normals, weights
+        idx = rng.integers(0, k, size=(draws, k))
+        np.add.at(weights, (np.repeat(np.arange(draws), k), idx.ravel()), 1.0 / k)
+    return weights
 
 
 def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float = ALPHA, *,
@@ -176,7 +174,9 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
     null_drop = np.full((rows, n_surrogates), np.nan)
     todo = np.flatnonzero(ok)
     if len(todo):
-        normals, weights = _draws(n, k, n_surrogates, seed)
+        rng = np.random.default_rng(seed)  # the jitter's normals, then the blocks' draws
+        normals = rng.standard_normal((n_surrogates, n))
+        weights = block_weights(rng, n_surrogates, k)
         step = max(1, _CHUNK // (n_surrogates * n))
         for a in range(0, len(todo), step):
             idx = todo[a:a + step]
