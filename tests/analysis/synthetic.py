@@ -4,18 +4,20 @@ planted-effect and null simulations that go through the real E1 and E3 statistic
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis.collate import COLUMNS
+from qkgeom.analysis.collate import COLUMNS, Collated
 
 
 @dataclass
 class Run:
     """One synthetic run: its identity and config facts as ``collate`` records them, and
-    its metrics as arrays over (layer, step) (layer rows) and (layer, head, step) (heads)."""
+    its metrics as arrays over (layer, step) (layer rows) and (layer, head, step) (heads).
+    Runs with equal ``pair_key`` (default: the run's id) pair in E3."""
 
     run_id: str
     seed: int
@@ -44,9 +46,9 @@ def _blocks(run: Run, t: np.ndarray):
         yield metric, np.full(len(t), -1), np.full(len(t), -1), t, np.asarray(a, dtype=float)
 
 
-def table_of(runs: list[Run], steps: list[int], ref_step: int) -> pd.DataFrame:
-    """The long table (and ``attrs``) :func:`qkgeom.analysis.collate` would return for
-    these runs, all finished, ``steps[-1]`` steps long."""
+def table_of(runs: list[Run], steps: list[int], ref_step: int) -> Collated:
+    """What :func:`qkgeom.analysis.collate` would return for these runs, all finished,
+    ``steps[-1]`` steps long."""
     t = np.asarray(steps)
     cols: dict[str, list] = {c: [] for c in COLUMNS}
     records = []
@@ -61,12 +63,11 @@ def table_of(runs: list[Run], steps: list[int], ref_step: int) -> pd.DataFrame:
             for name, v in (("step", step), ("layer", layer), ("head", head),
                             ("value", value)):
                 cols[name].append(v)
+        config = {"seed": run.seed, "pair": run.pair_key or run.run_id,
+                  **{f"key_control.{k}": v for k, v in run.control.items()}}
         records.append({"run_id": run.run_id, "dir": f"/nonexistent/{run.run_id}",
                         "depth": run.depth, "qk_init": run.qk_init, "variant": run.variant,
                         "seed": run.seed, "state": "done", "steps": int(t[-1]),
-                        "ref_step": ref_step, "key_control": run.control.get("mode", "none"),
-                        "control": run.control, "pair_key": run.pair_key or run.run_id,
-                        "cell_key": "c", "excluded": ""})
+                        "ref_step": ref_step, "config": config, "excluded": ""})
     table = pd.DataFrame({c: np.concatenate(v) for c, v in cols.items()})
-    table.attrs.update(runs=records, excluded=[], sweep={}, name="synthetic")
-    return table
+    return Collated(table, pd.DataFrame(records), {}, "synthetic", Path("synthetic"))

@@ -43,7 +43,7 @@ def test_all_rise_is_supported_over_runs_and_the_diverged_run_is_left_out(all_ri
     assert row["ci_low"] == pytest.approx(row["mean"])  # identical runs: a zero-width interval
     assert "cells 3/3" in row["beside"] and "layer trajectories 12/12" in row["beside"]
     assert _row(claims, "E1.1")["mean"] == pytest.approx(0.05 * 100)
-    assert [r["run_id"] for r in claims.attrs["excluded"]] == ["n_layer4-qk_init-normal-seed9"]
+    assert list(collate(all_rise).excluded["run_id"]) == ["n_layer4-qk_init-normal-seed9"]
 
 
 def test_half_of_the_layers_rising_is_not_a_layer_count(half_rise):

@@ -8,21 +8,22 @@ import numpy as np
 import pytest
 from scipy import stats as sst
 
-from qkgeom.analysis import collate, excluded_runs, runs_table, trajectories
+from qkgeom.analysis import collate, runs_table, trajectories
 from qkgeom.errors import QKGeomError
 
 from .conftest import monotone_values, write_run, write_sweep
 
 
 def test_collate_columns_and_excluded_diverged_run(all_rise):
-    table = collate(all_rise)
+    data = collate(all_rise)
+    table = data.metrics
     for col in ("run_id", "depth", "qk_init", "seed", "step", "layer", "head", "metric",
                 "value", "state"):
         assert col in table.columns
     assert set(table["state"]) == {"done"}
     assert table["run_id"].nunique() == 9
     assert "n_layer4-qk_init-normal-seed9" not in set(table["run_id"])
-    ex = excluded_runs(table)
+    ex = data.excluded
     assert list(ex["run_id"]) == ["n_layer4-qk_init-normal-seed9"]
     assert ex.iloc[0]["state"] == "diverged"
     assert ex.iloc[0]["excluded"].startswith("diverged at step 51")
@@ -46,12 +47,13 @@ def test_missing_and_unlisted_and_running_runs(tmp_path):
     write_run(root, "unlisted", 2, "normal", 2, monotone_values())
     write_sweep(root, [{"run_id": "a"}, {"run_id": "b"},
                        {"run_id": "ghost", "axes": {"model.n_layer": 2, "seed": 3}}])
-    table = collate(root)
-    assert set(table["run_id"]) == {"a", "unlisted"}
-    reasons = excluded_runs(table).set_index("run_id")["excluded"]
+    data = collate(root)
+    assert set(data.metrics["run_id"]) == {"a", "unlisted"}
+    reasons = data.excluded.set_index("run_id")["excluded"]
     assert reasons["ghost"].startswith("not started")
     assert reasons["b"].startswith("incomplete (running")
-    assert set(collate(root, include_incomplete=True)["run_id"]) == {"a", "b", "unlisted"}
+    assert set(collate(root, include_incomplete=True).metrics["run_id"]) == {"a", "b",
+                                                                             "unlisted"}
 
 
 def test_reference_step_explicit_overrides_warmup(tmp_path):
@@ -65,9 +67,9 @@ def test_runs_differing_in_other_settings_are_not_averaged(tmp_path):
     root = tmp_path / "lr"
     write_run(root, "a", 2, "normal", 0, monotone_values(), lr=1e-3)
     write_run(root, "b", 2, "normal", 0, monotone_values(), lr=3e-3)
-    table = collate(root)
-    assert set(table["variant"]) == {"lr=0.001", "lr=0.003"}
-    tr = trajectories(table, "pr_q_weight")
+    data = collate(root)
+    assert set(data.metrics["variant"]) == {"lr=0.001", "lr=0.003"}
+    tr = trajectories(data, "pr_q_weight")
     assert set(tr["n_seeds"]) == {1}
 
 
@@ -102,8 +104,8 @@ def test_trajectories_t_interval_and_single_seed(tmp_path):
 def test_bare_runs_folder_without_sweep_json(tmp_path):
     root = tmp_path / "bare"
     write_run(root, "a", 2, "normal", 0, monotone_values())
-    assert set(collate(root)["run_id"]) == {"a"}
-    assert collate(root).attrs["sweep"] == {}
+    assert set(collate(root).metrics["run_id"]) == {"a"}
+    assert collate(root).sweep == {}
 
 
 def test_not_a_sweep_is_a_clear_error(tmp_path):
@@ -120,17 +122,17 @@ def test_sweep_json_string_entries_and_custom_dirs(tmp_path):
     (root / "runs" / "a").rename(root / "elsewhere")
     (root / "runs").rmdir()
     (root / "sweep.json").write_text(json.dumps({"runs": [{"run_id": "a", "dir": "elsewhere"}]}))
-    assert set(collate(root)["run_id"]) == {"a"}
+    assert set(collate(root).metrics["run_id"]) == {"a"}
     (root / "sweep.json").write_text(json.dumps({"runs": ["a"]}))  # runs/a is gone
-    table = collate(root)
-    assert table.empty and excluded_runs(table)["run_id"].tolist() == ["a"]
+    data = collate(root)
+    assert data.metrics.empty and data.excluded["run_id"].tolist() == ["a"]
 
 
 def test_sweep_json_runs_as_mapping(tmp_path):
     root = tmp_path / "map"
     write_run(root, "a", 2, "normal", 0, monotone_values())
     (root / "sweep.json").write_text(json.dumps({"runs": {"a": {"model.n_layer": 2}}}))
-    assert set(collate(root)["run_id"]) == {"a"}
+    assert set(collate(root).metrics["run_id"]) == {"a"}
 
 
 def test_failed_run_reason_carries_the_runner_error(tmp_path):
@@ -140,10 +142,10 @@ def test_failed_run_reason_carries_the_runner_error(tmp_path):
     (bad / "status.json").write_text(json.dumps(
         {"state": "failed", "step": 40, "steps": 100, "error": "RuntimeError: out of memory"}))
     write_sweep(root, [{"run_id": "a"}, {"run_id": "b"}], {"seed": [0, 1]})
-    table = collate(root)
-    reason = excluded_runs(table).set_index("run_id").loc["b", "excluded"]
+    data = collate(root)
+    reason = data.excluded.set_index("run_id").loc["b", "excluded"]
     assert reason == "failed at step 40: RuntimeError: out of memory"
-    assert table.attrs["name"] == "f"
+    assert data.name == "f"
 
 
 def test_relative_sweep_path_finds_every_run_once(all_rise, monkeypatch):
@@ -174,19 +176,14 @@ def test_a_config_field_missing_from_older_runs_takes_its_default(tmp_path):
     assert variants["other"] == "key_control.level=weight,key_control.mode=hold"
 
 
-def test_pair_keys_ignore_only_the_key_control_and_how_fast_a_run_went(tmp_path):
-    root = tmp_path / "pairs"
-    write_run(root, "none", 2, "normal", 0, monotone_values(),
-              extra_cfg={"key_control": {"mode": "none", "record": True}})
-    write_run(root, "shrink", 2, "normal", 0, monotone_values(), extra_cfg={
-        "key_control": {"mode": "shrink", "dose": 0.5, "scale": "data"}, "threads": 4})
-    write_run(root, "lr", 2, "normal", 0, monotone_values(), lr=1e-3,
-              extra_cfg={"key_control": {"mode": "shrink", "dose": 0.5}})
-    write_run(root, "seed1", 2, "normal", 1, monotone_values())
+def test_the_runs_table_is_generic_and_keeps_each_runs_flat_config(tmp_path):
+    """E3's pairing is E3's (qkgeom.analysis.e3.arms): the runs table carries each run's
+    flattened config, defaults filled in, and no pairing columns."""
+    root = tmp_path / "generic"
+    write_run(root, "a", 2, "normal", 0, monotone_values(),
+              extra_cfg={"key_control": {"mode": "hold"}})
     runs = runs_table(root).set_index("run_id")
-    assert runs.loc["none", "pair_key"] == runs.loc["shrink", "pair_key"]
-    assert runs.loc["lr", "pair_key"] != runs.loc["none", "pair_key"]
-    assert runs.loc["seed1", "pair_key"] != runs.loc["none", "pair_key"]
-    assert runs.loc["seed1", "cell_key"] == runs.loc["none", "cell_key"]  # seed left out
-    assert runs.loc["shrink", "control"] == {"mode": "shrink", "dose": 0.5, "scale": "data"}
-    assert runs.loc["seed1", "control"] == {}
+    assert not {"pair_key", "cell_key", "control", "key_control"} & set(runs.columns)
+    config = runs.loc["a", "config"]
+    assert config["key_control.mode"] == "hold" and config["model.n_layer"] == 2
+    assert config["key_control.scale"] == "data"  # not in the run's config: the default

@@ -13,7 +13,7 @@ from matplotlib import image as plt_image
 from scipy import stats as sst
 
 from qkgeom.analysis import claims_table, collate, write_report
-from qkgeom.analysis.e3 import e3_analysis, is_e3
+from qkgeom.analysis.e3 import e3_analysis, is_e3, run_arms
 from qkgeom.config import KeyControlConfig
 
 from .conftest import STEPS, monotone_values, write_run, write_sweep
@@ -411,15 +411,16 @@ def test_real_e3_runs_are_paired_checked_and_reported(sample_data: Path, tmp_pat
             train(cfg, out / "runs" / rid)
             runs.append({"run_id": rid, "axes": {"seed": seed}})
     write_sweep(out, runs)
-    table = collate(out)
-    assert is_e3(table)
+    data = collate(out)
+    assert is_e3(data)
+    table = data.metrics
     step0 = table[(table["step"] == 0) & ~table["metric"].str.startswith("ctl_")].pivot_table(
         index=["seed", "layer", "head", "metric"], columns="run_id", values="value")
     for seed in (0, 1):
         cols = [c for c in step0.columns if c.startswith(f"seed={seed},")]
         # same init and data order: every probe metric at step 0 is identical across arms
         assert len(cols) == 2 and (step0.loc[seed, cols].nunique(axis=1) == 1).all()
-    a = e3_analysis(table)
+    a = e3_analysis(data)
     assert sorted(a["members"]["arm"].unique()) == ["hold-token-data", "none"]  # the default
     hold = a["manipulation"].set_index(["window", "seed"])
     assert set(hold.index.get_level_values("window")) == {"whole"}  # 2 seeds x 1 window:
@@ -436,3 +437,23 @@ def test_real_e3_runs_are_paired_checked_and_reported(sample_data: Path, tmp_pat
     assert set(claims["verdict"]) <= allowed, claims[["claim_id", "verdict"]]
     assert (claims.loc[claims["reason"].fillna("") != "", "verdict"] == "not evaluated").all()
     assert "## Manipulation check" in md.read_text()
+
+
+def test_pair_keys_ignore_only_the_key_control_and_how_fast_a_run_went(tmp_path):
+    root = tmp_path / "pairs"
+    write_run(root, "none", 2, "normal", 0, monotone_values(),
+              extra_cfg={"key_control": {"mode": "none", "record": True}})
+    write_run(root, "shrink", 2, "normal", 0, monotone_values(), extra_cfg={
+        "key_control": {"mode": "shrink", "dose": 0.5, "scale": "data"}, "threads": 4})
+    write_run(root, "lr", 2, "normal", 0, monotone_values(), lr=1e-3,
+              extra_cfg={"key_control": {"mode": "shrink", "dose": 0.5}})
+    write_run(root, "seed1", 2, "normal", 1, monotone_values())
+    runs = run_arms(collate(root)).set_index("run_id")
+    assert runs.loc["none", "pair_key"] == runs.loc["shrink", "pair_key"]
+    assert runs.loc["lr", "pair_key"] != runs.loc["none", "pair_key"]
+    assert runs.loc["seed1", "pair_key"] != runs.loc["none", "pair_key"]
+    assert runs.loc["seed1", "cell_key"] == runs.loc["none", "cell_key"]  # seed left out
+    shrink = runs.loc["shrink"]
+    assert (shrink["arm"], shrink["mode"], shrink["dose"], shrink["scale"]) == (
+        "shrink-0.5-token-data", "shrink", 0.5, "data")
+    assert (runs.loc["seed1", "arm"], runs.loc["none", "arm"]) == ("none", "none")

@@ -83,10 +83,10 @@ def test_real_tiny_sweep_end_to_end(sample_data: Path, tmp_path: Path):
                           "seed": [0, 1]}},
         "runs": runs}))
 
-    table = collate(root)
-    assert table["run_id"].nunique() == 3 and table.attrs["excluded"] == []
-    assert set(table["step"]) == {0, 10, 20}
-    tr = trajectories(table, "pr_q_token")
+    data = collate(root)
+    assert data.metrics["run_id"].nunique() == 3 and data.excluded.empty
+    assert set(data.metrics["step"]) == {0, 10, 20}
+    tr = trajectories(data, "pr_q_token")
     assert len(tr) == 2 * 2 * 3  # inits x layers x steps
     assert set(tr.loc[tr["qk_init"] == "normal", "n_seeds"]) == {2}
 

@@ -156,10 +156,10 @@ def e3_runs(rng: np.random.Generator, n_seeds: int, entropy_effect: float,
 
 def e3_claims(runs: list[Run]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """``(claims of every sweep, the per-unit manipulation table, the paired
-    differences)`` for the sweeps in ``runs`` (pair keys ``<sweep>:<seed>``); ``sweep``
-    columns say whose."""
+    differences)`` for the sweeps in ``runs`` (run ids ``<sweep>:seed=…``, pair keys
+    ``<sweep>:<seed>``); ``sweep`` columns say whose."""
     tables = e3_tables(table_of(runs, E3_STEPS, ref_step=25))
-    sweep_of = tables["members"].drop_duplicates("group").set_index("group")["pair_key"] \
+    sweep_of = tables["members"].drop_duplicates("group").set_index("group")["run_id"] \
         .str.split(":").str[0]
     windows, units, paired = (tables[k].assign(sweep=lambda f: f["group"].map(sweep_of))
                               for k in ("windows", "manipulation_units", "paired"))

@@ -147,7 +147,7 @@ def test_claims_table_is_grouped_by_claim_with_coloured_verdicts(tmp_path: Path)
 def _sweep(root: Path, seeds: tuple[int, ...]) -> pd.DataFrame:
     make_sweep(root, monotone_values(), depths=(2,), inits=("normal",), seeds=seeds,
                n_head=2)
-    return collate(root)
+    return collate(root).metrics
 
 
 def _bands(fig) -> int:

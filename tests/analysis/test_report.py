@@ -104,7 +104,7 @@ def test_single_run_figure_and_missing_init_panel(tmp_path):
     root = tmp_path / "gap"
     write_run(root, "a", 2, "normal", 0, monotone_values())
     write_run(root, "b", 3, "tied", 0, monotone_values())
-    paths = save_figure(fig_contrast(collate(root), "token"), tmp_path / "figs", "c")
+    paths = save_figure(fig_contrast(collate(root).metrics, "token"), tmp_path / "figs", "c")
     assert [p.suffix for p in paths] == [".png", ".svg"]
     assert_figure(paths[0])
 

@@ -3,23 +3,14 @@
 Reads only Parquet/JSON (no torch, no models) and returns DataFrames, figures and files::
 
     from qkgeom.analysis import collate, trajectories, claims_table, write_report
-    table = collate("sweeps/e1")            # long table; table.attrs["excluded"]
-    pr_q = trajectories(table, "pr_q_token")  # seed mean ± 95 % t-interval per layer and step
+    sweep = collate("sweeps/e1")            # .metrics (long table), .runs, .excluded, ...
+    pr_q = trajectories(sweep, "pr_q_token")  # seed mean ± 95 % t-interval per layer and step
     print(claims_table("sweeps/e1"))        # claims: units, tests, intervals, verdicts
     write_report("sweeps/e1")               # sweeps/e1/report/report.md + .html + figures
-    write_report("runs/demo")               # one run folder; "ckpt/pythia" an E4 analysis
     summary_line("sweeps/e1/report")        # "E1/E2: 12 of 22 claim rows supported, ..."
-    e3_analysis(collate("sweeps/e3"))       # E3: manipulation check, paired effects, claims
 
-Layout: ``collate`` (result folders → one long table), ``stats`` (the t-interval, the
-sign-flip and sign tests, the verdict rule: docs/protocols.md), ``kit`` (the text every
-report shares: Markdown, claims table and summary line, setup sections, HTML page),
-``figstyle`` (the figure house style every report shares), one sub-package
-per experiment (``e1`` for E1/E2, ``e3``, ``e4``), ``report`` (the one dispatcher) and
-``tables`` (the per-layer table of ``qkgeom show``).
-
-Names load on first use: ``qkgeom.analysis.tables`` (pandas only, what ``qkgeom show`` and
-``train`` print) must not need the ``report`` extra (scipy, matplotlib, markdown).
+Modules: docs/report.md. Names load on first use: ``qkgeom.analysis.tables`` (pandas
+only, what ``qkgeom show`` prints) must not need the ``report`` extra.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from qkgeom._lazy import lazy_getattr
 
 # Eager: ``collate`` is also the name of its submodule, and importing the submodule would
 # bind the module on this package in place of a lazily loaded function (pandas only).
-from qkgeom.analysis.collate import collate, excluded_runs, runs_table, trajectories
+from qkgeom.analysis.collate import Collated, collate, runs_table, trajectories
 
 _EXPORTS = {
     "CLAIMS": "qkgeom.analysis.e1.claims", "evaluate_claims": "qkgeom.analysis.e1.claims",
@@ -40,8 +31,8 @@ _EXPORTS = {
     "layer_table": "qkgeom.analysis.tables",
 }
 
-__all__ = ["collate", "trajectories", "write_report", "claims_table", "summary_line", "runs_table",
-           "excluded_runs", "excluded_count", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]
+__all__ = ["collate", "Collated", "trajectories", "write_report", "claims_table", "summary_line",
+           "runs_table", "excluded_count", "evaluate_claims", "CLAIMS", "e3_analysis", "layer_table"]
 
 if TYPE_CHECKING:
     from qkgeom.analysis.e1.claims import CLAIMS, evaluate_claims

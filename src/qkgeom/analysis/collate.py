@@ -1,26 +1,15 @@
-"""Collate a sweep folder into one long table, and seed-average it into trajectories.
+"""Collate a result folder (a sweep, a bare folder of runs, one run folder) into one typed
+:class:`Collated`, and seed-average its metrics into trajectories.
 
-A sweep folder holds ``sweep.json`` and ``runs/<run_id>/`` run folders (layout:
-docs/definitions.md). Every fact the analysis needs (depth, Q/K init, seed, warm-up,
-reference step) is read from each run's own ``config.json``, so the analysis works whatever
-``sweep.json`` records, on a bare folder of runs, and on one run folder. Runs that did not
-finish (``diverged``, ``failed``, still ``running``, or with no metrics) are left out of
-every average and listed, with the reason, by :func:`excluded_runs`. So is a run
-whose files are unreadable or of the wrong types (checked against their schemas,
-:mod:`qkgeom.runs.schema`): one bad run never sinks the report. A run folder that
-``sweep.json`` places outside the sweep folder (``"dir": "/abs/run"``, ``../x``) is
-listed as unreadable and never read.
-
-Trajectory: a metric against training step for one (run, layer[, head]); a seed-averaged
-trajectory averages runs that differ only by seed. Runs that differ in any
-other config value besides depth and Q/K init get a ``variant`` label (e.g.
-``"lr=0.001"``) so they are never averaged together.
+Every fact is read from each run's own ``config.json``, so the analysis works whatever
+``sweep.json`` records. A run that did not finish, or whose files are unreadable or of the
+wrong types, is left out of every number and listed with the reason: one bad run never
+sinks the report. Layout and reasons: docs/definitions.md, docs/report.md#what-is-analysed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +18,7 @@ import pandas as pd
 
 from qkgeom.config import TrainConfig, check_config_types, flatten
 from qkgeom.errors import QKGeomError
-from qkgeom.runs import (
-    has_metrics,
-    is_run_folder,
-    read_log,
-    read_metrics,
-    read_record,
-    status_of,
-)
+from qkgeom.runs import has_metrics, is_run_folder, read_log, read_metrics, read_record, status_of
 from qkgeom.runs.sweep import read_sweep_record
 
 # Group keys of a seed-averaged trajectory (one per layer).
@@ -44,78 +26,47 @@ GROUP = ["depth", "qk_init", "variant"]
 TRAJECTORY = [*GROUP, "layer"]
 COLUMNS = ["run_id", "depth", "qk_init", "variant", "seed", "state", "step", "layer", "head",
            "metric", "value"]
+EXCLUDED_COLUMNS = ["run_id", "depth", "qk_init", "seed", "state", "excluded"]
 # Config values that never define a variant: the seed axis, the grid axes themselves, and
 # where/how a run was executed.
 _NOT_VARIANT = {"seed", "model.n_layer", "model.qk_init", "device", "threads", "data",
                 "log_every", "eval_every", "eval_batches", "checkpoint_every",
                 "keep_checkpoints", "probe_batch"}
-# How fast, not what (left out of the config hash too): runs differing only in these pair.
-_EXECUTION = {"device", "threads", "compile"}
-CONTROL_PREFIX = "key_control."
 MONITOR_SOURCE = "qkgeom.monitor"  # the "source" a GeometryMonitor writes into config.json
-
-
 _DEFAULT_FLAT = flatten(TrainConfig().to_dict())
 
 
-def _sweep_entries(sweep_dir: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """``sweep.json`` (or {}) and the run entries it lists, each with ``run_id`` and ``dir``.
+@dataclass(frozen=True)
+class Collated:
+    """What :func:`collate` read: ``metrics`` (the included runs' long table, columns
+    :data:`COLUMNS`), ``runs`` (:func:`runs_table`, excluded runs too), ``sweep``
+    (``sweep.json`` or {}), the folder's ``name`` and path. A dataclass rather than
+    ``DataFrame.attrs``, which pandas drops or deep-copies on most operations."""
 
-    The sweep runner writes ``{"grid": {"name", "preset", "base", "axes"}, "runs": [{"run_id",
-    "axes", "config_hash", "steps"}]}``; a list of ids or a {run_id: axes} mapping is read too.
-    """
-    spec: dict[str, Any] = {}
-    entries: list[dict[str, Any]] = []
-    if is_single_run(sweep_dir):
-        return spec, [{"run_id": sweep_dir.resolve().name, "dir": sweep_dir, "axes": {}}]
-    if (sweep_dir / "sweep.json").exists():
-        spec = read_sweep_record(sweep_dir)  # its schema, else one line naming it
-        listed = spec.get("runs") or []
-        if isinstance(listed, dict):  # {run_id: axes} or {run_id: {...}}
-            listed = [{"run_id": k, **(v if isinstance(v, dict) and "axes" in v else
-                                       {"axes": v if isinstance(v, dict) else {}})}
-                      for k, v in listed.items()]
-        for run in listed:
-            if isinstance(run, str):
-                run = {"run_id": run}
-            if not isinstance(run, dict):
-                continue
-            rid = run.get("run_id")
-            if not rid:
-                continue
-            where = run.get("dir") or run.get("out_dir") or run.get("path")
-            # A listed folder is relative to the sweep folder; the default one already is.
-            folder = sweep_dir / str(where) if where else sweep_dir / "runs" / rid
-            axes = run.get("axes", {})
-            entry = {"run_id": rid, "dir": folder, "axes": axes if isinstance(axes, dict) else {}}
-            if where and not _inside(sweep_dir, str(where)):
-                entry["refused"] = (f"unreadable run: {sweep_dir / 'sweep.json'} places it at "
-                                    f"{str(where)[:80]!r}, outside the sweep folder; not read")
-            elif folder.is_symlink():
-                entry["refused"] = f"unreadable run: {folder} is a symbolic link; not read"
-            entries.append(entry)
-    listed = {e["dir"].resolve() for e in entries}
-    runs_dir = sweep_dir / "runs"
-    if runs_dir.is_dir():  # folders sweep.json does not (yet) list
-        for folder in sorted(p for p in runs_dir.iterdir() if (p / "config.json").exists()):
-            if folder.is_symlink():  # someone else's run folder, linked in: never read
-                if all(e["dir"] != folder for e in entries):
-                    entries.append({"run_id": folder.name, "dir": folder, "axes": {},
-                                    "refused": f"unreadable run: {folder} is a symbolic "
-                                               "link; not read"})
-            elif folder.resolve() not in listed:
-                entries.append({"run_id": folder.name, "dir": folder, "axes": {}})
-    return spec, entries
+    metrics: pd.DataFrame
+    runs: pd.DataFrame
+    sweep: dict[str, Any]
+    name: str
+    folder: Path
 
+    @property
+    def included(self) -> pd.DataFrame:
+        """The rows of :attr:`runs` in the numbers."""
+        return self.runs[self.runs["excluded"] == ""] if len(self.runs) else self.runs
 
-def _inside(sweep_dir: Path, where: str) -> bool:
-    """Whether ``where`` (a folder sweep.json lists) is a relative path that stays inside
-    the sweep folder, links resolved."""
-    rel = Path(where)
-    if rel.is_absolute() or ".." in rel.parts:
-        return False
-    root = sweep_dir.resolve()
-    return (sweep_dir / rel).resolve().is_relative_to(root)
+    @property
+    def excluded(self) -> pd.DataFrame:
+        """The runs left out (:data:`EXCLUDED_COLUMNS`; ``excluded`` is the reason)."""
+        runs = self.runs.reindex(columns=[*self.runs.columns, *(
+            c for c in EXCLUDED_COLUMNS if c not in self.runs.columns)])
+        return runs.loc[runs["excluded"] != "", EXCLUDED_COLUMNS].reset_index(drop=True)
+
+    @property
+    def ref_steps(self) -> dict[str, int]:
+        """Each included run's reference step (:attr:`TrainConfig.ref_step`)."""
+        inc = self.included
+        return dict(zip(inc["run_id"], inc["ref_step"].astype(int), strict=True)) \
+            if len(inc) else {}
 
 
 def is_single_run(folder: str | Path) -> bool:
@@ -124,67 +75,105 @@ def is_single_run(folder: str | Path) -> bool:
     return is_run_folder(folder) and not (folder / "sweep.json").exists()
 
 
-def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
-    """One row per run of the sweep: identity, config facts (:func:`_config_facts`), state,
-    and why it is left out (``excluded``: ``""`` = included, else the reason).
+def _refused(sweep_dir: Path, where: str, folder: Path) -> str:
+    """Why a run folder ``sweep.json`` lists is not read ("" when it is): outside the sweep
+    folder (absolute, ``..``, or a link out), or a symbolic link."""
+    rel = Path(where) if where else None
+    if rel is not None and (rel.is_absolute() or ".." in rel.parts
+                            or not folder.resolve().is_relative_to(sweep_dir.resolve())):
+        return (f"unreadable run: {sweep_dir / 'sweep.json'} places it at {where[:80]!r}, "
+                "outside the sweep folder; not read")
+    if folder.is_symlink():
+        return f"unreadable run: {folder} is a symbolic link; not read"
+    return ""
 
-    ``source`` is who wrote the run: ``"qkgeom.monitor"`` for a
-    :class:`~qkgeom.monitor.GeometryMonitor`, which did not build its model, so ``model`` and
-    ``qk_init`` hold the model's class (a pretrained model has no init); ``ref_step`` is
-    :attr:`TrainConfig.ref_step`; runs with equal ``pair_key`` differ only in their key
-    control (and device/threads/compile), with equal ``cell_key`` also in their seed;
-    ``started``/``ended`` come from ``status.json`` (seconds since the epoch), and
-    ``train_seconds`` (time in training steps: tokens over logged throughput) and the final
-    losses from the training log."""
-    sweep_dir = Path(sweep_dir)
+
+def _sweep_entries(sweep_dir: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The runs of a folder, each ``{run_id, dir, axes[, refused]}``: those ``sweep.json``
+    lists (a folder it names is relative to the sweep folder), then any ``runs/*/`` it
+    does not list; a linked-in run folder is never read."""
+    if is_single_run(sweep_dir):
+        return [{"run_id": sweep_dir.resolve().name, "dir": sweep_dir, "axes": {}}]
+    entries = []
+    for run in spec.get("runs") or []:  # entries, bare ids, or (older) a mapping's ids
+        run = {"run_id": run} if isinstance(run, str) else run
+        rid = run.get("run_id") if isinstance(run, dict) else None
+        if not rid:
+            continue
+        where = str(run.get("dir") or "")
+        folder = sweep_dir / where if where else sweep_dir / "runs" / rid
+        axes = run.get("axes")
+        entries.append({"run_id": rid, "dir": folder, "axes": axes if isinstance(axes, dict)
+                        else {}, "refused": _refused(sweep_dir, where, folder)})
+    listed = {e["dir"].resolve() for e in entries}
+    runs_dir = sweep_dir / "runs"
+    found = sorted(p for p in runs_dir.iterdir() if (p / "config.json").exists()) \
+        if runs_dir.is_dir() else []
+    for folder in found:
+        if folder.is_symlink() and all(e["dir"] != folder for e in entries):
+            entries.append({"run_id": folder.name, "dir": folder, "axes": {},
+                            "refused": _refused(sweep_dir, "", folder)})
+        elif not folder.is_symlink() and folder.resolve() not in listed:
+            entries.append({"run_id": folder.name, "dir": folder, "axes": {}})
+    return entries
+
+
+def runs_table(sweep_dir: str | Path) -> pd.DataFrame:
+    """One row per run of the folder: identity, config facts (:func:`_config_facts`),
+    ``config`` (the flattened config, defaults filled in), state, times, and ``excluded``
+    (``""`` = in the numbers, else why not)."""
+    return _read(Path(sweep_dir))[1]
+
+
+def _read(sweep_dir: Path) -> tuple[dict[str, Any], pd.DataFrame]:
+    """``(sweep.json or {}, runs_table)`` of ``sweep_dir``."""
     if not sweep_dir.is_dir():
         raise QKGeomError(f"{sweep_dir}: not a folder")
-    _, entries = _sweep_entries(sweep_dir)
+    spec = read_sweep_record(sweep_dir) if (sweep_dir / "sweep.json").exists() else {}
+    entries = _sweep_entries(sweep_dir, spec)
     if not entries:
         raise QKGeomError(f"{sweep_dir}: no runs found (expected sweep.json or runs/<id>/config.json)")
-    rows, flat_cfgs = zip(*(_run_row(entry) for entry in entries), strict=True)
-    table = pd.DataFrame(list(rows))
-    table["variant"] = _variants(list(flat_cfgs))
-    dup = table["run_id"].duplicated(keep="first")
-    table.loc[dup, "excluded"] = "duplicate run_id"
-    return table
+    rows = [_run_row(entry) for entry in entries]
+    table = pd.DataFrame(rows)
+    table["variant"] = _variants([r.get("config", {}) for r in rows])
+    table.loc[table["run_id"].duplicated(keep="first"), "excluded"] = "duplicate run_id"
+    return spec, table
 
 
-def _run_row(entry: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One run's row of :func:`runs_table` and its flattened config ({} for a run that is
-    not read: refused, not started, or unreadable, each with its reason)."""
+def _run_row(entry: dict[str, Any]) -> dict[str, Any]:
+    """One run's row of :func:`runs_table` (without ``config`` for a run that is not
+    read: refused, not started, or unreadable, each with its reason)."""
     folder: Path = entry["dir"]
     row: dict[str, Any] = {"run_id": entry["run_id"], "dir": str(folder), "excluded": ""}
     if entry.get("refused"):
-        return {**row, "state": "unreadable", "excluded": entry["refused"]}, {}
+        return {**row, "state": "unreadable", "excluded": entry["refused"]}
     if not (folder / "config.json").exists():
         axes = entry["axes"]
         return {**row, "state": "pending", "excluded": "not started (no config.json)",
                 "depth": axes.get("model.n_layer"), "qk_init": axes.get("model.qk_init"),
-                "seed": axes.get("seed")}, {}
+                "seed": axes.get("seed")}
     try:
         prov = read_record(folder)
         try:  # the values of the types a config has (a monitor's may be {})
             check_config_types(prov["config"])
         except QKGeomError as err:
             raise QKGeomError(f"{folder / 'config.json'}: {err}") from None
+        # A field an older run's config lacks has its default value, so adding a config
+        # field never splits one setting into two variants.
+        flat = {**_DEFAULT_FLAT, **flatten(prov.get("config", {}))}
+        row.update(_config_facts(prov, entry["run_id"]), config=flat)
     except QKGeomError as err:  # one unreadable run is listed, never sinks the report
-        return {**row, "state": "unreadable", "excluded": f"unreadable run: {err}"}, {}
-    # A field a run's config lacks (written by an older qkgeom) has its default value,
-    # so adding a config field never splits one setting into two variants.
-    flat = {**_DEFAULT_FLAT, **flatten(prov.get("config", {}))}
-    try:  # record facts of the wrong types: this run is unreadable, not the report
-        row.update(_config_facts(prov, entry["run_id"], flat))
-    except (TypeError, ValueError, AttributeError) as err:
+        return {**row, "state": "unreadable", "excluded": f"unreadable run: {err}"}
+    except (TypeError, ValueError, AttributeError) as err:  # record facts of wrong types
         return {**row, "state": "unreadable", "excluded": f"unreadable run: "
                 f"{folder / 'config.json'}: a value of the wrong type "
-                f"({' '.join(str(err).split())[:100]})"}, {}
+                f"({' '.join(str(err).split())[:100]})"}
     row["tokens"] = row["steps"] * row["batch_size"] * row["block_size"]
     _add_state(row, folder)
-    return row, flat
+    return row
 
 
-def _config_facts(prov: dict[str, Any], run_id: str, flat: dict[str, Any]) -> dict[str, Any]:
+def _config_facts(prov: dict[str, Any], run_id: str) -> dict[str, Any]:
     """The facts of one run's record (its config, else the model facts a monitor
     recorded); a value of the wrong type raises TypeError or ValueError."""
     cfg = prov.get("config", {})
@@ -193,14 +182,17 @@ def _config_facts(prov: dict[str, Any], run_id: str, flat: dict[str, Any]) -> di
              "n_embd": facts.get("d_model")}
     model = {**{k: v for k, v in known.items() if v is not None}, **cfg.get("model", {})}
     monitored = prov.get("source") == MONITOR_SOURCE
-    warmup, steps = int(cfg.get("warmup_steps", 0)), int(cfg.get("steps", 0))
-    # the one rule (TrainConfig.ref_step): explicit reference_step, else 25 % of steps
-    ref = TrainConfig.ref_step_of(steps, int(cfg.get("reference_step", -1)))
+    # a monitor did not build its model: its class stands for the init (a pretrained
+    # model has none)
+    name = str(facts.get("class") or facts.get("arch") or "monitored model")
+    steps = int(cfg.get("steps", 0))
     return {
         "run_id": prov.get("run_id", run_id), "depth": int(model.get("n_layer", 0)),
-        "qk_init": _model_name(facts) if monitored else str(model.get("qk_init", "?")),
-        "seed": int(cfg.get("seed", 0)), "steps": steps, "warmup_steps": warmup,
-        "ref_step": ref, "batch_size": int(cfg.get("batch_size", 0)),
+        "qk_init": name if monitored else str(model.get("qk_init", "?")),
+        "seed": int(cfg.get("seed", 0)), "steps": steps,
+        "warmup_steps": int(cfg.get("warmup_steps", 0)),
+        "ref_step": TrainConfig.ref_step_of(steps, int(cfg.get("reference_step", -1))),
+        "batch_size": int(cfg.get("batch_size", 0)),
         "block_size": int(model.get("block_size", 0)), "n_embd": int(model.get("n_embd", 0)),
         "n_head": int(model.get("n_head", 0)), "bias": bool(model.get("bias", False)),
         "lr": cfg.get("lr"), "probe_every": cfg.get("probe_every"),
@@ -208,29 +200,25 @@ def _config_facts(prov: dict[str, Any], run_id: str, flat: dict[str, Any]) -> di
         "vocab_size": int(prov.get("vocab_size", model.get("vocab_size", 0))),
         "data_source": str(prov.get("data_source") or cfg.get("data") or "?"),
         "config_hash": prov.get("config_hash", ""),
-        # E3 pairs runs by these (qkgeom.analysis.e3.arms)
-        "key_control": str(flat.get("key_control.mode", "none")),
-        "control": {k.removeprefix(CONTROL_PREFIX): v for k, v in flatten(cfg).items()
-                    if k.startswith(CONTROL_PREFIX)},
-        "pair_key": _digest(flat, _EXECUTION), "cell_key": _digest(flat, _EXECUTION | {"seed"}),
         "source": str(prov.get("source") or ""), "n_params": facts.get("n_params", np.nan),
-        "model": _model_name(facts) if monitored else "",
+        "model": name if monitored else "",
     }
 
 
 def _add_state(row: dict[str, Any], folder: Path) -> None:
     """The run's state, step and times from ``status.json``, why it is left out (if it
     is), and its training log's facts, into ``row``."""
-    status, problem = _read_status(folder / "status.json")
-    state = status.get("state", "unknown")
-    row.update(state=state, step=status.get("step"), started=status.get("started"),
-               ended=status.get("updated"))
+    status, problem = status_of(folder)
+    status = {} if problem else status or {}
+    row.update(state=status.get("state", "unknown"), step=status.get("step"),
+               started=status.get("started"), ended=status.get("updated"))
+    state = row["state"]
     if state in ("diverged", "failed"):
         where = status.get("diverged_step", status.get("step"))
         msg = status.get("error") or status.get("message") or ""
         row["excluded"] = f"{state} at step {where}" + (f": {msg}" if msg else "")
     elif problem:
-        row["excluded"] = problem
+        row["excluded"] = f"unreadable status.json ({problem.split(': ', 1)[-1]})"
     elif state != "done":
         row["excluded"] = (f"incomplete ({state}, step {status.get('step', '?')}/{row['steps']})"
                            if status else "incomplete (no status.json)")
@@ -245,31 +233,8 @@ def _add_state(row: dict[str, Any], folder: Path) -> None:
         row.update(_log_facts(log, row["batch_size"] * row["block_size"]))
 
 
-def _model_name(facts: dict[str, Any]) -> str:
-    """What a monitored run watched: its model's class (the monitor did not build the
-    model, so its Q/K init is not known; a pretrained model has none)."""
-    return str(facts.get("class") or facts.get("arch") or "monitored model")
-
-
-def _digest(flat: dict[str, Any], leave_out: set[str]) -> str:
-    """A short hash of the config values except ``key_control.*`` and ``leave_out``: runs
-    with equal digests differ only in their key control (and in what was left out)."""
-    kept = {k: v for k, v in flat.items()
-            if k not in leave_out and not k.startswith(CONTROL_PREFIX)}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def _read_status(path: Path) -> tuple[dict[str, Any], str]:
-    """``(status, problem)``: a missing file is ``({}, "")``; a torn or foreign one, or one
-    of the wrong types, is ``({}, reason)``, so the run is listed as left out instead of
-    failing the report."""
-    status, problem = status_of(path.parent)
-    if problem:
-        return {}, f"unreadable {path.name} ({problem.split(': ', 1)[-1]})"
-    return status or {}, ""
-
-
 def _log_facts(log: pd.DataFrame, tokens_per_step: int) -> dict[str, float]:
+    """Time in training steps (tokens over logged throughput) and the final losses."""
     out = {"train_seconds": np.nan, "final_val_loss": np.nan, "final_loss": np.nan}
     if log.empty:
         return out
@@ -278,10 +243,9 @@ def _log_facts(log: pd.DataFrame, tokens_per_step: int) -> dict[str, float]:
     dsteps = np.diff(log["step"].to_numpy(dtype=float), prepend=0.0)
     ok = np.isfinite(tps) & (tps > 0)
     out["train_seconds"] = float(np.sum(dsteps[ok] * tokens_per_step / tps[ok]))
-    val = log["val_loss"].dropna()
-    loss = log["loss"].dropna()
-    out["final_val_loss"] = float(val.iloc[-1]) if len(val) else np.nan
-    out["final_loss"] = float(loss.iloc[-1]) if len(loss) else np.nan
+    for key, col in (("final_val_loss", "val_loss"), ("final_loss", "loss")):
+        values = log[col].dropna()
+        out[key] = float(values.iloc[-1]) if len(values) else np.nan
     return out
 
 
@@ -294,21 +258,14 @@ def _variants(flat_cfgs: list[dict[str, Any]]) -> list[str]:
             for f in flat_cfgs]
 
 
-def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> pd.DataFrame:
-    """All included runs' metrics in one long table.
-
-    Columns ``run_id, depth, qk_init, variant, seed, state, step, layer, head, metric,
-    value`` (``depth`` = n_layer). ``table.attrs`` carries ``"runs"`` (the
-    :func:`runs_table` rows as records), ``"excluded"`` (records of the runs left out, with
-    ``run_id, state, excluded`` = the reason) and ``"sweep"`` (``sweep.json`` or {}).
-    ``include_incomplete`` keeps runs still ``running`` (never diverged or failed ones).
-    """
+def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> Collated:
+    """Every run of ``sweep_dir`` (:func:`runs_table`) and the included runs' metrics in
+    one long table (``depth`` = n_layer). ``include_incomplete`` keeps runs still
+    ``running`` (never diverged or failed ones)."""
     sweep_dir = Path(sweep_dir)
-    spec, _ = _sweep_entries(sweep_dir)
-    runs = runs_table(sweep_dir)
+    spec, runs = _read(sweep_dir)
     if include_incomplete:
-        partial = runs["excluded"].str.startswith("incomplete (running")
-        runs.loc[partial, "excluded"] = ""
+        runs.loc[runs["excluded"].str.startswith("incomplete (running"), "excluded"] = ""
     frames = []
     for row in runs[runs["excluded"] == ""].itertuples():
         try:  # metrics.parquet with the probes written since its last compaction
@@ -319,26 +276,16 @@ def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> pd.DataF
         if m is None or why:
             runs.loc[row.Index, "excluded"] = f"unreadable metrics.parquet ({why})"
             continue
-        m = m.assign(run_id=row.run_id, depth=row.depth, qk_init=row.qk_init,
-                     variant=row.variant, seed=row.seed, state=row.state)
-        frames.append(m[COLUMNS])
+        frames.append(m.assign(run_id=row.run_id, depth=row.depth, qk_init=row.qk_init,
+                               variant=row.variant, seed=row.seed, state=row.state)[COLUMNS])
     if frames:
         table = pd.concat(frames, ignore_index=True)
     else:
         table = pd.DataFrame({c: pd.Series(dtype=float if c == "value" else object)
                               for c in COLUMNS})
-    for col in ("depth", "seed", "step", "layer", "head"):
-        table[col] = table[col].astype("int64")
+    table = table.astype({c: "int64" for c in ("depth", "seed", "step", "layer", "head")})
     table["metric"] = table["metric"].astype(str)
-    table.attrs["runs"] = _records(runs)
-    left_out = runs.reindex(columns=[*runs.columns, *(c for c in ("depth", "qk_init", "seed")
-                                                       if c not in runs.columns)])
-    table.attrs["excluded"] = _records(  # every run may be unreadable: no depth column then
-        left_out.loc[left_out["excluded"] != "", ["run_id", "depth", "qk_init", "seed",
-                                                  "state", "excluded"]])
-    table.attrs["sweep"] = spec
-    table.attrs["name"] = sweep_name(spec, sweep_dir)
-    return table
+    return Collated(table, runs, spec, sweep_name(spec, sweep_dir), sweep_dir)
 
 
 def sweep_name(spec: dict[str, Any], sweep_dir: Path) -> str:
@@ -358,61 +305,14 @@ def sweep_axes(spec: dict[str, Any]) -> dict[str, list[Any]]:
             if k not in ("name", "preset", "base")}
 
 
-def _records(frame: pd.DataFrame) -> list[dict[str, Any]]:
-    """Plain-Python records (attrs must stay cheap to copy and JSON-friendly)."""
-    out = []
-    for rec in frame.to_dict("records"):
-        out.append({k: (None if isinstance(v, float) and np.isnan(v) else
-                        v.item() if isinstance(v, np.generic) else v) for k, v in rec.items()})
-    return out
-
-
-def bare(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows of a collated ``table`` without its ``attrs``. pandas deep-copies ``attrs``
-    into every frame derived from a table (each filter, merge, groupby), which with a
-    sweep's run records costs more than the statistics themselves: compute on this."""
-    out = table.copy(deep=False)
-    out.attrs = {}
-    return out
-
-
-# What collate() attaches to its table is read through these four functions only.
-
-
-def runs_of(table: pd.DataFrame) -> pd.DataFrame:
-    """The per-run facts :func:`collate` attached to ``table`` (all runs, excluded too)."""
-    return pd.DataFrame(table.attrs.get("runs", []))
-
-
-def excluded_runs(table: pd.DataFrame) -> pd.DataFrame:
-    """The runs :func:`collate` left out, with ``state`` and the reason (``excluded``)."""
-    return pd.DataFrame(table.attrs.get("excluded", []),
-                        columns=["run_id", "depth", "qk_init", "seed", "state", "excluded"])
-
-
-def sweep_of(table: pd.DataFrame) -> tuple[str | None, dict[str, Any]]:
-    """``(name, sweep.json)`` of the folder :func:`collate` read (None and {} when the
-    table carries neither)."""
-    return table.attrs.get("name"), table.attrs.get("sweep") or {}
-
-
-def ref_steps(table: pd.DataFrame) -> dict[str, int]:
-    """Each run's configured reference step (:attr:`TrainConfig.ref_step`), from the run
-    facts :func:`collate` attached (runs without one left out)."""
-    return {r["run_id"]: int(r["ref_step"]) for r in table.attrs.get("runs", [])
-            if r.get("ref_step") is not None}
-
-
-def trajectories(table: pd.DataFrame, metric: str, head: int | None = -1,
+def trajectories(table: Collated | pd.DataFrame, metric: str, head: int | None = -1,
                  level: float = 0.95) -> pd.DataFrame:
-    """Seed-averaged trajectories of ``metric``: one row per (depth, qk_init, variant,
-    layer, step) with ``mean, ci_low, ci_high, sd, n_seeds``.
-
-    The CI is the two-sided ``level`` t-interval over seeds (scipy.stats.t); with one seed
-    ``ci_low``/``ci_high``/``sd`` are NaN. ``head=-1`` (default) is the whole layer;
-    ``head=None`` keeps every head as its own trajectory (a ``head`` column) — note head
-    indices are not matched across seeds, so per-head seed means are rarely meaningful.
-    """
+    """Seed-averaged trajectories of ``metric`` (of :func:`collate`'s result or its long
+    table): one row per (depth, qk_init, variant, layer, step) with ``mean, ci_low,
+    ci_high, sd, n_seeds``, the CI the two-sided ``level`` t-interval over seeds (NaN with
+    one seed). ``head=None`` keeps every head as its own trajectory; head indices are not
+    matched across seeds, so per-head seed means are rarely meaningful."""
+    table = table.metrics if isinstance(table, Collated) else table
     sel = table[table["metric"] == metric]
     keys = [*TRAJECTORY, "step"]
     if head is None:

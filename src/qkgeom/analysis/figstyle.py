@@ -1,27 +1,12 @@
 """The figure house style every report shares (E1/E2, E3, E4).
 
-- **Size and type**: panels of :data:`PANEL_W` × :data:`PANEL_H` inches, at most
-  :data:`MAX_COLS` across, 9 pt text (:data:`STYLE`): a figure is read in report.html,
-  where a page 800 px wide shows it about 750 px wide, and there every text's em is still
-  about 10 px (docs/report.md#figures). :func:`new_figure`, :func:`grid` (room for a
-  legend beside the panels: :data:`LEGEND_W`), :func:`suptitle` (wrapped to the figure's
-  width), :func:`step_axis`.
-- **Colour**: colour-blind-safe and readable on white. Layers are told apart by
-  :func:`layer_colors` (Okabe–Ito without its yellow, black and grey, then two of Tol's
-  muted colours, for up to 8 layers; a truncated plasma for more): never black or grey,
-  the colour of legend keys that are not layers (:data:`KEY_COLOR`: PR_Q solid, PR_K
-  dashed); key-control modes by :data:`MODE_COLORS`; reference lines in grey
-  (:data:`REF_LINE`, dotted, so a dashed data line is never mistaken for one).
-- **Spread over seeds** (:func:`draw_spread`, :func:`spread_note`): the seed mean, and
-  either one thin line per seed (fewer than :data:`BAND_MIN_UNITS` seeds) or its 95 %
-  t-band (at least that many). With 2 seeds the t quantile is 12.7: the band would fill
-  the axes and hide the lines, while the two seeds themselves show the spread honestly.
-- **Files** (:func:`save_figure`): PNG at :data:`SCREEN_DPI` for the screen and an SVG for
-  print, both from one layout pass.
-
-matplotlib is imported by the functions that draw, so importing this module is cheap;
-figures are bare :class:`matplotlib.figure.Figure` objects (no pyplot, no global backend
-switch, no figure registry to close).
+Panels of :data:`PANEL_W` × :data:`PANEL_H` inches, at most :data:`MAX_COLS` across, 9 pt
+text, so a figure stays readable in report.html on an 800-px page; colour-blind-safe
+colours, layers never black or grey (the legend keys' and reference lines' colours); the
+spread over seeds as thin lines below :data:`BAND_MIN_UNITS` seeds, a 95 % t-band from
+there (with 2 seeds a t-band is ±12.7 standard errors and would hide the lines). Why each
+number: docs/report.md#figures. matplotlib is imported by the functions that draw; figures
+are bare ``Figure`` objects (no pyplot, no backend switch, no registry to close).
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""The one kit every report shares (E1/E2, E3, E4 and a single run folder): its text.
+"""The one kit every report shares (E1/E2, E3, E4, one run folder): its text and its page.
 
-- **Markdown and numbers**: :func:`md_table`, :func:`fmt_p`, :func:`signed`, and the two
-  escapes every value from a file goes through before it enters a report (:func:`md_text`,
-  :func:`md_code`): grid and folder names, run ids, error texts, model and checkpoint names
-  are data, never Markdown or HTML.
-- **The claims table**: its columns (:data:`CLAIM_COLUMNS`, one row per claim × level ×
-  origin) and :func:`claims_markdown`, which writes it grouped by claim (the claim's id and
-  text once, in a group row, then its rows) with the cells an experiment's report chooses
-  (:data:`SWEEP_CLAIM_CELLS` by default); :func:`claims_summary`, the one line that opens
-  every report ("E1/E2: k of n claims supported, …", read on the primary rows).
-- **Sections of a sweep or run report**: :func:`setup_markdown`, :func:`excluded_markdown`,
-  :func:`metrics_note` (metrics a folder does not record).
-- **The page**: :func:`render_html` (standalone HTML: raw HTML never passes, links only to
-  web or relative addresses, images only from PNGs inside the report folder; verdict
-  cells coloured, with their words kept) and :func:`write_pages` (``report.md`` +
-  ``report.html``, atomically).
-
-The figure house style is :mod:`qkgeom.analysis.figstyle`. Everything here needs pandas
-only (and ``markdown`` for the page).
+Markdown and number formats, and the two escapes every value read from a file goes
+through before it enters a report (:func:`md_text`, :func:`md_code`: names, run ids and
+error texts are data, never Markdown or HTML); one claims-row schema (:func:`claim_row`,
+:func:`decide`), the claims table grouped by claim and the summary line; the setup and
+excluded-runs sections of a sweep; the page (:func:`render_html`, :func:`write_pages`).
+Needs pandas only (and ``markdown`` for the page); the figure style is ``figstyle``.
 """
 
 from __future__ import annotations
@@ -27,6 +15,7 @@ import html
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -35,15 +24,8 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import (
-    MONITOR_SOURCE,
-    excluded_runs,
-    is_single_run,
-    runs_of,
-    sweep_axes,
-    sweep_of,
-)
-from qkgeom.analysis.stats import ALPHA, SUPPORTED
+from qkgeom.analysis.collate import MONITOR_SOURCE, Collated, is_single_run, sweep_axes
+from qkgeom.analysis.stats import ALPHA, SUPPORTED, VERDICTS
 from qkgeom.io import atomic_write
 
 # ---------------------------------------------------------------------------------------
@@ -52,7 +34,8 @@ from qkgeom.io import atomic_write
 
 
 def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    """A Markdown table; ``|`` and newlines inside cells are escaped."""
+    """A Markdown table; ``|`` and newlines inside cells are escaped. (Not
+    ``DataFrame.to_markdown``: tabulate pads and aligns cells and leaves ``|`` as is.)"""
     def cell(x: Any) -> str:
         return str(x).replace("|", "\\|").replace("\n", " ")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -64,18 +47,16 @@ _MD_SPECIAL = re.compile(r"([\\`*_\[\]#!])")
 
 
 def md_text(value: Any) -> str:
-    """``value`` as literal Markdown text on one line: Markdown syntax characters
-    backslash-escaped, ``&``, ``<`` and ``>`` as entities (so neither Markdown nor HTML in a
-    name, run id or error message does anything). ``|`` is left to :func:`md_table`, which
-    escapes it in cells (elsewhere a one-line value cannot start a table)."""
+    """``value`` as literal Markdown text on one line: Markdown syntax backslash-escaped,
+    ``&<>`` as entities, so neither Markdown nor HTML in it does anything (``|`` is
+    :func:`md_table`'s: a one-line value cannot start a table)."""
     text = " ".join(str(value).split())
     text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     return _MD_SPECIAL.sub(r"\\\1", text)
 
 
 def md_code(value: Any) -> str:
-    """``value`` as an inline code span on one line, whatever backticks it holds (the fence
-    is longer than any run of backticks inside)."""
+    """``value`` as an inline code span on one line, whatever backticks it holds."""
     text = " ".join(str(value).split())
     ticks = "`" * (max((len(r) for r in re.findall("`+", text)), default=0) + 1)
     pad = " " if text.startswith("`") or text.endswith("`") or not text else ""
@@ -95,9 +76,8 @@ ZERO_BELOW = 1e-6
 
 
 def signed(x: float, digits: int = 3) -> str:
-    """A signed number: ``digits`` decimals, or ``digits`` significant digits when
-    1e-6 ≤ |x| < 0.01; ``0.000`` (no sign) below :data:`ZERO_BELOW`; ``n/a`` when not
-    finite."""
+    """A signed number: ``digits`` decimals (significant digits below 0.01), ``0.000``
+    below :data:`ZERO_BELOW`, ``n/a`` when not finite."""
     if not np.isfinite(x):
         return "n/a"
     if abs(x) < ZERO_BELOW:
@@ -105,26 +85,24 @@ def signed(x: float, digits: int = 3) -> str:
     return f"{x:+.{digits}g}" if abs(x) < 1e-2 else f"{x:+.{digits}f}"
 
 
+def with_ci(mean: float, lo: float, hi: float) -> str:
+    """``+0.123 [+0.100, +0.146]`` (:func:`signed`; no bracket without an interval)."""
+    return signed(mean) + (f" [{signed(lo)}, {signed(hi)}]" if np.isfinite(lo) else "")
+
+
 # ---------------------------------------------------------------------------------------
 # The claims table
 # ---------------------------------------------------------------------------------------
 
-#: Columns of the E1/E2 and E3 claims tables (``claims.csv``): ``role`` (``primary``: the
-#: row declared in docs/protocols.md that decides the claim; ``secondary``: descriptive);
-#: ``k`` of ``n`` independent units (``unit``: runs, seeds) with the predicted sign;
-#: ``mean`` with its t-interval; ``p_value`` = the sign-flip test in the predicted
-#: direction (the verdict's), ``p_opposite`` in the other, ``p_sign`` = the sign test;
-#: ``delta`` and ``p_equiv`` = the smallest effect of interest and the equivalence test
-#: (NaN where none is declared); ``detectable`` = the smallest effect the units find with
-#: 80 % power at their spread; ``*_adj`` = the p's after Holm's adjustment within the row's
-#: family (``family``: how many rows it holds); ``beside`` = context in words; ``reason`` =
-#: why a row is not evaluated.
+#: ``claims.csv`` of every experiment (column meanings: docs/report.md#claims): ``k`` of
+#: ``n`` independent units with the predicted sign, the t-interval, the sign-flip p's both
+#: ways and the sign test, the equivalence test within ±``delta``, the Holm-adjusted p's of
+#: the row's ``family``, the verdict and, when not evaluated, the ``reason``.
 CLAIM_COLUMNS = ["claim_id", "claim", "role", "level", "origin", "from", "criterion", "unit",
                  "k", "n", "share", "measured", "mean", "ci_low", "ci_high", "estimate",
                  "test", "p_value", "p_opposite", "p_sign", "delta", "p_equiv", "detectable",
                  "p_adj", "p_opposite_adj", "p_equiv_adj", "family", "beside", "verdict",
                  "reason"]
-
 #: The numbers of a claims row that come from its units' test (:func:`stats.unit_test`).
 _UNIT_NUMBERS = ("share", "mean", "ci_low", "ci_high", "p_value", "p_opposite", "p_sign",
                  "p_equiv", "detectable")
@@ -132,41 +110,29 @@ _UNIT_NUMBERS = ("share", "mean", "ci_low", "ci_high", "p_value", "p_opposite", 
 
 def claim_row(claim_id: str, claim: str, level: str, u: dict[str, Any], *, role: str,
               unit: str, measured: str, estimate: str, test: str, beside: str,
-              reason: str = "", **extra: Any) -> dict[str, Any]:
-    """One row of a claims table, every experiment's (:data:`CLAIM_COLUMNS`; :func:`decide`
-    adds the adjusted p's and the verdict): ``k``, ``n`` and the numbers ``u`` has of
-    :func:`qkgeom.analysis.stats.unit_test`'s (NaN for those it lacks); ``extra``: the
-    experiment's own columns (``origin``, ``from``, ``criterion``, ``delta``, ...)."""
+              reason: str = "", delta: float = float("nan"), universal_ok: bool | None = None,
+              **extra: Any) -> dict[str, Any]:
+    """One row of any experiment's claims table (:func:`decide` adds the adjusted p's and
+    the verdict): ``k``, ``n`` and the numbers ``u`` has of
+    :func:`~qkgeom.analysis.stats.unit_test`'s (NaN for the others); ``universal_ok`` for
+    a claim about all units; ``extra``: the experiment's own columns (``origin``, ...)."""
     nan = float("nan")
     return {"claim_id": claim_id, "claim": claim, "role": role, "level": level, "unit": unit,
             "measured": measured, "k": u["k"], "n": u["n"],
             **{key: u.get(key, nan) for key in _UNIT_NUMBERS}, "estimate": estimate,
-            "test": test, "beside": beside, "reason": reason, **extra}
-
-
-#: A column of a claims table in Markdown: (header, cell of one claims record).
-Cell = tuple[str, Callable[[dict[str, Any]], Any]]
-
-VERDICTS = stats.VERDICTS
+            "test": test, "beside": beside, "reason": reason, "delta": delta,
+            "universal_ok": universal_ok, **extra}
 
 
 def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
-    """The adjusted p's and the verdict of every row of a claims table.
+    """The adjusted p's and the verdict of every row of :func:`claim_row` rows.
 
-    Rows are in two families by ``role``: the primary rows (one per claim), Holm-adjusted
-    together when ``holm_primary`` (E1/E2, whose claims are read as one family) or each at
-    α (E3, one confirmatory row per claim), and the secondary rows, always Holm-adjusted
-    together. A row that is not evaluated (a ``reason``, or no unit) is in no family. The
-    verdict is :func:`qkgeom.analysis.stats.verdict` on the adjusted p's (``universal_ok``,
-    when the table has it, for universal claims)."""
+    Two families by ``role``: the primary rows, Holm-adjusted together when
+    ``holm_primary`` (E1/E2, read as one family) or each at α (one confirmatory row per
+    claim), and the secondary rows, always Holm-adjusted together; a row not evaluated (a
+    ``reason``, or no unit) is in none. The verdict: :func:`qkgeom.analysis.stats.verdict`."""
     out = claims.copy()
-    for col in ("p_opposite", "p_equiv", "delta", "detectable"):
-        if col not in out:
-            out[col] = np.nan
-    if "role" not in out:
-        out["role"] = "primary"
-    reason = out["reason"].fillna("").astype(str) if "reason" in out else pd.Series(
-        "", index=out.index)
+    reason = out["reason"].fillna("").astype(str)
     out["reason"] = reason
     for col in ("p_adj", "p_opposite_adj", "p_equiv_adj"):
         out[col] = np.nan
@@ -178,46 +144,46 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
             values = out.loc[rows, col].to_numpy(dtype=float)
             adj = "p_adj" if col == "p_value" else f"{col}_adj"
             out.loc[rows, adj] = stats.holm(values) if adjust else values
-    universal = out["universal_ok"] if "universal_ok" in out else pd.Series(None,
-                                                                           index=out.index)
     out["verdict"] = [
         stats.verdict(int(r.k), int(r.n), r.p_adj, p_opposite=r.p_opposite_adj,
-                      p_equiv=r.p_equiv_adj,
-                      universal_ok=None if u is None or (isinstance(u, float) and np.isnan(u))
-                      else bool(u), reason=r.reason)
-        for r, u in zip(out.itertuples(), universal, strict=True)]
+                      p_equiv=r.p_equiv_adj, reason=r.reason,
+                      universal_ok=None if r.universal_ok is None
+                      or (isinstance(r.universal_ok, float) and np.isnan(r.universal_ok))
+                      else bool(r.universal_ok))
+        for r in out.itertuples()]
     return out
 
 
-def field(key: str) -> Callable[[dict[str, Any]], Any]:
+#: A column of a claims table in Markdown: (header, cell of one claims record).
+Cell = tuple[str, Callable[[dict[str, Any]], Any]]
+
+
+def show(key: str) -> Callable[[dict[str, Any]], Any]:
     """The cell that shows the record's ``key`` as it is."""
     return lambda r: r[key]
 
 
-def verdict_text(r: dict[str, Any]) -> str:
-    """The verdict in bold, with the reason when there is one (*not evaluated*)."""
+def _reason(r: dict[str, Any]) -> str:
     reason = r.get("reason")
-    tail = f" ({reason})" if isinstance(reason, str) and reason else ""
-    return f"**{r['verdict']}**{tail}"
+    return reason if isinstance(reason, str) else ""
 
 
 P_CELL: Cell = ("p (sign-flip, one-sided)", lambda r: fmt_p(r["p_value"]))
 P_SIGN_CELL: Cell = ("p (sign test)", lambda r: fmt_p(r["p_sign"]))
-VERDICT_CELL: Cell = ("verdict", verdict_text)
-#: The E1/E2 and E3 layout under each claim's group row: level, where each row measures
-#: from, the units, the t-interval.
+#: The verdict in bold, with the reason when there is one (*not evaluated*).
+VERDICT_CELL: Cell = ("verdict", lambda r: f"**{r['verdict']}**" + (
+    f" ({_reason(r)})" if _reason(r) else ""))
+NOTE_CELL: Cell = ("note", _reason)
+#: The E1/E2 and E3 layout under each claim's group row.
 SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
-    ("level", field("level")), ("measured from", field("from")),
-    ("units with the sign (k/n)", field("measured")),
-    ("estimate [95 % t-interval]", field("estimate")), P_CELL, P_SIGN_CELL,
-    ("beside", field("beside")), VERDICT_CELL)
-
+    ("level", show("level")), ("measured from", show("from")),
+    ("units with the sign (k/n)", show("measured")),
+    ("estimate [95 % t-interval]", show("estimate")), P_CELL, P_SIGN_CELL,
+    ("beside", show("beside")), VERDICT_CELL)
 
 #: Units a claims table may decide verdicts over: independent runs (E1/E2) or seeds (E3).
 #: E4's unit, a layer of one model, is not independent; its report says so itself.
 INDEPENDENT_UNITS = ("runs", "seeds")
-
-
 #: Fewer independent units than this give a descriptive report, no verdicts: the smallest
 #: exact sign-flip p of n units is 1/2^n, which must fall below α.
 MIN_UNITS = math.floor(-math.log2(ALPHA)) + 1
@@ -228,8 +194,8 @@ def _unit_word(n: int, unit: str) -> str:
 
 
 def units_measured(claims: pd.DataFrame) -> tuple[int, str] | None:
-    """``(n, unit)``: the most independent units any row of ``claims`` measured, and what
-    they are; None for a table whose unit is not independent (E4) or that has no rows."""
+    """``(n, unit)``: the most independent units any row measured, and what they are; None
+    for a table whose unit is not independent (E4) or that has no rows."""
     if claims.empty or not {"n", "unit"} <= set(claims.columns):
         return None
     units = [str(u) for u in claims["unit"].dropna().unique()]
@@ -241,8 +207,7 @@ def units_measured(claims: pd.DataFrame) -> tuple[int, str] | None:
 
 def descriptive_reason(claims: pd.DataFrame) -> str:
     """The one line that makes a report descriptive ("" when it is not): fewer than
-    :data:`MIN_UNITS` independent units, whose sign-flip p can never fall below the
-    verdict's level, so no row gets a verdict."""
+    :data:`MIN_UNITS` independent units, whose sign-flip p never falls below α."""
     measured = units_measured(claims)
     if measured is None or measured[0] >= MIN_UNITS:
         return ""
@@ -254,46 +219,26 @@ def descriptive_reason(claims: pd.DataFrame) -> str:
             "measured, with no verdict.")
 
 
-def _note(r: dict[str, Any]) -> str:
-    reason = r.get("reason")
-    return reason if isinstance(reason, str) else ""
-
-
-NOTE_CELL: Cell = ("note", _note)
-
-
-def descriptive_cells(claims: pd.DataFrame, cells: Sequence[Cell]) -> tuple[Cell, ...]:
-    """``cells`` without the verdict for a descriptive table (:func:`descriptive_reason`);
-    a row's reason (why it could not be measured) then stands in a ``note`` column, when
-    any row has one."""
-    if not descriptive_reason(claims):
-        return tuple(cells)
-    kept = tuple(c for c in cells if c[0] != VERDICT_CELL[0])
-    has_note = "reason" in claims and claims["reason"].fillna("").astype(str).str.len().any()
-    return (*kept, NOTE_CELL) if has_note else kept
-
-
 def claim_groups(claims: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
-    """``(claim_id, claim, rows)`` per claim (one id and text: an E3 claim is one claim per
-    arm, its text names the arm), in the order claims first appear, each with its rows in
-    table order (E4's table lists every claim per level: its rows are gathered here)."""
+    """``(claim_id, claim, rows)`` per claim (id and text: an E3 claim is one per arm), in
+    the order claims first appear, each with its rows in table order."""
     if claims.empty:
         return []
-    keys = list(zip(claims["claim_id"].astype(str), claims["claim"].astype(str),
-                    strict=True))
+    keys = list(zip(claims["claim_id"].astype(str), claims["claim"].astype(str), strict=True))
     order = list(dict.fromkeys(keys))
-    rows: dict[tuple[str, str], list[int]] = {k: [] for k in order}
-    for i, key in enumerate(keys):
-        rows[key].append(i)
-    return [(cid, text, claims.iloc[rows[(cid, text)]]) for cid, text in order]
+    return [(cid, text, claims.iloc[[i for i, k in enumerate(keys) if k == (cid, text)]])
+            for cid, text in order]
 
 
 def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CELLS) -> str:
-    """The claims table as Markdown, grouped by claim: a group row holding the claim's id
-    and text (its other cells empty; ``report.html`` spans it across the table), then one
-    row per claims record in the columns ``cells`` (a descriptive table, of fewer than
-    :data:`MIN_UNITS` units, has no verdict column: :func:`descriptive_cells`)."""
-    cells = descriptive_cells(claims, cells)
+    """The claims table as Markdown, grouped by claim: a group row with the claim's id and
+    text (its other cells empty; ``report.html`` spans it), then one row per record in the
+    columns ``cells``. A descriptive table (:func:`descriptive_reason`) has no verdict
+    column; a row's reason stands in a ``note`` column then, when any row has one."""
+    if descriptive_reason(claims):
+        has_note = "reason" in claims and claims["reason"].fillna("").astype(str).str.len().any()
+        cells = (*(c for c in cells if c[0] != VERDICT_CELL[0]), *([NOTE_CELL] if has_note
+                                                                   else []))
     header = [f"claim / {cells[0][0]}", *(h for h, _ in cells[1:])]
     rows: list[list[Any]] = []
     for claim_id, claim, group in claim_groups(claims):
@@ -302,28 +247,21 @@ def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CE
     return md_table(header, rows)
 
 
-def verdict_counts(claims: pd.DataFrame) -> dict[str, int]:
-    """Rows of the claims table per verdict (every verdict present, zeros included)."""
-    counts = claims["verdict"].value_counts() if len(claims) else pd.Series(dtype=int)
-    return {v: int(counts.get(v, 0)) for v in VERDICTS}
-
-
 def primary_rows(claims: pd.DataFrame) -> pd.DataFrame:
     """The rows that decide the claims (all rows of a table without roles)."""
     return claims[claims["role"] == "primary"] if "role" in claims else claims
 
 
 def claims_summary(claims: pd.DataFrame) -> str:
-    """The one line that opens a report: which experiment and the verdicts of its claims,
-    read on their primary rows ("E1/E2: 3 of 6 claims supported, 1 mixed, 2 inconclusive,
-    … (primary rows; 16 secondary rows below)"). Plain text: the counts are the verdicts of
-    ``claims``, nothing else."""
+    """The line that opens a report: the experiment and the verdicts of its primary rows
+    ("E1/E2: 3 of 6 claims supported, 1 mixed, … (primary rows; 16 secondary rows below)"),
+    or, for a descriptive table, what was measured."""
     if claims.empty:
         return "No claims could be evaluated."
     families = sorted({str(c).split(".", 1)[0] for c in claims["claim_id"]},
                       key=lambda f: (len(f), f))
     measured = units_measured(claims) if descriptive_reason(claims) else None
-    if measured is not None:  # too few units for any verdict: count what was measured
+    if measured is not None:
         n, unit = measured
         empty = int((pd.to_numeric(claims["n"], errors="coerce").fillna(0) == 0).sum())
         return (f"{'/'.join(families)}: descriptive, {n} {_unit_word(n, unit)} (a verdict "
@@ -331,7 +269,8 @@ def claims_summary(claims: pd.DataFrame) -> str:
                 f"{len(claims) - empty} measured, {empty} not measurable "
                 f"({len(claim_groups(claims))} claims)")
     primary = primary_rows(claims)
-    counts = verdict_counts(primary)
+    counts = primary["verdict"].value_counts() if len(primary) else pd.Series(dtype=int)
+    counts = {v: int(counts.get(v, 0)) for v in VERDICTS}
     rest = ", ".join(f"{counts[v]} {v}" for v in VERDICTS[1:] if counts[v])
     secondary = len(claims) - len(primary)
     tail = f" (primary rows; {secondary} secondary rows below)" if secondary else ""
@@ -340,8 +279,7 @@ def claims_summary(claims: pd.DataFrame) -> str:
 
 
 def summary_markdown(claims: pd.DataFrame) -> str:
-    """:func:`claims_summary` as the report's opening line (a quote, set off as a banner
-    in ``report.html``)."""
+    """:func:`claims_summary` as the report's opening line (a banner in ``report.html``)."""
     return f"> **{claims_summary(claims)}**"
 
 
@@ -350,22 +288,10 @@ def summary_markdown(claims: pd.DataFrame) -> str:
 # ---------------------------------------------------------------------------------------
 
 
-
-def _n_params(r: pd.Series) -> int:
-    if "n_params" in r and pd.notna(r["n_params"]):  # recorded (a monitored model)
-        return int(r["n_params"])
-    d, L = int(r["n_embd"]), int(r["depth"])
-    per_layer = 12 * d * d + 2 * d + (11 * d if r.get("bias") else 0)
-    return L * per_layer + int(r["vocab_size"]) * d + int(r["block_size"]) * d + d * (
-        2 if r.get("bias") else 1)
-
-
 def distinct(values: pd.Series, fmt: str = "{}") -> str:
     """The distinct values, sorted, as Markdown text (``n/a`` for none)."""
     vals = sorted({v for v in values.dropna().tolist()}, key=lambda v: (str(type(v)), v))
-    if not vals:
-        return "n/a"
-    return md_text(", ".join(fmt.format(v) for v in vals))
+    return md_text(", ".join(fmt.format(v) for v in vals)) if vals else "n/a"
 
 
 def _duration(seconds: float) -> str:
@@ -373,21 +299,16 @@ def _duration(seconds: float) -> str:
         return "n/a"
     if seconds < 120:
         return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.1f} h"
 
 
-def _wall_clock(runs: pd.DataFrame) -> float | None:
-    """Seconds from the first run's start to the last run's last write (None when the
-    runs do not record both)."""
-    if not {"started", "ended"} <= set(runs.columns) or runs.empty:
-        return None
-    start = pd.to_numeric(runs["started"], errors="coerce")
-    end = pd.to_numeric(runs["ended"], errors="coerce")
-    if start.isna().any() or end.isna().any():
-        return None
-    return float(end.max() - start.min())
+def _n_params(r: pd.Series) -> int:
+    if "n_params" in r and pd.notna(r["n_params"]):  # recorded (a monitored model)
+        return int(r["n_params"])
+    d, L, bias = int(r["n_embd"]), int(r["depth"]), bool(r.get("bias"))
+    per_layer = 12 * d * d + 2 * d + (11 * d if bias else 0)
+    return L * per_layer + (int(r["vocab_size"]) + int(r["block_size"])) * d + d * (
+        2 if bias else 1)
 
 
 def _model_line(sizes: pd.DataFrame) -> str:
@@ -400,32 +321,24 @@ def _model_line(sizes: pd.DataFrame) -> str:
     return "- **Models**: " + "; ".join(one(r) for _, r in sizes.iterrows())
 
 
-def run_groups(table: pd.DataFrame) -> tuple[pd.DataFrame, ...]:
-    """``(runs, included, trained, monitored)``: every run :func:`collate` listed, those
-    in the numbers, and of these the ones qkgeom trained and the ones a
-    :class:`~qkgeom.monitor.GeometryMonitor` watched in the user's own loop."""
-    runs = runs_of(table)
-    inc = runs[runs["excluded"] == ""] if len(runs) else runs
+def run_groups(data: Collated) -> tuple[pd.DataFrame, ...]:
+    """``(runs, included, trained, monitored)``: every run, those in the numbers, and of
+    these the ones qkgeom trained and the ones a GeometryMonitor watched."""
+    runs, inc = data.runs, data.included
     monitored = inc[inc["source"] == MONITOR_SOURCE] if "source" in inc else inc.iloc[:0]
     return runs, inc, inc.drop(monitored.index), monitored
 
 
-def setup_markdown(table: pd.DataFrame, folder: Path, *, unit_line: str = "",
-                   reference_line: str = "") -> str:
-    """Grid, data, model sizes, tokens, seeds, probes and time of a sweep or of one run
-    folder; an experiment adds its own lines: ``unit_line`` (after the models: what its
-    statistics count) and ``reference_line`` (before the probes). ``_traj`` and
-    ``trajectories`` are unused (E3's call still passes them).
-
-    Facts a folder does not record are left out with a note: runs whose ``config.json``
-    holds no training config, and runs a :class:`~qkgeom.monitor.GeometryMonitor` watched
-    (its record knows the model and probes, not the training loop's data, batch or rate)."""
-    runs, inc, trained, monitored = run_groups(table)
-    name, spec = sweep_of(table)
-    lines = ["## Setup", "", _folder_line(name or folder.name, folder, runs, inc)]
-    axes = sweep_axes(spec)
+def setup_markdown(data: Collated, *, unit_line: str = "", reference_line: str = "") -> str:
+    """Grid, data, model sizes, tokens, seeds, probes and time of a sweep or one run
+    folder; an experiment adds its ``unit_line`` (after the models) and
+    ``reference_line`` (before the probes). Facts a folder does not record (a run whose
+    config holds no training config, a monitored run's loop) are left out with a note."""
+    runs, inc, trained, monitored = run_groups(data)
+    lines = ["## Setup", "", _folder_line(data, runs, inc)]
+    axes = sweep_axes(data.sweep)
     if axes:
-        grid = spec.get("grid", {})
+        grid = data.sweep.get("grid", {})
         preset = f" on preset {md_code(grid['preset'])}" if grid.get("preset") else ""
         lines.append(f"- **Grid** (sweep.json){preset}: " + "; ".join(
             f"{md_code(k)} ∈ {{{md_text(', '.join(map(str, v)))}}}" for k, v in axes.items()))
@@ -453,21 +366,22 @@ def setup_markdown(table: pd.DataFrame, folder: Path, *, unit_line: str = "",
     if len(unknown):
         lines.append(f"- **Model**: not recorded for {len(unknown)} run(s) (their "
                      "config.json holds no training config); depth 0 stands for unknown.")
-    return "\n".join(lines + _training_lines(inc, trained, monitored, reference_line))
+    lines += _training_lines(trained, monitored, reference_line)
+    lines += _time_lines(inc, trained)
+    return "\n".join(lines + _loss_table(inc))
 
 
-def _folder_line(name: str, folder: Path, runs: pd.DataFrame, inc: pd.DataFrame) -> str:
-    if is_single_run(folder):
+def _folder_line(data: Collated, runs: pd.DataFrame, inc: pd.DataFrame) -> str:
+    if is_single_run(data.folder):
         state = "analysed" if len(inc) else "left out (below)"
-        return f"- **Run folder**: {md_code(name)} ({md_text(folder)}); {state}."
-    return (f"- **Sweep**: {md_code(name)} ({md_text(folder)}); {len(runs)} runs, {len(inc)} "
-            f"analysed, {len(runs) - len(inc)} excluded (below).")
+        return f"- **Run folder**: {md_code(data.name)} ({md_text(data.folder)}); {state}."
+    return (f"- **Sweep**: {md_code(data.name)} ({md_text(data.folder)}); {len(runs)} runs, "
+            f"{len(inc)} analysed, {len(runs) - len(inc)} excluded (below).")
 
 
-def _training_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.DataFrame,
+def _training_lines(trained: pd.DataFrame, monitored: pd.DataFrame,
                     reference_line: str) -> list[str]:
-    """Steps, batch, tokens and rate; probes; training and wall-clock time; the final
-    validation loss per depth × init (× varying setting), over seeds."""
+    """Steps, batch, tokens, rate and warm-up; what a monitored run does not record."""
     lines = []
     if len(trained):
         lines.append(f"- **Training**: {distinct(trained['steps'])} steps × batch "
@@ -481,9 +395,13 @@ def _training_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.Data
                      f"{distinct(monitored['steps'].where(monitored['steps'] > 0))} steps; the "
                      "loop's data, batch, learning rate and warm-up are not recorded "
                      "(config.json holds defaults for them) and not shown.")
-    lines += [reference_line] if reference_line else []
-    lines.append(f"- **Probes**: every {distinct(inc['probe_every'])} steps plus step 0 and "
-                 f"the last, on {distinct(inc['probe_sequences'])} held-out sequences × context")
+    return lines + ([reference_line] if reference_line else [])
+
+
+def _time_lines(inc: pd.DataFrame, trained: pd.DataFrame) -> list[str]:
+    """Probes; the time in training steps and the wall-clock time of the sweep."""
+    lines = [f"- **Probes**: every {distinct(inc['probe_every'])} steps plus step 0 and "
+             f"the last, on {distinct(inc['probe_sequences'])} held-out sequences × context"]
     if "train_seconds" in trained and trained["train_seconds"].notna().any():
         ts = trained["train_seconds"].dropna()
         summed = (f", {_duration(float(ts.sum()))} summed over {len(ts)} runs"
@@ -492,40 +410,44 @@ def _training_lines(inc: pd.DataFrame, trained: pd.DataFrame, monitored: pd.Data
                      f"throughput; probes and evals not counted): "
                      f"{'median ' if len(ts) > 1 else ''}{_duration(float(ts.median()))}"
                      f"{' per run' if len(ts) > 1 else ''}{summed}")
-    wall = _wall_clock(trained)
-    if wall is not None:
-        lines.append(f"- **Wall-clock time**: {_duration(wall)} from the first run's "
-                     "start to the last run's end (status.json; runs side by side "
-                     "overlap, a pause between attempts counts)")
+    if {"started", "ended"} <= set(trained.columns) and len(trained):
+        start = pd.to_numeric(trained["started"], errors="coerce")
+        end = pd.to_numeric(trained["ended"], errors="coerce")
+        if not (start.isna().any() or end.isna().any()):
+            lines.append(f"- **Wall-clock time**: {_duration(float(end.max() - start.min()))} "
+                         "from the first run's start to the last run's end (status.json; runs "
+                         "side by side overlap, a pause between attempts counts)")
+    return lines
+
+
+def _loss_table(inc: pd.DataFrame) -> list[str]:
+    """The final validation loss per depth × init (× varying setting), over seeds."""
     if "final_val_loss" not in inc or not inc["final_val_loss"].notna().any():
-        return lines
+        return []
     variants = any(v for v in inc["variant"].unique())
     vl = inc.groupby(["depth", "qk_init", "variant"])["final_val_loss"].agg(["mean", "std"])
-    return [*lines, "", "Final validation loss (nats/char), mean ± sd over seeds:", "",
+    return ["", "Final validation loss (nats/char), mean ± sd over seeds:", "",
             md_table(["depth", "qk_init", *(["variant"] if variants else []), "val loss"],
                      [[d, md_text(i), *([md_text(v)] if variants else []),
                        f"{m:.3f}" + (f" ± {s:.3f}" if np.isfinite(s) else "")]
                       for (d, i, v), (m, s) in vl.iterrows()])]
 
 
-def excluded_markdown(table: pd.DataFrame) -> str:
+def excluded_markdown(data: Collated) -> str:
     """The runs left out of every number, with their reason."""
-    ex = excluded_runs(table)
-    lines = ["## Excluded runs", ""]
+    ex = data.excluded
     if ex.empty:
-        lines.append("None: every run of the sweep finished and is in the averages.")
-        return "\n".join(lines)
-    lines.append(f"{len(ex)} run(s) are left out of every average, count and figure:")
-    lines.append("")
-    lines.append(md_table(["run", "depth", "qk_init", "seed", "state", "reason"],
-                          [[md_code(r.run_id), md_text(r.depth), md_text(r.qk_init),
-                            md_text(r.seed), md_text(r.state), md_text(r.excluded)]
-                           for r in ex.itertuples()]))
-    return "\n".join(lines)
+        return "## Excluded runs\n\nNone: every run of the sweep finished and is in the averages."
+    return "\n".join([
+        "## Excluded runs", "", f"{len(ex)} run(s) are left out of every average, count and "
+        "figure:", "",
+        md_table(["run", "depth", "qk_init", "seed", "state", "reason"],
+                 [[md_code(r.run_id), md_text(r.depth), md_text(r.qk_init), md_text(r.seed),
+                   md_text(r.state), md_text(r.excluded)] for r in ex.itertuples()])])
 
 
 def missing_metrics(table: pd.DataFrame, wanted: Iterable[str]) -> list[str]:
-    """The metrics of ``wanted`` that no row of the collated ``table`` records."""
+    """The metrics of ``wanted`` that no row of the long ``table`` records."""
     have = set(table["metric"].unique()) if len(table) else set()
     return [m for m in wanted if m not in have]
 
@@ -548,6 +470,32 @@ def metrics_note(missing: Sequence[str], what: str) -> str:
 def not_recorded_reason(missing: Iterable[str]) -> str:
     """A claim row's reason when the metrics it needs were not recorded."""
     return f"not recorded: {', '.join(missing)} ({RECORD_ALL} records them)"
+
+
+# ---------------------------------------------------------------------------------------
+# Figures in a report
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Drawn:
+    """What a report's figure step gave: the PNGs drawn ({name: path}), those not drawn
+    for want of metrics (``missing``: {name: metrics}) or because they would show nothing
+    (``empty``: {name: why}), how they show the seeds, and whether figures were asked for."""
+
+    pngs: dict[str, Path] = field(default_factory=dict)
+    missing: dict[str, list[str]] = field(default_factory=dict)
+    empty: dict[str, str] = field(default_factory=dict)
+    spread: str = ""
+    asked: bool = True
+
+
+def figure_markdown(png: Path, caption: str, title: str = "") -> list[str]:
+    """One figure in a report: its title, the PNG (linked to itself) and the caption
+    naming the SVG beside it."""
+    svg = png.with_suffix(".svg").name
+    return [*([f"### {title}", ""] if title else []), f"[![{png.stem}]({png.name})]({png.name})",
+            "", f"*{caption} Vector version: [{svg}]({svg}).*"]
 
 
 # ---------------------------------------------------------------------------------------
@@ -584,10 +532,7 @@ def verdict_class(text: str) -> str | None:
     """The CSS class of a verdict cell from its text (``not evaluated (reason)`` too), or
     None when the text is no verdict."""
     text = text.strip().lower()
-    for v in VERDICTS:
-        if text.startswith(v):
-            return "v-" + v.replace(" ", "-")
-    return None
+    return next(("v-" + v.replace(" ", "-") for v in VERDICTS if text.startswith(v)), None)
 
 
 def _cell_text(el: Any) -> str:
@@ -595,9 +540,9 @@ def _cell_text(el: Any) -> str:
 
 
 def _style_table(table: Any) -> None:
-    """A row whose cells after the first are all empty becomes a group row (one cell
-    across the table, class ``claim-group``); cells of a column headed "verdict…" get the
-    class of their verdict. Only attributes change: every value stays the escaped text."""
+    """A row whose cells after the first are empty becomes a group row (one cell across,
+    class ``claim-group``); cells of a column headed "verdict…" get their verdict's class.
+    Only attributes change: every value stays the escaped text."""
     heads = [_cell_text(th).lower() for th in table.iter("th")]
     verdict_cols = {i for i, h in enumerate(heads) if h.startswith("verdict")}
     for tr in table.iter("tr"):
@@ -615,16 +560,15 @@ def _style_table(table: Any) -> None:
                 cells[i].set("class", f"verdict {kind}")
 
 
-_SAFE_SCHEMES = ("http", "https", "mailto")
 _URL_NOISE = re.compile(r"[\x00-\x20\x7f]+")  # what browsers drop from a URL's scheme
 
 
 def _safe_link(href: str) -> bool:
-    """A web, mail or relative address (after undoing entities and the control characters
-    a browser ignores): never ``javascript:`` or ``data:``."""
+    """A web, mail or relative address (entities and ignored control characters undone
+    first): never ``javascript:`` or ``data:``."""
     url = _URL_NOISE.sub("", html.unescape(href))
-    scheme = urlsplit(url).scheme.lower() if ":" in url else ""
-    return scheme in ("", *_SAFE_SCHEMES)
+    return (urlsplit(url).scheme.lower() if ":" in url else "") in ("", "http", "https",
+                                                                      "mailto")
 
 
 def _place_image(el: Any, folder: Path) -> None:
@@ -649,11 +593,11 @@ def _place_image(el: Any, folder: Path) -> None:
 
 
 def render_html(markdown_text: str, folder: Path, title: str) -> str:
-    """Markdown → standalone HTML. Raw HTML in the Markdown is shown as text (Markdown's
-    own escaping, its HTML parsers off); links keep only web, mail and relative addresses;
-    images only PNGs inside ``folder`` (:func:`_place_image`; embedded up to
-    :data:`EMBED_MAX_BYTES`, so the page stays small and opens from its folder). Claims
-    tables get group rows and coloured verdict cells (:func:`_style_table`)."""
+    """Markdown → standalone HTML: raw HTML shown as text (Markdown's own escaping, its
+    HTML parsers off), links only to web, mail and relative addresses, images only PNGs
+    inside ``folder``; claims tables get group rows and coloured verdict cells. (Not nh3 or
+    bleach: they sanitise, but cannot turn a foreign image into its alt text, embed a local
+    PNG or style the table, and would re-serialise the page for the link rule alone.)"""
     import markdown  # the report extra; a missing one is named by the CLI (one line)
     from markdown.treeprocessors import Treeprocessor
 
@@ -677,8 +621,8 @@ def render_html(markdown_text: str, folder: Path, title: str) -> str:
 
 
 def write_pages(out: Path, text: str, title: str) -> Path:
-    """``report.md`` and ``report.html`` (page title ``title``; it shows the figures
-    beside it in ``out``) into ``out``, atomically; returns the path of ``report.md``."""
+    """``report.md`` and ``report.html`` (titled ``title``, showing the figures beside it
+    in ``out``) into ``out``, atomically; returns the path of ``report.md``."""
     md_path = out / "report.md"
     atomic_write(md_path, lambda p: p.write_text(text, encoding="utf-8"))
     page = render_html(text, out, title)

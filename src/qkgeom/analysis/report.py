@@ -1,28 +1,12 @@
 """One entry point for every result folder: its claims table and its report.
 
 :func:`write_report` and :func:`claims_table` tell the folder's kind and hand it to its
-experiment's report:
-
-- a checkpoint-family analysis folder (``analysis.json``, ``qkgeom analyze``), or a set of
-  them, one per seed (``e4.json``, ``qkgeom reproduce e4``): E4,
-  :mod:`qkgeom.analysis.e4.report`;
-- a sweep whose grid declares ``experiment: e3`` (``qkgeom reproduce e3`` does): E3,
-  :mod:`qkgeom.analysis.e3.report`;
-- any other sweep, or one run folder (trained by qkgeom, or written by its
-  :class:`~qkgeom.monitor.GeometryMonitor`, which may record only some metrics):
-  E1/E2, :mod:`qkgeom.analysis.e1.report`. A folder that declares no experiment (a run
-  folder, a sweep of your own grid) is E3 when its runs pair a controlled run with an
-  uncontrolled one of the same config.
-
-The report goes to ``<folder>/report/`` (layout: docs/report.md): ``report.md`` opening with
-a one-line summary and the claims table, ``report.html`` (the same, verdicts coloured,
-showing the figures beside it), the figures as PNG (150 dpi) and SVG, and the numbers as
-CSV; every file is written atomically. :func:`summary_line` reads the summary back from a
-written report folder. ``report.json`` marks the folder
-as a qkgeom report folder: a report is written only into a new or empty folder or one so
-marked (or a report folder of an earlier qkgeom, recognised by its ``report.md``), never
-over files qkgeom did not write. Nothing here imports torch; matplotlib is imported only
-to draw.
+experiment: an analysis folder or a set of them (E4), a sweep whose grid declares
+``experiment: e3`` (E3), any other sweep or one run folder (E1/E2; a folder that declares
+no experiment is E3 when its runs pair a controlled run with an uncontrolled one). The
+report goes to ``<folder>/report/`` (docs/report.md), marked by ``report.json``: it is
+written only into a new or empty folder or one so marked, never over files qkgeom did not
+write. Nothing here imports torch; matplotlib only to draw.
 """
 
 from __future__ import annotations
@@ -32,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qkgeom.analysis.collate import collate, excluded_runs
+from qkgeom.analysis.collate import Collated, collate, is_single_run
 from qkgeom.analysis.e1.report import e1_claims, write_e1_report
 from qkgeom.analysis.e3.arms import is_e3
 from qkgeom.analysis.e3.evaluate import e3_analysis
@@ -58,17 +42,13 @@ def claims_table(folder: str | Path, include_incomplete: bool = False,
     the sign-flip p (the verdict's), the sign-test p, what is shown beside, the verdict and,
     when it is *not evaluated*, the reason.
 
-    For a sweep or a run folder (E1/E2, see :func:`qkgeom.analysis.e1.claims.evaluate_claims`;
-    E3, :func:`qkgeom.analysis.e3.claims.evaluate_e3_claims`), ``claims.attrs["excluded"]``
-    lists the runs left out. An analysis folder gets the E4 claims of one model (``n_boot``
+    A sweep or a run folder gets the E1/E2 or the E3 claims (the runs left out:
+    ``collate(folder).excluded``), an analysis folder the E4 claims of one model (``n_boot``
     token-block bootstrap resamples), an E4 set those over its seeds."""
     if is_analysis_folder(folder) or is_e4_set(folder):
         return e4_claims_table(folder, n_boot=n_boot)
-    table = collate(_result_folder(folder), include_incomplete=include_incomplete)
-    e3 = _is_e3_folder(folder, table)
-    claims = e3_analysis(table)["claims"] if e3 else e1_claims(table)["claims"]
-    claims.attrs["excluded"] = table.attrs["excluded"]
-    return claims
+    data = collate(_result_folder(folder), include_incomplete=include_incomplete)
+    return e3_analysis(data)["claims"] if _is_e3_folder(data) else e1_claims(data)["claims"]
 
 
 def write_report(folder: str | Path, out: str | Path | None = None, *, figures: bool = True,
@@ -90,31 +70,29 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     if is_analysis_folder(folder) or is_e4_set(folder):  # checkpoint families: E4
         claim_report_dir(out, folder)
         return write_e4_report(folder, out, figures=figures, n_boot=n_boot)
-    table = collate(_result_folder(folder), include_incomplete=include_incomplete)
-    _refuse_unfinished_run(folder, table)
+    data = collate(_result_folder(folder), include_incomplete=include_incomplete)
+    _refuse_unfinished_run(data)
     claim_report_dir(out, folder)
-    write = write_e3_report if _is_e3_folder(folder, table) else write_e1_report
-    path = write(table, folder, out, figures)
+    write = write_e3_report if _is_e3_folder(data) else write_e1_report
+    path = write(data, out, figures)
     # what was left out, for a command to say so without collating the folder again
     write_json(out / REPORT_MARKER, {**read_json(out / REPORT_MARKER),
-                                      "excluded": len(excluded_runs(table))})
+                                      "excluded": len(data.excluded)})
     return path
 
 
-def _is_e3_folder(folder: str | Path, table: pd.DataFrame) -> bool:
+def _is_e3_folder(data: Collated) -> bool:
     """E3 when the sweep's grid declares it; for a folder that declares no experiment, when
     its runs pair a controlled run with an uncontrolled one (:func:`is_e3`)."""
-    declared = sweep_experiment(folder)
-    return declared == "e3" if declared else is_e3(table)
+    declared = sweep_experiment(data.folder)
+    return declared == "e3" if declared else is_e3(data)
 
 
-def _refuse_unfinished_run(folder: Path, table: pd.DataFrame) -> None:
+def _refuse_unfinished_run(data: Collated) -> None:
     """One run folder that is not finished (interrupted, killed, still running) or whose
     files are unreadable: one line saying so, instead of a claims table of nothing.
     (A diverged or failed run is reported, with the reason it is left out.)"""
-    from qkgeom.analysis.collate import is_single_run
-
-    left_out = excluded_runs(table)
+    folder, left_out = data.folder, data.excluded
     if not (is_single_run(folder) and len(left_out)):
         return
     reason = str(left_out["excluded"].iloc[0])

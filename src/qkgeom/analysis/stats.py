@@ -1,30 +1,12 @@
 """The statistics every claim is decided by: one test, one interval, one verdict rule.
 
-Fixed in docs/protocols.md before any experiment; every experiment's claims call these and
-nothing else:
-
-- :func:`t_interval`: two-sided 95 % t-interval of the mean over *independent units* (runs,
-  seeds); a percentile bootstrap of a handful of seeds under-covers (docs/protocols.md).
-- :func:`sign_flip_p`: the exact sign-flip (permutation) test of the mean, one-sided in the
-  predicted direction: under H0 each unit's value is symmetric about 0, so every pattern of
-  signs is equally likely. All 2^n patterns are enumerated for n ≤ 20 (meet in the middle:
-  two halves of 2^(n/2) sums), else 200 000 random patterns with a fixed seed and
-  p = (1 + count)/(1 + draws). This is the verdict's p.
-- :func:`binomial_p` / :func:`count_test`: the exact sign test (binomial, p = ½), shown
-  beside it; a zero counts against the claim.
-- :func:`unit_test`: both tests, the count and the interval for one set of unit values,
-  the sign-flip p of the opposite direction and, given a smallest effect of interest δ,
-  the equivalence p (:func:`tost_p`: two one-sided t-tests, seed as the unit, "no effect
-  larger than δ") and the smallest effect the units could detect (:func:`detectable`).
-- :func:`holm`: Holm's step-down adjustment of a family of p-values (the primary rows of an
-  experiment are one family, its secondary rows another).
-- :func:`verdict`: the one place the verdict rule lives.
-- :func:`seeds_for_power`: how many independent units a design needs (the protocol's
-  power statement).
-- :func:`spearman`: Spearman ρ along the last axis (vectorised).
-
-Written out rather than ``scipy.stats``: ``ttest_1samp(...).confidence_interval()`` and
-``permutation_test`` differ in the last bits or on ties, and are far slower (docs/speed.md).
+Fixed in docs/protocols.md before any experiment, each with its reason: the t-interval over
+independent units, the exact one-sided sign-flip test (the verdict's p; every sign pattern
+enumerated up to :data:`EXACT_MAX_N` units, meet in the middle), the exact sign test
+beside it, TOST equivalence, Holm's adjustment, the power of a design and the verdict rule
+(:func:`verdict`, its only home). Written out rather than ``scipy.stats``:
+``ttest_1samp(...).confidence_interval()`` and ``permutation_test`` differ in the last
+bits or on ties, and are far slower (docs/speed.md).
 """
 
 from __future__ import annotations
@@ -91,11 +73,10 @@ def _signed_sums(v: np.ndarray) -> np.ndarray:
 def sign_flip_p(values: Iterable[float], predicted_sign: int = 1, *,
                 exact_max: int = EXACT_MAX_N, draws: int = FLIP_DRAWS,
                 seed: int = FLIP_SEED) -> float:
-    """One-sided p of the sign-flip test that the mean of ``values`` has ``predicted_sign``.
-
-    p = the share of sign patterns whose signed sum is at least the observed one (the
-    observed pattern included, so p ≥ 2^−n). Exact for n ≤ ``exact_max``; beyond, Monte
-    Carlo with ``draws`` patterns from a fixed ``seed``. NaN when no value is finite."""
+    """One-sided p of the sign-flip test that the mean of ``values`` has ``predicted_sign``:
+    the share of sign patterns whose signed sum is at least the observed one (so p ≥ 2^−n);
+    exact up to ``exact_max`` units, else Monte Carlo from a fixed ``seed``. NaN when no
+    value is finite."""
     if predicted_sign not in (1, -1):
         raise ValueError("predicted_sign must be +1 or -1")
     v = finite(values) * predicted_sign
@@ -141,11 +122,9 @@ def count_test(values: Iterable[float], predicted_sign: int = 1) -> dict[str, fl
 
 def tost_p(values: Iterable[float], delta: float) -> float:
     """p of the equivalence test (TOST) that the mean of ``values`` lies within ±``delta``:
-    the larger of the two one-sided one-sample t-test p's against −δ (mean greater) and +δ
-    (mean less), as ``scipy.stats.ttest_1samp`` gives them (tested), written out because it
-    runs thousands of times in the null simulations. Below α, the data show no effect
-    larger than δ in either direction (the 90 % t-interval lies inside ±δ). NaN for n < 2
-    or δ not positive."""
+    the larger of the two one-sided one-sample t-test p's, as ``scipy.stats.ttest_1samp``
+    gives them (tested), written out because the null simulations run it thousands of
+    times. NaN for n < 2 or δ not positive."""
     x = finite(values)
     n = len(x)
     if n < 2 or not delta > 0:
@@ -160,9 +139,9 @@ def tost_p(values: Iterable[float], delta: float) -> float:
 
 
 def detectable(sd: float, n: int, alpha: float = ALPHA, power: float = POWER) -> float:
-    """The smallest true mean a one-sided one-sample t-test at ``alpha`` over ``n`` units
-    of standard deviation ``sd`` finds with probability ``power`` (noncentral t). NaN for
-    n < 2 or a spread that is not finite and positive."""
+    """The smallest true mean a one-sided one-sample t-test at ``alpha`` over ``n`` units of
+    standard deviation ``sd`` finds with probability ``power`` (noncentral t); NaN when
+    undefined."""
     if n < 2 or not (np.isfinite(sd) and sd > 0):
         return float("nan")
     return float(_noncentrality(int(n), float(alpha), float(power)) * sd / np.sqrt(n))
@@ -170,8 +149,7 @@ def detectable(sd: float, n: int, alpha: float = ALPHA, power: float = POWER) ->
 
 @lru_cache(maxsize=1024)
 def _noncentrality(n: int, alpha: float, power: float) -> float:
-    """λ with P(T > t_{1−α, n−1}) = ``power`` for T noncentral t(n − 1, λ): bisection (the
-    power grows with λ); it depends on n, α and the power only, hence the cache."""
+    """λ with P(T > t_{1−α, n−1}) = ``power`` for T noncentral t(n − 1, λ), by bisection."""
     df, crit = n - 1, _t_quantile(1 - alpha, n - 1)
     lo, hi = 0.0, 1.0
     while sst.nct.sf(crit, df, hi) < power:
@@ -183,10 +161,9 @@ def _noncentrality(n: int, alpha: float, power: float) -> float:
 
 
 def equivalence_power(sd: float, n: int, delta: float, alpha: float = ALPHA) -> float:
-    """Power of :func:`tost_p` at level ``alpha`` to show equivalence within ±``delta``
-    when the true mean is 0 (n units of standard deviation ``sd``): the probability that
-    |mean| + t_{1−α, n−1}·s/√n < δ, averaged over the sampling distribution of the
-    estimated s (σ·√(χ²_{n−1}/(n−1)), on 2 000 of its quantiles)."""
+    """Power of :func:`tost_p` at ``alpha`` to show equivalence within ±``delta`` when the
+    true mean is 0 (n units of standard deviation ``sd``), averaged over 2 000 quantiles of
+    the sampling distribution of the estimated s."""
     if n < 2 or not (np.isfinite(sd) and sd > 0) or not delta > 0:
         return float("nan")
     df = n - 1
@@ -199,9 +176,8 @@ def equivalence_power(sd: float, n: int, delta: float, alpha: float = ALPHA) -> 
 
 def seeds_for_power(sd: float, delta: float, alpha: float = ALPHA, power: float = POWER,
                     kind: str = "effect") -> int:
-    """The fewest independent units for which ``kind`` reaches ``power``: ``effect``, the
-    one-sided test finds a true mean of ``delta`` (:func:`detectable` ≤ δ); ``equivalence``,
-    TOST shows a true mean of 0 to be within ±δ (:func:`equivalence_power`)."""
+    """The fewest units for which ``kind`` reaches ``power``: ``effect``, the one-sided test
+    finds a true mean of ``delta``; ``equivalence``, TOST shows a true mean of 0 within ±δ."""
     if kind not in ("effect", "equivalence"):
         raise ValueError(f"kind must be 'effect' or 'equivalence', got {kind!r}")
     for n in range(2, 10_000):
@@ -214,16 +190,11 @@ def seeds_for_power(sd: float, delta: float, alpha: float = ALPHA, power: float 
 
 def unit_test(values: Iterable[float], predicted_sign: int = 1,
               delta: float | None = None) -> dict[str, Any]:
-    """Everything the claims tables show for one set of independent unit values.
-
-    ``n, k, share, mean, ci_low, ci_high, p_value`` (sign-flip in the predicted direction,
-    the verdict's), ``p_opposite`` (sign-flip in the other direction), ``p_sign`` (exact
-    sign test), ``sd`` (of the units), ``detectable`` (the smallest effect these units find
-    with 80 % power at their own spread) and, with ``delta``, ``p_equiv`` (TOST within ±δ;
-    NaN without). ``predicted_sign = 0`` (no prediction): ``k`` counts values > 0, the
-    p-values are two-sided (twice the smaller one-sided p, at most 1) and ``p_opposite``
-    is NaN.
-    """
+    """Everything the claims tables show for one set of independent unit values: ``n, k,
+    share, mean, ci_low, ci_high``, ``p_value`` (sign-flip in the predicted direction),
+    ``p_opposite``, ``p_sign`` (sign test), ``sd``, ``detectable`` and, with ``delta``,
+    ``p_equiv``. ``predicted_sign = 0``: ``k`` counts values > 0, the p's are two-sided
+    and ``p_opposite`` is NaN."""
     v = finite(values)
     mean, lo, hi, n = t_interval(v)
     sd = float(v.std(ddof=1)) if n >= 2 else float("nan")
@@ -244,8 +215,7 @@ def unit_test(values: Iterable[float], predicted_sign: int = 1,
 
 
 def holm(p_values: Iterable[float]) -> np.ndarray:
-    """Holm's step-down adjusted p-values of one family (NaN entries stay NaN and do not
-    count): sorted ascending, p_(i) × (m − i + 1), made non-decreasing, capped at 1."""
+    """Holm's step-down adjusted p's of one family (NaN entries stay NaN and do not count)."""
     p = np.asarray(list(p_values), dtype=float)
     out = np.full(p.shape, np.nan)
     ok = np.flatnonzero(np.isfinite(p))
@@ -261,21 +231,11 @@ def holm(p_values: Iterable[float]) -> np.ndarray:
 def verdict(k: int, n: int, p_value: float, *, p_opposite: float = float("nan"),
             p_equiv: float = float("nan"), universal_ok: bool | None = None,
             reason: str = "") -> str:
-    """The verdict of a claim row from k of n independent units with the predicted sign and
-    its p-values (each already adjusted for the row's family where the report adjusts).
-
-    - ``not evaluated``: no unit (n = 0), or a ``reason`` (e.g. a failed manipulation check);
-    - ``equivalent to no effect``: the equivalence test holds (``p_equiv`` < α): no effect
-      larger than the smallest effect of interest, in either direction;
-    - ``supported``: the predicted direction is significant (``p_value`` < α) in ≥ 80 % of
-      the units, and for a universal claim ("in all …") ``universal_ok`` (every descriptive
-      unit has the sign);
-    - ``mixed``: the predicted direction is significant but in too few units (or not
-      universally);
-    - ``not supported``: the opposite direction is significant (``p_opposite`` < α);
-    - ``inconclusive``: none of these: the units can tell neither an effect nor its absence
-      (with fewer than 5 units always, since no sign-flip p can go below 1/16).
-    """
+    """The verdict of a claim row from k of n units with the predicted sign and its p's
+    (adjusted within the row's family), tried in this order (docs/report.md#verdict-rules):
+    *not evaluated* (no unit, or a ``reason``), *equivalent to no effect* (``p_equiv`` < α),
+    *supported* (``p_value`` < α in ≥ 80 % of units, and ``universal_ok`` for a claim about
+    all of them) or else *mixed*, *not supported* (``p_opposite`` < α), *inconclusive*."""
     if reason or n == 0:
         return NOT_EVALUATED
     if p_equiv < ALPHA:
@@ -290,8 +250,7 @@ def verdict(k: int, n: int, p_value: float, *, p_opposite: float = float("nan"),
 
 def spearman(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Spearman ρ of ``x`` and ``y`` along the last axis (average ranks for ties) and its
-    two-sided p-value (t approximation with n − 2 df, as ``scipy.stats.spearmanr``).
-    NaN where n < 3 for p, n < 2 or a constant series for ρ."""
+    two-sided p (t approximation, as ``scipy.stats.spearmanr``); NaN where undefined."""
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
     n = x.shape[-1]

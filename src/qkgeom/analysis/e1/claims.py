@@ -1,36 +1,22 @@
 """The E1 and E2 claims, each decided over independent runs (docs/protocols.md).
 
-Every claim is a predicted sign of one statistic (:mod:`qkgeom.analysis.e1.trajectories`).
-The **unit is the run** (its own seed: independent); a run's value is the mean over its
-layers of the layer statistic. The verdict (:func:`qkgeom.analysis.stats.verdict`) comes
-from k of n runs with the predicted sign and the exact one-sided sign-flip test over runs;
-beside it, the same test over depth × init cells (seed means) and the descriptive count of
-seed-averaged layer trajectories (the paper's unit, 54 on its grid; layers of one run are
-not independent, so that count gets no p-value). Each claim is measured at the weight and
-the token level, from step 0 and from the post-transient reference.
-
-E1.3 ("PR_Q − PR_K > 0 in all trajectories") has four readings, all reported
-(:func:`contrast_readings`); the primary is (c), the time average after the origin, and the
-claim being universal, "supported" also needs every seed-averaged layer trajectory
-positive.
-
-Each claim has one **primary** row, declared in docs/protocols.md before any run
-(:data:`PRIMARY`: the token level, from the post-transient reference; E2.3 at the last
-checkpoint); the primary rows are Holm-adjusted together and decide the claims. The other
-rows (the weight level, from step 0) are **secondary**: Holm-adjusted among themselves,
-shown as descriptive.
+Every claim is a predicted sign of one statistic (:mod:`.trajectories`); the unit is the
+run (each has its own seed), its value the mean over its layers. Beside it: the same test
+over depth × init cells and the count of seed-averaged layer trajectories (the paper's
+unit, not independent: no p). Each claim has one primary row (:data:`PRIMARY`), declared
+before any run; the six primary rows are Holm-adjusted together, the others are secondary.
+E1.3 is read four ways (:func:`contrast_readings`); why (c): docs/protocols.md#e13-four-readings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.e1.trajectories import LEVELS, ORIGINS, cell_stats, run_stats
-from qkgeom.analysis.kit import CLAIM_COLUMNS, claim_row, decide, fmt_p, signed
+from qkgeom.analysis.kit import CLAIM_COLUMNS, claim_row, decide, fmt_p, with_ci
 
 
 @dataclass(frozen=True)
@@ -142,9 +128,7 @@ def evaluate_claims(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.Data
                     sc = stats.count_test(_values(r_sel, claim.secondary), claim.sign)
                     beside += f"; {claim.secondary_criterion}: {sc['k']}/{sc['n']} runs"
                 universal_ok = (u["traj"]["k"] == u["traj"]["n"]) if claim.universal else None
-                estimate = f"{claim.mean_label} {signed(ru['mean'])}"
-                if np.isfinite(ru["ci_low"]):
-                    estimate += f" [{signed(ru['ci_low'])}, {signed(ru['ci_high'])}]"
+                estimate = f"{claim.mean_label} {with_ci(ru['mean'], ru['ci_low'], ru['ci_high'])}"
                 primary = level == PRIMARY[0] and (origin == PRIMARY[1] or not claim.per_origin)
                 rows.append(claim_row(
                     claim.id, claim.text, level, ru, role="primary" if primary else "secondary",

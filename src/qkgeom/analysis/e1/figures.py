@@ -1,28 +1,16 @@
-"""Figures of E1/E2 from a collated sweep table (matplotlib; PNG 150 dpi + SVG).
+"""Figures of E1/E2 from a collated sweep (matplotlib; PNG 150 dpi + SVG).
 
-One panel per depth × Q/K initialisation (columns: inits, rows: depths; a monitored run's
-column is its model, whose init the monitor does not know) in the house style of
-:mod:`qkgeom.analysis.figstyle`: 9 pt text, one colour per layer (never the black of the
-PR_Q/PR_K keys), a dotted vertical line at the post-transient reference step. The spread over seeds (:func:`~qkgeom.analysis.figstyle.draw_spread`): the seed mean
-with one thin line per seed below 5 seeds, a 95 % t-band from 5 seeds on. Each figure
-exists at the weight and at the token level:
-
-- ``pr_<level>``: PR_Q (solid) and PR_K (dashed) of each layer in the same panel against
-  step (log y): the claim E1.3 is about their difference, so they share the axes;
-- ``contrast_<level>``: the paired contrast PR_Q − PR_K per layer against step, 0 marked;
-- ``qk_entropy_<level>``: the interaction PR (pr_qk) and the attention entropy against step;
-- ``heads_<level>``: pr_qk against attention entropy for every head of every run at its
-  last probe (E2.3 is a last-checkpoint claim), coloured by layer, every panel on the same
-  axes and printing its ρ (E2.3's statistic).
-
-A figure whose metrics the runs do not record (e.g. a monitored run that measured only some)
-is not drawn: :func:`missing_for` names what it lacks; nor is a trajectory figure of runs
-probed at one step only (:func:`not_drawable`). The report says which and why.
+One panel per depth × Q/K init (a monitored run's column is its model), every figure at
+the weight and the token level: ``pr`` (PR_Q solid and PR_K dashed, sharing axes: E1.3 is
+about their gap), ``contrast``, ``qk_entropy`` and ``heads`` (every head at its run's last
+probe, where E2.3 is measured, each panel printing its ρ). A figure whose metrics are not
+recorded, or a trajectory of one probe step, is not drawn; the report says why. Style:
+:mod:`qkgeom.analysis.figstyle`; what each shows: docs/report.md#figures.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
@@ -34,7 +22,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import GROUP, bare, ref_steps
+from qkgeom.analysis.collate import GROUP, Collated
 from qkgeom.analysis.e1.trajectories import LEVELS, reference_probe
 from qkgeom.analysis.figstyle import (
     KEY_COLOR,
@@ -50,7 +38,7 @@ from qkgeom.analysis.figstyle import (
     step_axis,
     suptitle,
 )
-from qkgeom.analysis.kit import missing_metrics
+from qkgeom.analysis.kit import Drawn, missing_metrics
 
 LEVEL_TITLE = {"weight": "weight level", "token": "token level (probe set)"}
 #: (metric stem, line style, legend label) of the PR figure: PR_Q solid, PR_K dashed.
@@ -125,14 +113,14 @@ def _panels(table: pd.DataFrame, metrics: set[str]) -> dict[Panel, pd.DataFrame]
     return {(int(d), str(i), str(v)): g for (d, i, v), g in rows.groupby(GROUP, sort=False)}
 
 
-def _trajectory_rows(table: pd.DataFrame, level: str,
+def _trajectory_rows(table: pd.DataFrame, level: str, refs: dict[str, int] | None,
                      rows: list[tuple[tuple[tuple[str, str, str], ...], str, bool]],
                      title: str, zero: bool = False) -> Figure:
     """Rows = depth × ``rows``, columns = Q/K init. Each entry of ``rows`` is (lines,
     y label, log y), lines being (metric, line style, label) drawn per layer in the same
     panel. Panels share the step axis, and the y axis along each row (tick labels on the
     outer panels only: easier to compare, and much less text to lay out)."""
-    refs, table = ref_steps(table), bare(table)  # attrs: deep-copied by every filter
+    refs = refs or {}
     depths, cols = _settings(table)
     fig, axes = grid(len(depths) * len(rows), len(cols), legend=True, sharex=True,
                      sharey="row")
@@ -179,28 +167,32 @@ def _trajectory_rows(table: pd.DataFrame, level: str,
     return fig
 
 
-def fig_pr(table: pd.DataFrame, level: str = "weight") -> Figure:
-    """(a) PR_Q (solid) and PR_K (dashed) against step per depth × init, per layer."""
+def fig_pr(table: pd.DataFrame, level: str = "weight",
+           refs: dict[str, int] | None = None) -> Figure:
+    """(a) PR_Q (solid) and PR_K (dashed) against step per depth × init, per layer
+    (``refs``: each run's reference step, marked; none without)."""
     with matplotlib.rc_context(STYLE):
         lines = tuple((f"{m}_{level}", style, label) for m, style, label in PR_LINES)
-        return _trajectory_rows(table, level, [(lines, "participation ratio (dims)", True)],
+        return _trajectory_rows(table, level, refs, [(lines, "participation ratio (dims)", True)],
                                 "PR_Q (solid) and PR_K (dashed)")
 
 
-def fig_contrast(table: pd.DataFrame, level: str = "weight") -> Figure:
+def fig_contrast(table: pd.DataFrame, level: str = "weight",
+                 refs: dict[str, int] | None = None) -> Figure:
     """(b) The paired contrast PR_Q − PR_K against step, per layer; 0 marked."""
     with matplotlib.rc_context(STYLE):
         lines = ((f"contrast_{level}", "-", "PR_Q − PR_K"),)
-        return _trajectory_rows(table, level, [(lines, "PR_Q − PR_K (dims)", False)],
+        return _trajectory_rows(table, level, refs, [(lines, "PR_Q − PR_K (dims)", False)],
                                 "Paired contrast PR_Q − PR_K (above 0: queries "
                                 "higher-dimensional)", zero=True)
 
 
-def fig_qk_entropy(table: pd.DataFrame, level: str = "weight") -> Figure:
+def fig_qk_entropy(table: pd.DataFrame, level: str = "weight",
+                   refs: dict[str, int] | None = None) -> Figure:
     """(c) Interaction PR (pr_qk) and attention entropy against step."""
     with matplotlib.rc_context(STYLE):
         return _trajectory_rows(
-            table, level,
+            table, level, refs,
             [(((f"pr_qk_{level}", "-", "pr_qk"),), "PR of QKᵀ spectrum (dims)", True),
              ((("attn_entropy", "-", "entropy"),), "attention entropy (nats)", False)],
             "Interaction spectrum and attention entropy")
@@ -227,12 +219,12 @@ def heads_rho(wide: pd.DataFrame, qk: str) -> tuple[float, int]:
     return (float(np.mean(rhos)) if rhos else float("nan")), len(rhos)
 
 
-def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
+def fig_heads(table: pd.DataFrame, level: str = "weight",
+              refs: dict[str, int] | None = None) -> Figure:
     """(d) pr_qk vs attention entropy for every head of every run at its last probe,
     coloured by layer (the E2.3 statistic is a ρ across the heads of a layer there; each
     panel prints it, :func:`heads_rho`); every panel on the same axes."""
     with matplotlib.rc_context(STYLE):
-        table = bare(table)
         depths, cols = _settings(table)
         heads = _last_probe(table[(table["head"] >= 0)
                                   & table["metric"].isin([f"pr_qk_{level}", "attn_entropy"])])
@@ -276,7 +268,7 @@ def fig_heads(table: pd.DataFrame, level: str = "weight") -> Figure:
         return fig
 
 
-FIGURES: dict[str, Callable[[pd.DataFrame, str], Figure]] = {
+FIGURES: dict[str, Callable[..., Figure]] = {
     "pr": fig_pr, "contrast": fig_contrast, "qk_entropy": fig_qk_entropy, "heads": fig_heads,
 }
 
@@ -302,18 +294,19 @@ def not_drawable(table: pd.DataFrame, kind: str) -> str | None:
     return None
 
 
-def make_figures(table: pd.DataFrame, out_dir: str | Path,
-                 levels: Iterable[str] = LEVELS,
-                 kinds: Iterable[str] = tuple(FIGURES)) -> dict[str, Path]:
-    """Every figure at every level into ``out_dir``; returns {``kind_level``: PNG path}.
-    A figure whose metrics the table does not record (:func:`missing_for`) or that would
-    be degenerate (:func:`not_drawable`) is not drawn."""
-    out = {}
-    rows = bare(table)
-    for kind in kinds:
-        for level in levels:
-            if missing_for(rows, kind, level) or not_drawable(rows, kind):
-                continue
+def make_figures(data: Collated, out_dir: str | Path) -> Drawn:
+    """Every figure at every level into ``out_dir``, except those whose metrics the runs
+    do not record (:func:`missing_for`) or that would show nothing (:func:`not_drawable`),
+    which are listed instead."""
+    drawn = Drawn(spread=spread_note(seeds_per_panel(data.metrics)))
+    for kind in FIGURES:
+        for level in LEVELS:
             name = f"{kind}_{level}"
-            out[name] = save_figure(FIGURES[kind](table, level), out_dir, name)[0]
-    return out
+            if missing := missing_for(data.metrics, kind, level):
+                drawn.missing[name] = missing
+            elif why := not_drawable(data.metrics, kind):
+                drawn.empty[name] = why
+            else:
+                fig = FIGURES[kind](data.metrics, level, data.ref_steps)
+                drawn.pngs[name] = save_figure(fig, out_dir, name)[0]
+    return drawn

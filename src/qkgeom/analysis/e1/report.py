@@ -1,26 +1,17 @@
-"""The E1/E2 report of a sweep or of one run folder: a one-line summary and the claims
-table first, then setup, excluded runs, figures.
-
-:func:`write_e1_report` writes ``report.md`` (opens with the summary line and the claims
-table, grouped by claim), ``report.html`` (verdicts coloured; figures shown from their
-files beside it), the figures as PNG (150 dpi) and SVG,
-and the numbers behind the table as CSV (``claims.csv``; ``contrast_readings.csv``, E1.3
-read four ways; ``run_stats.csv``, the independent unit, one row per run; ``cell_stats.csv``;
-``trajectory_stats.csv``, seed-averaged layers; ``trajectory_stats_runs.csv``). A folder
-that records only some metrics (a monitored run) gets the claims it can measure; the others
-read *not evaluated* and the figures it cannot draw are listed as skipped. Reached through
-:func:`qkgeom.analysis.report.write_report`.
+"""The E1/E2 report of a sweep or of one run folder: the summary line and the claims table
+first, then setup, excluded runs, figures; files: docs/report.md. A folder that records
+only some metrics (a monitored run) gets the claims it can measure; the others read *not
+evaluated* and the figures it cannot draw are listed as skipped.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import sweep_of
+from qkgeom.analysis.collate import Collated
 from qkgeom.analysis.e1.claims import READINGS, contrast_readings, evaluate_claims
 from qkgeom.analysis.e1.trajectories import (
     LEVELS,
@@ -30,10 +21,12 @@ from qkgeom.analysis.e1.trajectories import (
     run_stats,
 )
 from qkgeom.analysis.kit import (
+    Drawn,
     claims_markdown,
     descriptive_reason,
     distinct,
     excluded_markdown,
+    figure_markdown,
     fmt_p,
     md_table,
     md_text,
@@ -42,8 +35,8 @@ from qkgeom.analysis.kit import (
     not_recorded_reason,
     run_groups,
     setup_markdown,
-    signed,
     summary_markdown,
+    with_ci,
     write_csvs,
     write_pages,
 )
@@ -98,18 +91,18 @@ def name_missing_metrics(claims: pd.DataFrame, table: pd.DataFrame) -> pd.DataFr
     return claims
 
 
-def e1_claims(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+def e1_claims(data: Collated) -> dict[str, pd.DataFrame]:
     """Everything the E1/E2 report shows of a collated table: ``claims`` (a row that
     could not be measured for want of recorded metrics names them in ``reason``),
     ``readings`` (E1.3 four ways), ``runs`` (one row per run, level and origin),
     ``cells``, ``trajectories`` (seed-averaged layers) and ``run_layers`` (per run and
     layer)."""
-    if table.empty:
+    if data.metrics.empty:
         per_layer = traj = pd.DataFrame()
     else:
-        per_layer, traj = layer_statistics(table)
+        per_layer, traj = layer_statistics(data)
     runs = run_stats(per_layer)
-    return {"claims": name_missing_metrics(evaluate_claims(per_layer, traj), table),
+    return {"claims": name_missing_metrics(evaluate_claims(per_layer, traj), data.metrics),
             "readings": contrast_readings(per_layer, traj), "runs": runs,
             "cells": cell_stats(runs), "trajectories": traj, "run_layers": per_layer}
 
@@ -161,9 +154,9 @@ def readings_markdown(readings: pd.DataFrame, descriptive: bool = False) -> str:
     for r in readings.sort_values(["level", "origin", "reading"],
                                   ascending=[False, True, True]).itertuples():
         label = f"**({r.reading})**" if r.primary else f"({r.reading})"
-        ci = f" [{signed(r.ci_low)}, {signed(r.ci_high)}]" if np.isfinite(r.ci_low) else ""
         rows.append([label, r.criterion, r.level, r.origin, f"{r.k}/{r.n}",
-                     f"{signed(r.mean)}{ci}", fmt_p(r.p_value), f"{r.cells_k}/{r.cells_n}",
+                     with_ci(r.mean, r.ci_low, r.ci_high), fmt_p(r.p_value),
+                     f"{r.cells_k}/{r.cells_n}",
                      f"{r.traj_k}/{r.traj_n}", *([] if descriptive else [f"**{r.verdict}**"])])
     return "\n".join([
         "## E1.3 read four ways", "",
@@ -188,38 +181,33 @@ def _figure_name(key: str) -> str:
     return f"{FIGURE_TITLES[kind]} — {level} level"
 
 
-def _figures_markdown(figures: dict[str, Path], gaps: dict[str, list[str]], drawn: bool,
-                      spread: str = "", degenerate: dict[str, str] | None = None) -> list[str]:
-    """The figures section: each drawn figure with its caption (``spread``: how seeds are
-    shown), then the figures skipped for want of metrics (``gaps``) or because they would
-    show nothing (``degenerate``: {name: why})."""
-    degenerate = degenerate or {}
+def _figures_markdown(figs: Drawn) -> list[str]:
+    """The figures section: each drawn figure with its caption, then the figures skipped
+    for want of metrics or because they would show nothing."""
     parts = ["## Figures", ""]
-    if not figures and not gaps and not degenerate:
-        parts.append("No figures: no run could be analysed." if drawn else
+    if not (figs.pngs or figs.missing or figs.empty):
+        parts.append("No figures: no run could be analysed." if figs.asked else
                      "No figures: not drawn (`figures=False`).")
-    for key, png in figures.items():
+    for key, png in figs.pngs.items():
         kind, level = key.rsplit("_", 1)
-        svg = png.with_suffix(".svg").name
-        parts += [f"### {_figure_name(key)}", "", f"[![{key}]({png.name})]({png.name})", "",
-                  f"*{CAPTIONS[kind].format(spread=spread)} {level.capitalize()} level. "
-                  f"Vector version: [{svg}]({svg}).*", ""]
-    if gaps:
+        caption = f"{CAPTIONS[kind].format(spread=figs.spread)} {level.capitalize()} level."
+        parts += [*figure_markdown(png, caption, _figure_name(key)), ""]
+    if figs.missing:
         parts += ["Skipped (their metrics are not recorded here): " + "; ".join(
             f"{_figure_name(key)} (no {', '.join(f'`{m}`' for m in missing)})"
-            for key, missing in gaps.items()) + ".", ""]
-    if degenerate:
+            for key, missing in figs.missing.items()) + ".", ""]
+    if figs.empty:
         parts += ["Not drawn (they would show nothing): " + "; ".join(
-            f"{_figure_name(key)} ({why})" for key, why in degenerate.items()) + ".", ""]
+            f"{_figure_name(key)} ({why})" for key, why in figs.empty.items()) + ".", ""]
     return parts
 
 
-def _setup(table: pd.DataFrame, folder: Path, traj: pd.DataFrame) -> str:
+def _setup(data: Collated, traj: pd.DataFrame) -> str:
     """The shared setup section with E1's own lines: the layer trajectories the
     statistics count and the reference probe they start from."""
-    _, inc, trained, monitored = run_groups(table)
+    _, inc, trained, monitored = run_groups(data)
     if not len(inc):
-        return setup_markdown(table, folder)
+        return setup_markdown(data)
     per = inc.groupby(["depth", "qk_init", "variant"])["seed"].nunique()
     cells = int(inc.drop_duplicates(["depth", "qk_init", "variant"])["depth"].sum())
     what = "model" if len(monitored) and not len(trained) else "init"
@@ -228,21 +216,14 @@ def _setup(table: pd.DataFrame, folder: Path, traj: pd.DataFrame) -> str:
     used = sorted(traj.loc[traj["origin"] == "reference", "start_step"].unique()) \
         if len(traj) else []
     return setup_markdown(
-        table, folder, unit_line=f"- {seeds}{label} (depth × {what} × layer): {cells}",
+        data, unit_line=f"- {seeds}{label} (depth × {what} × layer): {cells}",
         reference_line=f"- **Reference step** (configured): {distinct(inc['ref_step'])}; first "
                        f"probe at or after it (used): {', '.join(map(str, used)) or 'n/a'}")
 
 
-def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
-                    figures: dict[str, Path], sweep_dir: Path,
-                    gaps: dict[str, list[str]] | None = None, drawn: bool = True,
-                    spread: str = "", degenerate: dict[str, str] | None = None) -> str:
-    """The E1/E2 ``report.md`` from :func:`e1_claims`'s tables: ``figures`` are the drawn
-    ones, ``gaps`` the figures not drawn for want of metrics ({name: missing metrics}),
-    ``degenerate`` those not drawn because they would show nothing ({name: why});
-    ``spread`` says how the figures show the seeds; ``drawn=False`` when figures were not
-    asked for. Opens with the one-line summary, then the claims table."""
-    name = sweep_of(table)[0] or sweep_dir.name
+def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figs: Drawn) -> str:
+    """The E1/E2 ``report.md`` from :func:`e1_claims`'s tables and the figures drawn."""
+    table, name = data.metrics, data.name
     descriptive = descriptive_reason(e1["claims"])
     parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(e1["claims"]), ""]
     if descriptive:
@@ -263,41 +244,22 @@ def report_markdown(table: pd.DataFrame, e1: dict[str, pd.DataFrame],
     readings = readings_markdown(e1["readings"], bool(descriptive))
     if readings:
         parts += [readings, ""]
-    parts += [_setup(table, sweep_dir, e1["trajectories"]), "", excluded_markdown(table), ""]
-    parts += _figures_markdown(figures, gaps or {}, drawn, spread, degenerate)
+    parts += [_setup(data, e1["trajectories"]), "", excluded_markdown(data), ""]
+    parts += _figures_markdown(figs)
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write_e1_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
-                    figures: bool = True) -> Path:
-    """The E1/E2 report of a collated ``table`` (a sweep or one run folder) into ``out``;
-    returns the path of ``report.md``."""
-    e1 = e1_claims(table)
+def write_e1_report(data: Collated, out: Path, figures: bool = True) -> Path:
+    """The E1/E2 report of a collated sweep or run folder into ``out``; returns the path
+    of ``report.md``."""
+    e1 = e1_claims(data)
     write_csvs(out, (("claims", e1["claims"]), ("contrast_readings", e1["readings"]),
                      ("run_stats", e1["runs"]), ("cell_stats", e1["cells"]),
                      ("trajectory_stats", e1["trajectories"]),
                      ("trajectory_stats_runs", e1["run_layers"])))
-    figs: dict[str, Path] = {}
-    gaps: dict[str, list[str]] = {}
-    degenerate: dict[str, str] = {}
-    spread = ""
-    if figures and not table.empty:
-        from qkgeom.analysis.e1.figures import (
-            FIGURES,
-            make_figures,
-            missing_for,
-            not_drawable,
-            seeds_per_panel,
-        )
-        from qkgeom.analysis.figstyle import spread_note
+    figs = Drawn(asked=figures)
+    if figures and not data.metrics.empty:
+        from qkgeom.analysis.e1.figures import make_figures  # matplotlib: only to draw
 
-        gaps = {f"{kind}_{level}": missing for kind in FIGURES for level in LEVELS
-                if (missing := missing_for(table, kind, level))}
-        degenerate = {f"{kind}_{level}": why for kind in FIGURES for level in LEVELS
-                      if f"{kind}_{level}" not in gaps and (why := not_drawable(table, kind))}
-        figs = make_figures(table, out)
-        spread = spread_note(seeds_per_panel(table))
-    text = report_markdown(table, e1, figs, sweep_dir, gaps, drawn=figures, spread=spread,
-                           degenerate=degenerate)
-    name = sweep_of(table)[0] or sweep_dir.name
-    return write_pages(out, text, f"qkgeom report: {name}")
+        figs = make_figures(data, out)
+    return write_pages(out, report_markdown(data, e1, figs), f"qkgeom report: {data.name}")

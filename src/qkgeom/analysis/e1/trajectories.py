@@ -1,39 +1,22 @@
-"""E1/E2 statistics of each layer trajectory, per run and seed-averaged, and per run.
+"""E1/E2 statistics of each layer trajectory (one layer's whole-layer value, head −1,
+against probe step), per run and seed-averaged, and per run: the independent unit.
 
-A *layer trajectory* is one layer's whole-layer value (head −1) of a metric against probe
-step. Each is measured twice (docs/protocols.md): from step 0 and from the post-transient
-**reference**, the first probe at or after the run's ``ref_step`` (``reference_step``, or by
-default 25 % of the run's steps), at the weight and at the token level. One pass over each
-depth × init cell (its runs as a seed axis) gives:
-
-- per run and layer (``by="run"``), and per seed-averaged layer trajectory
-  (``by="trajectory"``, the paper's descriptive unit: 54 on the paper grid), from the
-  origin to the last probe: ``delta_pr_q``/``delta_pr_k`` (last − origin) and OLS slopes;
-  the contrast PR_Q − PR_K read four ways for E1.3 — ``contrast_min_after`` (smallest after
-  the origin: > 0 ⟺ positive at every probe), ``contrast_end`` (at the last probe),
-  ``contrast_time_mean`` (trapezoid time average over [origin, end]: the primary reading)
-  and ``delta_contrast`` (ΔPR_Q − ΔPR_K); the Spearman ρ over the consecutive probes of
-  the *changes* of PR_K with those of ``pr_qk`` (``rho_k_qk``) and of ``pr_qk`` with those
-  of the entropy (``rho_qk_entropy``): two series that both trend with training correlate
-  in their levels whatever links them, so E2.1/E2.2 read the changes (the levels' ρ is kept
-  as ``rho_k_qk_levels``, ``rho_qk_entropy_levels``, descriptive); and the Spearman ρ
-  across the layer's heads of ``pr_qk`` with the entropy at the last probe
-  (``rho_heads_qk_entropy``, origin-free). Seed-averaged ρ's are means of per-run ρ's (ρ of
-  a mean trajectory grows with the number of seeds averaged; it is kept as ``*_of_mean``).
-- :func:`run_stats`: the **independent unit**, one row per run, level and origin, each
-  statistic the mean over the run's layers of the layer statistic; and :func:`cell_stats`,
-  the seed means of those per depth × init cell.
+Each is measured from step 0 and from the post-transient reference, at the weight and the
+token level, in one pass over each depth × init cell (its runs as a seed axis). Every
+column, and why E2.1/E2.2 read the probe-to-probe changes and seed-averaged ρ's are means
+of per-run ρ's: docs/report.md (E1/E2 statistics).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis.collate import GROUP, bare, ref_steps
+from qkgeom.analysis.collate import GROUP, Collated
 from qkgeom.analysis.stats import nanmean, spearman
 
 LEVELS = ("weight", "token")
@@ -131,31 +114,24 @@ def window_stats(steps: np.ndarray, m: dict[str, np.ndarray], i0: int) -> dict[s
     return out
 
 
+@dataclass(frozen=True)
 class _Cell:
     """One depth × init (× variant) cell at one level: arrays over (run, layer, step) on the
     probe steps every run of the cell has, and (run, layer, head) at the last of them."""
 
-    def __init__(self, key: dict[str, Any], runs: list[str], seeds: list[int],
-                 layers: np.ndarray, steps: np.ndarray, ref: int,
-                 cube: dict[str, np.ndarray], heads: dict[str, np.ndarray]):
-        self.key, self.runs, self.seeds, self.layers = key, runs, seeds, layers
-        self.steps, self.ref, self.cube, self.heads = steps, ref, cube, heads
+    key: dict[str, Any]
+    runs: list[str]
+    seeds: list[int]
+    layers: np.ndarray
+    steps: np.ndarray
+    ref: int
+    cube: dict[str, np.ndarray]
+    heads: dict[str, np.ndarray]
 
     def origin_index(self, origin: str) -> int:
         if origin == "step0":
             return 0
         return int(np.searchsorted(self.steps, reference_probe(self.steps, self.ref)))
-
-
-def _ref_steps(table: pd.DataFrame, ref_step: int | None) -> dict[str, int]:
-    if ref_step is not None:
-        return {rid: int(ref_step) for rid in table["run_id"].unique()}
-    refs = ref_steps(table)
-    missing = set(table["run_id"].unique()) - set(refs)
-    if missing:
-        raise ValueError(f"no reference step known for runs {sorted(missing)[:3]}; collate the "
-                         "sweep with qkgeom.analysis.collate or pass ref_step=")
-    return refs
 
 
 def _dense(frame: pd.DataFrame, axes: list[tuple[str, Any]]) -> np.ndarray:
@@ -172,14 +148,13 @@ def _dense(frame: pd.DataFrame, axes: list[tuple[str, Any]]) -> np.ndarray:
         return np.where(count > 0, total / np.maximum(count, 1.0), np.nan)
 
 
-def _cells(table: pd.DataFrame, level: str, ref_step: int | None) -> list[_Cell]:
-    """The cells of ``table`` at ``level`` (see :class:`_Cell`); a cell with no step that
+def _cells(data: Collated, level: str) -> list[_Cell]:
+    """The cells of ``data`` at ``level`` (see :class:`_Cell`); a cell with no step that
     every run measured is left out."""
     names = level_metrics(level)
     wanted = [names[q] for q in QUANTITIES]
-    refs = _ref_steps(table, ref_step)
-    table = bare(table)
-    sel = table[table["metric"].isin(wanted)]
+    refs = data.ref_steps
+    sel = data.metrics[data.metrics["metric"].isin(wanted)]
     out = []
     for gkey, g in sel.groupby(GROUP, sort=True):
         key = dict(zip(GROUP, gkey, strict=True))
@@ -209,20 +184,17 @@ def _cells(table: pd.DataFrame, level: str, ref_step: int | None) -> list[_Cell]
     return out
 
 
-def layer_statistics(table: pd.DataFrame, levels: Iterable[str] = LEVELS,
-                     ref_step: int | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """``(per run and layer, per seed-averaged layer trajectory)``: one row per layer,
-    level and origin (see the module docstring), in one pass over the cells.
-
-    ``table`` is :func:`qkgeom.analysis.collate`'s output (it gives each run's reference
-    step, :func:`~qkgeom.analysis.collate.ref_steps`; else pass ``ref_step``). Both frames
-    have the cell keys, ``layer, level, origin, start_step, end_step, n_steps, n_heads`` and
-    the statistics; the per-run frame adds ``run_id, seed``, the trajectory frame
-    ``n_seeds``, ``*_of_mean`` ρ's with their p-values."""
+def layer_statistics(data: Collated, levels: Iterable[str] = LEVELS
+                     ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``(per run and layer, per seed-averaged layer trajectory)`` of :func:`collate`'s
+    result: one row per layer, level and origin, with the cell keys, ``layer, level,
+    origin, start_step, end_step, n_steps, n_heads`` and the statistics; the per-run frame
+    adds ``run_id, seed``, the trajectory frame ``n_seeds``, ``*_of_mean`` ρ's with their
+    p-values."""
     run_rows: list[dict[str, Any]] = []
     traj_rows: list[dict[str, Any]] = []
     for level in levels:
-        for cell in _cells(table, level, ref_step):
+        for cell in _cells(data, level):
             rho_h, _ = spearman(cell.heads["pr_qk"], cell.heads["attn_entropy"])  # (S, L)
             n_heads = cell.heads["pr_qk"].shape[-1]
             mean_cube = {q: a.mean(axis=0) for q, a in cell.cube.items()}  # (L, T)
@@ -255,17 +227,6 @@ def _sorted(frame: pd.DataFrame, cols: list[str]) -> pd.DataFrame:
     if frame.empty:
         return frame
     return frame.sort_values(cols, kind="stable").reset_index(drop=True)
-
-
-def trajectory_stats(table: pd.DataFrame, by: str = "trajectory",
-                     levels: Iterable[str] = LEVELS,
-                     ref_step: int | None = None) -> pd.DataFrame:
-    """The per-layer statistics of :func:`layer_statistics`: ``by="trajectory"``
-    seed-averaged (the paper's unit), ``by="run"`` one row per run and layer."""
-    if by not in ("trajectory", "run"):
-        raise ValueError(f"by must be 'trajectory' or 'run', got {by!r}")
-    runs, traj = layer_statistics(table, levels, ref_step)
-    return traj if by == "trajectory" else runs
 
 
 def run_stats(per_layer: pd.DataFrame) -> pd.DataFrame:

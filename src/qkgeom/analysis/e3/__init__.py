@@ -1,10 +1,8 @@
 """E3: key-spectrum control during training, runs paired by seed.
 
-``arms`` (arm names, pair groups, whether a folder is E3), ``paired`` (whole-model series,
-paired differences, window means, effects), ``manipulation`` (did the control change PR_K
-as intended: the gate before any verdict), ``claims`` (E3.1–E3.5, the mediation table),
-``analysis`` (:func:`e3_analysis`, all of it from a collated sweep), ``figures``
-(matplotlib, imported only to draw) and ``report``.
+``arms`` (arm names, pair groups), ``paired`` (series, paired differences, window means,
+effects), ``manipulation`` (the check before any verdict), ``claims`` (E3.1–E3.5, the
+mediation table), ``evaluate`` (:func:`e3_analysis`), ``figures`` and ``report``.
 """
 
 from qkgeom.analysis.e3.arms import is_e3, pair_groups, run_arms

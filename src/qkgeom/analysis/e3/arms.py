@@ -1,54 +1,54 @@
 """E3 arms and pair groups: which runs are compared with which (docs/protocols.md).
 
-An **arm** is named from the run's own config by
-:attr:`qkgeom.config.KeyControlConfig.arm` (the one home of arm names, both ways): ``none``,
-``sham-<level>-<scale>``, ``hold-<level>-<scale>``, ``shrink-<dose>-<level>-<scale>``,
-``expand-<dose>-<level>-<scale>``. Runs **pair** when their configs agree on every key except
-the ``key_control.*`` settings (and device/threads/compile, which change speed, not
-results): such a *pair group* shares init and data order, so it is one independent unit
-(one seed). In each group exactly one ``none`` run is the baseline; a group without one,
-or with two, is left out with the reason, and so are two runs of one arm in a group.
+A run's arm is named from its config (:attr:`qkgeom.config.KeyControlConfig.arm`, the one
+home of arm names). Runs pair when their configs agree on every key except the key
+control (and how fast they ran): such a group shares init and data order, so it is one
+independent unit (a seed), with exactly one ``none`` run as its baseline.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import pandas as pd
 
-from qkgeom.analysis.collate import runs_of
+from qkgeom.analysis.collate import Collated
 from qkgeom.config import KeyControlConfig
 
 BASELINE = "none"
 SHAM = "sham"
 ARM_COLUMNS = ["run_id", "seed", "arm", "mode", "dose", "level", "scope", "scale", "steps",
                "dir", "pair_key", "cell_key"]
+CONTROL_PREFIX = "key_control."
+#: How fast, not what: runs differing only in these (and the key control) pair.
+EXECUTION = {"device", "threads", "compile"}
 
 
-def _control(run: dict[str, Any]) -> KeyControlConfig:
-    """The key-control settings of a runs-table record (defaults for keys it lacks)."""
-    ctl = run.get("control") if isinstance(run.get("control"), dict) else {}
-    known = {f: ctl[f] for f in ("mode", "level", "scale", "dose", "scope") if f in ctl}
-    known.setdefault("mode", str(run.get("key_control") or BASELINE))
-    return KeyControlConfig(**known)
+def config_digest(flat: dict[str, Any], leave_out: set[str]) -> str:
+    """A short hash of a flattened config except ``key_control.*`` and ``leave_out``: runs
+    with equal digests differ only in their key control (and in what was left out)."""
+    kept = {k: v for k, v in flat.items()
+            if k not in leave_out and not k.startswith(CONTROL_PREFIX)}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def run_arms(table: pd.DataFrame) -> pd.DataFrame:
-    """One row per analysed (not excluded) run: ``run_id, seed, arm, mode, dose, scale,
-    steps, dir, pair_key, cell_key``."""
-    runs = runs_of(table)
-    if runs.empty:
-        return pd.DataFrame(columns=ARM_COLUMNS)
-    runs = runs[runs["excluded"] == ""]
+def run_arms(data: Collated) -> pd.DataFrame:
+    """One row per analysed (not excluded) run (:data:`ARM_COLUMNS`): its arm from its
+    config, ``pair_key`` (equal for runs that differ only in their key control) and
+    ``cell_key`` (equal also across seeds)."""
     rows = []
-    for run in runs.to_dict("records"):
-        kc = _control(run)
+    for run in data.included.to_dict("records"):
+        flat = run["config"]
+        kc = KeyControlConfig(**{f: flat[CONTROL_PREFIX + f] for f in (
+            "mode", "level", "scale", "dose", "scope") if CONTROL_PREFIX + f in flat})
         dose = float(kc.dose) if kc.mode in ("shrink", "expand") else 1.0
         rows.append({"run_id": run["run_id"], "seed": int(run["seed"]), "arm": kc.arm,
                      "mode": kc.mode, "dose": dose, "level": kc.level, "scope": kc.scope,
                      "scale": kc.scale, "steps": int(run.get("steps") or 0),
-                     "dir": run["dir"], "pair_key": str(run.get("pair_key") or run["run_id"]),
-                     "cell_key": str(run.get("cell_key") or "")})
+                     "dir": run["dir"], "pair_key": config_digest(flat, EXECUTION),
+                     "cell_key": config_digest(flat, EXECUTION | {"seed"})})
     return pd.DataFrame(rows, columns=ARM_COLUMNS)
 
 
@@ -84,10 +84,10 @@ def pair_groups(arms: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     return members[cols].reset_index(drop=True), excluded.reset_index(drop=True)
 
 
-def is_e3(table: pd.DataFrame) -> bool:
+def is_e3(data: Collated) -> bool:
     """True when some pair group of the analysed runs holds an uncontrolled and a controlled
     run (whether or not the group is then usable): the folder gets the E3 report."""
-    arms = run_arms(table)
+    arms = run_arms(data)
     if arms.empty:
         return False
     has = arms.groupby("pair_key")["arm"].agg(

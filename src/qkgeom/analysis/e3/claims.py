@@ -1,23 +1,9 @@
-"""The E3 claims: one declared primary row per claim, the other rows secondary, each gated by
-the manipulation check (docs/protocols.md#e3-claims).
+"""The E3 claims (E3.1–E3.5) and the mediation table, from the paired effects.
 
-- **E3.1** shrinking the key spectrum sharpens attention: arm − none entropy Δ < 0;
-- **E3.2** holding it softens attention: Δ > 0;
-- **E3.3** shrinking narrows the QKᵀ spectrum: ``pr_qk`` Δ < 0;
-- **E3.4** holding keeps it wider: ``pr_qk`` Δ > 0;
-- **E3.5** dose-response: within each seed, Spearman ρ of the entropy effect (arm − none)
-  against the dose r over the doses present (sham = 1, the shrink doses), predicted > 0;
-  the sign-flip test over seeds; not evaluated with fewer than 3 doses.
-
-The **primary row** of each claim (:data:`PRIMARY`) is fixed by the protocol: the
-token-level arm with the data rule (dose 0.5 for shrink), against none, over the whole
-run, on the scale-free entropy (E3.1, E3.2, E3.5) or ``pr_qk_token`` (E3.3, E3.4); it is
-tested at α with its own verdict. Every other row (the raw entropy, the weight-level
-``pr_qk``, the early window, other arms) is **secondary**: its p-values are Holm-adjusted
-over all secondary rows, and it never decides the claim. Entropy rows also carry the
-equivalence test (TOST within ±δ): "equivalent to no effect" is the one way a null is
-claimed. The unit is the seed; a row whose arm failed its manipulation check in the
-window is *not evaluated*, with the reason.
+Each claim has one declared primary row (the token-level data-rule arm against none, over
+the whole run), tested at α; every other row is secondary (Holm over all of them). A row
+whose arm failed its manipulation check in the window is *not evaluated*, with the reason.
+The rows and why: docs/protocols.md#e3-claims.
 """
 
 from __future__ import annotations
@@ -30,16 +16,17 @@ import pandas as pd
 from qkgeom.analysis import stats
 from qkgeom.analysis.e3.arms import BASELINE, SHAM
 from qkgeom.analysis.e3.paired import DELTA, QUANTITIES, WINDOWS, window_label
-from qkgeom.analysis.kit import CLAIM_COLUMNS, decide, signed
+from qkgeom.analysis.kit import CLAIM_COLUMNS, claim_row, decide, signed, with_ci
 
 UNIT = "seeds"
 MIN_DOSES = 3
 PRIMARY_WINDOW = "whole"
-PRIMARY_BASELINE = BASELINE
 PRIMARY_ARMS = {"shrink": "shrink-0.5-token-data", "hold": "hold-token-data"}
 PRIMARY_ENTROPY = "attn_entropy_scalefree"
 #: E3.5's primary: the shrink doses at this level and scale rule.
 PRIMARY_DOSES = ("token", "data")
+#: The primary window first, as every claim lists its rows.
+_WINDOWS = (PRIMARY_WINDOW, *(w for w in WINDOWS if w != PRIMARY_WINDOW))
 
 
 @dataclass(frozen=True)
@@ -66,14 +53,9 @@ E3_CLAIMS = (
 )
 DOSE_CLAIM = ("E3.5", "The sharpening grows with the dose (dose-response)")
 
-
-def with_ci(mean: float, lo: float, hi: float) -> str:
-    """``+0.123 [+0.100, +0.146]`` (no bracket without an interval)."""
-    return signed(mean) + (f" [{signed(lo)}, {signed(hi)}]" if np.isfinite(lo) else "")
-
-
 Effects = dict[tuple[str, str, str, str], dict]
 _KEY = ["arm", "baseline", "quantity", "window"]
+_NO_UNIT = {"k": 0, "n": 0}
 
 
 def _index(eff: pd.DataFrame) -> Effects:
@@ -81,9 +63,19 @@ def _index(eff: pd.DataFrame) -> Effects:
     return {tuple(r[k] for k in _KEY): r for r in eff.to_dict("records")}
 
 
+def _row(cid: str, text: str, level: str, window: str, where: str, criterion: str,
+         u: dict, beside: str, reason: str, rel: str, role: str, delta: float) -> dict:
+    """One E3 claims row (:func:`qkgeom.analysis.kit.claim_row`), seeds as the unit."""
+    ci = (u.get(k, np.nan) for k in ("mean", "ci_low", "ci_high"))
+    return claim_row(cid, text, level, u, role=role, unit=UNIT,
+                     measured=f"{u['k']}/{u['n']} {UNIT} ({rel})",
+                     estimate=f"mean Δ {with_ci(*ci)}", test=stats.TEST_FLIP, beside=beside, reason=reason, origin=window,
+                     criterion=criterion, delta=delta, **{"from": where})
+
+
 def _beside(eff: Effects, arm: str, quantity: str, window: str) -> str:
-    """The row's context in words: the within-row logit scale (entropy rows), the effect
-    against the sham, the power."""
+    """The row's context in words: the within-row logit scale (entropy rows) and the
+    effect against the sham."""
     parts = []
     if quantity in DELTA:
         ls = eff.get((arm, BASELINE, "logit_std_row", window))
@@ -99,32 +91,6 @@ def _beside(eff: Effects, arm: str, quantity: str, window: str) -> str:
     return "; ".join(parts)
 
 
-_EMPTY = {"n": 0, "k": 0, "share": np.nan, "mean": np.nan, "ci_low": np.nan,
-          "ci_high": np.nan, "p_value": np.nan, "p_opposite": np.nan, "p_sign": np.nan,
-          "p_equiv": np.nan, "detectable": np.nan}
-
-
-def _unit(e: dict | None) -> dict:
-    if e is None:
-        return dict(_EMPTY)
-    return {"n": e["n_seeds"], **{k: e[k] for k in ("k", "share", "mean", "ci_low", "ci_high",
-                                                    "p_value", "p_opposite", "p_sign",
-                                                    "p_equiv", "detectable")}}
-
-
-def _row(cid: str, text: str, level: str, window: str, where: str, criterion: str,
-         u: dict, beside: str, reason: str, rel: str, role: str, delta: float) -> dict:
-    estimate = f"mean Δ {with_ci(u['mean'], u['ci_low'], u['ci_high'])}"
-    return {"claim_id": cid, "claim": text, "level": level, "origin": window, "from": where,
-            "criterion": criterion, "unit": UNIT, "k": u["k"], "n": u["n"],
-            "share": u["share"], "measured": f"{u['k']}/{u['n']} {UNIT} ({rel})",
-            "mean": u["mean"], "ci_low": u["ci_low"], "ci_high": u["ci_high"],
-            "estimate": estimate, "test": stats.TEST_FLIP, "p_value": u["p_value"],
-            "p_opposite": u["p_opposite"], "p_sign": u["p_sign"], "delta": delta,
-            "p_equiv": u["p_equiv"], "detectable": u["detectable"], "role": role,
-            "beside": beside, "reason": reason}
-
-
 def _arms(eff: pd.DataFrame) -> dict[str, list[str]]:
     """The arms of each mode that have effects against none: the primary arm first, then
     by level, scale rule and dose (largest first)."""
@@ -137,46 +103,51 @@ def _arms(eff: pd.DataFrame) -> dict[str, list[str]]:
     return {mode: list(g["arm"]) for mode, g in sel.groupby("mode", sort=False)}
 
 
+def _claim_rows(claim: E3Claim, arms: list[str], by_key: Effects,
+                gate: dict[tuple[str, str], str]) -> list[dict]:
+    """One claim's rows: every arm × quantity × window against none (the declared primary
+    row, even when the sweep lacks its arm)."""
+    rel = f"Δ {'<' if claim.sign < 0 else '>'} 0"
+    primary = (PRIMARY_ARMS[claim.mode], claim.quantities[0], PRIMARY_WINDOW)
+    rows = []
+    if primary[0] not in arms:
+        level, label = QUANTITIES[primary[1]]
+        rows.append(_row(claim.id, f"{claim.text} ({primary[0]})", level, PRIMARY_WINDOW,
+                         window_label(np.nan, np.nan, PRIMARY_WINDOW),
+                         f"{primary[0]} − none: {label} {rel}", _NO_UNIT, "",
+                         f"the sweep has no {primary[0]} arm paired with a none run", rel,
+                         "primary", DELTA.get(primary[1], np.nan)))
+    for arm in arms:
+        for quantity in claim.quantities:
+            level, label = QUANTITIES[quantity]
+            for window in _WINDOWS:
+                e = by_key.get((arm, BASELINE, quantity, window))
+                where = window_label(e["first_step"], e["last_step"], window) \
+                    if e is not None else window_label(np.nan, np.nan, window)
+                reason = gate.get((arm, window), "")
+                if e is None and not reason:
+                    reason = f"no {label} recorded in the window"
+                rows.append(_row(
+                    claim.id, f"{claim.text} ({arm})", level, window, where,
+                    f"{arm} − none: {label} {rel} (seed's mean paired difference over the "
+                    "window)", _NO_UNIT if e is None else {**e, "n": e["n_seeds"]},
+                    _beside(by_key, arm, quantity, window), reason, rel,
+                    "primary" if (arm, quantity, window) == primary else "secondary",
+                    DELTA.get(quantity, np.nan)))
+    return rows
+
+
 def evaluate_e3_claims(eff: pd.DataFrame, windows: pd.DataFrame,
                        gate: dict[tuple[str, str], str]) -> pd.DataFrame:
     """The E3 claims table (:data:`qkgeom.analysis.kit.CLAIM_COLUMNS`) from
     :func:`~qkgeom.analysis.e3.paired.effects`, the seeds' window means and the
     manipulation gate: every row against none, the primary rows first within each claim;
     verdicts by :func:`qkgeom.analysis.kit.decide` (Holm over the secondary rows)."""
-    rows = []
-    by_key = _index(eff)
-    arms_of = _arms(eff)
-    for claim in E3_CLAIMS:
-        arms = arms_of.get(claim.mode, [])
-        rel = f"Δ {'<' if claim.sign < 0 else '>'} 0"
-        primary_arm = PRIMARY_ARMS[claim.mode]
-        if primary_arm not in arms:  # the declared primary row, even when it cannot be read
-            _, level, label = QUANTITIES[claim.quantities[0]]
-            rows.append(_row(claim.id, f"{claim.text} ({primary_arm})", level, PRIMARY_WINDOW,
-                             window_label(np.nan, np.nan, PRIMARY_WINDOW),
-                             f"{primary_arm} − none: {label} {rel}", _EMPTY, "",
-                             f"the sweep has no {primary_arm} arm paired with a none run", rel,
-                             "primary", DELTA.get(claim.quantities[0], np.nan)))
-        for arm in arms:
-            for quantity in claim.quantities:
-                _, level, label = QUANTITIES[quantity]
-                for window in (PRIMARY_WINDOW, *(w for w in WINDOWS if w != PRIMARY_WINDOW)):
-                    e = by_key.get((arm, BASELINE, quantity, window))
-                    where = window_label(e["first_step"], e["last_step"], window) \
-                        if e is not None else window_label(np.nan, np.nan, window)
-                    reason = gate.get((arm, window), "")
-                    if e is None and not reason:
-                        reason = f"no {label} recorded in the window"
-                    role = ("primary" if (arm, quantity, window) == (
-                        primary_arm, claim.quantities[0], PRIMARY_WINDOW) else "secondary")
-                    rows.append(_row(claim.id, f"{claim.text} ({arm})", level, window, where,
-                                     f"{arm} − none: {label} {rel} (seed's mean paired "
-                                     "difference over the window)", _unit(e),
-                                     _beside(by_key, arm, quantity, window), reason, rel, role,
-                                     DELTA.get(quantity, np.nan)))
+    by_key, arms_of = _index(eff), _arms(eff)
+    rows = [row for claim in E3_CLAIMS
+            for row in _claim_rows(claim, arms_of.get(claim.mode, []), by_key, gate)]
     rows += _dose_rows(windows, gate)
-    claims = pd.DataFrame(rows)
-    return decide(claims, holm_primary=False)[CLAIM_COLUMNS]
+    return decide(pd.DataFrame(rows), holm_primary=False)[CLAIM_COLUMNS]
 
 
 def dose_effects(windows: pd.DataFrame, quantity: str = PRIMARY_ENTROPY) -> pd.DataFrame:
@@ -190,27 +161,25 @@ def dose_effects(windows: pd.DataFrame, quantity: str = PRIMARY_ENTROPY) -> pd.D
 
 
 def _dose_rows(windows: pd.DataFrame, gate: dict[tuple[str, str], str]) -> list[dict]:
+    """E3.5 per entropy, level and scale rule with shrink arms, and window."""
     cid, text = DOSE_CLAIM
     rows = []
     for quantity in (PRIMARY_ENTROPY, "attn_entropy"):
         effects = dose_effects(windows, quantity)
-        label = QUANTITIES[quantity][2]
-        criterion = (f"within seed, Spearman ρ of the {label} effect (arm − none) against "
-                     "the dose r (sham = 1, shrink doses) > 0")
-        families = sorted({(lv, sc) for lv, sc in zip(
-            effects.loc[effects["mode"] == "shrink", "level"],
-            effects.loc[effects["mode"] == "shrink", "scale"], strict=True)})
+        criterion = (f"within seed, Spearman ρ of the {QUANTITIES[quantity][1]} effect (arm − "
+                     "none) against the dose r (sham = 1, shrink doses) > 0")
+        shrink = effects[effects["mode"] == "shrink"]
+        families = set(zip(shrink["level"], shrink["scale"], strict=True))
         if PRIMARY_DOSES not in families and quantity == PRIMARY_ENTROPY:
             rows.append(_row(cid, f"{text} ({'-'.join(PRIMARY_DOSES)})", "token",
                              PRIMARY_WINDOW, window_label(np.nan, np.nan, PRIMARY_WINDOW),
-                             criterion, _EMPTY, "", "no shrink arm at the token level with the "
-                             "data rule paired with a none run", "ρ > 0", "primary", np.nan))
+                             criterion, _NO_UNIT, "", "no shrink arm at the token level with "
+                             "the data rule paired with a none run", "ρ > 0", "primary",
+                             np.nan))
         for (level, scale), fam in effects.groupby(["level", "scale"], sort=True):
-            if (level, scale) not in families:
-                continue
-            for window in (PRIMARY_WINDOW, *(w for w in WINDOWS if w != PRIMARY_WINDOW)):
-                rows.append(_dose_row(fam[fam["window"] == window], gate, level, scale,
-                                      window, quantity, criterion))
+            if (level, scale) in families:
+                rows += [_dose_row(fam[fam["window"] == window], gate, level, scale, window,
+                                   quantity, criterion) for window in _WINDOWS]
     return rows
 
 
@@ -219,13 +188,12 @@ def _dose_row(sel: pd.DataFrame, gate: dict[tuple[str, str], str], level: str, s
     cid, text = DOSE_CLAIM
     shrink_arms = sorted(sel.loc[sel["mode"] == "shrink", "arm"].unique())
     doses = sorted(sel["r"].unique())
-    u, reason = dict(_EMPTY), ""
+    u, reason = _NO_UNIT, ""
     if len(doses) < MIN_DOSES:
         reason = (f"{len(doses)} dose(s) present ({', '.join(f'{d:g}' for d in doses)}); "
                   f"dose-response needs ≥ {MIN_DOSES}")
     else:
-        table = sel.pivot_table(index="group", columns="r", values="mean_diff")
-        full = table.dropna()
+        full = sel.pivot_table(index="group", columns="r", values="mean_diff").dropna()
         rho, _ = stats.spearman(np.broadcast_to(np.asarray(doses, float), full.shape),
                                 full.to_numpy())
         u = stats.unit_test(rho, +1)
@@ -246,16 +214,16 @@ MEDIATION_QUANTITIES = ("attn_entropy", "attn_entropy_scalefree", "logit_std_row
 
 def mediation_table(eff: pd.DataFrame) -> pd.DataFrame:
     """Per arm and window: the raw entropy effect, the scale-free entropy effect, the
-    within-row logit scale and the pooled logit scale, against none and against the sham of
-    the same level and scale rule (``mean, ci_low, ci_high`` of each). A sharpening through
-    the spectrum is one that survives in the scale-free entropy; one that the within-row
-    scale explains is a change of temperature."""
-    rows = []
+    within-row and the pooled logit scale, against none and against the sham of the same
+    level and scale rule (``mean, ci_low, ci_high`` of each). A sharpening through the
+    spectrum survives in the scale-free entropy; one the within-row scale explains is a
+    change of temperature."""
     if eff.empty:
         return pd.DataFrame()
     by_key = _index(eff)
-    arms = eff.drop_duplicates("arm").sort_values(["level", "scale", "mode", "dose"])
-    for a in arms.itertuples():
+    rows = []
+    for a in eff.drop_duplicates("arm").sort_values(["level", "scale", "mode", "dose"]) \
+            .itertuples():
         for window in WINDOWS:
             row = {"arm": a.arm, "mode": a.mode, "dose": a.dose, "level": a.level,
                    "scale": a.scale, "window": window}

@@ -1,8 +1,6 @@
-"""E3 from a collated sweep: arms and pairs, the manipulation check, effects and claims.
-
-Two stages: :func:`e3_tables` turns the collated rows into per-seed tables (pairs, paired
-differences, window means, the manipulation check), :func:`e3_verdicts` turns the window
-means and the check into effects, the gate and the claims. :func:`e3_analysis` is both.
+"""E3 from a collated sweep: :func:`e3_tables` (pairs, paired differences, window means,
+the manipulation check, per seed) then :func:`e3_verdicts` (effects, the gate, claims);
+:func:`e3_analysis` is both. Two stages, so simulations can pool many sweeps' tables.
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from qkgeom.analysis.collate import Collated
 from qkgeom.analysis.e3.arms import pair_groups, run_arms
 from qkgeom.analysis.e3.claims import evaluate_e3_claims, mediation_table
 from qkgeom.analysis.e3.manipulation import (
@@ -27,17 +26,17 @@ from qkgeom.analysis.e3.paired import (
 )
 
 
-def e3_tables(table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+def e3_tables(data: Collated) -> dict[str, pd.DataFrame]:
     """``arms`` (every analysed run's arm), ``members`` (the runs of the valid pair groups),
     ``excluded_pairs`` (runs left out of the pairs, with the reason), ``series``,
     ``paired``, ``windows`` (each seed's window means), ``manipulation_units`` (the check
     per run, window and unit) and ``manipulation`` (per run and window)."""
-    arms = run_arms(table)
+    arms = run_arms(data)
     members, excluded = pair_groups(arms)
-    series = e3_series(table, members)
+    series = e3_series(data.metrics, members)
     steps = members.groupby("group")["steps"].max().to_dict() if len(members) else {}
     paired = paired_differences(series, members)
-    units = manipulation_units(unit_series(table, members), members, steps)
+    units = manipulation_units(unit_series(data.metrics, members), members, steps)
     return {"arms": arms, "members": members, "excluded_pairs": excluded, "series": series,
             "paired": paired, "windows": window_means(paired, steps),
             "manipulation_units": units, "manipulation": manipulation_summary(units)}
@@ -52,8 +51,8 @@ def e3_verdicts(windows: pd.DataFrame, units: pd.DataFrame) -> dict[str, Any]:
             "claims": evaluate_e3_claims(eff, windows, gate)}
 
 
-def e3_analysis(table: pd.DataFrame) -> dict[str, Any]:
+def e3_analysis(data: Collated) -> dict[str, Any]:
     """Everything the E3 report shows: the tables of :func:`e3_tables` and of
     :func:`e3_verdicts`."""
-    tables = e3_tables(table)
+    tables = e3_tables(data)
     return {**tables, **e3_verdicts(tables["windows"], tables["manipulation_units"])}

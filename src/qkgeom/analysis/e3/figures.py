@@ -38,6 +38,7 @@ from qkgeom.analysis.figstyle import (
     step_axis,
     suptitle,
 )
+from qkgeom.analysis.kit import Drawn
 
 # Short panel titles (the long labels are in qkgeom.analysis.e3.paired.QUANTITIES).
 SHORT = {"attn_entropy": "attention entropy (nats)",
@@ -146,12 +147,13 @@ def _paired(paired: pd.DataFrame, steps: int) -> Figure:
     return fig
 
 
-def make_e3_figures(analysis: dict[str, pd.DataFrame], out_dir: str | Path) -> dict[str, Path]:
-    """Both E3 figures of :func:`qkgeom.analysis.e3.e3_analysis`'s tables into ``out_dir``;
-    returns {name: PNG path}."""
+def make_e3_figures(analysis: dict[str, pd.DataFrame], out_dir: str | Path) -> Drawn:
+    """Both E3 figures of :func:`qkgeom.analysis.e3.e3_analysis`'s tables into
+    ``out_dir``."""
     members = analysis["members"]
     steps = int(members["steps"].max()) if len(members) else 0
     series = analysis["series"].merge(members[["run_id", "arm"]], on="run_id")
     figs = {"e3_trajectories": fig_e3_trajectories(series, steps),
             "e3_paired": fig_e3_paired(analysis["paired"], steps)}
-    return {name: save_figure(fig, out_dir, name)[0] for name, fig in figs.items()}
+    return Drawn({name: save_figure(fig, out_dir, name)[0] for name, fig in figs.items()},
+                 spread=spread_note(seeds_per_arm(members)))

@@ -1,27 +1,10 @@
 """The E3 manipulation check: did the key control change PR_K as intended, where attention
-sees it, in every seed and every unit it controls?
+sees it (the token-level PR_K), in every seed and every unit it controls?
 
-An intervention's claims are only read once the intervention is shown to have happened
-(docs/protocols.md#the-manipulation-check), at the level the claims are about: the
-token-level PR_K (``pr_k_token``, the keys' covariance on the probe set, what attention
-uses), for every arm whatever level it controls. Per controlled run, window and unit (a
-layer, or a head for a head-scope control; :func:`manipulation_units`):
-
-- **achieved** = the mean over the window's probes of PR_K(arm) ÷ PR_K(none of the same
-  seed), token level; the weight-level ratio and the ``pr_qk_token`` ratio beside it;
-- **intended**: shrink and expand: the dose the control aimed at over the window, the mean
-  of its recorded ``ctl_dose`` (r(t), which ramps from 1 to r), or the configured dose when
-  the run recorded none; hold: the mean over the window of PR_K(arm, step 0) ÷ PR_K(none,
-  t) (holding PR_K at its step-0 value); sham: 1;
-- the **check**, in the direction of the intended change: a unit whose intended ratio is
-  below 1 passes when achieved ≤ (1 + intended)/2, above 1 when achieved ≥ (1 + intended)/2
-  (at least half the intended change, whichever way the uncontrolled PR_K moved); a unit
-  whose intended ratio is within :data:`EXEMPT` of 1 cannot tell the control from none and
-  is not checked. Sham and expand runs are reported, not gated.
-
-:func:`manipulation_summary` gives one row per run and window (the units' means, how many
-passed) and :func:`manipulation_gate` the reason each (arm, window) is *not evaluated*: a
-unit that fails in any seed, or an arm whose check cannot be made.
+An intervention's claims are read only once it is shown to have happened: a gated arm
+(shrink, hold) whose check fails in some seed and unit, or cannot be made, is *not
+evaluated* in that window. The rule (achieved vs intended ratio, the halfway threshold,
+units within :data:`EXEMPT` of 1 exempt) and why: docs/protocols.md#the-manipulation-check.
 """
 
 from __future__ import annotations
@@ -32,7 +15,6 @@ import pandas as pd
 from qkgeom.analysis.e3.arms import BASELINE
 from qkgeom.analysis.e3.paired import in_windows, pairs_of
 
-LEVEL = "pr_k_token"  # the level the E3 claims are about
 GATED = ("shrink", "hold")
 EXEMPT = 0.05  # |intended − 1| below this: no change to check
 KEYS = ["group", "seed", "arm", "mode", "dose", "level", "scope", "scale"]

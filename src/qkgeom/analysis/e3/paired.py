@@ -1,26 +1,9 @@
 """E3 paired effects: every controlled arm against its seed's ``none`` run (and its sham).
 
-The runs of one pair group (:mod:`qkgeom.analysis.e3.arms`) share init and data order, so
-every effect is a **paired difference within a seed**: arm − none, and arm − sham of the
-same level and scale rule when the group has one (the sham gets the control's operation
-every step but intends no change, so arm − sham isolates the intended change). The seed
-is the unit.
-
-Quantities (:data:`QUANTITIES`) are whole-model values, the mean over layers of each
-layer's value (head −1): the scale-free attention entropy (the primary reading of the
-sharpening claims, docs/protocols.md#e3), the attention entropy, the within-row and the
-pooled logit scale, the normalised entropy and mean max weight, ``pr_qk`` and PR_K / PR_Q
-at both levels, and the validation loss from ``train_log.parquet``. The control's own
-records (``ctl_dose``, ``ctl_bound_share``) ride along per unit for the manipulation check.
-
-Windows: **early** = probes with 0 < step ≤ 25 % of the run's steps, **whole** = 0 < step ≤
-steps (step 0 is left out: a pair is identical there). A seed's effect in a window is the
-plain mean of its paired differences at those probes. Per arm × baseline × quantity ×
-window (:func:`effects`): n seeds, mean Δ with its t-interval, k seeds with the predicted
-sign, the exact sign-flip p in the predicted direction (the verdict's) and in the opposite
-one, the exact sign-test p, and for the entropies the equivalence p within ±δ
-(:data:`DELTA`, :func:`qkgeom.analysis.stats.unit_test`); quantities without a prediction
-get two-sided p's and the count of Δ > 0.
+The runs of one pair group share init and data order, so every effect is a paired
+difference within a seed, and the seed is the unit. Quantities are whole-model values
+(the mean over layers, head −1) plus the validation loss; the windows (*early*, *whole*)
+leave out step 0, where a pair is identical. Definitions: docs/report.md (E3).
 """
 
 from __future__ import annotations
@@ -31,35 +14,30 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import bare
 from qkgeom.analysis.e3.arms import BASELINE, SHAM
 from qkgeom.runs import read_log
 
 EARLY_SHARE = 0.25
 WINDOWS = ("early", "whole")
 
-# quantity -> (metric in metrics.parquet, or "val_loss"; level; label)
-QUANTITIES: dict[str, tuple[str, str, str]] = {
-    "attn_entropy_scalefree": ("attn_entropy_scalefree", "token",
-                               "scale-free attention entropy (nats)"),
-    "attn_entropy": ("attn_entropy", "token", "attention entropy (nats)"),
-    "logit_std_row": ("logit_std_row", "token", "within-row logit scale"),
-    "logit_std": ("logit_std", "token", "pooled logit scale (std of q·k·scale)"),
-    "attn_entropy_norm": ("attn_entropy_norm", "token", "normalised attention entropy"),
-    "attn_max": ("attn_max", "token", "mean max attention weight"),
-    "pr_qk_weight": ("pr_qk_weight", "weight", "pr_qk (QKᵀ interaction PR)"),
-    "pr_qk_token": ("pr_qk_token", "token", "pr_qk (QKᵀ interaction PR)"),
-    "pr_k_weight": ("pr_k_weight", "weight", "PR_K"),
-    "pr_k_token": ("pr_k_token", "token", "PR_K"),
-    "pr_q_weight": ("pr_q_weight", "weight", "PR_Q"),
-    "pr_q_token": ("pr_q_token", "token", "PR_Q"),
-    "val_loss": ("val_loss", "—", "validation loss (nats/char)"),
+#: quantity (a metric of metrics.parquet, or val_loss of train_log.parquet) -> (level, label)
+QUANTITIES: dict[str, tuple[str, str]] = {
+    "attn_entropy_scalefree": ("token", "scale-free attention entropy (nats)"),
+    "attn_entropy": ("token", "attention entropy (nats)"),
+    "logit_std_row": ("token", "within-row logit scale"),
+    "logit_std": ("token", "pooled logit scale (std of q·k·scale)"),
+    "attn_entropy_norm": ("token", "normalised attention entropy"),
+    "attn_max": ("token", "mean max attention weight"),
+    "pr_qk_weight": ("weight", "pr_qk (QKᵀ interaction PR)"),
+    "pr_qk_token": ("token", "pr_qk (QKᵀ interaction PR)"),
+    "pr_k_weight": ("weight", "PR_K"), "pr_k_token": ("token", "PR_K"),
+    "pr_q_weight": ("weight", "PR_Q"), "pr_q_token": ("token", "PR_Q"),
+    "val_loss": ("—", "validation loss (nats/char)"),
 }
 #: The smallest effect of interest of each quantity with an equivalence test (nats):
 #: docs/protocols.md#e3 gives the reason. Other quantities have none.
 DELTA = {"attn_entropy_scalefree": 0.10, "attn_entropy": 0.10}
 #: The control's flat records (per unit ``l{layer}`` or ``l{layer}h{head}``).
-CONTROL_RECORDS = ("ctl_dose", "ctl_bound_share")
 _UNIT_RECORD = re.compile(r"^(ctl_dose|ctl_bound_share)_(l\d+(?:h\d+)?)$")
 
 #: Predicted sign of arm − baseline per (mode, quantity): the claims, plus the control's own
@@ -80,8 +58,7 @@ def e3_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
     """Whole-model values per run and step of the pair groups' runs: ``run_id, step,
     quantity, value`` (the quantities above and ``val_loss`` at eval steps)."""
     runs = set(members["run_id"])
-    metrics = {m for m, _, _ in QUANTITIES.values() if m != "val_loss"}
-    table = bare(table)
+    metrics = set(QUANTITIES) - {"val_loss"}
     mine = table[table["run_id"].isin(runs) & (table["head"] == -1)]
     sel = mine[mine["metric"].isin(metrics)]
     parts = [sel.groupby(["run_id", "step", "metric"])["value"].mean().reset_index()
@@ -101,7 +78,6 @@ def unit_series(table: pd.DataFrame, members: pd.DataFrame) -> pd.DataFrame:
     ``pr_qk_token`` of that unit, and the control's per-unit records
     (``UNIT_COLUMNS``). The uncontrolled run of a group is given in the scope of its
     group's controlled runs (both, when they differ)."""
-    table = bare(table)
     mine = table[table["run_id"].isin(set(members["run_id"]))]
     controlled = members[members["mode"] != BASELINE]
     scopes = controlled.groupby("group")["scope"].agg(set).to_dict()
@@ -210,27 +186,23 @@ EFFECT_COLUMNS = ["arm", "baseline", "quantity", "window", "mode", "dose", "leve
 
 
 def effects(windows: pd.DataFrame) -> pd.DataFrame:
-    """Per ``arm, baseline, quantity, window``: the arm's settings, ``n_seeds, k, share,
-    mean, ci_low, ci_high, sd, rel_mean, predicted`` (+1/−1/0 = none), ``p_value``
-    (sign-flip, predicted direction), ``p_opposite``, ``p_sign`` (sign test), ``delta``
-    and ``p_equiv`` (TOST within ±δ; NaN without a δ), ``detectable`` (the smallest effect
-    these seeds find with 80 % power at their spread), ``first_step, last_step``."""
+    """Per ``arm, baseline, quantity, window``: the arm's settings, the seeds' test
+    (:func:`qkgeom.analysis.stats.unit_test`: ``n_seeds, k, share, mean``, t-interval,
+    sign-flip and sign-test p's, TOST within ±``delta`` where one is declared,
+    ``detectable``), ``rel_mean``, ``predicted`` (+1/−1/0 = none) and the steps."""
     rows = []
     keys = ["arm", "baseline", "quantity", "window"]
     for (arm, baseline, quantity, window), g in windows.groupby(keys, sort=True):
-        mode = str(g["mode"].iloc[0])
-        sign = PREDICTED.get((mode, quantity), 0)
+        first = g.iloc[0]
+        sign = PREDICTED.get((str(first["mode"]), quantity), 0)
         delta = DELTA.get(quantity)
         u = stats.unit_test(g["mean_diff"], sign, delta)
-        rows.append({"arm": arm, "baseline": baseline, "quantity": quantity, "window": window,
-                     "mode": mode, "dose": float(g["dose"].iloc[0]),
-                     "level": str(g["level"].iloc[0]), "scale": str(g["scale"].iloc[0]),
-                     "n_seeds": u["n"], "k": u["k"], "share": u["share"], "mean": u["mean"],
-                     "ci_low": u["ci_low"], "ci_high": u["ci_high"], "sd": u["sd"],
+        rows.append({**u, "arm": arm, "baseline": baseline, "quantity": quantity,
+                     "window": window, "mode": str(first["mode"]),
+                     "dose": float(first["dose"]), "level": str(first["level"]),
+                     "scale": str(first["scale"]), "n_seeds": u["n"],
                      "rel_mean": float(g["rel_diff"].mean()), "predicted": sign,
-                     "p_value": u["p_value"], "p_opposite": u["p_opposite"],
-                     "p_sign": u["p_sign"], "delta": np.nan if delta is None else delta,
-                     "p_equiv": u["p_equiv"], "detectable": u["detectable"],
+                     "delta": np.nan if delta is None else delta,
                      "first_step": int(g["first_step"].min()),
                      "last_step": int(g["last_step"].max())})
     return pd.DataFrame(rows, columns=EFFECT_COLUMNS)

@@ -19,15 +19,17 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.collate import sweep_of
-from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES, with_ci
+from qkgeom.analysis.collate import Collated
+from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES
 from qkgeom.analysis.e3.evaluate import e3_analysis
 from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
 from qkgeom.analysis.e3.paired import EARLY_SHARE, QUANTITIES
 from qkgeom.analysis.kit import (
+    Drawn,
     claims_markdown,
     descriptive_reason,
     excluded_markdown,
+    figure_markdown,
     fmt_p,
     md_table,
     md_text,
@@ -35,6 +37,7 @@ from qkgeom.analysis.kit import (
     setup_markdown,
     signed,
     summary_markdown,
+    with_ci,
     write_csvs,
     write_pages,
 )
@@ -138,7 +141,7 @@ def effects_markdown(eff: pd.DataFrame) -> str:
     """Every arm × baseline × quantity × window with its tests."""
     rows = []
     for r in eff.sort_values(["arm", "baseline", "quantity", "window"]).itertuples():
-        _, level, label = QUANTITIES[r.quantity]
+        level, label = QUANTITIES[r.quantity]
         pred = {1: "Δ > 0", -1: "Δ < 0"}.get(int(r.predicted), "")
         equiv = (f"{fmt_p(r.p_equiv)} (±{r.delta:g})" if np.isfinite(r.delta) else "—")
         rows.append([r.arm, f"− {r.baseline}", label, level, r.window,
@@ -214,12 +217,10 @@ def _rules_text() -> str:
     )
 
 
-def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
-                       figures: dict[str, Path], sweep_dir: Path, drawn: bool = True,
-                       spread: str = "") -> str:
+def e3_report_markdown(data: Collated, analysis: dict[str, pd.DataFrame], figs: Drawn) -> str:
     """The E3 ``report.md``, opening with the one-line summary; ``spread`` says how the
     figures show the seeds; ``drawn=False`` when figures were not asked for."""
-    name = sweep_of(table)[0] or sweep_dir.name
+    name = data.name
     members = analysis["members"]
     per_arm = members.groupby("arm")["seed"].nunique().to_dict() if len(members) else {}
     gate = analysis["gate"]
@@ -241,36 +242,28 @@ def e3_report_markdown(table: pd.DataFrame, analysis: dict[str, pd.DataFrame],
     excluded_pairs = _excluded_pairs_markdown(analysis["excluded_pairs"])
     if excluded_pairs:
         parts += [excluded_pairs, ""]
-    parts += [setup_markdown(table, sweep_dir), "",
-              excluded_markdown(table), "", "## Figures", ""]
-    if not figures:
-        parts.append("No figures: no controlled run could be paired." if drawn else
+    parts += [setup_markdown(data), "", excluded_markdown(data), "", "## Figures", ""]
+    if not figs.pngs:
+        parts.append("No figures: no controlled run could be paired." if figs.asked else
                      "No figures: not drawn (`figures=False`).")
-    for key, png in figures.items():
-        title = key.replace("e3_", "").replace("_", " ")
-        parts += [f"### E3 {title}", "", f"[![{key}]({png.name})]({png.name})", "",
-                  f"*{CAPTIONS[key].format(spread=spread)} Vector version: "
-                  f"[{png.with_suffix('.svg').name}]({png.with_suffix('.svg').name}).*", ""]
+    for key, png in figs.pngs.items():
+        title = "E3 " + key.replace("e3_", "").replace("_", " ")
+        parts += [*figure_markdown(png, CAPTIONS[key].format(spread=figs.spread), title), ""]
     return "\n".join(parts).rstrip() + "\n"
 
 
-def write_e3_report(table: pd.DataFrame, sweep_dir: Path, out: Path,
-                    figures: bool = True) -> Path:
-    """The E3 report of a collated sweep ``table`` into ``out``; returns ``report.md``."""
-    analysis = e3_analysis(table)
+def write_e3_report(data: Collated, out: Path, figures: bool = True) -> Path:
+    """The E3 report of a collated sweep into ``out``; returns ``report.md``."""
+    analysis = e3_analysis(data)
     write_csvs(out, ((fname, analysis[key]) for fname, key in (
         ("claims", "claims"), ("e3_manipulation", "manipulation"),
         ("e3_manipulation_units", "manipulation_units"), ("e3_effects", "effects"),
         ("e3_mediation", "mediation"), ("e3_windows", "windows"), ("e3_paired", "paired"),
         ("e3_arms", "arms"))))
-    figs: dict[str, Path] = {}
-    spread = ""
+    figs = Drawn(asked=figures)
     if figures and not analysis["paired"].empty:
-        from qkgeom.analysis.e3.figures import make_e3_figures, seeds_per_arm
-        from qkgeom.analysis.figstyle import spread_note
+        from qkgeom.analysis.e3.figures import make_e3_figures  # matplotlib: only to draw
 
         figs = make_e3_figures(analysis, out)
-        spread = spread_note(seeds_per_arm(analysis["members"]))
-    text = e3_report_markdown(table, analysis, figs, sweep_dir, drawn=figures, spread=spread)
-    name = sweep_of(table)[0] or sweep_dir.name
-    return write_pages(out, text, f"qkgeom report: {name}")
+    text = e3_report_markdown(data, analysis, figs)
+    return write_pages(out, text, f"qkgeom report: {data.name}")

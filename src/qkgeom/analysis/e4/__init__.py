@@ -1,11 +1,7 @@
-"""E4: token-level Q/K geometry across the checkpoints of a model family.
-
-Reads the analysis folder ``qkgeom analyze`` writes (:mod:`qkgeom.runs.family`), or a set
-of them, one per seed (``qkgeom reproduce e4``): ``regime`` (the regime call of one layer:
-a rise and a fall, each against what noise gives a monotone curve), ``trends``
-(Mann–Kendall, the per-layer table, across-head correlations), ``bootstrap`` (the
-token-block bootstrap of the calls), ``claims`` (E4.1–E4.4, for one model or over seeds),
-``figures`` (matplotlib, imported only to draw) and ``report``.
+"""E4: token-level Q/K geometry across the checkpoints of a model family, from the analysis
+folder ``qkgeom analyze`` writes or a set of them, one per seed (``qkgeom reproduce e4``):
+``regime`` (the call of one layer), ``trends`` (the per-layer table, Mann–Kendall,
+across-head ρ), ``bootstrap`` (token blocks), ``claims``, ``labels``, ``figures``, ``report``.
 """
 
 from qkgeom.analysis.e4.bootstrap import block_bootstrap

@@ -1,22 +1,10 @@
 """The token-block bootstrap of the E4 regime calls (descriptive; docs/protocols.md).
 
-``qkgeom analyze --blocks K`` measures every checkpoint on all tokens (``block = −1``) and
-on K contiguous token blocks (``block = 0 … K−1``, the same blocks at every checkpoint).
-One resample draws K blocks with replacement (:data:`N_BOOT` resamples, a fixed seed) and
-moves the **all-token trajectory** by the mean of the drawn blocks' deviations from the
-blocks' mean, times √(K/(K−1)): the resamples are centred on the all-token estimate (the
-number every table reports) and spread as a mean of K blocks does. A mean of block PRs
-would be neither: a PR measured on 1/K of the tokens is biased (fewer tokens, a
-different spectrum), so that mean is not the all-token PR. On each resample the regime
-statistics are recomputed on the checkpoints after the warm-up and tested against the
-layer's own null distribution (:func:`qkgeom.analysis.e4.regime.regime_calls`, computed
-once on the data). Reported per layer: the share of resamples giving each call, and
-percentile intervals of the share of the gain lost and of the peak step; per
-checkpoint (every one, the warm-up's included), a percentile band of the trajectory (the
-figure). With 8 blocks of one text this describes how much the call depends on which
-tokens were read; it is not a test over independent units.
-Written out: ``scipy.stats.bootstrap`` resamples observations of a numeric statistic, not
-blocks of a trajectory whose categorical call is recomputed on each resample.
+One resample draws the K token blocks with replacement and moves the all-token trajectory
+by the mean of the drawn blocks' deviations, so resamples centre on the number every table
+reports; the calls are recomputed on each against the layer's own null. Written out:
+``scipy.stats.bootstrap`` resamples observations of a numeric statistic, not blocks of a
+trajectory whose categorical call is recomputed.
 """
 
 from __future__ import annotations
@@ -28,6 +16,7 @@ from qkgeom.analysis.e4.regime import (
     CALLS,
     FALL,
     RISE_FALL,
+    block_weights,
     call_of,
     peak_stats,
     regime_calls,
@@ -38,19 +27,11 @@ from qkgeom.analysis.e4.regime import (
 )
 from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS, trajectories
 
-__all__ = ["BOOT_SEED", "CI", "N_BOOT", "block_bootstrap", "resample_weights"]
+__all__ = ["BOOT_SEED", "CI", "N_BOOT", "block_bootstrap"]
 
 N_BOOT = 2000
 BOOT_SEED = 0
 CI = (2.5, 97.5)
-
-
-def resample_weights(k: int, n_boot: int, seed: int) -> np.ndarray:
-    """(n_boot, k): in each resample, the share of the k draws that fell on each block."""
-    idx = np.random.default_rng(seed).integers(0, k, size=(n_boot, k))
-    weights = np.zeros((n_boot, k))
-    np.add.at(weights, (np.repeat(np.arange(n_boot), k), idx.ravel()), 1.0 / k)
-    return weights
 
 
 def block_bootstrap(metrics: pd.DataFrame, blocks: pd.DataFrame, warmup: int | None = None,
@@ -75,7 +56,7 @@ def block_bootstrap(metrics: pd.DataFrame, blocks: pd.DataFrame, warmup: int | N
     x, cube = tr.x[ok], tr.blocks[ok]
     k = cube.shape[1]
     dev = token_deviations(cube, len(layers), len(tr.steps))
-    traj = x[:, None, :] + np.einsum("bk,lkn->lbn", resample_weights(k, n_boot, seed), dev)
+    traj = x[:, None, :] + np.einsum("bk,lkn->lbn", block_weights(np.random.default_rng(seed), n_boot, k), dev)
     win = traj[..., tr.window]  # (L, B, n in the rule)
     null = regime_calls(x[:, tr.window], cube[..., tr.window])
     peak, gain, drop = peak_stats(win)

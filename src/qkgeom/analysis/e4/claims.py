@@ -1,34 +1,11 @@
-"""The E4 claims (docs/protocols.md) with computed verdicts: over seeds, or for one model.
+"""The E4 claims with computed verdicts: over seeds (:func:`seed_claims`, the seed the
+unit) or for one model (:func:`e4_claims`, the model the unit for E4.1/E4.2, its layers
+counted descriptively for E4.3/E4.4).
 
-Every claim starts from the per-layer regime call (:mod:`qkgeom.analysis.e4.regime`: a rise
-to the peak and a drop from it to the last checkpoint after the LR warm-up, each against
-what noise gives a monotone curve) and its scores z (about N(0, 1) for a layer without the
-effect). Per model (a seed's run, or one pretrained family) and contrast:
-
-- **E4.1** the monotone trend is not universal — some layer falls: the model's p is the
-  smallest layer p of the fall, Šidák-adjusted over its L layers, 1 − (1 − min p)^L;
-- **E4.2** an early-training regime exists — some layer rises then falls: the same with
-  each layer's rise-and-fall p, max(p_rise, p_fall) (both must hold);
-- **E4.3** … and decays over the full run — the typical layer rises and falls back: the
-  mean over the model's layers of its rise-and-fall score min(z_rise, z_fall); the share
-  of the gain lost (layers that rise then fall) shown;
-- **E4.4** the interaction-rank ↔ attention-entropy link stays visible — the mean over
-  layers of the Spearman ρ across each layer's heads of pr_qk with attention entropy at the
-  last checkpoint.
-
-**Seeds** (:func:`seed_claims`): the unit is the seed; the layers of one model are not
-independent, so each seed's layers are first summarised into one value (E4.1/E4.2: the
-probit score Φ⁻¹(1 − p) of the model's p; E4.3/E4.4: the means above), then
-:func:`qkgeom.analysis.stats.unit_test` (sign-flip over seeds, both directions).
-**One model** (:func:`e4_claims`): E4.1 and E4.2 are decided by the model's own p (the
-model is the one unit: supported below 0.05, else inconclusive), a statement about that
-model; E4.3 and E4.4 count its layers with the sign-flip and sign tests over layers,
-which describe rather than infer (the layers are not independent).
-
-Each claim has one **primary** row (:data:`PRIMARY_LEVEL`), decided at α; the other rows
-are secondary, Holm-adjusted together; the verdicts are the house rule's
-(:func:`qkgeom.analysis.kit.decide`). No smallest effect of interest is declared for E4,
-so no row can be *equivalent to no effect*.
+Every claim starts from the per-layer regime call and its scores; each claim's primary row
+(:data:`PRIMARY_LEVEL`) is decided at α, the others are secondary (Holm). No smallest
+effect of interest is declared, so no row is *equivalent to no effect*. The scores and why:
+docs/protocols.md#scores-one-value-per-seed and #e4-claims.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """E4 figures of an analysed checkpoint family (matplotlib; PNG 150 dpi + SVG).
 
-- ``contrast_steps``: PR_Q − PR_K per layer against step (log x; symlog when step 0 is
-  there), one panel per recorded contrast (the primary, head-mean token contrast first,
-  with its 95 % token-block bootstrap band); the peak of each layer marked (◆); duplicate
-  checkpoints as hollow markers;
-- ``prefix_trend`` (descriptive): Mann–Kendall Z of growing prefixes against the prefix's
-  last step, per layer, with the one-sided 5 % line (Z = 1.645);
-- ``qk_entropy_heads``: pr_qk (token level) against attention entropy, one panel per
-  checkpoint (at most 12, spread over the run, three across, on shared axes), heads
-  coloured by layer, the mean per-layer ρ in the title.
-
-A figure that would show nothing is not drawn (:func:`degenerate_figures`: one checkpoint
-has no trajectory, fewer than three no prefix trend, no per-head rows no head scatter)
-and the report says so. Checkpoints
-whose step is not known are labelled by their name (:mod:`qkgeom.analysis.e4.labels`),
-never by their position as a "step"; their x axis is the given order, labelled with the
-names.
-
-House style of :mod:`qkgeom.analysis.figstyle`, drawn on bare Figures (no pyplot).
+``contrast_steps`` (every contrast per layer against step, the primary with its bootstrap
+band, peaks marked), ``prefix_trend`` (descriptive), ``qk_entropy_heads`` (one panel per
+checkpoint, at most 12) and, for a set, ``e4_seeds``. A figure that would show nothing is
+not drawn (:func:`degenerate_figures`); checkpoints whose step is not known are labelled
+by name, never as a "step" (:mod:`.labels`). House style: :mod:`qkgeom.analysis.figstyle`.
 """
 
 from __future__ import annotations
@@ -44,6 +31,7 @@ from qkgeom.analysis.figstyle import (
     new_figure,
     save_figure,
 )
+from qkgeom.analysis.kit import Drawn
 
 __all__ = ["degenerate_figures", "fig_seeds", "make_e4_figures", "make_e4_set_figure"]
 
@@ -205,28 +193,23 @@ def degenerate_figures(metrics: pd.DataFrame, prefix: pd.DataFrame) -> dict[str,
     return out
 
 
-def make_e4_figures(metrics: pd.DataFrame, trends: pd.DataFrame, prefix: pd.DataFrame,
-                    heads: pd.DataFrame, band: pd.DataFrame, out_dir: str | Path,
-                    checkpoints: pd.DataFrame | None = None,
-                    warmup: int | None = None) -> dict[str, Path]:
-    """Draw the E4 figures into ``out_dir`` (``band``: the block bootstrap's percentile
-    band of the primary contrast, maybe empty; ``checkpoints``: the folder's checkpoint
-    table, for labels; ``warmup``: where the LR warm-up ends, shaded); returns {name: PNG
-    path}. The figures of :func:`degenerate_figures` are not drawn."""
-    ckpts = checkpoints if checkpoints is not None else pd.DataFrame(
-        columns=["checkpoint", "step", "step_source"])
+def make_e4_figures(analysis: dict, band: pd.DataFrame, out_dir: str | Path) -> Drawn:
+    """The E4 figures of one analysis folder (:func:`~qkgeom.analysis.e4.report.load_analysis`'s
+    tables; ``band``: the block bootstrap's band of the primary contrast, maybe empty) into
+    ``out_dir``; those of :func:`degenerate_figures` are listed instead."""
+    a, ckpts = analysis, analysis["checkpoints"]
     sources = dict(zip(ckpts["checkpoint"].astype(str), ckpts["step_source"], strict=True))
     names = names_by_position(ckpts[ckpts["in_trends"]] if "in_trends" in ckpts else ckpts)
-    skip = degenerate_figures(metrics, prefix)
-    out = {}
+    drawn = Drawn(empty=degenerate_figures(a["metrics"], a["prefix"]))
     with matplotlib.rc_context(STYLE):
-        for name, make in (("contrast_steps", lambda: fig_contrast(metrics, trends, band, names,
-                                                                     warmup)),
-                           ("prefix_trend", lambda: fig_prefix(prefix, trends, names)),
-                           ("qk_entropy_heads", lambda: fig_heads(metrics, heads, sources))):
-            if name not in skip:
-                out[name] = save_figure(make(), out_dir, name)[0]
-    return out
+        for name, make in (
+                ("contrast_steps", lambda: fig_contrast(a["metrics"], a["trends"], band, names,
+                                                        a["warmup"])),
+                ("prefix_trend", lambda: fig_prefix(a["prefix"], a["trends"], names)),
+                ("qk_entropy_heads", lambda: fig_heads(a["metrics"], a["heads"], sources))):
+            if name not in drawn.empty:
+                drawn.pngs[name] = save_figure(make(), out_dir, name)[0]
+    return drawn
 
 
 def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int | None
@@ -275,10 +258,10 @@ def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int |
 
 
 def make_e4_set_figure(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]],
-                       warmup: int | None, out_dir: str | Path) -> dict[str, Path]:
-    """Draw :func:`fig_seeds` into ``out_dir`` as ``e4_seeds``; {} when no seed records the
-    primary contrast."""
+                       warmup: int | None, out_dir: str | Path) -> Drawn:
+    """Draw :func:`fig_seeds` into ``out_dir`` as ``e4_seeds`` (none when no seed records
+    the primary contrast)."""
     if not any(((m["metric"] == PRIMARY) & (m["head"] == -1)).any() for m, _ in units.values()):
-        return {}
+        return Drawn()
     with matplotlib.rc_context(STYLE):
-        return {"e4_seeds": save_figure(fig_seeds(units, warmup), out_dir, "e4_seeds")[0]}
+        return Drawn({"e4_seeds": save_figure(fig_seeds(units, warmup), out_dir, "e4_seeds")[0]})

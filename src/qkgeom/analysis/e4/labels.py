@@ -1,9 +1,6 @@
-"""How E4 names a checkpoint in figures and tables.
-
-A checkpoint's step is known when it was read from its name, its ``trainer_state.json`` or
-the run that saved it; otherwise (``step_source`` "order": a pretrained model, folders
-without a step) the step is only its position in the order given, and it is shown by its
-name, never as "step 0".
+"""How E4 names a checkpoint: by its step when that is known (from its name, its
+``trainer_state.json`` or the run that saved it), else (``step_source`` "order": a
+pretrained model, folders without a step) by its name, never as "step 0".
 """
 
 from __future__ import annotations

@@ -1,43 +1,12 @@
 """The regime call of a layer's contrast trajectory: did it rise, did it fall, beyond noise.
 
-Rule and reasons: docs/protocols.md (the regime call). Per row (one layer's contrast on the
-checkpoints after the LR warm-up, x_1 … x_n in step order) with p the checkpoint of the
-largest contrast (the first, on ties):
-
-- **gain** G = x_p − x_1 and **drop** D = x_p − x_n;
-- **the null curves**: for any non-decreasing curve m plus noise ε,
-  D = max_i (m_i − m_n + ε_i − ε_n) ≤ max_i (ε_i − ε_n), so a *constant* curve gives the
-  largest drop any monotone curve can give with the same noise, draw by draw; likewise a
-  constant curve bounds the gain of every non-increasing one. Each statistic is therefore
-  calibrated on :data:`N_SURROGATES` surrogates of a constant curve plus noise, with the
-  peak taken in every surrogate as in the data (so choosing the peak from the data is
-  paid for). A fitted monotone curve is not used: an isotonic fit turns the noise of a
-  flat top into a rising staircase, whose surrogates drop less than the data can;
-- **the noise** of a surrogate is (a) *token noise*: K token blocks drawn with
-  replacement, the mean of their deviations from the blocks' mean, times √(K/(K−1))
-  (the same draw at every checkpoint, so the noise keeps its course over checkpoints;
-  the factor makes the variance that of a mean of K blocks), plus (b) *checkpoint jitter*:
-  independent normal noise of variance τ² = max(0, v(x) − v(token)), where v is the robust
-  second-difference variance (:func:`roughness`) of the all-token series and of the token
-  noise. Checkpoints of one run also differ by the training steps between them, which
-  the token blocks do not see;
-- **studentized**: each gain and drop, in the data and in every surrogate, is divided by
-  the square root of its own series' v, so the test does not hang on an estimate of the
-  noise level (with ~15 checkpoints that estimate is rough, and plugged in it made the
-  test liberal). The mix still matters: token noise drifts over checkpoints (the same
-  tokens read by a slowly changing model) and jitter does not; without (b) the
-  surrogates are too smooth for their drops and real falls are missed
-  (tests/analysis/test_regime.py);
-- **p** = (1 + #{surrogates ≥ observed}) / (1 + N_SURROGATES), one-sided; a **score**
-  z = Φ⁻¹(1 − mid-p) (ties count half), about N(0, 1) for a layer without the effect, for
-  the statistics over seeds (:mod:`qkgeom.analysis.e4.claims`);
-- **calls**: *rise then fall* (gain and drop significant), *monotone rise* (the gain only:
-  it may level off, and saturation is a monotone rise, never a regime), *fall* (the drop
-  only), *no trend*; **share of the gain lost** D/G, only where the gain is significant
-  (a gain within noise would make it arbitrarily large).
-
-The surrogates are drawn once per call from a fixed seed and shared by every row (a row's
-answer does not depend on the other rows); the work is vectorised over rows in chunks.
+On the checkpoints after the LR warm-up, the gain to the peak and the drop from it to the
+last checkpoint are each studentized and compared with surrogates of a *constant* curve
+plus the measured noise (token blocks and checkpoint jitter), the peak taken in every
+surrogate as in the data: a constant curve gives the largest drop any monotone curve can
+give with the same noise. The rule, each choice and the rules it replaced:
+docs/protocols.md#the-regime-call. The surrogates are drawn once per call from a fixed
+seed and shared by every row; the work is vectorised over rows in chunks.
 """
 
 from __future__ import annotations
@@ -50,7 +19,7 @@ from scipy import stats as sst
 from qkgeom.analysis.stats import ALPHA
 
 __all__ = ["CALLS", "FALL", "MIN_POINTS", "MONOTONE", "NO_TREND", "N_SURROGATES", "RISE_FALL",
-           "Regime", "call_of", "peak_stats", "regime_calls", "roughness", "studentize",
+           "Regime", "block_weights", "call_of", "peak_stats", "regime_calls", "roughness", "studentize",
            "token_deviations", "upper_p"]
 
 RISE_FALL, MONOTONE, FALL, NO_TREND = "rise then fall", "monotone rise", "fall", "no trend"
@@ -166,16 +135,14 @@ def call_of(p_rise: np.ndarray, p_fall: np.ndarray, gain: np.ndarray, drop: np.n
     return call, lost
 
 
-def _draws(n: int, k: int, n_surrogates: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """The shared draws: standard normals (S, n) for the jitter and block weights (S, K),
-    each row the share of the K draws that fell on each block."""
-    rng = np.random.default_rng(seed)
-    normals = rng.standard_normal((n_surrogates, n))
-    weights = np.zeros((n_surrogates, k))
+def block_weights(rng: np.random.Generator, draws: int, k: int) -> np.ndarray:
+    """(draws, k): in each draw of k blocks with replacement, the share that fell on each
+    block (the surrogates' token noise and the bootstrap's resamples)."""
+    weights = np.zeros((draws, k))
     if k:
-        idx = rng.integers(0, k, size=(n_surrogates, k))
-        np.add.at(weights, (np.repeat(np.arange(n_surrogates), k), idx.ravel()), 1.0 / k)
-    return normals, weights
+        idx = rng.integers(0, k, size=(draws, k))
+        np.add.at(weights, (np.repeat(np.arange(draws), k), idx.ravel()), 1.0 / k)
+    return weights
 
 
 def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float = ALPHA, *,
@@ -207,7 +174,9 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
     null_drop = np.full((rows, n_surrogates), np.nan)
     todo = np.flatnonzero(ok)
     if len(todo):
-        normals, weights = _draws(n, k, n_surrogates, seed)
+        rng = np.random.default_rng(seed)  # the jitter's normals, then the blocks' draws
+        normals = rng.standard_normal((n_surrogates, n))
+        weights = block_weights(rng, n_surrogates, k)
         step = max(1, _CHUNK // (n_surrogates * n))
         for a in range(0, len(todo), step):
             idx = todo[a:a + step]

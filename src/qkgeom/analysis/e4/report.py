@@ -1,16 +1,6 @@
-"""The E4 report of an analysis folder, or of a set of them (one per seed): a one-line
-summary and the claims table first, then setup, tables, figures.
-
-``write_e4_report(DIR)`` reads only the folder's JSON/Parquet (no torch, no model) and
-writes ``DIR/report/``: ``report.md`` (summary line and claims table first),
-``report.html`` (verdicts coloured, figures shown from their files), the figures (PNG
-150 dpi + SVG; those that would show nothing, e.g. a trajectory of one checkpoint, are
-listed instead) and the numbers as CSV (``claims.csv``,
-``trends.csv`` (the regime call per contrast and layer), ``bootstrap.csv`` (the token-block
-bootstrap of the primary contrast per layer), ``prefix_trends.csv``,
-``head_correlations.csv``, ``checkpoints.csv``). For a set (``e4.json``,
-:func:`write_e4_set_report`) the claims are over seeds, the tables carry a ``unit``
-column, and one figure shows every seed's primary contrast per layer.
+"""The E4 report of an analysis folder (one model) or of a set of them (one per seed):
+the summary line and the claims table first, then setup, tables, figures; files and
+layout: docs/report.md (E4). Reads only the folders' JSON/Parquet (no torch, no model).
 """
 
 from __future__ import annotations
@@ -39,12 +29,14 @@ from qkgeom.analysis.kit import (
     P_SIGN_CELL,
     VERDICT_CELL,
     Cell,
+    Drawn,
     claims_markdown,
-    field,
+    figure_markdown,
     fmt_p,
     md_code,
     md_table,
     md_text,
+    show,
     summary_markdown,
     write_csvs,
     write_pages,
@@ -58,10 +50,10 @@ __all__ = ["E4_CLAIM_CELLS", "bootstrap", "e4_claims_table", "load_analysis", "l
 
 #: The E4 claims table in Markdown: what each row measured and its own test.
 E4_CLAIM_CELLS: tuple[Cell, ...] = (
-    ("level", field("level")), ("role", field("role")), ("measured", field("measured")),
-    ("estimate", field("estimate")), ("test", field("test")), P_CELL,
+    ("level", show("level")), ("role", show("role")), ("measured", show("measured")),
+    ("estimate", show("estimate")), ("test", show("test")), P_CELL,
     ("p (Holm, secondary rows)", lambda r: fmt_p(r["p_adj"]) if r["role"] == "secondary"
-     else ""), P_SIGN_CELL, ("beside", field("beside")), VERDICT_CELL)
+     else ""), P_SIGN_CELL, ("beside", show("beside")), VERDICT_CELL)
 #: Figure captions of the report.
 CAPTIONS = {
     "contrast_steps": "PR_Q − PR_K per layer against step (hollow: duplicate checkpoints, "
@@ -312,14 +304,11 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
     write_csvs(out, (("claims", claims), ("trends", a["trends"]), ("bootstrap", boot),
                      ("prefix_trends", a["prefix"]), ("head_correlations", a["heads"]),
                      ("checkpoints", a["checkpoints"])))
-    figs: dict[str, Path] = {}
-    skipped: dict[str, str] = {}
+    figs = Drawn()
     if figures:
-        from qkgeom.analysis.e4.figures import degenerate_figures, make_e4_figures
+        from qkgeom.analysis.e4.figures import make_e4_figures  # matplotlib: only to draw
 
-        skipped = degenerate_figures(a["metrics"], a["prefix"])
-        figs = make_e4_figures(a["metrics"], a["trends"], a["prefix"], a["heads"], band, out,
-                               a["checkpoints"], a["warmup"])
+        figs = make_e4_figures(a, band, out)
     meta = a["meta"]
     parts = [
         f"# E4: token-level Q/K geometry across checkpoints — {md_text(meta['model'])}",
@@ -335,22 +324,18 @@ def write_e4_report(analysis_dir: str | Path, out: str | Path | None = None,
         "heads of all layers (mixes depths; shown only).",
         _heads_md(a["heads"], a["checkpoints"]) if len(a["heads"]) else "n/a",
     ]
-    parts += _figure_parts(figs, skipped)
-    text = "\n\n".join(parts) + "\n"
+    text = "\n\n".join(parts + _figure_parts(figs)) + "\n"
     return write_pages(out, text, f"qkgeom E4 report: {meta['model']}")
 
 
-def _figure_parts(figs: dict[str, Path], skipped: dict[str, str]) -> list[str]:
-    if not figs and not skipped:
+def _figure_parts(figs: Drawn) -> list[str]:
+    if not figs.pngs and not figs.empty:
         return []
     parts = ["## Figures"]
-    for name, path in figs.items():
-        svg = path.with_suffix(".svg").name
-        parts.append(f"[![{name}]({path.name})]({path.name})\n\n*{CAPTIONS[name]} "
-                     f"Vector version: [{svg}]({svg}).*")
-    if skipped:
+    parts += ["\n".join(figure_markdown(png, CAPTIONS[name])) for name, png in figs.pngs.items()]
+    if figs.empty:
         parts.append("Not drawn (they would show nothing): " + "; ".join(
-            f"`{name}` ({why})" for name, why in skipped.items()) + ".")
+            f"`{name}` ({why})" for name, why in figs.empty.items()) + ".")
     return parts
 
 
@@ -451,7 +436,7 @@ def write_e4_set_report(folder: str | Path, out: str | Path | None = None,
                      ("head_correlations", _with_unit({u: a["heads"] for u, a in units.items()})),
                      ("checkpoints", _with_unit({u: a["checkpoints"]
                                                  for u, a in units.items()}))))
-    figs: dict[str, Path] = {}
+    figs = Drawn()
     if figures:
         from qkgeom.analysis.e4.figures import make_e4_set_figure
 
@@ -474,6 +459,5 @@ def write_e4_set_report(folder: str | Path, out: str | Path | None = None,
         "`qkgeom report` on its analysis folder writes it): "
         + ("; ".join(reports) if reports else "none written yet") + ".",
     ]
-    parts += _figure_parts(figs, {})
-    text = "\n\n".join(parts) + "\n"
+    text = "\n\n".join(parts + _figure_parts(figs)) + "\n"
     return write_pages(out, text, f"qkgeom E4 report over seeds: {meta.get('name', '')}")

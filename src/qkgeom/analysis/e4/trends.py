@@ -1,24 +1,11 @@
 """Trajectory statistics over a family of checkpoints (numpy + scipy, no torch).
 
-Unit: one layer of one model (head −1), a contrast PR_Q − PR_K against checkpoint step:
-``contrast_token_heads`` (the mean over query heads of the per-head contrasts, fair under
-grouped-query attention: the primary), ``contrast_token`` (the concatenations; biased
-upward under GQA), ``contrast_weight`` and, for rotary models, ``contrast_token_post``.
-Layers of one model are not independent.
-
-- **Mann–Kendall** (:func:`mann_kendall`, vectorised in :func:`mann_kendall_batch`):
-  ``S = Σ_{i<j} sign(x_j − x_i)``, ``Var S = [n(n−1)(2n+5) − Σ_ties t(t−1)(2t+5)] / 18``,
-  ``Z = (S ∓ 1)/√Var`` (continuity correction, 0 when S = 0), one-sided p for an increase
-  ``1 − Φ(Z)`` and a decrease ``Φ(Z)``; Kendall's ``τ = S / (n(n−1)/2)``.
-  Written out: scipy has no Mann–Kendall test, and this one runs on every layer at once.
-- **Regime call** (:func:`trend_table`, the rule in :mod:`qkgeom.analysis.e4.regime`;
-  docs/protocols.md): on the checkpoints after the LR warm-up, a rise to the peak and a
-  drop from it to the last checkpoint, each tested against what noise gives a monotone
-  curve: *rise then fall*, *monotone rise* (saturation included), *fall*, *no trend*.
-- **prefix trend** (descriptive): Mann–Kendall of the first k checkpoints, k = 3 … n.
-- **across heads** (per checkpoint): Spearman ρ of ``pr_qk`` with ``attn_entropy`` over
-  the heads of each layer (the E4.4 statistic) and, shown beside only, over all heads of
-  all layers pooled (``layer = −1``; pooling mixes depths).
+Unit: one layer of one model (head −1), a contrast PR_Q − PR_K against checkpoint step
+(:data:`TREND_METRICS`; the primary is the head-mean token contrast, fair under
+grouped-query attention). Per layer: the regime call (:mod:`.regime`), Mann–Kendall and
+Spearman over the rule's window and over growing prefixes (descriptive), and per
+checkpoint the across-head ρ of pr_qk with entropy (E4.4). Mann–Kendall is written out:
+scipy has none, and this one runs on every layer at once. Definitions: docs/protocols.md.
 """
 
 from __future__ import annotations
