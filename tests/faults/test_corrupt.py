@@ -173,10 +173,10 @@ def test_report_lists_corrupt_runs_and_goes_on(base_run: Path, tmp_path: Path,
         json.dumps({**prov, "format_version": 99}))
     from qkgeom.analysis import collate
 
-    table = collate(sweep)
-    excluded = {r["run_id"]: r["excluded"] for r in table.attrs["excluded"]}
+    data = collate(sweep)
+    excluded = dict(zip(data.excluded["run_id"], data.excluded["excluded"], strict=True))
     assert set(excluded) == {"torn_metrics", "torn_status", "future", "torn_log"}, excluded
-    assert set(table["run_id"]) == {"good"}
+    assert set(data.metrics["run_id"]) == {"good"}
     assert "unreadable" in excluded["torn_status"] and "format 99" in excluded["future"]
     assert len(runs_table(sweep)) == 5
     RESULTS["corrupt runs in a report"] = True

@@ -46,7 +46,7 @@ def test_readers_see_every_probe_of_a_run_killed_between_compactions(
     assert code == 0 and "at step 8" in out, err
     code, out, err = in_process(["watch", str(killed), "--once"], capsys)
     assert code == 0 and "probe at step 8" in out.replace("\n", " "), err
-    table = collate(killed, include_incomplete=True)
+    table = collate(killed, include_incomplete=True).metrics
     assert sorted(table["step"].unique()) == [0, 4, 8]
     RESULTS["readers of a run killed between compactions"] = True
 
