@@ -306,16 +306,21 @@ def write_parquet(path: str | Path, frame: Any) -> None:
 MAX_JSON_BYTES = 64 * 2**20
 
 
-def read_json(path: str | Path) -> Any:
-    """Read JSON, turning a missing, torn or oversized file into a one-line QKGeomError."""
-    path = Path(path)
+def read_file(path: str | Path, limit: int = -1) -> bytes:
+    """The bytes of ``path`` (at most ``limit``); missing or unreadable: one line."""
     try:
         with open(path, "rb") as fh:
-            data = fh.read(MAX_JSON_BYTES + 1)
+            return fh.read(limit)
     except FileNotFoundError:
         raise QKGeomError(f"{path}: file not found") from None
     except OSError as err:
         raise QKGeomError(f"{path}: cannot be read ({err.strerror})") from None
+
+
+def read_json(path: str | Path) -> Any:
+    """Read JSON, turning a missing, torn or oversized file into a one-line QKGeomError."""
+    path = Path(path)
+    data = read_file(path, MAX_JSON_BYTES + 1)
     if len(data) > MAX_JSON_BYTES:
         raise QKGeomError(f"{path}: larger than {MAX_JSON_BYTES // 2**20} MiB; not a record "
                           "qkgeom wrote")
