@@ -95,6 +95,15 @@ def _write_tokens(path: Path, text: str, vocab: CharVocab) -> int:
     return unknown
 
 
+def _meta_of(folder: Path) -> dict[str, Any] | None:
+    """A folder's meta.json, None when missing, unreadable or not an object."""
+    try:
+        meta = json.loads((folder / _META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 def _check_target(out: Path, provenance: dict[str, Any], force: bool) -> None:
     """Refuse to write into ``out`` unless it is new, empty, or prepared data of the same
     ``provenance`` (source, path, inputs); ``force`` lifts the refusal (the caller then
@@ -110,11 +119,8 @@ def _check_target(out: Path, provenance: dict[str, Any], force: bool) -> None:
         raise QKGeomError(f"{out}: holds files that are not prepared data ({shown}); pass an "
                           "empty or new --dir (--force writes the prepared files beside them, "
                           "never deleting them)")
-    try:
-        meta = json.loads((out / _META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # no (readable) meta: an interrupted preparation, or only foreign files
-    if not isinstance(meta, dict):
+    meta = _meta_of(out)
+    if meta is None:  # an interrupted preparation, or only foreign files
         return
     saved = {k: meta.get(k) for k in provenance}
     if isinstance(saved.get("inputs"), dict):  # by content: a moved venv is the same corpus
@@ -297,10 +303,7 @@ def _check_replaceable(folder: Path) -> None:
     if foreign:
         raise QKGeomError(f"{folder}: holds files that are not prepared data "
                           f"({', '.join(foreign[:3])}); pass an empty or new folder")
-    try:
-        source = json.loads((folder / _META).read_text(encoding="utf-8")).get("source")
-    except (OSError, ValueError, AttributeError):
-        return
+    source = (_meta_of(folder) or {}).get("source")
     if source not in (None, "sample"):
         raise QKGeomError(f"{folder}: holds prepared {source!r} data, not the sample; pass "
                           "another folder")
