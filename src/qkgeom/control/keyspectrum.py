@@ -104,14 +104,12 @@ class KeySpectrumParametrization(nn.Module):
             k_new = torch.where(self.identity[:, None, None], k, m_new @ self.iroot.to(k.dtype))
         else:
             k_new, gamma, _, clamped = spectral_reshape(k, self.target, self.identity)
-        k64, new64 = k.to(torch.float64), k_new.to(torch.float64)
-        if self.scale == "data" and self.moment is not None:
-            s = self.moment.expand(k.shape[0], -1, -1)
-            kept = torch.where(torch.isfinite(self.spread), self.spread, _quad_trace(k64, s))
-            c = torch.sqrt(kept / _quad_trace(new64, s).clamp_min(1e-300))
-            k_new = k_new * c.to(k_new.dtype)[:, None, None]
-        elif self.scale == "frobenius" and self.level == "token":  # the reshape kept ‖W Σ^½‖
-            c = torch.sqrt(_quad_trace(k64, None) / _quad_trace(new64, None).clamp_min(1e-300))
+        data = self.scale == "data" and self.moment is not None
+        if data or (self.scale == "frobenius" and self.level == "token"):  # it kept ‖W Σ^½‖
+            s = self.moment.expand(k.shape[0], -1, -1) if data else None
+            kept = torch.where(torch.isfinite(self.spread), self.spread,  # NaN: keep it
+                               _quad_trace(k.to(torch.float64), s))
+            c = torch.sqrt(kept / _quad_trace(k_new.to(torch.float64), s).clamp_min(1e-300))
             k_new = k_new * c.to(k_new.dtype)[:, None, None]
         self.last_gamma, self.last_clamped = gamma.detach(), clamped.detach()
         if self.site.k_module is not self.site.q_module:  # W_K alone in its weight
@@ -180,8 +178,6 @@ class KeySpectrumControl:
         self.trajectory: tuple[list[int], dict[str, list[Tensor]]] = (
             [], {f: [] for f in FIELDS})  # record: steps and per-step fields
 
-    # ----------------------------------------------------------------- construction
-
     @classmethod
     def attach(cls, model: nn.Module, mode: str = "hold", *, level: str = "token",
                scope: str = "layer", scale: str = "data", dose: float | None = None,
@@ -248,8 +244,6 @@ class KeySpectrumControl:
                 parametrize.remove_parametrizations(site.k_module, "weight",
                                                     leave_parametrized=True)
         self._params = []
-
-    # ----------------------------------------------------------------- reading
 
     def _rows(self, site: AttentionSite) -> int:
         return site.head_dim if self.scope == "head" else site.n_kv_head * site.head_dim
@@ -346,8 +340,6 @@ class KeySpectrumControl:
         return {"target": torch.where(bound, cap, pr_before), "sched": sched, "base": base,
                 "bound": bound, "dose": r}
 
-    # ----------------------------------------------------------------- stepping
-
     def step(self, step: int | None = None) -> dict[str, float]:
         """Apply the control after optimiser update ``step`` (default: the next); returns
         :meth:`last`."""
@@ -364,8 +356,7 @@ class KeySpectrumControl:
             raise QKGeomError("key control has no step-0 PRs: attach with record_initial=True "
                               "or load_state_dict() from a checkpoint before stepping")
         if self.mode == "none":
-            m = self.measure(self._stored_units())
-            pr = m["pr_token" if self.level == "token" else "pr"]
+            pr = self.current_pr()
             self._last = {"pr": pr, "pr_before": pr}
         elif self.how == "parametrize":
             self._last = self._set_param_targets()
@@ -554,8 +545,6 @@ class KeySpectrumControl:
                            spread_target=spread_target[idx])
         return rec
 
-    # ----------------------------------------------------------------- records
-
     def _initial_record(self) -> dict[str, Tensor]:
         """The step-0 records (token level: NaN until the first forward gives Σ)."""
         n = len(self.names)
@@ -590,8 +579,6 @@ class KeySpectrumControl:
     def targets(self) -> dict[str, float]:
         """``{"ctl_target_<unit>": PR aimed at in the last step}``."""
         return {k: v for k, v in self.last().items() if k.startswith("ctl_target_")}
-
-    # ----------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "mode": self.mode, "level": self.level,
