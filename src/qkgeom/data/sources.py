@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from qkgeom.data.wikidump import iter_articles
-from qkgeom.errors import QKGeomError
+from qkgeom.errors import QKGeomError, first_line
 from qkgeom.io import read_file
 
 __all__ = ["SPLITS", "SAMPLE_DUMP", "SAMPLE_DUMP_SHA256", "WIKITEXT_FILES", "sample_dump_path",
@@ -119,10 +119,9 @@ def wikitext103_pieces(split: str) -> Iterator[str]:
     try:
         rows = datasets.load_dataset(_HF_DATASET, _HF_CONFIG, split=_HF_SPLITS[split])["text"]
     except Exception as err:  # network, hub or cache problems: all user-fixable
-        first = (str(err).strip().splitlines() or [""])[0]
         raise QKGeomError(f"could not load {_HF_DATASET} ({_HF_CONFIG}) with datasets: "
-                          f"{type(err).__name__}: {first}; check the network/HF cache or pass "
-                          "the wiki.*.raw files") from None
+                          f"{first_line(err)}; check the network/HF cache or pass the "
+                          "wiki.*.raw files") from None
     for start in range(0, len(rows), 2000):
         yield "".join(row if row else " \n" for row in rows[start:start + 2000])
 
