@@ -1,8 +1,6 @@
-"""Errors the user can fix.
-
-Anything raised as :class:`QKGeomError` is bad input (a missing file, an invalid config
-value, a corrupt run folder): the CLI prints its message on one line and exits with code 2,
-never a traceback. Everything else is a bug and keeps its traceback.
+"""Errors the user can fix: a :class:`QKGeomError` is bad input (a missing file, an invalid
+config value, a corrupt run folder), printed by the CLI on one line with exit code 2, never
+a traceback; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -20,6 +18,19 @@ class QKGeomError(Exception):
     exit_code = 2
 
 
+def require_whole(name: str, value: object, minimum: int = 1) -> None:
+    """QKGeomError unless ``value`` is an int (not a bool) >= ``minimum``; ``name`` is what
+    the user set (a CLI flag)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise QKGeomError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+
+
+def first_line(err: BaseException, limit: int | None = None) -> str:
+    """``Type: first line of the message`` (at most ``limit`` characters of it) of an error
+    a library raised, for a one-line QKGeomError."""
+    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:limit]}"
+
+
 class DivergedError(QKGeomError):
     """Training produced a non-finite loss; the run is recorded as ``diverged`` (exit 3)."""
 
@@ -27,11 +38,8 @@ class DivergedError(QKGeomError):
 
 
 class StorageError(QKGeomError):
-    """A result file could not be written (disk full, read-only folder, no permission).
-
-    The write was atomic, so the file it would have replaced (the last good checkpoint, the
-    previous metrics) is intact; free space or fix permissions, then ``--resume``.
-    """
+    """A result file could not be written (disk full, read-only, no permission); the write
+    was atomic, so the file it would have replaced is intact."""
 
     ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
                         errno.EFBIG})
@@ -45,12 +53,9 @@ class StorageError(QKGeomError):
 
 
 class Interrupted(KeyboardInterrupt):
-    """A stop asked for by a signal (SIGINT: Ctrl-C; SIGTERM: a scheduler, ``kill``).
-
-    A ``KeyboardInterrupt``, so code that already stops cleanly on Ctrl-C does the same on
-    SIGTERM; the trainer records where the run stopped and raises it again with the line
-    to print (``message``). The CLI exits with ``128 + signum`` (130, 143), as a shell
-    reports a process ended by that signal."""
+    """A stop asked for by SIGINT (Ctrl-C) or SIGTERM (a scheduler): a ``KeyboardInterrupt``,
+    so code that stops cleanly on Ctrl-C does on SIGTERM too; the CLI exits ``128 + signum``
+    as a shell reports it, printing ``message``."""
 
     def __init__(self, signum: int = signal.SIGINT, message: str = "") -> None:
         super().__init__(message)
@@ -72,10 +77,9 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
 
 @contextlib.contextmanager
 def signals_interrupt() -> Iterator[None]:
-    """Within the block, SIGTERM (and SIGINT) raise :class:`Interrupted` in the main thread,
-    so a run stopped by a scheduler records its state as one stopped by Ctrl-C does.
-    A handler someone else installed is left alone; off the main thread this does nothing
-    (Python delivers signals to the main thread only)."""
+    """Within the block SIGTERM and SIGINT raise :class:`Interrupted` in the main thread, so
+    a run a scheduler stops records its state as on Ctrl-C; someone else's handler is left
+    alone, and off the main thread (signals never arrive there) it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

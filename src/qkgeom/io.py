@@ -1,40 +1,12 @@
-"""Atomic file writes (a result file is either the old one or the complete new one), and
-JSON reads that fail in one line.
+"""Atomic file writes, no write through a link, and reads that fail in one line.
 
-A run killed mid-write (pre-emption, Ctrl-C, disk full) must never leave a torn
-``metrics.parquet`` or checkpoint behind, so every writer goes through a temp file in the
-same folder followed by ``os.replace`` (atomic on POSIX).
-
-A write the filesystem refuses (disk full, read-only folder, no permission) raises
-:class:`~qkgeom.errors.StorageError`, a one-line error naming the file; the file it would
-have replaced is left as it was, so a run's last good checkpoint survives.
-
-Fault injection for tests (``tests/faults``): the environment variable ``QKGEOM_FAULT``
-holds comma-separated ``action:glob[:n]`` entries, matched against the *name* of each file
-written here. ``enospc:GLOB:N`` makes the Nth matching write and every later one fail
-half-way with ``OSError(ENOSPC)`` (a disk that stays full), ``erofs:GLOB:N`` likewise
-with ``OSError(EROFS)`` (a folder that turned read-only); ``kill:GLOB:N`` SIGKILLs the
-process half-way through the Nth matching write (the temp file is torn, the target is
-untouched). ``n`` defaults to 1. Unset (the normal case), it costs one dict lookup.
-``pause:GLOB:N`` holds the Nth matching write (the temp file written, the target not yet
-replaced) until a file flag says go: it creates ``$QKGEOM_FAULT_PAUSE.waiting`` and waits
-for ``$QKGEOM_FAULT_PAUSE.go`` (a second writer can then be tried while the first is
-mid-run). ``QKGEOM_FAULT_ONCE`` (a file path) makes the faults fire only while that file
-does not exist, and creates it when one fires: a fault that takes down one process and not
-the one that retries it (a Ray task's retry, a resumed run).
-
-Temp files are named ``.<name>.<8 random characters>.tmp`` beside their target
-(:func:`temp_name_pattern`): the only files a resumed run may delete as leftovers of a
-killed write, so a user's own ``*.tmp`` files are never touched.
-
-Links: a result folder may come from someone else (a downloaded sweep), so nothing qkgeom
-writes inside one follows a symbolic link planted there. :func:`atomic_write` refuses a
-target that is a link (replacing it would hide the link's file; writing through it would
-overwrite that file), :func:`open_private` opens the files qkgeom appends to or locks
-(``attempts.jsonl``, ``worker.log``, lock files) with ``O_NOFOLLOW`` and refuses anything
-but a plain file, and :func:`refuse_link` / :func:`make_dir` refuse a sub-folder that is a
-link. Each refusal is one line naming the link. The folder a user names on the command
-line may itself be a link: that is the user's choice, not something found in a folder.
+A run killed mid-write (pre-emption, Ctrl-C, a full disk) must never leave a torn result
+behind, so every writer goes through a temp file beside its target (``.<name>.<8
+characters>.tmp``, the only names a resume may delete as leftovers) and ``os.replace``; a
+write the filesystem refuses is a one-line :class:`~qkgeom.errors.StorageError` and leaves
+the old file intact. A result folder may come from someone else, so nothing written in one
+follows a symbolic link planted there (docs/faults.md#links-and-crafted-folders). Tests
+inject faults into the writes through ``QKGEOM_FAULT`` (docs/faults.md#fault-injection).
 """
 
 from __future__ import annotations
@@ -76,11 +48,8 @@ def temp_name_pattern(names: str) -> re.Pattern[str]:
 
 
 def fsync_dir(folder: str | Path) -> None:
-    """Make a rename or unlink in ``folder`` durable (POSIX: fsync the directory).
-
-    Without it a power cut right after ``os.replace`` can bring back the old file (or
-    none), although the new one's data was synced. Filesystems or platforms that cannot
-    open or sync a directory are skipped silently: there is nothing more to do there."""
+    """Make a rename or unlink in ``folder`` durable (fsync the directory: else a power cut
+    after ``os.replace`` can bring back the old file); skipped where that is impossible."""
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except OSError:
@@ -212,10 +181,9 @@ def _os_error(path: str | Path, err: OSError) -> QKGeomError:
 
 
 def open_private(path: str | Path, flags: int, mode: int = 0o666) -> int:
-    """``os.open(path, flags)`` for a file qkgeom appends to or locks inside a result
-    folder, never following a link: a link, a file with other hard links (another name
-    for someone's file) or anything but a plain file (a FIFO would block) is refused in
-    one line. Returns the descriptor."""
+    """``os.open(path, flags)`` of a file qkgeom appends to or locks inside a result folder:
+    a link, a file with other hard links (another name for someone's file) or anything but
+    a plain file (a FIFO would block) is refused in one line."""
     path = Path(path)
     nofollow = getattr(os, "O_NOFOLLOW", 0)
     try:
@@ -250,14 +218,10 @@ def append_file(path: str | Path) -> Any:
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp_path)`` then atomically move ``tmp_path`` onto ``path``.
-
-    The file gets the permissions a plain ``open(path, "w")`` would (0666 minus the umask),
-    not ``mkstemp``'s owner-only 0600, so results stay readable by collaborators. The file's
-    data is fsynced before the rename and the folder after it, so a completed write
-    survives a power cut. A ``path`` that is a symbolic link is refused (:class:`LinkError`):
-    neither the link's file nor the link is overwritten.
-    """
+    """Call ``write(tmp_path)``, then move it onto ``path`` atomically and durably (data
+    synced before the rename, the folder after), with ``open()``'s permissions rather than
+    ``mkstemp``'s 0600 so collaborators can read results. A ``path`` that is a link is
+    refused (:class:`LinkError`)."""
     path = Path(path)
     refuse_link(path)
     try:
@@ -306,16 +270,21 @@ def write_parquet(path: str | Path, frame: Any) -> None:
 MAX_JSON_BYTES = 64 * 2**20
 
 
-def read_json(path: str | Path) -> Any:
-    """Read JSON, turning a missing, torn or oversized file into a one-line QKGeomError."""
-    path = Path(path)
+def read_file(path: str | Path, limit: int = -1) -> bytes:
+    """The bytes of ``path`` (at most ``limit``); missing or unreadable: one line."""
     try:
         with open(path, "rb") as fh:
-            data = fh.read(MAX_JSON_BYTES + 1)
+            return fh.read(limit)
     except FileNotFoundError:
         raise QKGeomError(f"{path}: file not found") from None
     except OSError as err:
         raise QKGeomError(f"{path}: cannot be read ({err.strerror})") from None
+
+
+def read_json(path: str | Path) -> Any:
+    """Read JSON, turning a missing, torn or oversized file into a one-line QKGeomError."""
+    path = Path(path)
+    data = read_file(path, MAX_JSON_BYTES + 1)
     if len(data) > MAX_JSON_BYTES:
         raise QKGeomError(f"{path}: larger than {MAX_JSON_BYTES // 2**20} MiB; not a record "
                           "qkgeom wrote")

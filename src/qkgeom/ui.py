@@ -1,18 +1,10 @@
-"""Terminal output (rich): the progress layouts, and tables that fit the terminal.
+"""Terminal output (rich): progress, and tables that fit the terminal.
 
-Progress: on a terminal, one rich bar (label, bar, n/total, fields, elapsed, ETA); when the
-output is redirected (nohup, SLURM, CI logs) a bar would only be drawn once, at the end,
-so :func:`step_progress` prints plain lines instead, one every ``every`` steps.
-
-Tables: values to 3 decimals, changes (Δ columns) signed. A table wider than the console
-is split into several, each repeating the index column, so no number is ever cut to
-``1.…``; a legend line can follow. The width is the terminal's, ``$COLUMNS`` when set,
-else :data:`LOG_WIDTH` when the output is not a terminal.
-
-Text from files (run ids, folder names, a run's error message, checkpoint names) may hold
-terminal control sequences (ESC, OSC 52 that sets the clipboard, a bidi override that
-reorders a line): every cell and title goes through :func:`printable`, which escapes them,
-and is handed to rich as plain text, never as markup.
+Redirected output (nohup, SLURM, CI logs) gets plain progress lines, since a bar would be
+drawn once, at the end. A table wider than the console is split into several, each
+repeating the index column, so no number is cut. Text from files may hold terminal control
+sequences (OSC 52 sets the clipboard, a bidi override reorders a line): every cell and
+title goes through :func:`printable` and reaches rich as plain text, never as markup.
 """
 
 from __future__ import annotations
@@ -54,8 +46,8 @@ def plain(text: object) -> Any:
 
 
 def console(stderr: bool = False) -> Console:
-    """A rich console on stdout (``stderr``: on stderr): the terminal's width, or
-    ``$COLUMNS``, or :data:`LOG_WIDTH` when redirected."""
+    """A rich console on stdout (or stderr), :data:`LOG_WIDTH` wide when redirected and
+    ``$COLUMNS`` is unset."""
     from rich.console import Console
 
     out = Console(stderr=stderr)
@@ -67,21 +59,13 @@ def console(stderr: bool = False) -> Console:
 def progress_bar(label: str, *fields: str, stderr: bool = False) -> Progress:
     """A started-on-demand ``rich`` Progress; ``fields`` are format strings such as
     ``"loss {task.fields[loss]}"``."""
+    from rich import progress as rp
     from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        TextColumn,
-        TimeElapsedColumn,
-        TimeRemainingColumn,
-    )
 
-    return Progress(
-        TextColumn(label), BarColumn(), MofNCompleteColumn(),
-        *(TextColumn(f) for f in fields), TimeElapsedColumn(), TextColumn("eta"),
-        TimeRemainingColumn(), console=Console(stderr=stderr),
-    )
+    return rp.Progress(rp.TextColumn(label), rp.BarColumn(), rp.MofNCompleteColumn(),
+                       *(rp.TextColumn(f) for f in fields), rp.TimeElapsedColumn(),
+                       rp.TextColumn("eta"), rp.TimeRemainingColumn(),
+                       console=Console(stderr=stderr))
 
 
 class StepProgress(Protocol):
@@ -148,9 +132,8 @@ class RichSteps:
 
 
 class PlainSteps:
-    """One plain line per ``every`` steps (and at the end), for logs: step, share done,
-    loss, val loss, tokens/s, elapsed and ETA. Lines are flushed at once, so ``tail -f``
-    of a batch job's log shows them as they come."""
+    """One plain line per ``every`` steps and at the end (step, share, losses, tokens/s,
+    elapsed, ETA), flushed at once so ``tail -f`` of a job's log shows it."""
 
     def __init__(self, label: str, total: int, done: int, every: int,
                  stream: Any = None) -> None:
@@ -219,10 +202,9 @@ def rich_table(table: pd.DataFrame, title: str | None = None, index: str = "laye
 
 
 def column_chunks(table: pd.DataFrame, width: int, index: str = "layer") -> list[list[str]]:
-    """The columns of ``table`` in consecutive groups, each of which fits ``width``
-    characters as a rich table together with the ``index`` column (a column too wide on
-    its own still gets a group of its own). As few groups as fit, and as even as they can
-    be: never a lone last column split off from a full table."""
+    """The columns of ``table`` in consecutive groups that each fit ``width`` with the
+    ``index`` column (a too wide column gets one of its own): as few groups as fit, as even
+    as they can be (never a lone last column)."""
     from rich.cells import cell_len
 
     def need(name: str, cells: list[str]) -> int:  # text + padding (2) + one border
@@ -314,11 +296,10 @@ def _narrowest(frame: pd.DataFrame, rows: list[list[str]], group: Sequence[str])
 
 def render_frame(frame: pd.DataFrame, title: str, legend: Sequence[str] = (),
                  group: Sequence[str] = ()) -> None:
-    """Print any small table (sweep status, claims) with rich; floats to 3 significant
-    digits; numbers never wrap, texts wrap at spaces to fit the console (short ones only
-    when the console is too narrow otherwise). ``group``: columns that name a group of
-    consecutive rows (a claim's id and text): written on the group's first row only, with
-    a rule between groups, so a long text is read once."""
+    """Print a small table (sweep status, claims): floats to 3 significant digits, numbers
+    never wrapped, texts wrapped at spaces to fit (short ones only when it must).
+    ``group`` columns name a group of consecutive rows (a claim's id and text): shown on
+    its first row only, with a rule between groups."""
     out = console()
     where = [list(frame.columns).index(c) for c in group]
     rows: list[list[str]] = []

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from qkgeom.data import default_data_dir, ensure_sample_data, load_prepared
+from qkgeom.data import default_data_dir, ensure_sample_data, load_data, load_prepared
 from qkgeom.data import prepare as prepare_mod
 from qkgeom.data import sources as sources_mod
 from qkgeom.data.text import open_text
@@ -117,6 +117,13 @@ def test_concurrent_callers_prepare_once(tmp_path, counted_fake_sample):
     assert counted_fake_sample.arrived == 3  # all three overlapped the preparation ...
     assert len(counted_fake_sample.calls) == 1  # ... which ran once
     assert load_prepared(target).sizes == {"train": 400, "val": 200, "test": 200}
+
+
+def test_load_data_sample_and_the_empty_name_are_the_embedded_sample(
+        monkeypatch, tmp_path, counted_fake_sample):
+    monkeypatch.setenv("QKGEOM_CACHE", str(tmp_path))
+    assert load_data("sample").dir == load_data("").dir == load_data().dir == default_data_dir()
+    assert len(counted_fake_sample.calls) == 1  # prepared once, then found
 
 
 def test_corrupt_cache_is_rebuilt_foreign_folder_refused(tmp_path, counted_fake_sample):

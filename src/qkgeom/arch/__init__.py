@@ -1,11 +1,8 @@
 """Architecture families: where the queries, keys and values of a model live.
 
-One module per family -- :mod:`~qkgeom.arch.gpt` (the project's GPT), :mod:`~.gpt2`,
-:mod:`~.neox` (GPT-NeoX / Pythia), :mod:`~.llama` (Llama / Mistral / Qwen, GQA, rotary,
-q/k norms), :mod:`~.bert` -- each the single place that knows its weight layout, head
-grouping and how to capture q/k. :func:`adapter_for` finds the family of a model; the
-measurement engine, the key control, the monitor and export all ask here. Adding a family
-is one module with a ``detect(model)`` and its test.
+One module per family, the single place that knows its weight layout, head grouping and
+how to capture q/k; :func:`adapter_for` finds a model's family for the measurement, the
+key control, the monitor and export. Adding a family: docs/architecture.md.
 """
 
 from __future__ import annotations

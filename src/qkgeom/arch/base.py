@@ -1,15 +1,10 @@
 """What every architecture family tells the rest of qkgeom about a model.
 
-Per layer, an :class:`AttentionSite`: where W_Q, W_K and W_V of each head are stored (read
-raw, in ``nn.Linear`` layout ``(heads·hd, d_model)``: no LayerNorm folding), how heads group
-under grouped-query attention, and which modules output the pre-rotary q and k. Per model,
-a :class:`ModelAdapter`: the sites, whether attention is causal, whether rotary embeddings
-act between the projections and the attention, and how to capture q/k during a forward
-pass. Fused layouts override the few ``*_heads`` / ``split`` methods in their family's
-module; everyone who touches weights (measurement, key control, export) asks a site.
-
-GQA pairing: query head ``h`` attends with key head ``h // (H / H_kv)`` (HF ``repeat_kv``
-order).
+Per layer an :class:`AttentionSite`: where each head's W_Q, W_K and W_V are stored (read
+raw, in ``nn.Linear`` layout ``(heads·hd, d_model)``), the head grouping under GQA (query
+head ``h`` attends with key head ``h // (H / H_kv)``, HF's ``repeat_kv`` order) and the
+modules whose outputs are the pre-rotary q/k; per model a :class:`ModelAdapter`. Fused
+layouts override the few ``*_heads`` / ``split`` methods in their family's module.
 """
 
 from __future__ import annotations
@@ -126,12 +121,10 @@ class ModelAdapter:
 
     def capture(self, on_qk: QKCallback, qk_site: str = "post-rotary"
                 ) -> AbstractContextManager[None]:
-        """Call ``on_qk(layer, q_site, k_site, q_attn, k_attn, scale)`` per layer during
-        forward passes in the block; the model is left untouched afterwards.
-
-        ``q_attn``/``k_attn`` are what the attention computes with (post-rotary; keys are the
-        H_kv distinct heads); ``q_site``/``k_site`` the same tensors, or the pre-rotary
-        projections when ``qk_site="pre-rotary"`` and the model has rotary."""
+        """Call ``on_qk(layer, q_site, k_site, q_attn, k_attn, scale)`` per layer during the
+        block's forward passes, the model untouched afterwards: ``*_attn`` what attention
+        computes with (keys: the H_kv distinct heads), ``*_site`` the same or, with
+        ``qk_site="pre-rotary"`` on a rotary model, the pre-rotary projections."""
         from qkgeom.errors import QKGeomError
 
         if qk_site not in QK_SITES:
@@ -139,9 +132,9 @@ class ModelAdapter:
         return self.capture_fn(self, on_qk, qk_site)
 
     def forward(self, ids: Tensor, attention_mask: Tensor | None = None) -> Any:
-        """One forward pass of ``net`` on token ids (B, T), without a KV cache;
-        ``attention_mask`` (B, T), 1/True on real tokens, is handed to an HF model (the
-        project's GPT takes none: causal, it needs none for right padding)."""
+        """One forward pass of ``net`` on token ids (B, T) without a KV cache; an
+        ``attention_mask`` (1 on real tokens) goes to an HF model (our causal GPT needs none
+        for right padding)."""
         if self.arch == "qkgeom":
             if attention_mask is not None:
                 raise ValueError("the project's GPT takes no attention_mask")
@@ -155,9 +148,8 @@ class ModelAdapter:
 
 
 def layer_list(model: nn.Module, paths: tuple[str, ...]) -> nn.ModuleList | None:
-    """The first non-empty ``nn.ModuleList`` at one of the dotted ``paths``, else None: how
-    the blocks of an HF model are found whatever wrapper (``transformer.``, ``model.``)
-    sits around them."""
+    """The first non-empty ``nn.ModuleList`` at one of the dotted ``paths`` (whatever
+    wrapper sits around an HF model's blocks), else None."""
     for path in paths:
         try:
             mods = model.get_submodule(path)

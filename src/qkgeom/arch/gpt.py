@@ -44,14 +44,10 @@ def detect(model: nn.Module) -> ModelAdapter | None:
 
 
 def to_gpt2(model: GPT) -> nn.Module:
-    """A ``transformers.GPT2LMHeadModel`` computing the same logits as ``model``.
-
-    Our GPT is GPT-2's architecture with separate q/k/v projections and (by default) no
-    biases, so the conversion is exact: q/k/v are fused into ``c_attn`` by
-    :func:`qkgeom.arch.gpt2.fuse_qkv`, every linear weight is transposed for GPT-2's
-    ``Conv1D`` (``x @ W``), absent biases (LayerNorm's too) become zeros, GELU is the exact
-    one, LayerNorm eps 1e-5, and the embeddings stay tied.
-    """
+    """A ``transformers.GPT2LMHeadModel`` computing the same logits as ``model``: ours is
+    GPT-2 with separate q/k/v and (by default) no biases, so q/k/v fused into ``c_attn``,
+    linear weights transposed for ``Conv1D``, zeros for absent biases, exact GELU, eps
+    1e-5 and tied embeddings make it exact."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from qkgeom.arch.gpt2 import fuse_qkv

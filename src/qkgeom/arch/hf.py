@@ -1,13 +1,10 @@
 """Capturing q/k from Hugging Face models (transformers >= 5), shared by the HF families.
 
-Post-rotary (default): q and k exactly as the model's attention function receives them
-(after bias, q/k norms and rotary; for GQA the distinct key heads, before ``repeat_kv``).
-The attention modules of transformers 5 all call
-``ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)(self, q, k, v, mask,
-scaling=..., ...)``; wrapping the registered functions (and restoring the registry
-afterwards, whatever happens) hands those tensors over without touching the model, and the
-model keeps its own fast kernel (sdpa, flash, ...). Pre-rotary: forward hooks on the q/k
-projections (or q/k norms), split into heads by the site's layout.
+Post-rotary: every attention module of transformers 5 calls the registered attention
+function with q and k after bias, q/k norms and rotary (for GQA the distinct key heads);
+wrapping the registered functions for the block, the registry restored whatever happens,
+hands those over without touching the model, which keeps its own fast kernel.
+Pre-rotary: forward hooks on the q/k projections (or norms), split by the site's layout.
 """
 
 from __future__ import annotations

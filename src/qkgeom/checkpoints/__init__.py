@@ -1,21 +1,10 @@
 """Experiment E4: Q/K geometry across a family of checkpoints (hub revisions, local HF
 folders, the project's own run), measured one checkpoint at a time, cached, resumable.
 
-::
-
-    from qkgeom.checkpoints import analyze_model
-    table = analyze_model(model, tokenizer, texts, max_tokens=200_000)  # long DataFrame
-
-    from qkgeom.checkpoints import analyze_checkpoints
-    analyze_checkpoints(["EleutherAI/pythia-160m"], "ckpt/pythia160m",
-                        revisions=["step0", "step512", "step143000"])
-    # then qkgeom.analysis.write_report("ckpt/pythia160m"): trends, early regime, E4 claims
-
-Modules: ``resolve`` (which checkpoints, their steps, loading, Q/K hashes), ``analyze``
-(one model over a corpus, through :func:`qkgeom.geometry.measure_batches`), ``family``
-(a family into an analysis folder, cached and resumable), ``export`` (our runs as
-``GPT2LMHeadModel`` folders). The statistics and the report are :mod:`qkgeom.analysis.e4`'s.
-Names load on first use.
+``resolve`` (which checkpoints, their steps, loading, Q/K hashes), ``analyze`` (one model
+over a corpus), ``family`` (a family into an analysis folder) and ``export`` (our runs as
+``GPT2LMHeadModel`` folders); the statistics and the report are :mod:`qkgeom.analysis.e4`'s.
+Names load on first use. Usage: docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Token-level Q/K geometry of one model over a text corpus: :func:`analyze_model`.
 
-The text is tokenized in order (the model's own tokenizer), cut into windows of ``seq_len``
-tokens and streamed through :func:`qkgeom.geometry.measure_batches` in batches, so memory is
-one batch of activations plus O(L·(H·hd)²) float64 accumulators, whatever the token count.
-Encoders (BERT) get ``[CLS] … [SEP]`` around every window; decoders see raw windows.
-
-Token blocks (``blocks=K``, for the bootstrap of docs/checkpoints.md): the windows are cut
-into K contiguous runs of (nearly) equal size, window i in block ⌊i·K/n⌋, so the same
-text and settings give the same blocks for every checkpoint; the metrics are recorded for
-all tokens (``block = -1``) and per block from one pass (the window ids are held in memory
-to count them: 8 bytes per token). A text of fewer windows than blocks asked for gets one
-block per window (:func:`fitting_blocks`): a short analysis is measured, not refused.
+The text is tokenized in order by the model's own tokenizer, cut into windows and
+streamed through :func:`qkgeom.geometry.measure_batches`, so memory is one batch plus the
+float64 accumulators whatever the token count. Token blocks (the E4 bootstrap) are
+contiguous runs of windows, the same for every checkpoint of one text and settings
+(docs/checkpoints.md#token-blocks-for-the-bootstrap).
 """
 
 from __future__ import annotations
@@ -25,7 +19,7 @@ from torch import nn
 
 from qkgeom.arch import ModelAdapter, adapter_for
 from qkgeom.data.text import framing_ids, token_windows
-from qkgeom.errors import QKGeomError
+from qkgeom.errors import QKGeomError, require_whole
 from qkgeom.geometry import METRIC_NAMES, Measurement, measure_batches
 
 __all__ = ["DEFAULT_SEQ_LEN", "analyze_model"]
@@ -48,10 +42,9 @@ def _texts(texts: str | Iterable[str] | Callable[[], Iterable[str]]) -> Iterable
 def _batches(windows: Iterable[tuple[int, np.ndarray]], before: list[int], after: list[int],
              batch_size: int, progress: Callable[[int], None] | None
              ) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(block, ids)``: token windows (with their block index) framed by the special ids,
-    stacked ``batch_size`` at a time; a batch never mixes blocks or lengths (a short last
-    window runs alone). ``progress`` hears of each batch's text tokens once the consumer
-    asks for the next one, i.e. once the batch is measured."""
+    """``(block, ids)``: the windows framed by the special ids, ``batch_size`` at a time,
+    never mixing blocks or lengths; ``progress`` hears of a batch's text tokens once the
+    next one is asked for, i.e. once it is measured."""
     batch: list[np.ndarray] = []
     block = -1
 
@@ -75,16 +68,15 @@ def _batches(windows: Iterable[tuple[int, np.ndarray]], before: list[int], after
 
 
 def fitting_blocks(windows: int, blocks: int) -> int:
-    """The token blocks a text of ``windows`` windows is cut into when ``blocks`` are asked
-    for: a block needs a window, so a short text gets as many blocks as it has windows,
-    and one block (none: every token together) when it has fewer than two."""
+    """The blocks a text of ``windows`` windows gets when ``blocks`` are asked for: a block
+    needs a window, and below two windows there is one (every token together)."""
     return blocks if windows >= blocks else (windows if windows >= 2 else 1)
 
 
 def _block_plan(held: list[np.ndarray], blocks: int
                 ) -> tuple[list[tuple[int, np.ndarray]], list[int]]:
-    """Every window with its block (window i of n in block ⌊i·blocks/n⌋: contiguous runs
-    whose sizes differ by at most one window) and the text tokens of each block."""
+    """Every window with its block (window i of n in block ⌊i·blocks/n⌋) and the text
+    tokens of each block."""
     n = len(held)
     plan = [(i * blocks // n, w) for i, w in enumerate(held)]
     sizes = [0] * blocks
@@ -99,35 +91,18 @@ def analyze_model(
     qk_site: str = "pre-rotary", logit_spectrum: bool = True, precision: str = "float32",
     blocks: int = 1, progress: Callable[[int], None] | None = None, **columns: Any,
 ) -> pd.DataFrame:
-    """Every metric of ``model`` per layer and head on the first ``max_tokens`` text tokens.
+    """Every metric of ``model`` per layer and head on the first ``max_tokens`` text
+    tokens of ``texts`` (a string, strings, or a callable returning them), as a long frame
+    ``[*columns], layer, head, metric, value, block`` (head −1: the layer; block −1: all
+    tokens) with ``attrs`` (:func:`analysis_frame`).
 
-    Args:
-        model: an HF model of a supported architecture (task heads are looked through) or
-            the project's GPT.
-        tokenizer: its HF tokenizer (a :class:`~qkgeom.data.CharVocab` for our runs).
-        texts: a string, an iterable of strings read in order, or a callable returning one.
-        max_tokens: text tokens to analyse (special tokens of encoders come on top).
-        seq_len: window length; default min(model context, 512) (encoders: minus 2 for
-            [CLS]/[SEP]).
-        batch_size: windows per forward; default about 8192 tokens per batch.
-        qk_site: ``pre-rotary`` (default) or ``post-rotary`` queries/keys for the token PRs
-            (the same on models without rotary). On a rotary model the pre-rotary site also
-            records the post-rotary PRs (``pr_*_token_post``); attention statistics,
-            ``logit_std`` and ``pr_qk_token`` always use the post-rotary q/k.
-        logit_spectrum: compute ``pr_qk_token`` (left out when False).
-        precision: ``float32`` (default: long corpora) or ``float64`` products.
-        blocks: K > 1 also records every metric per token block (module docstring); a
-            text of fewer than K windows gets one block per window (``attrs["blocks"]``
-            says how many; none below two windows).
-        progress: called with the number of text tokens of each finished batch.
-        **columns: constant columns put in front (e.g. ``checkpoint="step1000"``).
-
-    Returns:
-        Long frame ``[*columns], layer, head, metric, value, block`` (head −1 = layer;
-        heads are query heads; block −1 = all tokens, k = token block k) with ``attrs``:
-        ``arch``, ``tokens``, ``positions``, ``seconds``, ``tokens_per_s``, ``seq_len``,
-        ``n_head``, ``n_kv_head``, ``causal``, ``rotary``, ``qk_site``, ``blocks``,
-        ``block_tokens`` (text tokens per block).
+    ``model`` is an HF model of a supported family or the project's GPT (``tokenizer`` a
+    :class:`~qkgeom.data.CharVocab`). ``seq_len`` defaults to min(context, 512) less an
+    encoder's [CLS]/[SEP], ``batch_size`` to about 8192 tokens. ``qk_site="pre-rotary"``
+    also records a rotary model's post-rotary PRs (``pr_*_token_post``; attention
+    statistics always use the post-rotary q/k). ``blocks`` K > 1 records every metric per
+    token block too; ``progress`` hears of each batch's text tokens; ``columns`` are
+    constant columns put in front (docs/checkpoints.md).
     """
     adapter = adapter_for(model)
     before, after = _specials(tokenizer, adapter)
@@ -137,19 +112,16 @@ def analyze_model(
     if seq_len + extra > limit:
         raise QKGeomError(f"sequence length {seq_len} (+{extra} special tokens) exceeds the "
                           f"model's context of {limit} positions")
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-        raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
+    require_whole("--blocks", blocks)
     batch_size = batch_size or max(1, _TOKENS_PER_BATCH // seq_len)
     windows = token_windows(tokenizer, _texts(texts), max_tokens, seq_len)
+    numbered: Iterable[tuple[int, np.ndarray]] = ((-1, w) for w in windows)
     sizes: list[int] = []
     if blocks > 1:  # a text shorter than the blocks asked for gets fewer (fitting_blocks)
         held = list(windows)
         blocks = fitting_blocks(len(held), blocks)
-        windows = iter(held)
-    if blocks > 1:
-        numbered, sizes = _block_plan(held, blocks)
-    else:
-        numbered = ((-1, w) for w in windows)
+        numbered, sizes = (_block_plan(held, blocks) if blocks > 1
+                           else (((-1, w) for w in held), []))
     stream = _batches(numbered, before, after, batch_size, progress)
     metrics = "all" if logit_spectrum else [m for m in METRIC_NAMES if m != "pr_qk_token"]
     with torch.inference_mode():
@@ -163,7 +135,8 @@ def analyze_model(
 def analysis_frame(result: Measurement, *, tokens: int, seq_len: int, qk_site: str,
                    blocks: int, block_tokens: list[int]) -> pd.DataFrame:
     """``result.frame`` as :func:`analyze_model` returns it: a ``block`` column (−1, all
-    tokens) when unblocked, and the ``attrs`` its Returns section lists."""
+    tokens) when unblocked, and ``attrs``: arch, tokens, positions, seconds, tokens_per_s,
+    seq_len, n_head, n_kv_head, causal, rotary, qk_site, blocks, block_tokens."""
     adapter, site, frame = result.adapter, result.adapter.sites[0], result.frame
     if "block" not in frame:
         frame["block"] = pd.Series([-1] * len(frame), dtype="int64")

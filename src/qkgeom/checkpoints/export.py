@@ -1,17 +1,10 @@
 """Export a run's checkpoint as a Hugging Face ``GPT2LMHeadModel`` folder.
 
-The conversion is exact (:func:`qkgeom.arch.gpt.to_gpt2`). Beside the weights: the
-character vocabulary (``qkgeom_vocab.json``) and a character-level ``tokenizer.json`` (one
-token per character, ``<unk>`` = our unknown id), so ``AutoTokenizer`` / TransformerLens /
-any HF tool can open the run.
-
-The model has learned positions up to its context (``block_size``) and no further: the
-tokenizer's ``model_max_length`` is the context and it truncates from the left
-(``tokenizer(text, truncation=True)`` keeps the last ``block_size`` characters, the ones a
-continuation depends on), so a long prompt never indexes past the position table.
-``model.generate(ids)`` stays within the context by itself (transformers caps its default
-length at the config's ``n_positions``); a generation config ``max_length`` is not
-written, as it would make every call with ``max_new_tokens`` warn.
+The conversion is exact (:func:`qkgeom.arch.gpt.to_gpt2`); beside the weights go the
+character vocabulary and a character-level ``tokenizer.json``, so any HF tool opens the run.
+The tokenizer's ``model_max_length`` is the context and it truncates from the left (the
+characters a continuation depends on), so a long prompt never indexes past the position
+table; no generation ``max_length`` is written (every ``max_new_tokens`` call would warn).
 """
 
 from __future__ import annotations
@@ -48,8 +41,7 @@ def char_tokenizer(vocab: Any, max_length: int | None = None) -> Any:
 
 @contextlib.contextmanager
 def _no_progress_bars() -> Iterator[None]:
-    """Silence transformers' progress bars ("Writing model shards") for the block: the
-    command's output is its one result line."""
+    """Silence transformers' progress bars for the block: the command prints one line."""
     from transformers.utils import logging
 
     was = logging.is_progress_bar_enabled()

@@ -1,31 +1,11 @@
 """Analyse a family of checkpoints into an analysis folder, here or spread over workers.
 
-Each checkpoint is loaded, hashed, analysed and freed before the next, so 150 revisions of
-a 1B model need one model's memory per worker; by default one process measures them in
-turn, and with an ``executor`` (``qkgeom analyze --backend ray`` / ``--workers N``) each
-checkpoint is a job of its own (:class:`CheckpointJob`, :func:`measure_checkpoint`) on
-Ray workers or local processes. Its results go to ``DIR/checkpoints/<name>.parquet``
-plus ``<name>.json`` (written last: the completion marker), so an interrupted analysis
-resumes where it stopped; a cached result is reused only if it was made with the same
-settings. The folder (``analysis.json`` marks it):
-
-- ``analysis.json``: model, text, tokens, settings, state;
-- ``metrics.parquet``: the run folder's long format ``run_id, checkpoint, step, layer,
-  head, metric, value`` plus ``block`` (−1 = all tokens, k = token block k of the
-  ``blocks`` contiguous blocks, the same at every checkpoint), ``duplicate_of`` (the
-  checkpoint it duplicates, or None) and ``in_trends`` (False for a duplicate left out of
-  trend statistics);
-- ``checkpoints.parquet``: per checkpoint its step (and where it came from), Q/K hash,
-  ``duplicate_of``, ``in_trends``, tokens and tokens/s.
-
-The statistics over the family (trends, early regime, head correlations) are the report's
-(:mod:`qkgeom.analysis.e4`): this folder holds measurements only.
-
-Integrity: checkpoints serving identical Q/K weights under different names are grouped;
-weights can legitimately equal an *earlier* state (no update happened, e.g. Pythia's step0
-and step1) but never a *later* one, so in each group the checkpoint with the largest step
-is kept and the others are flagged ``duplicate_of`` it and left out of trend statistics
-unless ``keep_duplicates``.
+Each checkpoint is loaded, hashed, measured and freed before the next (one model's memory
+per worker) and cached as ``checkpoints/<name>.parquet`` plus ``.json``, the completion
+marker written last, so an interrupted analysis resumes and only results of the same
+settings are reused. Checkpoints serving identical Q/K weights are flagged ``duplicate_of``
+the one with the largest step: weights may equal an earlier state, never a later one. The
+folder's files: docs/definitions.md#analysis-folder; the statistics are the report's.
 """
 
 from __future__ import annotations
@@ -36,13 +16,13 @@ import platform
 import re
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
-from qkgeom.errors import QKGeomError
+from qkgeom.errors import QKGeomError, require_whole
 from qkgeom.io import LinkError, links_in, read_json, write_json, write_parquet
 from qkgeom.runs.family import (
     CACHE,
@@ -74,26 +54,12 @@ def flag_duplicates(table: pd.DataFrame, keep_duplicates: bool = False) -> pd.Da
     out = table.copy()
     out["duplicate_of"] = None
     for _, grp in out.groupby("qk_hash", sort=False):
-        if len(grp) < 2:
-            continue
         keep = grp.sort_values("step", kind="stable").index[-1]
         for idx in grp.index:
             if idx != keep:
                 out.loc[idx, "duplicate_of"] = out.loc[keep, "checkpoint"]
     out["in_trends"] = out["duplicate_of"].isna() | bool(keep_duplicates)
     return out
-
-
-def _settings(specs: list[CheckpointSpec], text: str, max_tokens: int, seq_len: int | None,
-              qk_site: str, dtype: str, logit_spectrum: bool, tokenizer: str | None,
-              blocks: int) -> dict[str, Any]:
-    return {"text": text, "max_tokens": int(max_tokens), "seq_len": seq_len, "qk_site": qk_site,
-            "dtype": dtype, "logit_spectrum": logit_spectrum, "tokenizer": tokenizer,
-            "blocks": int(blocks), "sources": sorted({s.source for s in specs})}
-
-
-def _hash(settings: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
@@ -134,25 +100,14 @@ def analyze_checkpoints(
     logit_spectrum: bool = True, trust_remote_code: bool = False, blocks: int = 8,
     progress: bool = False, executor: Executor | None = None,
 ) -> Path:
-    """Analyse every checkpoint of ``models``/``revisions`` into ``out``; returns ``out``.
-
-    See :func:`qkgeom.checkpoints.resolve.resolve_checkpoints` for what ``models`` may
-    be and :func:`qkgeom.checkpoints.analyze.analyze_model` for the analysis itself.
-    ``text`` (a :func:`qkgeom.data.text.open_text` spec) defaults to ``sample``, except for
-    the checkpoints of a qkgeom run folder: they are measured on the run's own probe set in
-    float64, exactly as the trainer's probes, so the numbers equal the run's
-    ``metrics.parquet`` (``max_tokens``, ``seq_len``, ``batch_size`` and ``blocks`` then do
-    not apply). ``qk_site`` defaults to ``pre-rotary`` (rotary models also get the
-    post-rotary PRs, ``pr_*_token_post``); ``blocks`` (default 8) token blocks are recorded
-    beside all tokens for the E4 bootstrap. ``device`` defaults to ``auto`` (CUDA, then
-    MPS, then CPU), as on the command line.
-
-    ``executor`` (default: one checkpoint after another in this process) measures the
-    checkpoints not cached yet elsewhere, e.g. over Ray workers
-    (:func:`qkgeom.experiments.executors.make_executor`); each writes its own cache entry, so
-    an interrupted or partly failed analysis resumes with what is missing, and the tables
-    are the same whichever way the checkpoints were measured.
-    Raises :class:`QKGeomError` for bad input, before any model is loaded where possible.
+    """Analyse every checkpoint ``models`` and ``revisions`` name (``resolve_checkpoints``)
+    into ``out`` with ``analyze_model``; returns ``out``. ``text`` (an ``open_text`` spec)
+    defaults to ``sample``, except for a qkgeom run's checkpoints: they are measured on the
+    run's own probe set in float64, exactly as its probes (``max_tokens``, ``seq_len``,
+    ``batch_size`` and ``blocks`` then do not apply). ``executor`` (``make_executor``)
+    measures what is not cached yet elsewhere; by default one checkpoint after another
+    here. Bad input is a QKGeomError, before any model loads where possible
+    (docs/checkpoints.md).
     """
     from qkgeom.checkpoints.resolve import check_analysis_fits, resolve_checkpoints
     from qkgeom.training import resolve_device
@@ -163,26 +118,28 @@ def analyze_checkpoints(
     specs = resolve_checkpoints(models, revisions)
     check_analysis_fits(specs, text=text, max_tokens=max_tokens, seq_len=seq_len,
                         batch_size=batch_size, dtype=dtype, device=device)
-    probe_set = text is None and specs[0].kind == "run"
-    if probe_set:
+    if text is None and specs[0].kind == "run":  # the run's own probe set
         max_tokens, blocks = int(_run_probe_set(Path(specs[0].source))[0].numel()), 1
     else:
         from qkgeom.data.text import open_text
 
-        open_text(text or "sample")  # a bad --text fails here, before any model loads
-    settings = _settings(specs, PROBE_SET if probe_set else text or "sample", max_tokens,
-                         seq_len, qk_site, dtype, logit_spectrum, tokenizer, blocks)
-    key = _hash(settings)
+        text = text or "sample"
+        open_text(text)  # a bad --text fails here, before any model loads
+    settings = {"text": text or PROBE_SET, "max_tokens": int(max_tokens), "seq_len": seq_len,
+                "qk_site": qk_site, "dtype": dtype, "logit_spectrum": logit_spectrum,
+                "tokenizer": tokenizer, "blocks": int(blocks),
+                "sources": sorted({s.source for s in specs})}
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     _claim(out, key)
     meta = _meta(models, revisions, specs, settings, key, keep_duplicates)
     write_json(out / MARKER, meta)
-    jobs = [CheckpointJob(spec=spec, out=str(out), key=key, label=meta["model"],
-                          text=None if probe_set else text or "sample", max_tokens=max_tokens,
-                          seq_len=seq_len, batch_size=batch_size, qk_site=qk_site, dtype=dtype,
-                          device=device, logit_spectrum=logit_spectrum, blocks=blocks,
-                          tokenizer=tokenizer, tokenizer_spec=specs[0],
-                          trust_remote_code=trust_remote_code) for spec in specs]
-    results = _measure_all(jobs, executor, progress, max_tokens, out)
+    job = CheckpointJob(spec=specs[0], out=str(out), key=key, label=meta["model"], text=text,
+                        max_tokens=max_tokens, seq_len=seq_len, batch_size=batch_size,
+                        qk_site=qk_site, dtype=dtype, device=device,
+                        logit_spectrum=logit_spectrum, blocks=blocks, tokenizer=tokenizer,
+                        tokenizer_spec=specs[0], trust_remote_code=trust_remote_code)
+    results = _measure_all([replace(job, spec=spec) for spec in specs], executor, progress,
+                           max_tokens, out)
     rows = [results[s.name][1] for s in specs]
     finish(out, [results[s.name][0] for s in specs], rows, keep_duplicates)
     meta["state"] = "done"
@@ -202,12 +159,10 @@ def _check_arguments(qk_site: str, max_tokens: int, blocks: int, batch_size: int
         raise QKGeomError(f"unknown --qk-site {qk_site!r}; choose one of {', '.join(QK_SITES)}")
     if max_tokens < 1:
         raise QKGeomError(f"--tokens must be >= 1, got {max_tokens}")
-    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
-        raise QKGeomError(f"--blocks must be a whole number >= 1, got {blocks!r}")
+    require_whole("--blocks", blocks)
     for flag, value in (("--batch-size", batch_size), ("--seq-len", seq_len)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < 1):
-            raise QKGeomError(f"{flag} must be a whole number >= 1, got {value!r}")
+        if value is not None:
+            require_whole(flag, value)
 
 
 def _claim(out: Path, key: str) -> None:
@@ -248,27 +203,31 @@ def _measure_all(jobs: list[CheckpointJob], executor: Executor | None, progress:
     """``{name: (frame, row)}`` of every job: cached ones read back, the others measured
     here or through ``executor``, under a progress bar when asked."""
     results: dict[str, tuple[pd.DataFrame, dict[str, Any]]] = {}
-    bar = task = None
+    bar = None
     if progress:
         from qkgeom.ui import progress_bar
 
         bar = progress_bar("analyse", "{task.fields[ckpt]}", stderr=True)
         bar.start()
         task = bar.add_task("", total=len(jobs) * max_tokens, ckpt="")
+
+    def show(**fields: Any) -> None:
+        if bar is not None:
+            bar.update(task, **fields)
+
     try:
         todo = []
         for job in jobs:
             cached = read_cached(job)
             if cached is None:
                 todo.append(job)
-                continue
-            results[job.spec.name] = cached
-            if bar is not None:
-                bar.update(task, advance=max_tokens, ckpt=f"{job.spec.name} (cached)")
+            else:
+                results[job.spec.name] = cached
+                show(advance=max_tokens, ckpt=f"{job.spec.name} (cached)")
         if executor is None:
-            _measure_here(todo, results, bar, task)
+            _measure_here(todo, results, show)
         else:
-            _measure_with(executor, todo, results, bar, task, out)
+            _measure_with(executor, todo, results, show, out)
     finally:
         if bar is not None:
             bar.stop()
@@ -276,9 +235,8 @@ def _measure_all(jobs: list[CheckpointJob], executor: Executor | None, progress:
 
 
 def _fewer_blocks(rows: list[dict[str, Any]], asked: int) -> str | None:
-    """One line when the text was too short for the token blocks asked for, so that
-    checkpoints were measured in fewer (:func:`qkgeom.checkpoints.analyze.fitting_blocks`);
-    None when each got them all."""
+    """One line when the text was too short for the token blocks asked for
+    (:func:`qkgeom.checkpoints.analyze.fitting_blocks`); None when each got them all."""
     got = min((int(r.get("blocks", asked)) for r in rows), default=asked)
     if asked <= 1 or got >= asked:
         return None
@@ -291,9 +249,8 @@ def _fewer_blocks(rows: list[dict[str, Any]], asked: int) -> str | None:
 
 
 def _warmup(specs: list[CheckpointSpec]) -> int | None:
-    """The step at which the LR warm-up of a qkgeom run ends (its ``warmup_steps``), for
-    E4's regime rule; None for other families (a pretrained suite's schedule is not
-    recorded with its checkpoints)."""
+    """Where a qkgeom run's LR warm-up ends, for E4's regime rule; None for other families
+    (a suite's schedule is not recorded with its checkpoints)."""
     if specs[0].kind != "run":
         return None
     from qkgeom.runs import load_config
@@ -319,43 +276,39 @@ def read_cached(job: CheckpointJob) -> tuple[pd.DataFrame, dict[str, Any]] | Non
 
 def _measure_here(jobs: list[CheckpointJob],
                   results: dict[str, tuple[pd.DataFrame, dict[str, Any]]],
-                  bar: Any, task: Any) -> None:
+                  show: Callable[..., None]) -> None:
     """One checkpoint after another in this process, the tokenizer loaded once."""
     tok = None
     for job in jobs:
-        if bar is not None:
-            bar.update(task, ckpt=job.spec.name)
-        advanced = 0
+        show(ckpt=job.spec.name)
+        done = [0]  # tokens the bar advanced for this job
 
-        def tick(n: int) -> None:
-            nonlocal advanced
-            advanced += n
-            if bar is not None:
-                bar.update(task, advance=n)
+        def tick(n: int, done: list[int] = done) -> None:
+            done[0] += n
+            show(advance=n)
 
         frame, row, tok = _measure(job, tok, tick)
         results[job.spec.name] = (frame, row)
-        if bar is not None and advanced < job.max_tokens:
-            bar.update(task, advance=job.max_tokens - advanced)
+        if done[0] < job.max_tokens:
+            show(advance=job.max_tokens - done[0])
 
 
 def _measure_with(executor: Executor, jobs: list[CheckpointJob],
-                    results: dict[str, tuple[pd.DataFrame, dict[str, Any]]],
-                    bar: Any, task: Any, out: Path) -> None:
+                  results: dict[str, tuple[pd.DataFrame, dict[str, Any]]],
+                  show: Callable[..., None], out: Path) -> None:
     """The jobs through ``executor``; each result is read back from its cache entry. Every
     job runs even when some fail; then one line names the failures."""
     failed: list[str] = []
     for job, outcome in executor(measure_checkpoint, jobs):
         cached = None if isinstance(outcome, BaseException) else read_cached(job)
         if cached is None:
-            why = outcome if isinstance(outcome, BaseException) else "no cache entry written"
-            text = str(why) if isinstance(why, QKGeomError) else \
-                f"{type(why).__name__}: {why}" if isinstance(why, BaseException) else why
-            failed.append(f"{job.spec.name}: {' '.join(text.split())[:200]}")
+            why = ("no cache entry written" if not isinstance(outcome, BaseException)
+                   else str(outcome) if isinstance(outcome, QKGeomError)
+                   else f"{type(outcome).__name__}: {outcome}")
+            failed.append(f"{job.spec.name}: {' '.join(why.split())[:200]}")
         else:
             results[job.spec.name] = cached
-        if bar is not None:
-            bar.update(task, advance=job.max_tokens, ckpt=job.spec.name)
+        show(advance=job.max_tokens, ckpt=job.spec.name)
     if failed:
         raise QKGeomError(f"{len(failed)} of {len(jobs)} checkpoint(s) failed ({failed[0]}"
                           + (f"; and {len(failed) - 1} more" if len(failed) > 1 else "")

@@ -1,31 +1,11 @@
 """Checkpoint lists: which checkpoints, their steps, loading one, and its Q/K hash.
 
-A checkpoint is one of:
-
-- a Hugging Face hub revision (``EleutherAI/pythia-160m`` with ``--revisions step0,...``;
-  default ``main``), loaded with ``from_pretrained(..., revision=...)`` (uses the HF cache;
-  nothing needs the network once it is cached);
-- a local folder in HF format (``config.json`` + weights), or a folder whose sub-folders
-  are (e.g. a Trainer's ``checkpoint-*``); ``--revisions`` then names sub-folders;
-- a checkpoint of the project's own run folder (``runs/X/checkpoints/ckpt_*.pt``), with the
-  run's character vocabulary; ``--revisions`` then picks steps (``250`` or ``ckpt_00000250``).
-
-Step of each checkpoint: parsed from its name (``step1000``, ``checkpoint-1000``,
-``ckpt_00001000``, ``global_step1000``), else ``global_step`` of a folder's
-``trainer_state.json``; if any checkpoint has neither, the order of the list for all.
-
-Loading runs no code of a run folder's: its ``ckpt_*.pt`` are read with
-``torch.load(weights_only=True)`` (:func:`qkgeom.training.checkpoint.read_checkpoint`);
-a file that needs unpickling is refused in one line. Before any model is loaded,
-:func:`check_analysis_fits` compares the analysis's memory estimate with the device's.
-
-Offline (docs/checkpoints.md): before a hub checkpoint is loaded, one TCP connection to the
-hub (:func:`hub_reachable`, a few seconds at most) says whether the network is there.
-Without it, or with ``HF_HUB_OFFLINE=1``, checkpoints load from the local HF cache only
-(``local_files_only``: no retries), and one that is not cached is a one-line error naming
-``HF_HUB_OFFLINE=1`` and local folders, raised before anything is written, instead of
-half a minute of retries and a traceback. Behind a proxy (``HTTPS_PROXY`` ...) the
-probe is skipped and transformers decides.
+A checkpoint is a hub revision, a local HF folder (or a folder of them), or a checkpoint
+of a qkgeom run folder, read with ``torch.load(weights_only=True)`` only. Steps come from
+names, else ``trainer_state.json``, else the list's order. Before anything is written the
+analysis's memory estimate is checked, and without the network (or with
+``HF_HUB_OFFLINE=1``) hub checkpoints load from the local cache only: one not cached is a
+one-line error instead of retries and a traceback (docs/checkpoints.md#install-and-offline-use).
 """
 
 from __future__ import annotations
@@ -37,7 +17,7 @@ import json
 import os
 import re
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +25,8 @@ import torch
 from torch import nn
 
 from qkgeom.arch import ModelAdapter
-from qkgeom.errors import QKGeomError
-from qkgeom.runs import CHECKPOINTS, is_run_folder, list_checkpoints, read_record
+from qkgeom.errors import QKGeomError, first_line
+from qkgeom.runs import CHECKPOINTS, is_run_folder, read_record
 
 __all__ = ["CheckpointSpec", "analysis_memory", "auto_device_map", "check_analysis_fits",
            "free_model", "hub_reachable", "load_checkpoint", "load_run_model", "qk_hash",
@@ -95,19 +75,14 @@ def _folder_step(path: Path) -> tuple[int | None, str]:
     if step is not None:
         return step, "name"
     state = path / "trainer_state.json"
-    if state.is_file():
-        try:
-            return int(json.loads(state.read_text(encoding="utf-8"))["global_step"]), \
-                "trainer_state"
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return None, "order"
+    try:
+        return int(json.loads(state.read_text(encoding="utf-8"))["global_step"]), "trainer_state"
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, "order"
 
 
 def _ordered(specs: list[CheckpointSpec], steps: list[int | None],
              sources: list[str]) -> list[CheckpointSpec]:
-    from dataclasses import replace
-
     if any(s is None for s in steps):
         return [replace(sp, step=i, step_source="order") for i, sp in enumerate(specs)]
     out = [replace(sp, step=int(s), step_source=src)
@@ -116,9 +91,9 @@ def _ordered(specs: list[CheckpointSpec], steps: list[int | None],
 
 
 def _run_checkpoints(run: Path, revisions: list[str] | None) -> list[CheckpointSpec]:
-    found = dict(list_checkpoints(run))
-    if not found:
-        raise QKGeomError(f"{run}: the run folder has no checkpoints (checkpoints/ckpt_*.pt)")
+    from qkgeom.training.checkpoint import run_checkpoints
+
+    found = run_checkpoints(run)
     steps = sorted(found)
     if revisions:
         wanted = []
@@ -143,38 +118,43 @@ def resolve_checkpoints(models: list[str], revisions: list[str] | None = None
     if len(models) == 1 and _is_run_folder(paths[0]):
         return _run_checkpoints(paths[0], revisions)
     if all(p.exists() for p in paths):
-        folders: list[Path] = []
-        for p in paths:
-            if not p.is_dir():
-                raise QKGeomError(f"{p}: not a folder; pass HF checkpoint folders")
-            if revisions and len(paths) == 1:
-                folders += [p / r for r in revisions]
-            elif _is_hf_folder(p):
-                folders.append(p)
-            else:  # a folder of checkpoint folders
-                subs = sorted(s for s in p.iterdir() if s.is_dir() and _is_hf_folder(s))
-                if not subs:
-                    raise QKGeomError(f"{p}: neither an HF model folder (config.json with a "
-                                      "model_type) nor a folder of them, nor a qkgeom run")
-                folders += subs
-        for f in folders:
-            if not _is_hf_folder(f):
-                raise QKGeomError(f"{f}: not an HF model folder (no config.json with a model_type)")
-        specs = [CheckpointSpec(f.name, "folder", str(f)) for f in folders]
-        found = [_folder_step(f) for f in folders]
-        names = [sp.name for sp in specs]
-        if len(set(names)) != len(names):  # same leaf name in different parents
-            specs = [CheckpointSpec(str(f), "folder", str(f)) for f in folders]
-        return _ordered(specs, [s for s, _ in found], [src for _, src in found])
+        return _folder_checkpoints(paths, revisions)
     missing = [m for m, p in zip(models, paths, strict=True) if not p.exists()]
     if len(models) > 1:
         raise QKGeomError(f"{missing[0]}: no such folder (several models must be local folders)")
     if models[0].startswith((".", "/", "~")) or models[0].count("/") > 1:
         raise QKGeomError(f"{models[0]}: no such folder, and not a hub id (owner/name)")
     revs = revisions or ["main"]
-    specs = [CheckpointSpec(r, "hub", models[0], revision=r) for r in revs]
-    steps = [_parse_step(r) for r in revs]
-    return _ordered(specs, steps, ["name"] * len(specs))
+    return _ordered([CheckpointSpec(r, "hub", models[0], revision=r) for r in revs],
+                    [_parse_step(r) for r in revs], ["name"] * len(revs))
+
+
+def _folder_checkpoints(paths: list[Path], revisions: list[str] | None
+                        ) -> list[CheckpointSpec]:
+    """HF folders: those named, ``revisions`` sub-folders of one, or every HF sub-folder of
+    a folder of them (a Trainer's ``checkpoint-*``)."""
+    folders: list[Path] = []
+    for p in paths:
+        if not p.is_dir():
+            raise QKGeomError(f"{p}: not a folder; pass HF checkpoint folders")
+        if revisions and len(paths) == 1:
+            folders += [p / r for r in revisions]
+        elif _is_hf_folder(p):
+            folders.append(p)
+        else:
+            subs = sorted(s for s in p.iterdir() if s.is_dir() and _is_hf_folder(s))
+            if not subs:
+                raise QKGeomError(f"{p}: neither an HF model folder (config.json with a "
+                                  "model_type) nor a folder of them, nor a qkgeom run")
+            folders += subs
+    for f in folders:
+        if not _is_hf_folder(f):
+            raise QKGeomError(f"{f}: not an HF model folder (no config.json with a model_type)")
+    names = [f.name for f in folders]
+    unique = len(set(names)) == len(names)  # else the same leaf name in different parents
+    found = [_folder_step(f) for f in folders]
+    return _ordered([CheckpointSpec(f.name if unique else str(f), "folder", str(f))
+                     for f in folders], [s for s, _ in found], [src for _, src in found])
 
 
 # ------------------------------------------------------------------------------- loading
@@ -217,10 +197,9 @@ def _dims(spec: CheckpointSpec) -> dict[str, int] | None:
 
 def analysis_memory(dims: dict[str, int], seq_len: int, batch_size: int,
                     dtype_bytes: int, measure_bytes: int = 8) -> dict[str, float]:
-    """The big memory terms (bytes) of measuring one checkpoint: its weights; one batch's
-    hidden states and one layer's ``batch × heads × seq_len²`` attention scores in the
-    model's dtype; the captured q/k in the measurement precision; the covariance
-    accumulators (float64)."""
+    """The big memory terms (bytes) of measuring one checkpoint: weights, one batch's
+    hidden states and one layer's attention scores in the model's dtype, the q/k captures
+    in the measurement precision, the float64 accumulators."""
     L, H, d, V = dims["n_layer"], dims["n_head"], dims["d"], dims["vocab"]
     tokens = batch_size * seq_len
     return {"weights": float((12 * L * d * d + (V + dims["context"]) * d) * dtype_bytes),
@@ -233,8 +212,8 @@ def analysis_memory(dims: dict[str, int], seq_len: int, batch_size: int,
 def check_analysis_fits(specs: list[CheckpointSpec], *, text: str | None, max_tokens: int,
                         seq_len: int | None, batch_size: int | None, dtype: str,
                         device: str) -> None:
-    """Refuse, before any model is loaded, an analysis whose memory estimate (for the
-    first checkpoint's sizes and the batch it would run) exceeds what ``device`` has."""
+    """Refuse, before any model loads, an analysis whose memory estimate (the first
+    checkpoint's sizes, the batch it would run) exceeds what ``device`` has."""
     from qkgeom.checkpoints.analyze import _TOKENS_PER_BATCH, DEFAULT_SEQ_LEN
     from qkgeom.training.resources import require_memory
 
@@ -313,9 +292,8 @@ def _hub_error(source: str, revision: str | None, what: str = "") -> QKGeomError
 
 
 def require_hub(specs: list[CheckpointSpec]) -> None:
-    """Before anything is written: every hub checkpoint's config must be loadable, i.e.
-    the hub is reachable or (offline) it is in the local cache (a one-line QKGeomError
-    otherwise; see the module doc)."""
+    """Before anything is written: every hub checkpoint's config must be loadable (the hub
+    reachable, or the checkpoint cached); a one-line QKGeomError otherwise."""
     hub = [s for s in specs if s.kind == "hub"]
     if not hub:
         return
@@ -357,18 +335,16 @@ def load_checkpoint(spec: CheckpointSpec, *, dtype: str = "float32", device: str
     except Exception as err:  # missing files, offline hub, unknown revision: user-fixable
         if cached_only:
             raise _hub_error(spec.source, spec.revision) from None
-        first = (str(err).strip().splitlines() or [""])[0]
         raise QKGeomError(f"cannot load {spec.source}"
                           + (f" (revision {spec.revision})" if spec.revision else "")
-                          + f": {type(err).__name__}: {first[:300]}") from None
+                          + f": {first_line(err, 300)}") from None
     return (model if mapped else model.to(device)).eval(), None
 
 
 def auto_device_map(device: str) -> bool:
-    """Whether Hugging Face checkpoints load with ``device_map="auto"``: on ``--device
-    cuda`` (no index: every visible GPU) where ``accelerate`` is installed, so a model too
-    large for one GPU is split over them layer by layer (the measurement follows each
-    layer's q/k to its device). ``cuda:N`` and other devices load whole onto the device."""
+    """Whether HF checkpoints load with ``device_map="auto"``: on ``--device cuda`` (every
+    visible GPU) with ``accelerate`` installed, a model too large for one GPU is split over
+    them layer by layer; ``cuda:N`` and other devices load it whole."""
     if device != "cuda" or not torch.cuda.is_available():
         return False
     try:
@@ -394,9 +370,8 @@ def load_tokenizer(spec: CheckpointSpec, name: str | None = None,
     except Exception as err:
         if cached_only:
             raise _hub_error(src, kwargs.get("revision"), "the tokenizer of ") from None
-        first = (str(err).strip().splitlines() or [""])[0]
-        raise QKGeomError(f"cannot load a tokenizer from {src}: {type(err).__name__}: "
-                          f"{first[:300]}; pass --tokenizer") from None
+        raise QKGeomError(f"cannot load a tokenizer from {src}: {first_line(err, 300)}; pass "
+                          "--tokenizer") from None
 
 
 def free_model(model: nn.Module | None) -> None:
@@ -408,10 +383,8 @@ def free_model(model: nn.Module | None) -> None:
 
 
 def qk_hash(adapter: ModelAdapter) -> str:
-    """SHA-256 of every layer's raw W_Q, W_K (and their biases), in layer order.
-
-    Two checkpoints with the same hash serve identical query/key weights.
-    """
+    """SHA-256 of every layer's raw W_Q, W_K and their biases, in layer order: equal
+    hashes, identical query/key weights."""
     digest = hashlib.sha256()
     for site in adapter.sites:
         for t in (*site.qk_weights(), site.bias("q"), site.bias("k")):

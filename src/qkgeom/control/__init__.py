@@ -1,11 +1,8 @@
-"""Key-spectrum control (experiment E3): reshape W_K's singular spectrum to a target PR.
+"""Key-spectrum control (experiment E3): reshape W_K's spectrum to a target PR.
 
-:func:`reshape_spectrum` / :func:`apply_target` are the pure maths (:mod:`.spectrum`);
-:class:`KeySpectrumControl` applies it to any model :mod:`qkgeom.arch` supports after each
-optimiser step or as a ``torch.nn.utils.parametrize`` parametrisation (:mod:`.keyspectrum`),
-keeping ‖W_K‖_F or the mean squared key norm on the layer's inputs (:mod:`.moments`);
-:class:`KeyControlCallback` plugs it into the trainer (:mod:`.callback`) and records the
-per-step key PR a paired run's cap refers to (:mod:`.trajectory`).
+The maths (:mod:`.spectrum`), the control of any model :mod:`qkgeom.arch` supports
+(:mod:`.keyspectrum`) with its input covariance (:mod:`.moments`), the trainer callback
+(:mod:`.callback`) and the recorded per-step key PR (:mod:`.trajectory`).
 """
 
 from __future__ import annotations
@@ -30,21 +27,7 @@ from qkgeom.control.spectrum import (
 )
 from qkgeom.control.trajectory import read_key_pr, reference_table
 
-__all__ = [
-    "HOWS",
-    "MODES",
-    "SCALES",
-    "SCOPES",
-    "InputMoments",
-    "KeyControlCallback",
-    "KeySpectrumControl",
-    "KeySpectrumParametrization",
-    "SpectrumFit",
-    "apply_target",
-    "dose_at",
-    "fit_spectrum",
-    "read_key_pr",
-    "reference_table",
-    "reshape_spectrum",
-    "spectral_reshape",
-]
+__all__ = ["HOWS", "MODES", "SCALES", "SCOPES", "InputMoments", "KeyControlCallback",
+           "KeySpectrumControl", "KeySpectrumParametrization", "SpectrumFit", "apply_target",
+           "dose_at", "fit_spectrum", "read_key_pr", "reference_table", "reshape_spectrum",
+           "spectral_reshape"]

@@ -1,16 +1,10 @@
 """The key-spectrum control as a trainer callback (experiment E3).
 
-Event order (:mod:`qkgeom.training.callbacks`): the control attaches in ``on_model_built``
-(fresh step-0 weights, before the optimiser and any checkpoint: a parametrisation renames
-``k_proj.weight`` to ``k_proj.parametrizations.weight.original``, which the checkpoint of a
-resumed run then matches); a resumed run's saved state (step-0 PRs, step counter, window
-counters, the input moments S) replaces what was measured at attach time in
-``load_state_dict``, so targets never come from trained weights.
-
-With ``key_control.record`` the callback also owns the run's ``key_pr.parquet``: it is
-written whole (atomically) whenever the trainer takes the callback's state for a
-checkpoint and at the end of training, and a resumed run keeps its rows up to the resumed
-step. A run with ``mode: none, record: true`` only measures: it never writes a weight.
+It attaches in ``on_model_built``, on the fresh step-0 weights and before the optimiser
+and any checkpoint (a parametrisation renames ``k_proj.weight``, which a resumed run's
+checkpoint then matches); a resumed run's saved state replaces what attach measured, so
+targets never come from trained weights. With ``key_control.record`` it owns the run's
+``key_pr.parquet``, written whole at every checkpoint and at the end.
 """
 
 from __future__ import annotations
@@ -34,12 +28,9 @@ __all__ = ["KeyControlCallback"]
 
 
 class KeyControlCallback(Callback):
-    """Attaches :class:`KeySpectrumControl` to the trainer's model and steps it after every
-    update. ``on_probe`` returns the records since the previous probe (``ctl_target_l0``,
-    ``ctl_bound_share_l0``, ...) so they land in ``metrics.parquet`` next to the probe
-    metrics. ``run_dir`` (the run folder) is needed for ``record`` and for a relative
-    ``reference``, which is resolved against the run folder's parent (in a sweep: the
-    sibling run of that id)."""
+    """Steps :class:`KeySpectrumControl` after every update; ``on_probe`` hands its records
+    to ``metrics.parquet``. ``run_dir`` is needed for ``record`` and for a relative
+    ``reference`` (resolved against the run folder's parent: a sweep's sibling run)."""
 
     feature = "key_control"
 
@@ -86,8 +77,8 @@ class KeyControlCallback(Callback):
         self._restored = True
 
     def _saved_trajectory(self, step: int) -> tuple[list[int], dict[str, list[Any]]]:
-        """The run's recorded rows up to ``step``; they must be whole to go on. At step 0
-        there may be none yet: the step-0 row waits for the first training batch's Σ."""
+        """The run's recorded rows up to ``step``, whole (at step 0 there may be none yet:
+        that row waits for the first batch's Σ)."""
         where = self.run_dir / KEY_PR
         frame = read_key_pr(self.run_dir, upto=step)
         if step == 0 and (frame is None or frame.empty):
@@ -123,8 +114,8 @@ class KeyControlCallback(Callback):
             write_key_pr(self.run_dir, *self.control.trajectory, self.control.names)
 
     def state_dict(self) -> dict[str, Any]:
-        """The control's state; with ``record`` the trajectory file is written first, so a
-        checkpoint never refers to rows the file lacks."""
+        """The control's state, the trajectory file written first (a checkpoint never refers
+        to rows the file lacks)."""
         if self.control is None:
             return {}
         self._write_record()

@@ -1,49 +1,11 @@
-"""Key-spectrum control during training (experiment E3; docs/definitions.md#key-spectrum-control).
+"""Key-spectrum control during training (experiment E3).
 
-:meth:`KeySpectrumControl.attach` finds the key projection W_K of every layer of a model
-(any family :mod:`qkgeom.arch` supports: the project's GPT, Hugging Face GPT-2,
-GPT-NeoX/Pythia, Llama-style and BERT-style models) and, after each optimiser step
-(``how="post_step"``) or inside every forward pass (``how="parametrize"``), reshapes each
-controlled unit -- a whole layer's W_K (``scope="layer"``, d_k × d_model) or each head's
-slice (``scope="head"``, d_head × d_model) -- so that a spectrum has its target PR, then
-rescales it by the scale rule.
-
-**Level** (which spectrum is reshaped):
-
-* ``token``: that of the keys the attention sees on its inputs, C = W Σ_ε Wᵀ with Σ_ε the
-  regularised running covariance of the key projection's input
-  (:mod:`qkgeom.control.moments`). With C = U·diag(s²)·Uᵀ the new weight is
-  W′ = U·diag(s′/s)·Uᵀ·W (s′ᵢ ∝ sᵢ^γ), whose key covariance W′ Σ_ε W′ᵀ = U·diag(s′²)·Uᵀ
-  has exactly the target PR: the reshape of W Σ_ε^½ mapped back, written without Σ^−½.
-* ``weight``: that of W_K itself (C = W Wᵀ, or Wᵀ W for a tall unit).
-
-Targets per unit, at the control's level, with PR0 = the unit's PR at step 0 (token level:
-W at step 0 on the first training batch), base(t) = the reference run's PR at step t
-(``reference``) or PR0, and r(t) going linearly from 1 at step 0 to ``dose`` at
-``ramp_steps`` (:func:`dose_at`):
-
-* ``none``: nothing at all -- no SVD, no writes, training is bit-identical (with
-  ``record`` it measures PR_K and the key spread after each step, and never writes).
-* ``hold``: PR0, in both directions.
-* ``shrink``: min(current PR, r(t)·base(t)): a cap that only ever lowers PR.
-* ``sham``: the current PR, always: the same decomposition, round trip and rescale every
-  other arm gets, at every step, never a cap -- a placebo whose weights change by round-off
-  (and by the matched scale, below) only.
-* ``expand``: max(current PR, r(t)·base(t)), capped at the largest PR, min(rows, d_model).
-
-**Scale rule** (the factor c of every rewritten unit, computed from the rewritten matrix
-itself, so it holds to round-off): ``frobenius`` keeps ‖W_K‖_F of the unit; ``data`` sets
-the key spread tr(W Σ Wᵀ) = E‖k − E k‖² (Σ unregularised) to the reference run's spread at
-the same step when there is a reference -- then every unit is rescaled at every step, so
-the arm's keys are exactly as spread out as the uncontrolled run's -- and else keeps it
-through the reshape.
-
-What is controlled is W_K in nn.Linear layout ``(d_k, d_model)`` (head ``h`` owning rows
-``h·hd:(h+1)·hd``), found through the architecture's :class:`~qkgeom.arch.AttentionSite`:
-fused q/k/v tensors (GPT-2's ``c_attn``, NeoX's interleaved ``query_key_value``) are
-addressed through the site's views and written in place, so W_Q and W_V are never touched.
-With grouped-query attention "heads" are the key/value heads. Rotary embeddings act after
-W_K and are not part of the controlled matrix.
+After each optimiser step (``post_step``) or inside every forward pass (``parametrize``),
+each controlled unit -- a layer's W_K or one head's slice, found through the model's
+:class:`~qkgeom.arch.AttentionSite`, so a fused q/k/v weight changes in its key slice only --
+is reshaped so that the spectrum at its level (``token``: W Σ_ε Wᵀ on the layer's inputs;
+``weight``: W itself) has the mode's target PR, then rescaled by the scale rule. Levels,
+modes, targets, scale rules and records: docs/definitions.md#key-spectrum-control.
 """
 
 from __future__ import annotations
@@ -65,16 +27,8 @@ from qkgeom.control.trajectory import FIELDS, reference_table
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry.spectra import participation_ratio, pr_from_covariance, weight_pr
 
-__all__ = [
-    "HOWS",
-    "LEVELS",
-    "MODES",
-    "SCALES",
-    "SCOPES",
-    "KeySpectrumControl",
-    "KeySpectrumParametrization",
-    "dose_at",
-]
+__all__ = ["HOWS", "LEVELS", "MODES", "SCALES", "SCOPES", "KeySpectrumControl",
+           "KeySpectrumParametrization", "dose_at"]
 
 MODES = KeyControlConfig.MODES
 LEVELS = KeyControlConfig.LEVELS
@@ -91,18 +45,6 @@ def dose_at(step: int, dose: float, ramp_steps: int) -> float:
     ramp of 0)."""
     frac = 1.0 if ramp_steps <= 0 else min(max(step / ramp_steps, 0.0), 1.0)
     return 1.0 + (dose - 1.0) * frac
-
-
-def _eigh_dtype(device: torch.device, r: int) -> torch.dtype:
-    """The precision of the batched eigendecomposition of (U, r, r) Gram matrices.
-
-    float64 for r <= 32 (cheap everywhere; CUDA's batched Jacobi solver covers it) and
-    float32 above (half the cost on CPU; no slow float64 solvers on CUDA). Enough for the
-    invariants: the reshape is a smooth matrix function whose per-step change is small,
-    the reshaped units' PR is re-measured in float64 (on target within 1e-3) and the scale
-    factor is computed from the reshaped matrix in float64.
-    """
-    return torch.float64 if r <= 32 else torch.float32
 
 
 def _quad_trace(a: Tensor, s: Tensor | None) -> Tensor:
@@ -131,18 +73,11 @@ def _sqrt_pair(s_eps: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class KeySpectrumParametrization(nn.Module):
-    """``forward(W)`` = W with its key (per layer or per head) reshaped to PR = ``target``.
-
-    The ``torch.nn.utils.parametrize`` idiom: the stored parameter is the unconstrained
-    ``original``; the model sees the reshaped weight, and gradients flow through the
-    reshape (:func:`~qkgeom.control.spectrum.spectral_reshape`) and the scale factor. At the
-    token level the reshaped matrix is W Σ_ε^½, mapped back by Σ_ε^−½. The non-persistent
-    buffers -- ``target``, ``identity`` (units passed through, e.g. a shrink cap above the
-    current PR), ``moment`` (Σ of the data rule), ``root``/``iroot`` (Σ_ε^±½, token level)
-    and ``spread`` (the key spread to match, NaN: keep it) -- are set by
-    :class:`KeySpectrumControl` after each step. For fused q/k/v weights only the key
-    slice changes.
-    """
+    """``forward(W)``: W with its key units reshaped to PR = ``target`` (the token level
+    reshapes W Σ_ε^½ and maps back by Σ_ε^−½), differentiably. Its buffers -- ``target``,
+    ``identity`` (units passed through), ``moment`` (Σ of the data rule), ``root``/``iroot``
+    (Σ_ε^±½) and ``spread`` (to match; NaN: keep) -- are set by :class:`KeySpectrumControl`
+    after each step."""
 
     def __init__(self, site: AttentionSite, scope: str, level: str, scale: str,
                  target: Tensor) -> None:
@@ -169,14 +104,12 @@ class KeySpectrumParametrization(nn.Module):
             k_new = torch.where(self.identity[:, None, None], k, m_new @ self.iroot.to(k.dtype))
         else:
             k_new, gamma, _, clamped = spectral_reshape(k, self.target, self.identity)
-        k64, new64 = k.to(torch.float64), k_new.to(torch.float64)
-        if self.scale == "data" and self.moment is not None:
-            s = self.moment.expand(k.shape[0], -1, -1)
-            kept = torch.where(torch.isfinite(self.spread), self.spread, _quad_trace(k64, s))
-            c = torch.sqrt(kept / _quad_trace(new64, s).clamp_min(1e-300))
-            k_new = k_new * c.to(k_new.dtype)[:, None, None]
-        elif self.scale == "frobenius" and self.level == "token":  # the reshape kept ‖W Σ^½‖
-            c = torch.sqrt(_quad_trace(k64, None) / _quad_trace(new64, None).clamp_min(1e-300))
+        data = self.scale == "data" and self.moment is not None
+        if data or (self.scale == "frobenius" and self.level == "token"):  # it kept ‖W Σ^½‖
+            s = self.moment.expand(k.shape[0], -1, -1) if data else None
+            kept = torch.where(torch.isfinite(self.spread), self.spread,  # NaN: keep it
+                               _quad_trace(k.to(torch.float64), s))
+            c = torch.sqrt(kept / _quad_trace(k_new.to(torch.float64), s).clamp_min(1e-300))
             k_new = k_new * c.to(k_new.dtype)[:, None, None]
         self.last_gamma, self.last_clamped = gamma.detach(), clamped.detach()
         if self.site.k_module is not self.site.q_module:  # W_K alone in its weight
@@ -186,8 +119,7 @@ class KeySpectrumParametrization(nn.Module):
         return out
 
     def right_inverse(self, w: Tensor) -> Tensor:
-        """Assigning a weight stores it as the unconstrained original (the model then sees
-        its projection); a weight already on target is a fixed point."""
+        """An assigned weight is stored as the unconstrained original."""
         return w
 
 
@@ -211,11 +143,9 @@ def _controlled_sites(sites: list[Any], layers: Iterable[int] | None) -> list[An
 class KeySpectrumControl:
     """Holds / shrinks / shams / expands the key spectrum of a model's layers (or heads).
 
-    Build it with :meth:`attach`. Call :meth:`step` after every optimiser step (the input
-    hooks collect the key inputs during your training forward passes, so Σ starts from the
-    first one); read :meth:`last` (flat dict of the records) for logging and
-    :meth:`reset_window` after each read. ``state_dict`` keeps PR0, the step counter, the
-    bound counters and the input moments, so a resumed run continues bit for bit.
+    Build it with :meth:`attach`; call :meth:`step` after every optimiser step (Σ comes
+    from your training forward passes), read :meth:`last` and then :meth:`reset_window`.
+    ``state_dict`` keeps what a resumed run needs to continue bit for bit.
     """
 
     def __init__(self, model: nn.Module, arch: str, sites: list[AttentionSite], *, mode: str,
@@ -226,19 +156,13 @@ class KeySpectrumControl:
         self.dose, self.ramp_steps, self.record = float(dose), int(ramp_steps), record
         self.names: list[str] = []
         self._slices: list[slice] = []  # units of each site
+        max_pr: list[float] = []  # the largest PR each unit can have: min(rows, d_model)
         for site in sites:
-            start = len(self.names)
-            if scope == "head":
-                self.names += [f"l{site.layer}h{h}" for h in range(site.n_kv_head)]
-            else:
-                self.names.append(f"l{site.layer}")
-            self._slices.append(slice(start, len(self.names)))
-        self._site_of = torch.tensor([j for j, sl in enumerate(self._slices)
-                                      for _ in range(sl.start, sl.stop)], dtype=torch.long)
-        max_pr: list[float] = []  # largest PR each matrix can have: min(d_out, d_model)
-        for site, sl in zip(sites, self._slices, strict=True):
-            rows = site.head_dim if scope == "head" else site.n_kv_head * site.head_dim
-            max_pr += [float(min(rows, site.d_model))] * (sl.stop - sl.start)
+            units = ([f"l{site.layer}h{h}" for h in range(site.n_kv_head)] if scope == "head"
+                     else [f"l{site.layer}"])
+            self._slices.append(slice(len(self.names), len(self.names) + len(units)))
+            self.names += units
+            max_pr += [float(min(self._rows(site), site.d_model))] * len(units)
         n = len(self.names)
         self._max_pr = torch.tensor(max_pr, dtype=torch.float64)
         self.pr0 = torch.full((n,), math.nan, dtype=torch.float64)
@@ -254,40 +178,19 @@ class KeySpectrumControl:
         self.trajectory: tuple[list[int], dict[str, list[Tensor]]] = (
             [], {f: [] for f in FIELDS})  # record: steps and per-step fields
 
-    # ----------------------------------------------------------------- construction
-
     @classmethod
     def attach(cls, model: nn.Module, mode: str = "hold", *, level: str = "token",
                scope: str = "layer", scale: str = "data", dose: float | None = None,
                ramp_steps: int = 0, reference: str | Path | None = None,
                how: str = "post_step", layers: Iterable[int] | None = None,
                record: bool = False, record_initial: bool = True) -> KeySpectrumControl:
-        """Validate, find the key weights, note the step-0 weights and (``parametrize``)
-        register.
-
-        Args:
-            model: the project's GPT or a supported HF model (see module docstring).
-            mode: one of :data:`MODES`; ``"none"`` touches nothing (without ``record`` not
-                even the lookup).
-            level: ``"token"`` (the keys' covariance on the layer's inputs) or ``"weight"``
-                (W_K itself).
-            scope: ``"layer"`` (whole W_K) or ``"head"`` (each head's slice).
-            scale: ``"data"`` (the key spread on the layer's inputs: the reference run's at
-                the same step, else kept) or ``"frobenius"`` (keep ‖W_K‖_F).
-            dose: r, the final cap as a multiple of base(t): shrink (0, 1] (default 0.5),
-                expand >= 1 (default 2), sham 1; hold takes none.
-            ramp_steps: steps over which r(t) goes from 1 to ``dose`` (0: at once).
-            reference: a run folder with a ``key_pr.parquet`` (trained with
-                ``key_control.record``): base(t) is its PR_K at step t at this level, and the
-                data rule matches its key spread; None: PR0 and a kept spread.
-            how: ``"post_step"`` (project after each :meth:`step`) or ``"parametrize"``.
-            layers: layer indices to control (default all).
-            record: keep every step's PR_K (both levels) and key spread in
-                :attr:`trajectory`.
-            record_initial: take PR0 from the weights now (a fresh run at step 0). Pass
-                False when the state comes from :meth:`load_state_dict` (resume).
-        Raises:
-            QKGeomError: bad arguments or an unsupported architecture.
+        """The control of ``model`` (the project's GPT or an HF model :mod:`qkgeom.arch`
+        supports) on ``layers`` (default all), its step-0 weights noted and, for
+        ``parametrize``, registered. The settings are :class:`KeyControlConfig`'s and are
+        validated as one (``dose`` None: the mode's default); ``reference`` is a run folder
+        recorded with ``key_control.record``; ``record`` keeps every step's PR_K and key
+        spread in :attr:`trajectory`; ``record_initial=False`` when the state will come
+        from :meth:`load_state_dict`. Mode ``none`` without ``record`` looks nothing up.
         """
         settings = KeyControlConfig(mode=mode, level=level, scale=scale,
                                     dose=0.0 if dose is None else dose,
@@ -317,8 +220,7 @@ class KeySpectrumControl:
         return ctl
 
     def _register_parametrizations(self) -> None:
-        """``how="parametrize"``: W_K becomes a function of the stored weight, the identity
-        until the first step sets targets."""
+        """W_K becomes a function of the stored weight, the identity until the first step."""
         for site, sl in zip(self.sites, self._slices, strict=True):
             p = KeySpectrumParametrization(site, self.scope, self.level, self.scale,
                                            torch.ones(sl.stop - sl.start))
@@ -334,8 +236,7 @@ class KeySpectrumControl:
                                                         or self.scale == "data"))
 
     def remove(self) -> None:
-        """Undo the attachment: the input hooks, and a ``parametrize`` registration (keeping
-        the current, reshaped weights)."""
+        """Remove the input hooks and a parametrisation (keeping the reshaped weights)."""
         if self.moments is not None:
             self.moments.remove()
         for site in self.sites:
@@ -344,21 +245,24 @@ class KeySpectrumControl:
                                                     leave_parametrized=True)
         self._params = []
 
-    # ----------------------------------------------------------------- reading
+    def _rows(self, site: AttentionSite) -> int:
+        return site.head_dim if self.scope == "head" else site.n_kv_head * site.head_dim
+
+    def _as_units(self, site: AttentionSite, w: Tensor) -> Tensor:
+        """``w`` (laid out like the site's key weight) as units (U, m, d), detached."""
+        heads = site.k_heads(w.detach())  # (H_kv, hd, d)
+        return heads if self.scope == "head" else heads.reshape(1, -1, site.d_model)
 
     def _units(self, site: AttentionSite, w: Tensor) -> Tensor:
-        heads = site.k_heads(w.detach())  # (H_kv, hd, d)
-        mats = heads if self.scope == "head" else heads.reshape(1, -1, site.d_model)
-        return mats.to(torch.float64)  # (U, m, d)
+        return self._as_units(site, w).to(torch.float64)
 
     def _sigma(self, j: int, regularised: bool) -> Tensor:
         """Σ (or Σ_ε) of site ``j``, float64, on the weights' device."""
         return self.moments.regularised(j) if regularised else self.moments.covariance(j)
 
     def measure(self, units: list[Tensor]) -> dict[str, Tensor]:
-        """``pr`` (weight level), ``pr_token`` and ``spread`` of every unit, from the units
-        of each site (``units[j]``: (U, m, d) float64); NaN for the last two while Σ is
-        unknown."""
+        """``pr`` (weight level), ``pr_token`` and ``spread`` of every unit from each site's
+        units (U, m, d) float64; NaN for the last two while Σ is unknown."""
         out = {f: [] for f in FIELDS}
         ready = self.moments is not None and self.moments.ready
         for j, a in enumerate(units):
@@ -379,16 +283,15 @@ class KeySpectrumControl:
             return [self._units(site, site.key_effective()) for site in self.sites]
 
     def current_pr(self) -> Tensor:
-        """PR_K of every controlled unit as the model sees it now, at the control's level
-        (float64, (N,); NaN at the token level before the first training forward)."""
+        """PR_K of every unit as the model sees it now, at the control's level (NaN at the
+        token level before the first training forward)."""
         if not self.sites:
             return torch.zeros(0, dtype=torch.float64)
         m = self.measure(self._stored_units())
         return m["pr_token" if self.level == "token" else "pr"]
 
     def base_at(self, step: int) -> Tensor:
-        """base(t) of every unit: the reference run's PR_K at ``step`` (at this level), or
-        PR0."""
+        """base(t): the reference run's PR_K at ``step`` at this level, or PR0."""
         if self.reference is None:
             return self.pr0
         return self._reference_at("pr_token" if self.level == "token" else "pr", step)
@@ -405,21 +308,19 @@ class KeySpectrumControl:
         return row
 
     def spread_target(self, step: int) -> Tensor:
-        """The key spread each unit is rescaled to at ``step``: the reference run's (data
-        rule with a reference), else NaN (keep the unit's own)."""
+        """The key spread to match at ``step`` (the data rule's reference), else NaN."""
         n = len(self.names)
         if self.scale != "data" or self.reference is None or self.mode == "none":
             return torch.full((n,), math.nan, dtype=torch.float64)
         return self._reference_at("spread", step)
 
     def hold_level(self) -> Tensor:
-        """The PR ``hold`` keeps each unit at: PR0. A subclass may move it (the monitor's
-        closed loop steers it toward a target attention entropy)."""
+        """The PR ``hold`` keeps: PR0 (the monitor's closed loop steers it instead)."""
         return self.pr0
 
     def _targets(self, idx: Tensor, pr_before: Tensor) -> dict[str, Tensor]:
-        """target, sched (the cap before the current-PR bound), base, bound (the target
-        differs from the current PR on purpose) for the units ``idx`` at the current step."""
+        """target, sched, base, dose and bound (the target differs from the current PR on
+        purpose) of the units ``idx`` at the current step."""
         t = self.step_count
         if self.mode == "hold":
             level = self.hold_level()[idx]
@@ -439,14 +340,9 @@ class KeySpectrumControl:
         return {"target": torch.where(bound, cap, pr_before), "sched": sched, "base": base,
                 "bound": bound, "dose": r}
 
-    # ----------------------------------------------------------------- stepping
-
     def step(self, step: int | None = None) -> dict[str, float]:
-        """Apply the control after an optimiser step; returns :meth:`last`.
-
-        ``step`` is the number of optimiser updates done (default: one more than last
-        time); it sets where on the ramp and the reference trajectory the targets are.
-        """
+        """Apply the control after optimiser update ``step`` (default: the next); returns
+        :meth:`last`."""
         if not self.sites:
             return {}
         self.step_count = self.step_count + 1 if step is None else int(step)
@@ -460,8 +356,7 @@ class KeySpectrumControl:
             raise QKGeomError("key control has no step-0 PRs: attach with record_initial=True "
                               "or load_state_dict() from a checkpoint before stepping")
         if self.mode == "none":
-            m = self.measure(self._stored_units())
-            pr = m["pr_token" if self.level == "token" else "pr"]
+            pr = self.current_pr()
             self._last = {"pr": pr, "pr_before": pr}
         elif self.how == "parametrize":
             self._last = self._set_param_targets()
@@ -473,8 +368,7 @@ class KeySpectrumControl:
         return self.last()
 
     def _settle_step_zero(self) -> None:
-        """Once Σ is known (after the first training forward, on the step-0 weights): the
-        token-level PR0 and, with ``record``, the step-0 row of the trajectory."""
+        """Once Σ is known: the token-level PR0 of the step-0 weights and the step-0 row."""
         m = self.measure(self._w0)
         if self.level == "token":
             self.pr0 = m["pr_token"].clone()
@@ -493,8 +387,7 @@ class KeySpectrumControl:
         groups: dict[tuple, list[int]] = {}
         for j, site in enumerate(self.sites):
             w = site.key_stored()
-            rows = site.head_dim if self.scope == "head" else site.n_kv_head * site.head_dim
-            groups.setdefault((rows, site.d_model, w.dtype, w.device), []).append(j)
+            groups.setdefault((self._rows(site), site.d_model, w.dtype, w.device), []).append(j)
         return list(groups.values())
 
     def _stack_sigma(self, group: list[int], regularised: bool, device: torch.device
@@ -506,83 +399,83 @@ class KeySpectrumControl:
                 for j in group for _ in range(self._slices[j].stop - self._slices[j].start)]
         return torch.stack(mats)
 
+    def _empty_record(self) -> dict[str, Tensor]:
+        n = len(self.names)
+        return {f: torch.full((n,), math.nan, dtype=torch.float64) for f in _RECORD_FIELDS}
+
     @torch.no_grad()
     def _project(self) -> dict[str, Tensor]:
-        """post_step: per group of equally shaped units, the level's Gram matrices and PRs,
-        the targets; then -- only for the units that need it (hold and sham: all; shrink and
-        expand: those whose cap binds) -- one batched eigendecomposition
-        (:func:`_eigh_dtype`), the fit of γ, ``W″ = U·diag(s′/s)·Uᵀ·W`` (right-multiplied
-        for a tall weight-level unit); the scale factor c of every unit that is rewritten
-        (with a matched spread: every unit); in-place writes; the achieved PR and spread
-        re-measured on the stored weights.
-
-        Singular values are floored at 2·rtol·s_max before the fit, so none is treated as
-        zero: the Gram route resolves them only down to about √eps·s_max, and a value that
-        is small but real must be rescaled, not deleted (a sham step must be a round trip).
-        """
-        n = len(self.names)
-        rec = {f: torch.full((n,), math.nan, dtype=torch.float64) for f in _RECORD_FIELDS}
+        """post_step: rewrite the stored W_K, one batched eigendecomposition per group of
+        equally shaped units (docs/definitions.md#post-step-or-parametrize)."""
+        rec = self._empty_record()
         spread_target = self.spread_target(self.step_count)
         for group in self._groups():
-            sites = [self.sites[j] for j in group]
-            idx = torch.cat([torch.arange(self._slices[j].start, self._slices[j].stop)
-                             for j in group])  # unit indices, in stacking order
-            a_stored = torch.cat([self._raw_units(site) for site in sites])  # (U, m, d)
-            a = a_stored.to(torch.float64)
-            dev = a.device
-            s_eps = self._stack_sigma(group, True, dev) if self.level == "token" else None
-            s_keep = self._stack_sigma(group, False, dev) if self.scale == "data" else None
-            gram, left = _level_gram(a, s_eps)
-            pr_before = pr_from_covariance(gram).cpu()  # (U,)
-            tg = self._targets(idx, pr_before)
-            reshape = tg["bound"] | (self.mode == "sham")
-            matched = torch.isfinite(spread_target[idx])
-            target, gamma = tg["target"].clone(), torch.ones_like(pr_before)
-            clamped = torch.zeros_like(pr_before)
-            new, act = a.clone(), torch.zeros_like(reshape)
-            if bool(reshape.any()):
-                sub = torch.nonzero(reshape).flatten()
-                fit, moved, w_new = self._reshape(a[sub.to(dev)], gram[sub.to(dev)], target[sub],
-                                                  ~tg["bound"][sub], left, a_stored.dtype)
-                target[sub] = torch.where(fit.flat, pr_before[sub], fit.target)
-                gamma[sub] = fit.gamma
-                clamped[sub] = fit.clamped.to(torch.float64)
-                new[sub.to(dev)] = w_new
-                act[sub] = moved
-            act = act | matched  # a matched spread rescales every unit, every step
-            if bool(act.any()):
-                sel = torch.nonzero(act).flatten().to(dev)
-                s_sel = None if s_keep is None else s_keep[sel]
-                kept = torch.where(matched[act].to(dev), spread_target[idx][act].to(dev),
-                                   _quad_trace(a[sel], s_sel))
-                c = torch.sqrt(kept / _quad_trace(new[sel], s_sel).clamp_min(1e-300))
-                stored = (new[sel] * c[:, None, None]).to(a_stored.dtype)
-                self._write(group, torch.nonzero(act).flatten().tolist(), stored, idx)
-                self.reshapes += int(act.sum())
-            after = torch.cat([self._raw_units(site) for site in sites]).to(torch.float64)
-            gram_after, _ = _level_gram(after, s_eps)
-            pr_after = pr_from_covariance(gram_after).cpu()
-            spread_after = (_quad_trace(after, s_keep).cpu() if s_keep is not None
-                            else torch.full_like(pr_after, math.nan))
-            hit = (gamma != 1) if self.mode == "hold" else tg["bound"]
-            self._bound[idx] += hit.to(torch.float64)
-            for f, v in (("target", target), ("sched", tg["sched"]), ("base", tg["base"]),
-                         ("dose", tg["dose"]), ("pr_before", pr_before), ("gamma", gamma),
-                         ("clamped", clamped), ("pr", pr_after), ("spread", spread_after),
-                         ("spread_target", spread_target[idx])):
-                rec[f][idx] = v
+            self._project_group(group, spread_target, rec)
         return rec
+
+    def _project_group(self, group: list[int], spread_target: Tensor,
+                       rec: dict[str, Tensor]) -> None:
+        """Reshape the units that need it (hold, sham: all; shrink, expand: those whose cap
+        binds), rescale every rewritten unit (with a matched spread: every unit), write them
+        in place and record the PR and spread re-measured on the stored weights."""
+        sites = [self.sites[j] for j in group]
+        idx = torch.cat([torch.arange(self._slices[j].start, self._slices[j].stop)
+                         for j in group])  # unit indices, in stacking order
+        a_stored = torch.cat([self._raw_units(site) for site in sites])  # (U, m, d)
+        a, dev = a_stored.to(torch.float64), a_stored.device
+        s_eps = self._stack_sigma(group, True, dev) if self.level == "token" else None
+        s_keep = self._stack_sigma(group, False, dev) if self.scale == "data" else None
+        gram, left = _level_gram(a, s_eps)
+        pr_before = pr_from_covariance(gram).cpu()  # (U,)
+        tg = self._targets(idx, pr_before)
+        target, gamma = tg["target"].clone(), torch.ones_like(pr_before)
+        clamped = torch.zeros_like(pr_before)
+        new, act = a.clone(), torch.zeros_like(tg["bound"])
+        sub = torch.nonzero(tg["bound"] | (self.mode == "sham")).flatten()
+        if len(sub):
+            fit, moved, w_new = self._reshape(a[sub.to(dev)], gram[sub.to(dev)], target[sub],
+                                              ~tg["bound"][sub], left, a_stored.dtype)
+            target[sub] = torch.where(fit.flat, pr_before[sub], fit.target)
+            gamma[sub], clamped[sub] = fit.gamma, fit.clamped.to(torch.float64)
+            new[sub.to(dev)], act[sub] = w_new, moved
+        matched = torch.isfinite(spread_target[idx])
+        act = act | matched  # a matched spread rescales every unit, every step
+        if bool(act.any()):
+            sel = torch.nonzero(act).flatten().to(dev)
+            s_sel = None if s_keep is None else s_keep[sel]
+            kept = torch.where(matched[act].to(dev), spread_target[idx][act].to(dev),
+                               _quad_trace(a[sel], s_sel))
+            c = torch.sqrt(kept / _quad_trace(new[sel], s_sel).clamp_min(1e-300))
+            stored = (new[sel] * c[:, None, None]).to(a_stored.dtype)
+            self._write(group, torch.nonzero(act).flatten().tolist(), stored, idx)
+            self.reshapes += int(act.sum())
+        after = torch.cat([self._raw_units(site) for site in sites]).to(torch.float64)
+        self._note(rec, idx, tg, after, s_eps, s_keep, target=target, pr_before=pr_before,
+                   gamma=gamma, clamped=clamped, spread_target=spread_target[idx])
+
+    def _note(self, rec: dict[str, Tensor], idx: Tensor, tg: dict[str, Tensor], after: Tensor,
+              s_eps: Tensor | None, s_keep: Tensor | None, **fields: Tensor) -> None:
+        """Record the step of units ``idx`` (``after``: their weights now, float64) and
+        count the steps where the cap bound (hold: where the reshape moved the spectrum)."""
+        hit = (fields["gamma"] != 1) if self.mode == "hold" else tg["bound"]
+        self._bound[idx] += hit.to(torch.float64)
+        pr = pr_from_covariance(_level_gram(after, s_eps)[0]).cpu()
+        spread = (_quad_trace(after, s_keep).cpu() if s_keep is not None
+                  else torch.full_like(pr, math.nan))
+        for f, v in {**fields, "sched": tg["sched"], "base": tg["base"], "dose": tg["dose"],
+                     "pr": pr, "spread": spread}.items():
+            rec[f][idx] = v
 
     def _reshape(self, a: Tensor, gram: Tensor, target: Tensor, keep: Tensor, left: bool,
                  stored: torch.dtype) -> tuple[Any, Tensor, Tensor]:
-        """(fit, moved, W″) for units ``a`` (U, m, d) float64 whose controlled spectrum is
-        the eigenvalues of ``gram``: W″ = U·diag(s′/s)·Uᵀ·W (``left``) or W·U·diag(s′/s)·Uᵀ,
-        unscaled. ``moved`` marks the units rewritten (γ ≠ 1, or any sham unit; never a
-        flat one). ``keep`` marks units whose target is their current PR (the sham): γ = 1
-        exactly, whatever the PR of the computed eigenvalues."""
+        """(fit, moved, W″): units ``a`` (U, m, d) float64 reshaped through the eigenvalues
+        of ``gram``, W″ = U·diag(s′/s)·Uᵀ·W (``left``) or W·U·diag(s′/s)·Uᵀ, unscaled;
+        ``moved``: γ ≠ 1 or sham, never flat; ``keep``: target = current PR, so γ = 1
+        exactly. Values below 2·rtol·s_max are floored, never deleted (a sham step must be
+        a round trip); the eigh runs in float32 above 32 × 32 (half the cost on CPU, no
+        slow float64 solver on CUDA), enough for the float64 re-measured invariants."""
         r = gram.shape[-1]
-        dtype = _eigh_dtype(a.device, r)
-        g = gram.to(dtype)
+        g = gram.to(torch.float64 if r <= 32 else torch.float32)
         norm = torch.diagonal(g, dim1=-2, dim2=-1).amax(-1).clamp_min(1e-30)  # (U,)
         lam, vec = torch.linalg.eigh(g / norm[:, None, None])  # ascending
         lam = (lam.flip(-1).to(torch.float64) * norm.to(torch.float64)[:, None]).cpu()
@@ -616,24 +509,22 @@ class KeySpectrumControl:
                         view.copy_(new[k].view(view.shape))
 
     def _raw_units(self, site: AttentionSite) -> Tensor:
-        """The stored W_K of a site as units, (U, m, d) in the stored dtype (a copy)."""
-        heads = site.k_heads(site.key_stored().detach())  # (H_kv, hd, d)
-        return (heads if self.scope == "head" else heads.reshape(1, -1, site.d_model)).clone()
+        """A copy of the stored W_K of a site as units, in the stored dtype."""
+        return self._as_units(site, site.key_stored()).clone()
 
     def _set_param_targets(self) -> dict[str, Tensor]:
         """parametrize: set each parametrisation's targets for the coming forward passes."""
-        n = len(self.names)
-        rec = {f: torch.full((n,), math.nan, dtype=torch.float64) for f in _RECORD_FIELDS}
+        rec = self._empty_record()
         spread_target = self.spread_target(self.step_count)
         with torch.no_grad():
             for j, (site, sl, p) in enumerate(zip(self.sites, self._slices, self._params,
                                                   strict=True)):
                 idx = torch.arange(sl.start, sl.stop)
                 dev = site.key_stored().device
-                original = self._units(site, site.key_stored())  # unconstrained
                 s_eps = self._sigma(j, True).to(dev) if self.level == "token" else None
-                pr_before = pr_from_covariance(_level_gram(
-                    original, None if s_eps is None else s_eps.expand(len(idx), -1, -1))[0]).cpu()
+                s_units = None if s_eps is None else s_eps.expand(len(idx), -1, -1)
+                original = self._units(site, site.key_stored())  # unconstrained
+                pr_before = pr_from_covariance(_level_gram(original, s_units)[0]).cpu()
                 tg = self._targets(idx, pr_before)
                 identity = ~tg["bound"] & torch.as_tensor(self.mode != "sham")
                 p.target.copy_(tg["target"])
@@ -645,29 +536,17 @@ class KeySpectrumControl:
                     p.root, p.iroot = _sqrt_pair(s_eps)
                 effective = self._units(site, site.key_effective())  # runs the reshape
                 gamma, clamped = p.last_gamma.cpu(), p.last_clamped.cpu()
-                hit = (gamma != 1) if self.mode == "hold" else tg["bound"]
-                self._bound[idx] += hit.to(torch.float64)
                 self.reshapes += int((~identity | torch.isfinite(spread_target[idx])).sum())
-                gram_after, _ = _level_gram(
-                    effective, None if s_eps is None else s_eps.expand(len(idx), -1, -1))
-                spread = (_quad_trace(effective, p.moment.expand(len(idx), -1, -1)).cpu()
-                          if p.moment is not None else torch.full((len(idx),), math.nan,
-                                                                  dtype=torch.float64))
-                for f, v in (("target", tg["target"]), ("sched", tg["sched"]),
-                             ("base", tg["base"]), ("dose", tg["dose"]),
-                             ("pr_before", pr_before),
-                             ("gamma", torch.where(identity, torch.ones_like(gamma), gamma)),
-                             ("clamped", (clamped & ~identity).to(torch.float64)),
-                             ("pr", pr_from_covariance(gram_after).cpu()), ("spread", spread),
-                             ("spread_target", spread_target[idx])):
-                    rec[f][idx] = v
+                s_keep = None if p.moment is None else p.moment.expand(len(idx), -1, -1)
+                self._note(rec, idx, tg, effective, s_units, s_keep, target=tg["target"],
+                           pr_before=pr_before,
+                           gamma=torch.where(identity, torch.ones_like(gamma), gamma),
+                           clamped=(clamped & ~identity).to(torch.float64),
+                           spread_target=spread_target[idx])
         return rec
 
-    # ----------------------------------------------------------------- records
-
     def _initial_record(self) -> dict[str, Tensor]:
-        """The step-0 records: PR0 at the weight level now; at the token level NaN until
-        the first training forward gives Σ."""
+        """The step-0 records (token level: NaN until the first forward gives Σ)."""
         n = len(self.names)
         if self.mode == "none":
             return {"pr": self.pr0.clone(), "pr_before": self.pr0.clone()}
@@ -676,16 +555,9 @@ class KeySpectrumControl:
                 "clamped": torch.zeros(n, dtype=torch.float64)}
 
     def last(self) -> dict[str, float]:
-        """The last step's records as a flat dict ``ctl_<field>_<unit>`` (unit ``l3`` or
-        ``l3h1``; none for mode ``none``): target (PR aimed at), sched (the cap r(t)·base(t)
-        before the current-PR bound; PR0 for hold), base (base(t)), dose (r(t)), pr
-        (achieved, at the control's level), pr_before, gamma, clamped (0/1), spread (the key
-        spread after the step), spread_target (the reference's, NaN when kept) and
-        bound_share (share of the steps since :meth:`reset_window` where the cap bound;
-        hold: where the reshape changed the spectrum). A value that is not defined (a
-        spread target when the spread is kept, bound_share before any step, the token
-        level's step-0 PRs before the first batch) is left out. Before any step: the step-0
-        values (target = pr = PR0, gamma 1)."""
+        """The last step's records as ``{"ctl_<field>_<unit>": value}`` (unit ``l3`` or
+        ``l3h1``; docs/definitions.md#what-is-recorded), undefined values left out; {} for
+        mode ``none``. ``bound_share`` counts the steps since :meth:`reset_window`."""
         if self.mode == "none":
             return {}
         rec = dict(self._last)
@@ -708,8 +580,6 @@ class KeySpectrumControl:
         """``{"ctl_target_<unit>": PR aimed at in the last step}``."""
         return {k: v for k, v in self.last().items() if k.startswith("ctl_target_")}
 
-    # ----------------------------------------------------------------- state
-
     def state_dict(self) -> dict[str, Any]:
         return {"version": _STATE_VERSION, "mode": self.mode, "level": self.level,
                 "scope": self.scope, "scale": self.scale, "arch": self.arch,
@@ -722,11 +592,8 @@ class KeySpectrumControl:
                 "moments": self.moments.state_dict() if self.moments is not None else None}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore PR0, the step counter, the window counters, the input moments and the
-        last records.
-
-        The per-step record (:attr:`trajectory`) is not part of the state: the callback
-        keeps it in the run's key_pr.parquet and restores it from there."""
+        """Restore PR0, the counters, the input moments and the last records (the
+        trajectory is restored by the callback, from the run's key_pr.parquet)."""
         if not state:
             raise QKGeomError("empty key-control state: the checkpoint was written without "
                               "key control")

@@ -1,28 +1,11 @@
 """Σ, the running centred covariance of each layer's key-projection input.
 
-Why: the keys a layer's attention compares are k = W_K·x on the inputs x the layer actually
-receives, so their spectrum is that of W_K Σ W_Kᵀ with Σ the covariance of x, not that of
-W_K. The token level of the key control reshapes that spectrum, and the ``data`` scale rule
-keeps (or matches to a paired run) the key spread tr(W_K Σ W_Kᵀ) = E‖k − E k‖², the part of
-the keys' size the softmax sees: a common key offset adds the same logit to a whole row,
-which the softmax ignores, so the covariance is centred (docs/definitions.md#key-spectrum-control).
-
-How: a forward pre-hook on each site's key module (for fused q/k/v the same module, whose
-input is the same x) adds Σx and xᵀx over *every* token of the batch to pending sums, only
-in training forwards (``module.training`` and gradients on: probes and evaluation run
-without gradients). :meth:`InputMoments.fold` turns what is pending into one update of
-exponential moving averages of E[x] and E[x xᵀ], with a half-life of :data:`HALF_LIFE`
-steps, initialised from the first batch; Σ = E[x xᵀ] − E[x] E[x]ᵀ. The half-life is short
-because the inputs move fast in the early transient, where a longer memory makes the
-estimate lag the keys it controls (docs/definitions.md#scale-rule gives the measurement);
-five steps still average about fourteen batches. Every position counts: a strided subset
-of positions is a biased sample when the inputs carry positional embeddings. The xᵀx of a
-batch costs about one key projection's forward.
-
-:meth:`InputMoments.regularised` is Σ shrunk towards its mean eigenvalue by
-:data:`SHRINK` (Σ + ε·tr(Σ)/d·I): the token-level reshape needs W Σ Wᵀ positive definite
-wherever W has full rank, and directions the recent batches never visited should not be
-treated as directions of zero variance.
+The keys attention compares are k = W_K·x on the inputs the layer actually receives, so
+their spectrum is that of W_K Σ W_Kᵀ, not of W_K; centred, because a key offset common to a
+row adds one logit the softmax ignores. A forward pre-hook sums x and xᵀx over every token
+of training forwards only; :meth:`InputMoments.fold` turns them into one step of moving
+averages (half-life :data:`HALF_LIFE` steps). Definitions and the measured choice of the
+half-life: docs/definitions.md#scale-rule.
 """
 
 from __future__ import annotations
@@ -103,7 +86,8 @@ class InputMoments:
         return (cov + cov.mT) / 2
 
     def regularised(self, j: int) -> Tensor:
-        """Σ + ε·tr(Σ)/d·I of site ``j`` (:data:`SHRINK`)."""
+        """Σ + ε·tr(Σ)/d·I of site ``j`` (:data:`SHRINK`): positive definite wherever W has
+        full rank, and directions the recent batches never visited keep some variance."""
         cov = self.covariance(j)
         d = cov.shape[-1]
         ridge = SHRINK * torch.diagonal(cov).sum().clamp_min(0) / d

@@ -1,50 +1,10 @@
 """Reshaping a singular spectrum to a target participation ratio, as pure functions.
 
-The key-spectrum control replaces ``W = U·diag(s)·Vᵀ`` by ``U·diag(s′)·Vᵀ`` with
-``s′ᵢ = c·sᵢ^γ``: the singular vectors stay, the order of the singular values stays, and
-``c`` rescales so that ``Σs′² = Σs²`` (the Frobenius norm, i.e. the logit scale, is kept;
-only the *shape* of the spectrum changes). ``γ`` is found by a bracketed search so that
-``PR(s′²) = (Σs′²)² / Σs′⁴`` equals the target.
-
-Why the search works: with ``a = 2γ`` and weights ``pᵢ ∝ sᵢ^a``,
-``d log PR / da = 2·(E_a[log s] − E_2a[log s]) ≤ 0`` for ``a ≥ 0`` (``E_a[log s]`` grows
-with ``a``: its derivative is a variance), strictly unless the spectrum is flat. So on
-``γ ∈ [0, ∞)`` PR falls monotonically from ``n_nz`` (γ = 0: every non-zero value equal)
-to ``m_top`` (γ → ∞: only the values tied for the maximum survive; 1 for a generic
-spectrum). Negative γ would invert the order of the singular values and is never used.
-
-Edge cases (never a silent NaN):
-
-* **Tolerance.** Decisions about equality use ``rtol = min(8·n·eps, 1e-3)`` relative to
-  ``s_max``, with ``eps`` of the *stored* weight's dtype (float32 for a float32 W_K, whose
-  float64 SVD carries float32 round-off; the ``matrix_rank`` convention, with a margin).
-* **Zero singular values** (rank-deficient W; a value ``≤ rtol·s_max``) stay exactly zero,
-  even at γ = 0. The largest reachable PR is ``n_nz``, the number of non-zero values.
-* **Target outside the reachable range** ``[m_top, n_nz]`` (this includes any target
-  ``< 1`` or ``> n``): clamped to the nearest end and reported (``clamped``). Above: γ = 0,
-  all non-zero values equal. Below: the γ → ∞ limit, returned exactly as ``γ = inf``
-  (the ``m_top`` largest values equal, the rest zero, Frobenius norm kept) -- a rank
-  collapse, which is what asking for PR ≤ 1 means.
-* **Flat spectrum** (all non-zero values within ``rtol·s_max`` of the largest -- e.g. a
-  float32 orthogonal init, whose singular values differ by ~1e-6): every γ gives the
-  same PR (= ``n_nz``), so no power can reshape it. It is returned unchanged with
-  ``γ = 1`` and ``flat = True``; ``clamped`` is set when the target differs from ``n_nz``.
-  (An orthogonally initialised W_K is flat at step 0; one optimiser step later it is not.)
-  Raising instead would abort a training run over a measure-zero event.
-* **All-zero spectrum**: unchanged, ``γ = 1``, ``flat = True``, ``clamped = True``,
-  PR 0.0 (the project's zero-spectrum convention, :mod:`qkgeom.geometry.spectra`).
-* **Target equal to the current PR** (within 1e-12 relative): ``γ = 1`` exactly and the
-  spectrum is returned bit for bit.
-* Negative, NaN or infinite singular values, or a NaN target: ``ValueError`` (bad input,
-  not a state to paper over).
-
-Accuracy: the search for γ stops when its step (or bracket) is 1e-13 (relative), so
-``PR(s′²)`` is on target to about 1e-12 relative (the control's invariant asks 1e-3). Everything is float64.
-
-:func:`spectral_reshape` is the differentiable version used by the ``parametrize``
-variant: a custom autograd function whose backward is the stable derivative of a spectral
-function (divided differences, finite for repeated singular values) plus the implicit
-derivative of γ (the target PR is held fixed while W moves).
+``s′ᵢ = c·sᵢ^γ``: the singular vectors and the order of the values stay, ``c`` keeps
+``Σs′² = Σs²`` and γ ≥ 0 is searched so that ``PR(s′²)`` is the target (PR falls
+monotonically in γ, so the root is unique). The edge cases (zero, tied and flat spectra,
+unreachable targets) are defined in docs/control.md#the-spectrum-fit: never a silent NaN.
+:func:`spectral_reshape` is the differentiable version of the ``parametrize`` control.
 """
 
 from __future__ import annotations
@@ -55,15 +15,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = [
-    "GAMMA_MAX",
-    "SpectrumFit",
-    "apply_target",
-    "default_rtol",
-    "fit_spectrum",
-    "reshape_spectrum",
-    "spectral_reshape",
-]
+__all__ = ["GAMMA_MAX", "SpectrumFit", "apply_target", "default_rtol", "fit_spectrum",
+           "reshape_spectrum", "spectral_reshape"]
 
 GAMMA_MAX = 2.0**40  # largest finite γ tried; beyond it only the γ = inf limit is used
 _EPS = torch.finfo(torch.float64).eps
@@ -72,23 +25,15 @@ _SAME_RTOL = 1e-12  # a target this close to the current PR means "leave it" (γ
 
 
 class SpectrumFit(NamedTuple):
-    """Result of :func:`fit_spectrum`; every field batched over the leading dims.
+    """Result of :func:`fit_spectrum`, batched over the leading dims (docs/control.md)."""
 
-    ``s`` (..., n) reshaped singular values (float64); ``gamma`` the exponent (1 =
-    unchanged, 0 = flattened, inf = the rank-``m_top`` limit); ``target`` the PR aimed at
-    after clamping to the reachable range; ``pr`` = PR(s′²) achieved; ``pr_before`` =
-    PR(s²); ``clamped`` whether the requested target was outside the reachable range (or
-    the spectrum was flat/zero and could not be moved); ``flat`` whether the input was flat
-    or all zero (returned unchanged).
-    """
-
-    s: Tensor
-    gamma: Tensor
-    target: Tensor
-    pr: Tensor
-    pr_before: Tensor
-    clamped: Tensor
-    flat: Tensor
+    s: Tensor  # (..., n) reshaped singular values, float64
+    gamma: Tensor  # 1 unchanged, 0 flattened, inf the rank-m_top limit
+    target: Tensor  # the PR aimed at, after clamping to the reachable range
+    pr: Tensor  # PR(s′²) achieved
+    pr_before: Tensor  # PR(s²)
+    clamped: Tensor  # the target was out of reach (or the spectrum could not move)
+    flat: Tensor  # flat or all-zero input, returned unchanged
 
 
 def _pr_rows(p: Tensor) -> Tensor:
@@ -108,34 +53,18 @@ def _pr_at(logx: Tensor, nz: Tensor, gamma: Tensor) -> Tensor:
     return _pr_rows(_powers(logx, nz, 2 * gamma))
 
 
-def _pr_many(logx: Tensor, nz: Tensor, gammas: Tensor) -> Tensor:
-    """PR(s′²) at several γ per row: logx, nz (..., n); gammas (..., K) -> (..., K)."""
-    p = torch.exp(2 * gammas.unsqueeze(-1) * logx.unsqueeze(-2))  # (..., K, n)
-    p = torch.where(nz.unsqueeze(-2), p, torch.zeros_like(p))
-    return _pr_rows(p)
-
-
 def _bisect_gamma(logx: Tensor, nz: Tensor, t: Tensor, below: Tensor,
                   active: Tensor) -> Tensor:
-    """γ with PR(s^2γ) = t: safeguarded Newton on a bracket, vectorised over rows.
-
-    The bracket is [1, 2^40] when the target is below the current PR (γ > 1; first
-    narrowed to one octave [2^(j-1), 2^j] by evaluating all 41 powers of two at once), else
-    [0, 1]. Newton steps on ``log PR(γ) − log t`` (its derivative is
-    ``4·(E_2γ[log x] − E_4γ[log x]) ≤ 0``, the weights ∝ x^2γ and x^4γ) start from γ = 1
-    when it is in the bracket (the control's per-step corrections are small, so a few
-    steps suffice), else from the bracket's middle; every evaluation shrinks the bracket
-    (PR is monotone), and a step that would leave it is replaced by bisection, so the
-    search is as robust as bisection and converges quadratically near the root. A row
-    stops when its step is below ``_GAMMA_RTOL`` (relative) or its bracket is that narrow.
-    Only ``active`` rows (those with a root inside the bracket) are iterated.
-    """
-    shape = t.shape
+    """γ with PR(s^2γ) = t for the ``active`` rows: Newton steps on log PR − log t inside
+    a bracket that every evaluation shrinks, bisection where a step would leave it, so it
+    is as robust as bisection and quadratic near the root. The bracket is [0, 1], or one
+    octave of [1, 2^40] when the target is ``below`` the current PR; γ = 1 starts it when
+    inside (the control's per-step corrections are small)."""
     lo = torch.where(below, torch.ones_like(t), torch.zeros_like(t))  # (...,)
     hi = torch.ones_like(t)
     if bool(below.any()):
         octaves = 2.0 ** torch.arange(41, dtype=t.dtype, device=t.device)  # 1 .. GAMMA_MAX
-        pr_oct = _pr_many(logx, nz, octaves.expand(*shape, 41))  # (..., 41)
+        pr_oct = _pr_at(logx.unsqueeze(-2), nz.unsqueeze(-2), octaves.expand(*t.shape, 41))
         j = (pr_oct > t.unsqueeze(-1)).sum(-1).clamp(1, 40)  # first octave with PR <= t
         lo = torch.where(below, octaves[j - 1], lo)
         hi = torch.where(below, octaves[j], hi)
@@ -144,7 +73,7 @@ def _bisect_gamma(logx: Tensor, nz: Tensor, t: Tensor, below: Tensor,
     ell = torch.where(nz, logx, torch.zeros_like(logx))
     done = ~active
     for _ in range(200):
-        p2 = torch.where(nz, torch.exp(2 * gamma.unsqueeze(-1) * logx), torch.zeros_like(logx))
+        p2 = _powers(logx, nz, 2 * gamma)
         p4 = p2 * p2
         s2, s4 = p2.sum(-1), p4.sum(-1)  # >= 1: the top entry is x = 1
         f = 2 * torch.log(s2) - torch.log(s4) - log_t  # > 0 <=> PR(γ) > t <=> root above γ
@@ -183,43 +112,34 @@ def default_rtol(n: int, dtype: torch.dtype = torch.float64) -> float:
 
 def fit_spectrum(s: Tensor | Any, target_pr: Tensor | float, *,
                  rtol: float | None = None) -> SpectrumFit:
-    """Reshape singular values ``s`` (..., n) to ``PR(s′²) = target_pr`` (see module doc).
-
-    Batched over leading dims (``target_pr`` broadcasts against them). Zero entries may pad
-    rows of different lengths: they stay zero and do not count. ``rtol``: relative
-    tolerance for zero / tied values (default :func:`default_rtol` for float64).
-    """
+    """Reshape singular values ``s`` (..., n) to ``PR(s′²) = target_pr`` (broadcast over
+    the leading dims). Zero entries may pad rows of different lengths: they stay zero and
+    do not count. ``rtol``: zero / tied values (default :func:`default_rtol`, float64)."""
     s = _check_spectrum(s)  # (..., n)
-    n = s.shape[-1]
-    rtol = default_rtol(n) if rtol is None else float(rtol)
+    rtol = default_rtol(s.shape[-1]) if rtol is None else float(rtol)
     target = torch.as_tensor(target_pr, dtype=torch.float64, device=s.device)
     target = target.expand(s.shape[:-1]).clone()  # (...,)
     if bool(torch.isnan(target).any()):
         raise ValueError("target PR is NaN")
-
     s_max = s.amax(dim=-1)  # (...,)
-    dead = s_max == 0  # (...,) all-zero rows
+    dead = s_max == 0  # all-zero rows
     x = s / torch.where(dead, torch.ones_like(s_max), s_max).unsqueeze(-1)  # (..., n) in [0, 1]
-    nz = x > rtol  # (..., n) non-zero singular values
+    nz = x > rtol  # non-zero singular values
     logx = torch.where(nz, torch.log(torch.where(nz, x, torch.ones_like(x))), torch.zeros_like(x))
-    n_nz = nz.sum(dim=-1).to(torch.float64)  # (...,) = PR at γ = 0
-    top = nz & (x >= 1 - rtol)  # (..., n) values tied for the maximum
-    m_top = top.sum(dim=-1).to(torch.float64)  # (...,) = PR as γ -> inf
-    flat = dead | (m_top == n_nz)  # (...,)
+    n_nz = nz.sum(dim=-1).to(torch.float64)  # = PR at γ = 0
+    top = nz & (x >= 1 - rtol)  # values tied for the maximum
+    m_top = top.sum(dim=-1).to(torch.float64)  # = PR as γ -> inf
+    flat = dead | (m_top == n_nz)
     ones = torch.ones_like(s_max)
-
-    pr_before = _pr_at(logx, nz, ones)  # (...,) PR(s²)
-    pr_cap = _pr_at(logx, nz, ones * GAMMA_MAX)  # (...,) PR at the largest finite γ
-
-    # Reachable range [m_top, n_nz]: clamp, and decide the closed-form rows first.
-    t = torch.minimum(torch.maximum(target, m_top), n_nz)  # (...,)
+    pr_before = _pr_at(logx, nz, ones)  # PR(s²)
+    pr_cap = _pr_at(logx, nz, ones * GAMMA_MAX)  # PR at the largest finite γ
+    # the reachable range [m_top, n_nz]: clamp, and decide the closed-form rows first
+    t = torch.minimum(torch.maximum(target, m_top), n_nz)
     same = (target - pr_before).abs() <= _SAME_RTOL * pr_before
     at_top = (t >= n_nz) & ~same  # γ = 0
     at_limit = (t <= m_top) & ~same  # γ = inf
     beyond_cap = (t < pr_cap) & ~at_limit & ~same  # γ = GAMMA_MAX, PR just above the target
     clamped = ((t - target).abs() > _SAME_RTOL * target.abs().clamp_min(1.0)) | beyond_cap
-
-    # Bisection for the rest: PR(γ) is decreasing, PR(1) = pr_before.
     solve = ~(flat | same | at_top | at_limit | beyond_cap)
     gamma = ones.clone()
     if bool(solve.any()):
@@ -227,33 +147,33 @@ def fit_spectrum(s: Tensor | Any, target_pr: Tensor | float, *,
     gamma = torch.where(at_top, torch.zeros_like(gamma), gamma)
     gamma = torch.where(beyond_cap, torch.full_like(gamma, GAMMA_MAX), gamma)
     gamma = torch.where(at_limit & ~flat, torch.full_like(gamma, math.inf), gamma)
-    gamma = torch.where(flat | same, ones, gamma)
-
-    # s′ = c·s^γ with Σs′² = Σs² (computed on x = s/s_max: no overflow for any γ).
-    finite_g = torch.where(torch.isinf(gamma), ones, gamma)
-    p = _powers(logx, nz, finite_g)  # (..., n)
-    p = torch.where(torch.isinf(gamma).unsqueeze(-1), top.to(p.dtype), p)  # the γ = inf limit
-    sum_x2 = (x * x).sum(dim=-1)  # (...,) includes values treated as zero: norm kept exactly
-    sum_p2 = (p * p).sum(dim=-1).clamp_min(1.0)  # the top entry is 1, so >= 1 unless dead
-    s_new = p * (s_max * torch.sqrt(sum_x2 / sum_p2)).unsqueeze(-1)  # (..., n)
-    keep = (flat | same).unsqueeze(-1)
-    s_new = torch.where(keep, s, s_new)
-    pr = torch.where(keep.squeeze(-1), pr_before, _pr_rows(p * p))
+    keep = flat | same
+    gamma = torch.where(keep, ones, gamma)
+    s_new, pr_new = _rescaled(x, logx, nz, top, s_max, gamma)
     t = torch.where(flat, pr_before, torch.where(same, target, t))
-    t = torch.where(beyond_cap, pr_cap, t)
     clamped = torch.where(flat, dead | ((target - n_nz).abs() > _SAME_RTOL * n_nz), clamped)
-    return SpectrumFit(s=s_new, gamma=gamma, target=t, pr=pr, pr_before=pr_before,
+    return SpectrumFit(s=torch.where(keep.unsqueeze(-1), s, s_new), gamma=gamma,
+                       target=torch.where(beyond_cap, pr_cap, t),
+                       pr=torch.where(keep, pr_before, pr_new), pr_before=pr_before,
                        clamped=clamped, flat=flat)
+
+
+def _rescaled(x: Tensor, logx: Tensor, nz: Tensor, top: Tensor, s_max: Tensor,
+              gamma: Tensor) -> tuple[Tensor, Tensor]:
+    """(s′ = c·s^γ with Σs′² = Σs², PR(s′²)), computed on x = s/s_max (no overflow for any
+    γ); γ = inf is the limit: the values tied for the top equal, the rest zero."""
+    inf = torch.isinf(gamma)
+    p = _powers(logx, nz, torch.where(inf, torch.ones_like(gamma), gamma))  # (..., n)
+    p = torch.where(inf.unsqueeze(-1), top.to(p.dtype), p)
+    sum_x2 = (x * x).sum(dim=-1)  # includes values treated as zero: the norm is kept exactly
+    sum_p2 = (p * p).sum(dim=-1).clamp_min(1.0)  # the top entry is 1, so >= 1 unless dead
+    return p * (s_max * torch.sqrt(sum_x2 / sum_p2)).unsqueeze(-1), _pr_rows(p * p)
 
 
 def reshape_spectrum(s: Tensor | Any, target_pr: Tensor | float, *,
                      rtol: float | None = None) -> tuple[Tensor, Any]:
-    """``(s_new, gamma)``: ``s_new = c·s^γ`` with ``PR(s_new²) = target_pr``, ``Σs_new² = Σs²``.
-
-    ``s`` is a spectrum of singular values (not their squares), (n,) or batched (..., n).
-    For a 1-D ``s``, ``gamma`` is a float; batched, a tensor. Clamping and the flat / zero
-    cases follow the module docstring; use :func:`fit_spectrum` to see the flags.
-    """
+    """``(s_new, gamma)`` of :func:`fit_spectrum` for singular values (not their squares)
+    ``s``, (n,) (``gamma`` a float) or (..., n); the fit has the flags."""
     fit = fit_spectrum(s, target_pr, rtol=rtol)
     if fit.s.ndim == 1:
         return fit.s, float(fit.gamma)
@@ -271,15 +191,10 @@ def _svd_reshape(a: Tensor, target: Tensor,
 
 
 def apply_target(w: Tensor, target_pr: Tensor | float) -> tuple[Tensor, dict[str, Any]]:
-    """Reshape the spectrum of ``w`` (m, n) -- or a batch (..., m, n) -- to PR = target.
-
-    ``torch.linalg.svd(full_matrices=False)`` in float64; returns a new tensor in ``w``'s
-    dtype and device (``w`` itself is not modified) and ``info``: ``target`` (requested),
-    ``target_used`` (after clamping), ``pr_before``, ``pr`` (PR of the new float64
-    spectrum), ``gamma``, ``clamped``, ``flat``, ``changed``. Floats/bools for one matrix,
-    tensors for a batch. When nothing changes (γ = 1 or flat) the values of ``w`` come
-    back bit for bit.
-    """
+    """(new ``w``, info): the spectrum of ``w`` (m, n) or (..., m, n) reshaped to PR =
+    target through a float64 SVD, in ``w``'s dtype (bit for bit ``w`` where nothing
+    changes). ``info``: target, target_used (clamped), pr_before, pr, gamma, clamped, flat,
+    changed; floats and bools for one matrix, tensors for a batch."""
     if w.ndim < 2:
         raise ValueError(f"apply_target needs (..., m, n), got {tuple(w.shape)}")
     a = w.detach().to(torch.float64)
@@ -303,13 +218,10 @@ def apply_target(w: Tensor, target_pr: Tensor | float) -> tuple[Tensor, dict[str
 
 def _psi_live(s: Tensor, gamma0: Tensor, target: Tensor, nz: Tensor, top: Tensor,
               implicit: Tensor, const_gamma: Tensor, limit: Tensor, ghat_diag: Tensor) -> Tensor:
-    """``Σⱼ Ĝⱼⱼ·ψⱼ`` with the explicit ``sⱼ`` frozen and only ``c(s)``, ``γ(s)`` live.
-
-    ``ψⱼ = c(s)·sⱼ^γ(s)``, ``c = √(Σs² / Σs^2γ)``; ``γ(s)`` follows the target through the
-    implicit function theorem where ``implicit`` (one Newton correction around the solved
-    ``γ₀``: its value is γ₀, its gradient −∂PR/∂s ÷ ∂PR/∂γ), else it is held. ``limit`` rows
-    (γ = inf) use ``ψ = ‖s‖·1[top]/√m_top``. Everything stays finite in every branch.
-    """
+    """``Σⱼ Ĝⱼⱼ·ψⱼ`` (ψⱼ = c(s)·sⱼ^γ(s)) with the explicit sⱼ frozen and only c(s) and γ(s)
+    live: γ follows the target by the implicit function theorem where ``implicit`` (one
+    Newton correction around the solved γ₀), else it is held; ``limit`` rows (γ = inf) use
+    ψ = ‖s‖·1[top]/√m_top. Finite in every branch."""
     s_max = s.detach().amax(dim=-1, keepdim=True).clamp_min(torch.finfo(s.dtype).tiny)
     xs = s / s_max  # (B, k), live; the constant s_max cancels in ψ / s_max
     l_live = torch.where(nz, torch.log(torch.where(nz, xs, torch.ones_like(xs))), 0 * xs)
@@ -402,16 +314,11 @@ class _SpectralReshape(torch.autograd.Function):
 
 def spectral_reshape(w: Tensor, target_pr: Tensor | float,
                      identity: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Differentiable :func:`apply_target` for a batch ``w`` (B, m, n); returns
-    ``(w_new, gamma, pr, clamped)``, ``w_new`` in ``w``'s dtype.
-
-    The gradient is the derivative of ``W ↦ U·diag(c·s^γ)·Vᵀ`` with the *target* held
-    fixed (γ and c follow W), computed with divided differences so it stays finite when
-    singular values repeat (an orthogonal init), where autograd through
-    ``torch.linalg.svd`` gives NaN. Rows marked ``identity`` (and flat rows) are passed
-    through unchanged with an identity gradient. Rows clamped to the reachable range hold
-    γ fixed; the γ = inf limit is differentiated as its limit map.
-    """
+    """Differentiable :func:`apply_target` for a batch ``w`` (B, m, n): ``(w_new, gamma,
+    pr, clamped)``. The gradient holds the *target* fixed (γ and c follow W) and uses
+    divided differences, finite where singular values repeat (autograd through
+    ``torch.linalg.svd`` gives NaN there). ``identity`` rows (and flat ones) pass through
+    with an identity gradient; clamped rows hold γ."""
     if w.ndim != 3:
         raise ValueError(f"spectral_reshape needs (B, m, n), got {tuple(w.shape)}")
     a = w.to(torch.float64)

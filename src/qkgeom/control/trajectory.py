@@ -1,19 +1,9 @@
 """The per-step key trajectory of a run, ``key_pr.parquet`` (columns :data:`COLUMNS`).
 
-Why a file of its own: E3's controlled arms follow the *paired uncontrolled run at the same
-step* (``key_control.reference``): a shrink or sham cap is relative to its PR_K, and under
-the ``data`` scale rule every arm's key spread is matched to its spread. The probes (every
-``probe_every`` steps) are too sparse for that, so the reference run records, for every
-unit at step 0 and after every update (``key_control.record``):
-
-- ``pr``: the weight-level PR_K, PR(σ²(W_K));
-- ``pr_token``: the token-level PR_K on the running input covariance, PR(W_K Σ_ε W_Kᵀ)
-  (:mod:`qkgeom.control.moments`), the spectrum the attention's keys have;
-- ``spread``: the key spread tr(W_K Σ W_Kᵀ) = E‖k − E k‖².
-
-The controlled run reads them back here. The file name is :data:`qkgeom.runs.KEY_PR` (the
-run folder's one home for names); the write is atomic (:func:`qkgeom.io.write_parquet`),
-so a reader never sees half a file.
+A file of its own because E3's arms follow the paired uncontrolled run at the *same step*
+(its PR_K caps them and its key spread is matched), which the probes are too sparse for:
+the reference run records ``pr``, ``pr_token`` and ``spread`` of every unit at step 0 and
+after every update (docs/definitions.md#what-is-recorded), written atomically.
 """
 
 from __future__ import annotations
@@ -53,8 +43,7 @@ def write_key_pr(run_dir: str | Path, steps: list[int], values: dict[str, list[T
 
 def read_key_pr(run_dir: str | Path, upto: int | None = None) -> pd.DataFrame | None:
     """The run's ``key_pr.parquet`` (rows with ``step <= upto``), None when absent; a torn
-    or foreign file (or one written before ``pr_token`` and ``spread`` were recorded) is a
-    one-line QKGeomError."""
+    or foreign file is a one-line QKGeomError."""
     return read_table(Path(run_dir) / KEY_PR, upto, columns=tuple(COLUMNS))
 
 
@@ -81,12 +70,8 @@ def frame_to_trajectory(frame: pd.DataFrame, names: list[str], where: str) -> Tr
 
 
 def reference_table(run_dir: str | Path, names: list[str]) -> dict[str, Tensor]:
-    """The reference run's trajectory as ``{field: (last step + 1, units) float64}`` indexed
-    by step.
-
-    Raises QKGeomError (one line) when the folder has no key_pr.parquet, lacks a unit, or
-    skips a step: a cap or a matched scale needs its value at every step.
-    """
+    """The reference run's trajectory, ``{field: (steps, units) float64}`` indexed by
+    step; one line when it lacks a unit or a step (a cap needs every step)."""
     where = str(Path(run_dir) / KEY_PR)
     frame = read_key_pr(run_dir)
     if frame is None:

@@ -19,18 +19,6 @@ from qkgeom.data.prepare import (
 from qkgeom.data.vocab import CharVocab
 from qkgeom.data.wikidump import convert_dump, iter_articles
 
-__all__ = [
-    "SOURCES",
-    "prepare_data",
-    "load_prepared",
-    "load_data",
-    "load_vocab",
-    "PreparedData",
-    "CharVocab",
-    "ensure_sample_data",
-    "default_data_dir",
-    "sample_batch",
-    "probe_set",
-    "convert_dump",
-    "iter_articles",
-]
+__all__ = ["SOURCES", "prepare_data", "load_prepared", "load_data", "load_vocab", "PreparedData",
+           "CharVocab", "ensure_sample_data", "default_data_dir", "sample_batch", "probe_set",
+           "convert_dump", "iter_articles"]

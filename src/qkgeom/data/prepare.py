@@ -1,20 +1,10 @@
 """Prepare a corpus once into memory-mapped token arrays, and load it back.
 
-Why: training reads random windows of a corpus that can be 540 M characters long; storing
-the character ids as flat ``uint8``/``uint16`` files lets every run ``np.memmap`` them, so
-memory does not grow with the corpus and preparation (vocabulary, encoding, hashing) is
-paid once. ``meta.json`` records the vocabulary and where the data came from, so a run can
-say exactly what it trained on, and :func:`load_prepared` refuses a folder whose arrays do
-not match it.
-
-Folder layout: ``train.bin``, ``val.bin``, ``test.bin`` (raw little-endian ids, no header)
-and ``meta.json``.
-
-Ownership: :func:`prepare_data` writes only into a new or empty folder, or one holding
-prepared data of the same source and inputs (preparing again). A folder with other files,
-or prepared data of another corpus (runs may have been trained on it), is refused unless
-``force``; even then only the prepared files are replaced, never the others. Runs record
-the corpus's :attr:`PreparedData.corpus_sha256` and refuse to resume on another corpus.
+Training reads random windows of corpora up to 540 M characters: flat ``uint8``/``uint16``
+id files (``train.bin``, ``val.bin``, ``test.bin``) are ``np.memmap``-ed by every run, so
+memory does not grow with the corpus and the encoding is paid once. ``meta.json`` records
+the vocabulary and the provenance, and :func:`load_prepared` refuses arrays that do not
+match it. What a folder may be written over: docs/data.md.
 """
 
 from __future__ import annotations
@@ -39,21 +29,12 @@ from qkgeom.data.vocab import CharVocab
 from qkgeom.errors import QKGeomError
 from qkgeom.io import atomic_write, temp_name_pattern, write_json
 
-__all__ = [
-    "FORMAT_VERSION",
-    "SOURCES",
-    "PreparedData",
-    "prepare_data",
-    "load_prepared",
-    "default_data_dir",
-    "ensure_sample_data",
-    "load_data",
-    "load_vocab",
-    "source_splits",
-]
+__all__ = ["FORMAT_VERSION", "SOURCES", "PreparedData", "prepare_data", "load_prepared",
+           "default_data_dir", "ensure_sample_data", "load_data", "load_vocab", "source_splits"]
 
 FORMAT_VERSION = 1
 SOURCES = ("sample", "wikitext-103", "text", "wikidump")
+SAMPLE = "sample"  # what ``data`` and ``--text`` call the embedded Wikipedia sample
 #: The sample cache's raw text (val + test + train), beside its token arrays: what
 #: ``--text sample`` reads (:mod:`qkgeom.data.text`).
 SAMPLE_TEXT = "sample.txt"
@@ -69,22 +50,16 @@ def source_splits(source: str, path: str | Path | None = None) -> dict[str, str]
         raise QKGeomError(f"unknown data source {source!r}; choose one of {', '.join(SOURCES)}")
     if source == "sample":
         if path is not None:
-            raise QKGeomError(
-                "data source 'sample' takes no --path (use --source wikidump for a dump)"
-            )
+            raise QKGeomError("data source 'sample' takes no --path (use --source wikidump "
+                              "for a dump)")
         return sources.sample_splits()
     if source == "wikitext-103":
         return sources.wikitext103_splits(path)
     if path is None:
-        what = (
-            "a UTF-8 text file or folder"
-            if source == "text"
-            else "an enwiki-*-pages-articles*.xml.bz2 dump"
-        )
+        what = ("a UTF-8 text file or folder" if source == "text"
+                else "an enwiki-*-pages-articles*.xml.bz2 dump")
         raise QKGeomError(f"data source {source!r} needs --path to {what}")
-    if source == "text":
-        return sources.text_splits(path)
-    return sources.wikidump_splits(path)
+    return (sources.text_splits if source == "text" else sources.wikidump_splits)(path)
 
 
 def _sha256_file(path: Path) -> str:
@@ -98,9 +73,7 @@ def _sha256_file(path: Path) -> str:
 def _sha256_text(text: str) -> str:
     digest = hashlib.sha256()
     for start in range(0, len(text), _vocab.ENCODE_CHUNK_CHARS):
-        digest.update(
-            text[start : start + _vocab.ENCODE_CHUNK_CHARS].encode("utf-8", "surrogatepass")
-        )
+        digest.update(text[start:start + _vocab.ENCODE_CHUNK_CHARS].encode("utf-8", "surrogatepass"))
     return digest.hexdigest()
 
 
@@ -113,14 +86,22 @@ def _write_tokens(path: Path, text: str, vocab: CharVocab) -> int:
         arr = np.memmap(tmp, dtype=vocab.dtype, mode="w+", shape=(len(text),))
         vocab.encode(text, out=arr)
         for start in range(0, len(arr), _vocab.ENCODE_CHUNK_CHARS):
-            unknown += int(
-                np.count_nonzero(arr[start : start + _vocab.ENCODE_CHUNK_CHARS] == vocab.unknown_id)
-            )
+            chunk = arr[start:start + _vocab.ENCODE_CHUNK_CHARS]
+            unknown += int(np.count_nonzero(chunk == vocab.unknown_id))
         arr.flush()
         del arr
 
     atomic_write(path, write)
     return unknown
+
+
+def _meta_of(folder: Path) -> dict[str, Any] | None:
+    """A folder's meta.json, None when missing, unreadable or not an object."""
+    try:
+        meta = json.loads((folder / _META).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
 
 
 def _check_target(out: Path, provenance: dict[str, Any], force: bool) -> None:
@@ -138,16 +119,11 @@ def _check_target(out: Path, provenance: dict[str, Any], force: bool) -> None:
         raise QKGeomError(f"{out}: holds files that are not prepared data ({shown}); pass an "
                           "empty or new --dir (--force writes the prepared files beside them, "
                           "never deleting them)")
-    try:
-        meta = json.loads((out / _META).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # no (readable) meta: an interrupted preparation, or only foreign files
-    if not isinstance(meta, dict):
+    meta = _meta_of(out)
+    if meta is None:  # an interrupted preparation, or only foreign files
         return
     saved = {k: meta.get(k) for k in provenance}
-    # Inputs compare by content: the same files under another path (a moved venv or
-    # package) are the same corpus.
-    if isinstance(saved.get("inputs"), dict):
+    if isinstance(saved.get("inputs"), dict):  # by content: a moved venv is the same corpus
         saved["inputs"] = sorted(saved["inputs"].values())
     if saved != provenance and not force:
         raise QKGeomError(f"{out}: holds prepared {meta.get('source')!r} data from other inputs "
@@ -158,16 +134,10 @@ def _check_target(out: Path, provenance: dict[str, Any], force: bool) -> None:
 
 def prepare_data(source: str, out_dir: str | Path, *, path: str | Path | None = None,
                  force: bool = False) -> Path:
-    """Prepare ``source`` into ``out_dir`` (token arrays + ``meta.json``); return ``out_dir``.
-
-    ``source`` is one of :data:`SOURCES`; ``path`` is the WikiText folder (omit it to use
-    the ``datasets`` copy), the text file/folder, or the Wikipedia dump. The vocabulary
-    comes from the train split only; characters of val/test outside it become the unknown
-    id (their count is in ``meta["unknown_tokens"]``). Ids are uint8 when the vocabulary
-    (with the unknown id) has at most 256 entries, else uint16. ``out_dir`` must be new,
-    empty, or hold prepared data of the same source and inputs, unless ``force`` (see the
-    module doc); files that are not prepared data are never deleted.
-    """
+    """Prepare ``source`` (one of :data:`SOURCES`; ``path``: the WikiText folder, omitted
+    for the ``datasets`` copy, the text file or folder, or the dump) into ``out_dir``, which
+    must be new, empty or the same corpus unless ``force``; returns ``out_dir``. The
+    vocabulary is the train split's (docs/data.md)."""
     return _write_prepared(Path(out_dir), source, path, source_splits(source, path), force)
 
 
@@ -177,30 +147,22 @@ def _write_prepared(out: Path, source: str, path: str | Path | None, splits: dic
     empty = [s for s in _SPLITS if not splits.get(s)]
     if empty:
         where = f" at {path}" if path is not None else ""
-        raise QKGeomError(
-            f"empty corpus: the {'/'.join(empty)} split of {source!r}{where} holds no text"
-        )
+        raise QKGeomError(f"empty corpus: the {'/'.join(empty)} split of {source!r}{where} "
+                          "holds no text")
     vocab = CharVocab.from_text(splits["train"])
     inputs = {str(p.resolve()): _sha256_file(p) for p in sources.input_files(source, path)}
-    _check_target(out, {"source": source, "inputs": sorted(inputs.values()),
-                        "path": str(Path(path).resolve()) if path is not None else None}, force)
-
+    where = str(Path(path).resolve()) if path is not None else None
+    _check_target(out, {"source": source, "inputs": sorted(inputs.values()), "path": where},
+                  force)
     out.mkdir(parents=True, exist_ok=True)
-    # Remove the old meta first: a crash below leaves a folder load_prepared rejects.
-    (out / _META).unlink(missing_ok=True)
+    (out / _META).unlink(missing_ok=True)  # first: a crash below leaves a folder refused
     unknown = {s: _write_tokens(out / f"{s}.bin", splits[s], vocab) for s in _SPLITS}
     meta: dict[str, Any] = {
-        "format_version": FORMAT_VERSION,
-        "source": source,
-        "path": str(Path(path).resolve()) if path is not None else None,
-        "vocab": vocab.to_json(),
-        "dtype": vocab.dtype.name,
-        "sizes": {s: len(splits[s]) for s in _SPLITS},
-        "unknown_tokens": unknown,
-        "text_sha256": {s: _sha256_text(splits[s]) for s in _SPLITS},
-        "inputs": inputs,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
+        "format_version": FORMAT_VERSION, "source": source, "path": where,
+        "vocab": vocab.to_json(), "dtype": vocab.dtype.name,
+        "sizes": {s: len(splits[s]) for s in _SPLITS}, "unknown_tokens": unknown,
+        "text_sha256": {s: _sha256_text(splits[s]) for s in _SPLITS}, "inputs": inputs,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     if source == "wikitext-103" and path is None:
         meta["datasets"] = {"name": sources._HF_DATASET, "config": sources._HF_CONFIG}
     write_json(out / _META, meta)
@@ -220,8 +182,8 @@ class PreparedData:
 
     @property
     def corpus_sha256(self) -> str | None:
-        """SHA-256 of the corpus's text, split by split, as ``meta.json`` records it: what
-        a run trained on (the vocabulary has its own digest). None for a meta without it."""
+        """SHA-256 of the recorded per-split text digests: what a run trained on (None for
+        a meta without them)."""
         texts = self.meta.get("text_sha256")
         if not isinstance(texts, dict):
             return None
@@ -233,61 +195,48 @@ class PreparedData:
         return {s: len(getattr(self, s)) for s in _SPLITS}
 
     def require_block(self, block_size: int) -> None:
-        """QKGeomError unless every split holds at least ``block_size + 1`` tokens.
-
-        A training window needs ``block_size`` inputs plus the next-token target.
-        """
+        """QKGeomError unless every split holds a window and its target, ``block_size + 1``
+        tokens."""
         short = {s: n for s, n in self.sizes.items() if n < block_size + 1}
         if short:
             detail = ", ".join(f"{s} has {n:,}" for s, n in short.items())
-            raise QKGeomError(
-                f"{self.dir}: splits too short for block_size {block_size} ({detail} tokens, "
-                f"need {block_size + 1}); use a smaller block_size or a larger corpus"
-            )
+            raise QKGeomError(f"{self.dir}: splits too short for block_size {block_size} "
+                              f"({detail} tokens, need {block_size + 1}); use a smaller "
+                              "block_size or a larger corpus")
 
 
 def _fail(file: Path, problem: str) -> QKGeomError:
-    return QKGeomError(
-        f"{file}: {problem}; re-run `qkgeom data prepare --dir {file.parent}` for the corpus it came from"
-    )
+    return QKGeomError(f"{file}: {problem}; re-run `qkgeom data prepare --dir {file.parent}` "
+                       "for the corpus it came from")
 
 
 def load_prepared(dir: str | Path) -> PreparedData:
-    """Open a folder written by :func:`prepare_data`, checking it against its ``meta.json``.
-
-    Missing or unreadable ``meta.json``, an unknown format version, a bad vocabulary, or a
-    ``.bin`` whose size does not match the recorded token count all raise QKGeomError
-    naming the file.
-    """
+    """Open a folder written by :func:`prepare_data`; anything that does not match its
+    ``meta.json`` (version, vocabulary, dtype, sizes) is a QKGeomError naming the file."""
     folder = Path(dir)
     meta_path = folder / _META
     if not folder.is_dir():
-        raise QKGeomError(
-            f"{folder}: prepared data folder not found; run `qkgeom data prepare --dir {folder}`"
-        )
+        raise QKGeomError(f"{folder}: prepared data folder not found; run `qkgeom data "
+                          f"prepare --dir {folder}`")
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise _fail(
-            meta_path, "missing (not a prepared data folder, or preparation was interrupted)"
-        ) from None
+        raise _fail(meta_path, "missing (not a prepared data folder, or preparation was "
+                    "interrupted)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise _fail(meta_path, f"unreadable ({type(err).__name__})") from None
     if not isinstance(meta, dict):
         raise _fail(meta_path, "not a JSON object")
     if meta.get("format_version") != FORMAT_VERSION:
-        raise _fail(
-            meta_path, f"format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}"
-        )
+        raise _fail(meta_path, f"format_version {meta.get('format_version')!r}, expected "
+                    f"{FORMAT_VERSION}")
     try:
         vocab = CharVocab.from_json(meta.get("vocab"))
     except QKGeomError as err:
         raise _fail(meta_path, str(err)) from None
     if meta.get("dtype") != vocab.dtype.name:
-        raise _fail(
-            meta_path,
-            f"dtype {meta.get('dtype')!r} does not fit the vocabulary ({vocab.dtype.name})",
-        )
+        raise _fail(meta_path, f"dtype {meta.get('dtype')!r} does not fit the vocabulary "
+                    f"({vocab.dtype.name})")
     sizes = meta.get("sizes")
     if not isinstance(sizes, dict):
         raise _fail(meta_path, "no 'sizes' entry")
@@ -297,25 +246,21 @@ def load_prepared(dir: str | Path) -> PreparedData:
             raise _fail(meta_path, f"invalid size {n!r} for split {split!r}")
     arrays = {}
     for split in _SPLITS:
-        n = sizes[split]
-        bin_path = folder / f"{split}.bin"
+        n, bin_path = sizes[split], folder / f"{split}.bin"
         if not bin_path.is_file():
             raise _fail(bin_path, "missing")
         actual = bin_path.stat().st_size
         if actual != n * vocab.dtype.itemsize:
-            raise _fail(
-                bin_path,
-                f"{actual:,} bytes but meta.json records {n:,} {vocab.dtype.name} tokens "
-                f"({n * vocab.dtype.itemsize:,} bytes)",
-            )
+            raise _fail(bin_path, f"{actual:,} bytes but meta.json records {n:,} "
+                        f"{vocab.dtype.name} tokens ({n * vocab.dtype.itemsize:,} bytes)")
         arrays[split] = np.memmap(bin_path, dtype=vocab.dtype, mode="r", shape=(n,))
     return PreparedData(dir=folder, vocab=vocab, meta=meta, **arrays)
 
 
-def load_data(spec: str | Path = "") -> PreparedData:
-    """The prepared corpus ``spec`` names: a prepared folder, or ``""`` for the embedded
-    Wikipedia sample (prepared on first use into :func:`default_data_dir`)."""
-    return load_prepared(ensure_sample_data() if str(spec) == "" else Path(spec))
+def load_data(spec: str | Path = SAMPLE) -> PreparedData:
+    """The prepared corpus ``spec`` names: a prepared folder, or :data:`SAMPLE` (or ``""``)
+    for the embedded Wikipedia sample, prepared on first use into :func:`default_data_dir`."""
+    return load_prepared(ensure_sample_data() if str(spec) in (SAMPLE, "") else Path(spec))
 
 
 def load_vocab(data_dir: str | Path) -> CharVocab:
@@ -330,7 +275,7 @@ def load_vocab(data_dir: str | Path) -> CharVocab:
 
 
 def default_data_dir() -> Path:
-    """Where the sample corpus is cached: ``$QKGEOM_CACHE/data/sample`` or ``~/.cache/qkgeom/data/sample``."""
+    """The sample's cache: ``$QKGEOM_CACHE/data/sample`` (default ``~/.cache/qkgeom``)."""
     root = os.environ.get("QKGEOM_CACHE")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "qkgeom"
     return base / "data" / "sample"
@@ -356,30 +301,20 @@ def _check_replaceable(folder: Path) -> None:
     foreign = sorted(p.name for p in folder.iterdir()
                      if p.name not in _PREPARED_FILES and p.name != SAMPLE_TEXT)
     if foreign:
-        raise QKGeomError(
-            f"{folder}: holds files that are not prepared data ({', '.join(foreign[:3])}); "
-            "pass an empty or new folder"
-        )
-    try:
-        source = json.loads((folder / _META).read_text(encoding="utf-8")).get("source")
-    except (OSError, ValueError, AttributeError):
-        return
+        raise QKGeomError(f"{folder}: holds files that are not prepared data "
+                          f"({', '.join(foreign[:3])}); pass an empty or new folder")
+    source = (_meta_of(folder) or {}).get("source")
     if source not in (None, "sample"):
-        raise QKGeomError(
-            f"{folder}: holds prepared {source!r} data, not the sample; pass another folder"
-        )
+        raise QKGeomError(f"{folder}: holds prepared {source!r} data, not the sample; pass "
+                          "another folder")
 
 
 def ensure_sample_data(dir: str | Path | None = None) -> Path:
-    """Prepare the offline sample corpus into ``dir`` (default :func:`default_data_dir`) once:
-    the token arrays, and its raw text as :data:`SAMPLE_TEXT` for models with their own
-    tokenizer (the one sample cache: the dump is converted once for both).
-
-    Later calls return at once. Safe when several processes call it together: the first
-    takes a lock file next to the folder and prepares into a temp folder that is renamed
-    into place (a cache holding only the arrays gets the text added, the arrays left in
-    place for the runs reading them); the others wait for the lock and find it ready.
-    """
+    """Prepare the sample once into ``dir`` (default :func:`default_data_dir`): the token
+    arrays and its raw text (:data:`SAMPLE_TEXT`), the dump converted once for both. Safe
+    when processes call it together: under a lock file, into a temp folder renamed into
+    place; an arrays-only cache gets the text added, its arrays left for the runs reading
+    them."""
     target = Path(dir) if dir is not None else default_data_dir()
     if _ready_sample(target) and (target / SAMPLE_TEXT).is_file():
         return target

@@ -1,9 +1,8 @@
 """Corpus sources: each returns the raw text of the splits ``{"train", "val", "test"}``.
 
-Why: every source (the offline Wikipedia sample, WikiText-103 from files or from the
-``datasets`` hub copy, any UTF-8 text, a user's Wikipedia dump) ends up as three strings,
-so vocabulary building, encoding and validation live in one place (:mod:`.prepare`).
-Splits are deterministic: the same input always gives the same three texts.
+Every source (the embedded Wikipedia sample, WikiText-103 from files or ``datasets``, any
+UTF-8 text, a Wikipedia dump) ends up as three strings, deterministically, so the
+vocabulary, encoding and checks live in one place (:mod:`.prepare`).
 """
 
 from __future__ import annotations
@@ -13,24 +12,12 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from qkgeom.data.wikidump import iter_articles
-from qkgeom.errors import QKGeomError
+from qkgeom.errors import QKGeomError, first_line
+from qkgeom.io import read_file
 
-__all__ = [
-    "SPLITS",
-    "SAMPLE_DUMP",
-    "SAMPLE_DUMP_SHA256",
-    "WIKITEXT_FILES",
-    "sample_dump_path",
-    "sample_splits",
-    "wikidump_splits",
-    "split_articles",
-    "wikitext103_splits",
-    "wikitext103_pieces",
-    "text_splits",
-    "read_utf8",
-    "text_files",
-    "input_files",
-]
+__all__ = ["SPLITS", "SAMPLE_DUMP", "SAMPLE_DUMP_SHA256", "WIKITEXT_FILES", "sample_dump_path",
+           "sample_splits", "wikidump_splits", "split_articles", "wikitext103_splits",
+           "wikitext103_pieces", "text_splits", "read_utf8", "text_files", "input_files"]
 
 SPLITS = ("train", "val", "test")
 #: The real (shortened) May 2016 enwiki dump excerpt shipped in this package (the file
@@ -51,10 +38,8 @@ def sample_dump_path() -> Path:
     so the offline default corpus needs no other package."""
     path = Path(__file__).resolve().parent / "sample" / SAMPLE_DUMP
     if not path.is_file():
-        raise QKGeomError(
-            f"{path}: the embedded Wikipedia sample is missing from the qkgeom install; "
-            "reinstall qkgeom (`pip install --force-reinstall qkgeom`)"
-        )
+        raise QKGeomError(f"{path}: the embedded Wikipedia sample is missing from the qkgeom "
+                          "install; reinstall qkgeom (`pip install --force-reinstall qkgeom`)")
     return path
 
 
@@ -63,14 +48,9 @@ def _article_key(title: str) -> bytes:
 
 
 def split_articles(articles: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """Split whole articles into train/val/test, deterministically.
-
-    Articles are visited in the order of the SHA-256 of their title (independent of dump
-    order); val takes articles until it holds at least 5 % of all characters, then test
-    likewise, and train keeps the rest. Within a split, articles keep their dump order.
-    Splitting by article (not by character) keeps held-out text from articles the model
-    never trained on, as in WikiText.
-    """
+    """Whole articles into train/val/test, so held-out text comes from articles never
+    trained on (as in WikiText): in the order of their titles' SHA-256, val then test take
+    articles until each holds 5 % of the characters; splits keep the dump order."""
     items = list(articles)
     if not items:
         raise QKGeomError("empty corpus: the dump holds no articles with prose")
@@ -85,19 +65,14 @@ def split_articles(articles: Iterable[tuple[str, str]]) -> dict[str, str]:
         if split != "train":
             filled[split] += len(items[i][1])
     if len(items) < 3 or "train" not in assign.values():
-        raise QKGeomError(
-            f"corpus too small to split by article ({len(items)} articles, {total} characters); "
-            "use a larger dump"
-        )
+        raise QKGeomError(f"corpus too small to split by article ({len(items)} articles, "
+                          f"{total} characters); use a larger dump")
     return {s: "".join(text for i, (_, text) in enumerate(items) if assign[i] == s) for s in SPLITS}
 
 
 def wikidump_splits(path: str | Path) -> dict[str, str]:
-    """Convert a Wikipedia ``*.xml.bz2`` dump and split it by article (see :func:`split_articles`).
-
-    The converted text is held in memory: fine for dump parts (a few hundred MB of prose),
-    not for a whole enwiki dump.
-    """
+    """A Wikipedia ``*.xml.bz2`` dump converted and split by article, in memory (fine for
+    dump parts, not a whole enwiki)."""
     return split_articles(iter_articles(path))
 
 
@@ -107,20 +82,13 @@ def sample_splits() -> dict[str, str]:
 
 
 def read_utf8(path: Path) -> str:
-    """Read a UTF-8 file (a leading BOM is dropped); QKGeomError with the byte offset if not UTF-8."""
+    """A UTF-8 file's text (a leading BOM dropped); QKGeomError with the byte offset if not
+    UTF-8."""
     try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise QKGeomError(f"{path}: file not found") from None
-    except OSError as err:
-        raise QKGeomError(f"{path}: cannot be read ({err.strerror})") from None
-    try:
-        text = data.decode("utf-8")
+        text = read_file(path).decode("utf-8")
     except UnicodeDecodeError as err:
-        raise QKGeomError(
-            f"{path}: not valid UTF-8 at byte offset {err.start} ({err.reason}); "
-            "convert it to UTF-8 (e.g. `iconv -t UTF-8`) or remove it"
-        ) from None
+        raise QKGeomError(f"{path}: not valid UTF-8 at byte offset {err.start} ({err.reason}); "
+                          "convert it to UTF-8 (e.g. `iconv -t UTF-8`) or remove it") from None
     return text[1:] if text.startswith("\ufeff") else text
 
 
@@ -129,25 +97,20 @@ def wikitext103_splits(path: str | Path | None = None) -> dict[str, str]:
     if path is not None:
         folder = Path(path)
         if not folder.is_dir():
-            raise QKGeomError(
-                f"{folder}: WikiText folder not found; pass a folder holding "
-                + ", ".join(WIKITEXT_FILES.values())
-            )
+            raise QKGeomError(f"{folder}: WikiText folder not found; pass a folder holding "
+                              + ", ".join(WIKITEXT_FILES.values()))
         missing = [name for name in WIKITEXT_FILES.values() if not (folder / name).is_file()]
         if missing:
-            raise QKGeomError(
-                f"{folder}: missing {', '.join(missing)}; the folder must hold all three WikiText raw files"
-            )
+            raise QKGeomError(f"{folder}: missing {', '.join(missing)}; the folder must hold "
+                              "all three WikiText raw files")
         return {split: read_utf8(folder / name) for split, name in WIKITEXT_FILES.items()}
     return {split: "".join(wikitext103_pieces(split)) for split in SPLITS}
 
 
 def wikitext103_pieces(split: str) -> Iterator[str]:
-    """One split (train | val | test) of the ``datasets`` copy of WikiText-103 raw
-    (``Salesforce/wikitext``, ``wikitext-103-raw-v1``), in order, 2000 rows a piece: the one
-    loader of both ``data prepare`` and ``--text``. The copy stores one row per line of the
-    raw files but blank lines (`` \\n`` there) as empty rows; they are restored, so both
-    routes give the same text byte for byte."""
+    """One split of the ``datasets`` copy of WikiText-103 raw, 2000 rows a piece: the one
+    loader of ``data prepare`` and ``--text``. Its empty rows are the raw files' blank lines
+    (`` \\n``), restored: both routes give the same text byte for byte."""
     try:
         import datasets
     except ImportError:
@@ -156,26 +119,22 @@ def wikitext103_pieces(split: str) -> Iterator[str]:
     try:
         rows = datasets.load_dataset(_HF_DATASET, _HF_CONFIG, split=_HF_SPLITS[split])["text"]
     except Exception as err:  # network, hub or cache problems: all user-fixable
-        first = (str(err).strip().splitlines() or [""])[0]
         raise QKGeomError(f"could not load {_HF_DATASET} ({_HF_CONFIG}) with datasets: "
-                          f"{type(err).__name__}: {first}; check the network/HF cache or pass "
-                          "the wiki.*.raw files") from None
+                          f"{first_line(err)}; check the network/HF cache or pass the "
+                          "wiki.*.raw files") from None
     for start in range(0, len(rows), 2000):
         yield "".join(row if row else " \n" for row in rows[start:start + 2000])
 
 
 def text_files(path: Path) -> list[Path]:
     """The file itself, or every non-hidden file under a folder, sorted by relative path.
-
-    A symbolic link inside the folder is refused in one line naming it: it could pull any
-    file of the machine into the corpus (``rglob`` does not descend into linked folders,
-    but it lists linked files)."""
+    A link inside the folder is refused in one line: it could pull any file of the machine
+    into the corpus (``rglob`` lists linked files)."""
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise QKGeomError(
-            f"{path}: no such file or folder; pass a UTF-8 text file or a folder of them"
-        )
+        raise QKGeomError(f"{path}: no such file or folder; pass a UTF-8 text file or a "
+                          "folder of them")
     visible = [p for p in path.rglob("*")
                if not any(part.startswith(".") for part in p.relative_to(path).parts)]
     linked = sorted(p for p in visible if p.is_symlink())
@@ -198,18 +157,12 @@ def _line_start(text: str, pos: int) -> int:
 
 
 def text_splits(path: str | Path) -> dict[str, str]:
-    """Any UTF-8 file or folder: files concatenated; the last 10 % split into val 5 % / test 5 %.
-
-    Files are joined in sorted order, with a newline added after a file that lacks one.
-    Cut points move forward to the next line start, so no line is split between two splits
-    (unless the lines are so long that a split would come out empty).
-    """
+    """Any UTF-8 file or folder, its files joined in order (each ending in a newline): the
+    last 10 % split into val 5 % and test 5 %, the cuts moved to the next line start
+    unless the lines are too long for it."""
     root = Path(path)
-    parts = []
-    for file in text_files(root):
-        text = read_utf8(file)
-        parts.append(text if not text or text.endswith("\n") else text + "\n")
-    text = "".join(parts)
+    parts = [read_utf8(file) for file in text_files(root)]
+    text = "".join(t if not t or t.endswith("\n") else t + "\n" for t in parts)
     if not text.strip():
         raise QKGeomError(f"{root}: empty corpus (no text in it); pass a file or folder with text")
     n = len(text)
@@ -220,10 +173,8 @@ def text_splits(path: str | Path) -> dict[str, str]:
     splits = {"train": text[:a], "val": text[a:b], "test": text[b:]}
     empty = [s for s, t in splits.items() if not t]
     if empty:
-        raise QKGeomError(
-            f"{root}: corpus too small to split ({n} characters gave an empty {'/'.join(empty)} split); "
-            "use more text"
-        )
+        raise QKGeomError(f"{root}: corpus too small to split ({n} characters gave an empty "
+                          f"{'/'.join(empty)} split); use more text")
     return splits
 
 
@@ -231,10 +182,10 @@ def input_files(source: str, path: str | Path | None) -> list[Path]:
     """Files a prepared dataset was made from (their SHA-256 goes into ``meta.json``)."""
     if source == "sample":
         return [sample_dump_path()]
-    if source == "wikidump":
-        return [Path(path)] if path is not None else []
+    if path is None:
+        return []
     if source == "wikitext-103":
-        return [Path(path) / name for name in WIKITEXT_FILES.values()] if path is not None else []
+        return [Path(path) / name for name in WIKITEXT_FILES.values()]
     if source == "text":
-        return text_files(Path(path)) if path is not None else []
-    return []
+        return text_files(Path(path))
+    return [Path(path)] if source == "wikidump" else []

@@ -1,20 +1,11 @@
 """Raw text read in order, and its tokens (any tokenizer) in fixed-length windows.
 
-Used where a model brings its own tokenizer: checkpoint analysis (``--text``) and the
-monitor's text probe sets. A text spec names a corpus:
-
-- ``sample`` (default): the embedded Wikipedia text, its held-out splits first
-  (val, then test, then train), so the first tokens of a character-level run are exactly
-  the trainer's probe set; read from the sample cache (:func:`~qkgeom.data.ensure_sample_data`
-  keeps it beside the token arrays);
-- ``wikitext-103[:split]``: WikiText-103 raw through ``datasets`` (split ``validation``
-  by default; ``train``, ``validation``/``valid``/``val``, ``test``);
-- any UTF-8 text file, or a folder of them (sorted by path).
-
-The model's own tokenizer is applied to the raw text, a block of lines at a time, until
-the token budget is met; a :class:`~qkgeom.data.CharVocab` is the tokenizer of the
-project's own runs. Nothing is held but the current block, so memory does not grow with
-the budget.
+For models that bring their own tokenizer (``qkgeom analyze --text``, the monitor's text
+probe sets; a :class:`~qkgeom.data.CharVocab` for our runs). A text spec is ``sample`` (the
+embedded text from the sample cache, held-out splits first, so a character-level run's
+first tokens are its probe set), ``wikitext-103[:split]`` or a UTF-8 file or folder
+(docs/data.md). Text is tokenized a block of lines at a time, so memory does not grow
+with the token budget.
 """
 
 from __future__ import annotations
@@ -25,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from qkgeom.data.prepare import SAMPLE_TEXT, ensure_sample_data
+from qkgeom.data.prepare import SAMPLE, SAMPLE_TEXT, ensure_sample_data
 from qkgeom.data.sources import read_utf8, text_files, wikitext103_pieces
 from qkgeom.data.vocab import CharVocab
 from qkgeom.errors import QKGeomError
@@ -41,7 +32,7 @@ _WIKITEXT_SPLITS = {"train": "train", "validation": "val", "valid": "val", "val"
 def open_text(spec: str) -> Callable[[], Iterator[str]]:
     """A re-iterable source of the corpus ``spec`` (see the module docstring): calling it
     yields the text in order, in pieces. Validates ``spec`` now (QKGeomError if bad)."""
-    if spec == "sample":
+    if spec == SAMPLE:
         path = ensure_sample_data() / SAMPLE_TEXT
         return lambda: iter([read_utf8(path)])
     if spec == "wikitext-103" or spec.startswith("wikitext-103:"):
@@ -70,13 +61,9 @@ def encode(tokenizer: Any, text: str) -> np.ndarray:
 
 
 def framing_ids(tokenizer: Any) -> tuple[list[int], list[int]]:
-    """The ids an encoder's tokenizer puts around one sequence: ``[CLS]`` before and
-    ``[SEP]`` after (each only if the tokenizer has it; none for a CharVocab).
-
-    Why here and not in :func:`encode`: text is tokenized in blocks of many windows, so
-    the tokenizer's own special tokens would land around blocks, not windows; callers frame
-    each window themselves (``qkgeom analyze`` and the monitor's text probes, for
-    encoders)."""
+    """The ids an encoder's tokenizer puts around one sequence (``[CLS]``, ``[SEP]``, where
+    it has them): text is tokenized in blocks of many windows, so callers frame each
+    window themselves instead of :func:`encode`."""
     cls = getattr(tokenizer, "cls_token_id", None)
     sep = getattr(tokenizer, "sep_token_id", None)
     return ([int(cls)] if cls is not None else []), ([int(sep)] if sep is not None else [])

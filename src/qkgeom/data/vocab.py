@@ -1,11 +1,9 @@
 """Character vocabulary: the characters of the training split plus one unknown id.
 
-Why: the model is character-level, with the vocabulary taken from the training
-split only, so evaluation text may contain characters the model never saw; those map to
-an explicit unknown id (``len(chars)``) instead of failing or silently aliasing another
-character. Encoding goes through a lookup table indexed by Unicode code point and works
-in chunks, so a corpus of any size (WikiText-103: 540 M characters) encodes with bounded
-extra memory.
+The vocabulary is the train split's, so evaluation text may hold characters never seen:
+they map to an explicit unknown id (``len(chars)``) instead of failing or aliasing another
+character. Encoding goes through a code-point lookup table in chunks, so a corpus of any
+size encodes with bounded extra memory.
 """
 
 from __future__ import annotations
@@ -88,11 +86,8 @@ class CharVocab:
         return np.dtype(np.uint32)
 
     def encode(self, text: str, out: np.ndarray | None = None) -> np.ndarray:
-        """Ids of ``text`` (dtype :attr:`dtype`), written into ``out`` if given (e.g. a memmap).
-
-        Works chunk by chunk so the temporary UTF-32 buffer stays at ~64 MB whatever the
-        length of ``text``.
-        """
+        """Ids of ``text`` (dtype :attr:`dtype`), into ``out`` if given (e.g. a memmap), chunk
+        by chunk: the UTF-32 buffer stays bounded whatever the length."""
         if out is None:
             out = np.empty(len(text), dtype=self.dtype)
         elif out.shape != (len(text),):
@@ -114,8 +109,8 @@ class CharVocab:
         return table[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
 
     def digest(self) -> str:
-        """Short SHA-256 of the characters: two corpora with the same vocabulary *size* but
-        different characters must not pass for one another when a run resumes."""
+        """Short SHA-256 of the characters: vocabularies of one size but other characters
+        must not pass for one another when a run resumes."""
         return hashlib.sha256(self.chars.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
     def to_json(self) -> dict[str, Any]:

@@ -1,18 +1,11 @@
 """Wikipedia XML dump -> WikiText-style plain text.
 
-Why: the experiments train character-level LMs on WikiText-103, which is Wikipedia prose
-with a light layout (`` = Title = ``, `` = = Section = = ``, one paragraph per line). The
-offline default corpus and any ``enwiki-*-pages-articles*.xml.bz2`` a user brings are raw
-MediaWiki markup, so this module turns them into the same layout: markup is stripped with
-``mwparserfromhell`` (templates, refs, tables, files/images, categories, interlanguage
-links, comments, URLs, bold/italic quotes), boilerplate sections are dropped.
-
-Unlike WikiText the text is *not* Moses-tokenised (no `` @-@ `` or spaces around
-punctuation) and templates are not expanded (a handful of inline ones such as
-``{{convert}}`` and ``{{lang}}`` keep their visible text; all others are removed).
-
-The dump is streamed (``bz2`` + ``xml.etree.ElementTree.iterparse``, each page cleared once
-read), so memory does not grow with the dump size.
+The experiments train on WikiText-103, Wikipedia prose in a light layout (`` = Title = ``,
+`` = = Section = = ``, one paragraph per line); the embedded sample and a user's
+``enwiki-*-pages-articles*.xml.bz2`` are raw MediaWiki markup, so this module strips it with
+``mwparserfromhell`` and drops boilerplate sections, streaming the dump in constant memory.
+Unlike WikiText the text is not Moses-tokenised and templates are not expanded (a few
+inline ones keep their visible text). Details: docs/data.md.
 """
 
 from __future__ import annotations
@@ -43,51 +36,15 @@ from qkgeom.io import atomic_write
 __all__ = ["iter_articles", "convert_dump", "wikitext_to_plain", "BOILERPLATE_SECTIONS"]
 
 #: Section titles (lower case) whose content is link lists or citations, not prose.
-BOILERPLATE_SECTIONS: frozenset[str] = frozenset(
-    {
-        "references",
-        "external links",
-        "see also",
-        "further reading",
-        "notes",
-        "bibliography",
-        "sources",
-        "citations",
-        "footnotes",
-        "notes and references",
-        "references and notes",
-        "works cited",
-    }
-)
-
+BOILERPLATE_SECTIONS: frozenset[str] = frozenset({
+    "references", "external links", "see also", "further reading", "notes", "bibliography",
+    "sources", "citations", "footnotes", "notes and references", "references and notes",
+    "works cited"})
 # Tags whose whole content is not prose (citations, tables, formulas, media, code).
-_DROP_TAGS = frozenset(
-    {
-        "ref",
-        "references",
-        "table",
-        "gallery",
-        "math",
-        "chem",
-        "ce",
-        "timeline",
-        "imagemap",
-        "score",
-        "graph",
-        "hiero",
-        "templatedata",
-        "templatestyles",
-        "categorytree",
-        "inputbox",
-        "section",
-        "syntaxhighlight",
-        "source",
-        "pre",
-        "noinclude",
-        "mapframe",
-        "maplink",
-    }
-)
+_DROP_TAGS = frozenset({
+    "ref", "references", "table", "gallery", "math", "chem", "ce", "timeline", "imagemap",
+    "score", "graph", "hiero", "templatedata", "templatestyles", "categorytree", "inputbox",
+    "section", "syntaxhighlight", "source", "pre", "noinclude", "mapframe", "maplink"})
 # Tags that separate words when rendered.
 _SPACE_TAGS = frozenset({"br"})
 # Link namespaces that are media or metadata, not text.
@@ -96,9 +53,8 @@ _DROP_LINK_NAMESPACES = frozenset({"file", "image", "media", "category"})
 _INTERLANG = re.compile(r"^[a-z]{2,3}(-[a-z]+)*$|^simple$")
 
 # Inline templates whose visible output is worth keeping (name -> rendering rule).
-_TEXT_PARAM_1 = frozenset(
-    {"nowrap", "nobr", "small", "smaller", "big", "sic", "not a typo", "nowrap begin"}
-)
+_TEXT_PARAM_1 = frozenset({"nowrap", "nobr", "small", "smaller", "big", "sic", "not a typo",
+                           "nowrap begin"})
 _CHAR_TEMPLATES = {"nbsp": " ", "ndash": "–", "mdash": "—", "snd": " – ", "spaced ndash": " – "}
 _RANGE_WORDS = frozenset({"-", "–", "to", "and", "or", "x", "by", "+"})
 
@@ -114,21 +70,13 @@ _HAS_WORD = re.compile(r"\w")
 _RESIDUE_REF = re.compile(r"<ref\b[^>]*/>|<ref\b[^>]*>.*?(?:</ref\s*>|$)", re.IGNORECASE)
 _RESIDUE_TAG = re.compile(
     r"</?(?:ref|references|small|big|span|div|center|sup|sub|br|blockquote|u|s|font|nowiki|"
-    r"abbr|cite|poem|onlyinclude|includeonly|noinclude|gallery)\b[^>]*>",
-    re.IGNORECASE,
-)
+    r"abbr|cite|poem|onlyinclude|includeonly|noinclude|gallery)\b[^>]*>", re.IGNORECASE)
 _RESIDUE_TEMPLATE = re.compile(r"\{\{[^{}]*\}\}")
 _RESIDUE_MEDIA_LINK = re.compile(
     r"\[\[\s*(?:file|image|media|category)\s*:[^\[\]]*(?:\[\[[^\[\]]*\]\][^\[\]]*)*\]\]",
-    re.IGNORECASE,
-)
+    re.IGNORECASE)
 _RESIDUE_LINK = re.compile(r"\[\[(?:[^\[\]|]*\|)*([^\[\]|]*)\]\]")
 _RESIDUE_QUOTES = re.compile(r"'{2,}")
-
-
-# --------------------------------------------------------------------------------------
-# Markup -> text
-# --------------------------------------------------------------------------------------
 
 
 def _render(code: Wikicode | None) -> str:
@@ -242,11 +190,8 @@ def _paragraphs(nodes: list[object]) -> list[str]:
         if table_depth and head.startswith("|}"):
             table_depth -= 1
             continue
-        if (
-            table_depth
-            or head.startswith(("|", "!"))
-            or head.lower().startswith(("[[file:", "[[image:"))
-        ):
+        if table_depth or head.startswith(("|", "!")) or head.lower().startswith(
+                ("[[file:", "[[image:")):
             continue
         line = _clean_line(_scrub_residue(raw))
         # A line with no letter or digit is a leftover of removed markup ("()", "|"); one
@@ -263,16 +208,10 @@ def _heading_line(level: int, title: str) -> str:
 
 
 def wikitext_to_plain(title: str, wikitext: str) -> str:
-    """Convert one article's MediaWiki source to a WikiText-style block.
-
-    Returns ``""`` when the article has no prose left (stubs made only of templates).
-    Otherwise the block starts with the blank line and title line that WikiText puts
-    before every article (`` \\n = Title = \\n \\n``), has one paragraph per line (each
-    wrapped in single spaces, as in WikiText raw) and a `` \\n = = Section = = \\n \\n``
-    block before every non-empty section. Boilerplate sections (:data:`BOILERPLATE_SECTIONS`)
-    are dropped together with their subsections; a section with no prose in it or in any
-    of its subsections is dropped too.
-    """
+    """One article's MediaWiki source as a WikiText-style block (``""`` when no prose is
+    left): `` \\n = Title = \\n \\n``, one paragraph per line wrapped in single spaces, and
+    `` \\n = = Section = = \\n \\n`` before each section with prose in it or below it;
+    boilerplate sections are dropped with their subsections."""
     code = mwparserfromhell.parse(wikitext)
     # (level, heading title, paragraphs); level 1 = the lead before the first heading.
     sections: list[tuple[int, str, list[str]]] = []
@@ -318,19 +257,11 @@ def wikitext_to_plain(title: str, wikitext: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# --------------------------------------------------------------------------------------
-# Streaming the dump
-# --------------------------------------------------------------------------------------
-
-
 def _open_dump(path: Path) -> IO[bytes]:
     if not path.is_file():
-        raise QKGeomError(
-            f"{path}: Wikipedia dump not found; pass an existing enwiki-*-pages-articles*.xml.bz2 file"
-        )
-    if path.suffix == ".bz2":
-        return bz2.open(path, "rb")
-    return open(path, "rb")
+        raise QKGeomError(f"{path}: Wikipedia dump not found; pass an existing "
+                          "enwiki-*-pages-articles*.xml.bz2 file")
+    return bz2.open(path, "rb") if path.suffix == ".bz2" else open(path, "rb")
 
 
 def _local(tag: str) -> str:
@@ -363,25 +294,18 @@ def _iter_pages(path: Path) -> Iterator[tuple[str, int, bool, str]]:
                 elem.clear()
                 root.clear()  # drop the cleared page from the root too: constant memory
         except ET.ParseError as err:
-            raise QKGeomError(
-                f"{path}: not a valid MediaWiki XML dump ({err}); re-download the dump"
-            ) from None
+            raise QKGeomError(f"{path}: not a valid MediaWiki XML dump ({err}); re-download "
+                              "the dump") from None
         except (OSError, EOFError) as err:
-            raise QKGeomError(
-                f"{path}: could not be decompressed ({err}); the file is truncated or not bzip2, re-download it"
-            ) from None
+            raise QKGeomError(f"{path}: could not be decompressed ({err}); the file is "
+                              "truncated or not bzip2, re-download it") from None
         if root is None:
             raise QKGeomError(f"{path}: empty dump file; re-download it")
 
 
 def iter_articles(path: str | Path) -> Iterator[tuple[str, str]]:
-    """Yield ``(title, text)`` for every article with prose in a Wikipedia XML dump.
-
-    Only namespace 0 (articles) is read; redirects (``<redirect>`` or ``#REDIRECT``) and
-    pages with no prose left after markup removal are skipped. ``text`` is the article's
-    WikiText-style block (see :func:`wikitext_to_plain`), so ``"".join(texts)`` is the
-    converted corpus. ``path`` may be ``.xml.bz2`` or plain ``.xml``.
-    """
+    """``(title, WikiText-style text)`` of every article (namespace 0, no redirect) with
+    prose in a ``.xml.bz2`` or ``.xml`` dump: ``"".join(texts)`` is the converted corpus."""
     path = Path(path)
     for title, ns, redirect, wikitext in _iter_pages(path):
         if ns != 0 or redirect or wikitext.lstrip()[:9].lower() == "#redirect":
@@ -392,11 +316,7 @@ def iter_articles(path: str | Path) -> Iterator[tuple[str, str]]:
 
 
 def convert_dump(path: str | Path, out_path: str | Path) -> int:
-    """Convert a dump to one WikiText-style UTF-8 text file; return the number of articles.
-
-    The output is written through a temp file and renamed, so an interrupted conversion
-    never leaves a partial file at ``out_path``.
-    """
+    """Convert a dump to one WikiText-style UTF-8 file, atomically; returns the articles."""
     count = 0
 
     def write(tmp: Path) -> None:
@@ -409,7 +329,6 @@ def convert_dump(path: str | Path, out_path: str | Path) -> int:
     atomic_write(out_path, write)
     if count == 0:
         Path(out_path).unlink(missing_ok=True)
-        raise QKGeomError(
-            f"{path}: no articles with prose found in the dump; check it is a pages-articles dump"
-        )
+        raise QKGeomError(f"{path}: no articles with prose found in the dump; check it is a "
+                          "pages-articles dump")
     return count

@@ -1,29 +1,13 @@
 """Self-describing checkpoints, written atomically, newest-valid-wins on load.
 
-A checkpoint holds everything a resumed run needs to continue bit-for-bit: weights,
-optimiser state, the data-order generator state, torch's global RNG (dropout), the step
-and the config. Files are ``ckpt_{step:08d}.pt`` in ``RUN/checkpoints`` (names:
-:mod:`qkgeom.runs`); a torn or
-unreadable newest checkpoint falls back to the previous one with a one-line warning. A
-checkpoint of another format version is an error (never silently skipped: resuming past it
-would retrain from an older state, or from scratch, without saying so). Temp files left by
-a write that was killed are removed when a run resumes.
-
-Loading runs no code: every checkpoint is read with ``torch.load(weights_only=True)``,
-which rebuilds tensors, numbers, strings, lists and dicts and refuses anything else; a
-file that needs more (a pickled object, e.g. an injected ``os.system`` call) is refused
-in one line naming it, never unpickled and never skipped in silence. So that qkgeom's own
-checkpoints always load that way, :func:`save_checkpoint` refuses a state holding any
-other type (a callback's numpy scalar, say) before writing it.
-
-Belonging: a checkpoint file proves nothing about where it came from (one can be copied
-in from another run, or crafted), so before a resume uses one it must belong to the run
-(:func:`check_checkpoint`): the config it records has the run's config hash (which leaves
-out what a resume may change: device, threads, compile), its step is within the run's
-steps, and its RNG states, loss accumulator and weight mappings are well formed. Anything
-else is a one-line :class:`CheckpointError`, raised before the resume writes anything.
-Checkpoints are plain files in a plain ``checkpoints/`` folder: a link there is never
-read as a checkpoint, and rotation never deletes through one.
+A checkpoint holds everything a resumed run needs to continue bit for bit (weights,
+optimiser, data-order and dropout RNG states, step, config) in ``RUN/checkpoints``. A torn
+newest one falls back to the previous with a warning; one of another format version is an
+error (resuming past it would silently retrain from an older state). Loading runs no code:
+``torch.load(weights_only=True)`` only, and :func:`save_checkpoint` refuses state that would
+need more. A file proves nothing about where it came from, so before a resume uses one it
+must belong to the run (:func:`check_checkpoint`); a link in ``checkpoints/`` is never read
+and rotation never deletes through one (docs/faults.md).
 """
 
 from __future__ import annotations
@@ -66,11 +50,9 @@ class CheckpointError(QKGeomError):
 
 
 def read_checkpoint(path: Path) -> Any:
-    """``torch.load(path, weights_only=True)`` on the CPU.
-
-    Raises :class:`UnsafeCheckpointError` (one line naming the file) when the file holds
-    objects that need unpickling; the payload of such a file never runs. Other failures (a
-    torn or foreign file) propagate as they are, for the caller to judge."""
+    """``torch.load(path, weights_only=True)`` on the CPU: a file that needs unpickling is
+    an :class:`UnsafeCheckpointError` (its payload never runs); other failures (a torn or
+    foreign file) propagate for the caller to judge."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -103,10 +85,8 @@ def _check_plain(value: Any, where: str) -> None:
 
 def is_checkpoint_step(step: int, every: int, schedule: str = "every") -> bool:
     """Whether the schedule saves a checkpoint after ``step`` updates (the trainer also
-    saves the last step). ``every``: each positive multiple of ``every``. ``log`` (the shape
-    of Pythia's suite, for checkpoint families): step 0, the powers of two below ``every``
-    (1, 2, 4, ...), then each multiple of ``every``, so the early steps, where the geometry
-    moves fastest, are sampled densely."""
+    saves the last): ``every``, each multiple of ``every``; ``log`` (Pythia's shape), step 0
+    and the powers of two below ``every`` too, where the geometry moves fastest."""
     if schedule == "log" and step < every:
         return step == 0 or step & (step - 1) == 0
     return step > 0 and step % every == 0
@@ -119,8 +99,7 @@ def checkpoint_steps(steps: int, every: int, schedule: str = "every") -> list[in
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) -> Path:
     """Write ``state`` for ``step`` atomically, then drop all but the newest ``keep``
-    (``keep = 0``: keep all; exact names ``ckpt_<8 digits>.pt`` only: other files in the
-    folder are left alone)."""
+    checkpoints (0: keep all; other files in the folder are left alone)."""
     _check_plain(state, "state")
     buf = io.BytesIO()
     torch.save({"format_version": FORMAT_VERSION, "step": step, **state}, buf)
@@ -137,9 +116,14 @@ def _rng_size() -> int:
     return int(torch.Generator().get_state().numel())
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def check_checkpoint(state: dict[str, Any], path: Path, cfg: TrainConfig) -> None:
-    """:class:`CheckpointError` unless ``state`` (a loaded checkpoint) belongs to the run of
-    ``cfg`` and is well formed enough to resume from (module doc)."""
+    """:class:`CheckpointError` unless ``state`` belongs to the run of ``cfg`` (its config
+    hash, which leaves out what a resume may change) and is well formed enough to resume
+    from (step, RNG states, loss accumulator, weight mappings)."""
     from qkgeom.config import from_dict
 
     def refuse(why: str) -> None:
@@ -148,7 +132,7 @@ def check_checkpoint(state: dict[str, Any], path: Path, cfg: TrainConfig) -> Non
                               "not write it, or train into a new --out")
 
     step = state.get("step")
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+    if not _is_count(step):
         refuse(f"its step is {step!r}")
     if step > cfg.steps:
         refuse(f"it holds step {step}, beyond the run's {cfg.steps} steps")
@@ -181,13 +165,10 @@ def check_checkpoint(state: dict[str, Any], path: Path, cfg: TrainConfig) -> Non
         except (RuntimeError, ValueError, TypeError):
             refuse(f"{key} is not a random-generator state")
     acc = state.get("loss_acc", {})
-    if not isinstance(acc, dict) or not all(
-            k in ("loss_sum", "loss_n") for k in acc) or not (
-            isinstance(acc.get("loss_sum", 0.0), (int, float))
-            and not isinstance(acc.get("loss_sum", 0.0), bool)
-            and math.isfinite(acc.get("loss_sum", 0.0))
-            and isinstance(acc.get("loss_n", 0), int) and not isinstance(acc.get("loss_n", 0), bool)
-            and acc.get("loss_n", 0) >= 0):
+    total = acc.get("loss_sum", 0.0) if isinstance(acc, dict) else None
+    if not (isinstance(acc, dict) and all(k in ("loss_sum", "loss_n") for k in acc)
+            and isinstance(total, (int, float)) and not isinstance(total, bool)
+            and math.isfinite(total) and _is_count(acc.get("loss_n", 0))):
         refuse("its loss accumulator is not {loss_sum: number, loss_n: count}")
     if not isinstance(state.get("callbacks", []), list):
         refuse("its callback states are not a list")
@@ -195,15 +176,10 @@ def check_checkpoint(state: dict[str, Any], path: Path, cfg: TrainConfig) -> Non
 
 def load_latest_checkpoint(run_dir: Path, cfg: TrainConfig | None = None
                            ) -> dict[str, Any] | None:
-    """The newest readable checkpoint, or None when there is none.
-
-    A torn or unreadable file (or one whose content is not the step its name says) is
-    skipped with a one-line warning and the previous one is used; when every checkpoint
-    is unreadable, a QKGeomError says so rather than silently starting over. A checkpoint
-    written in another format version, or one that needs unpickling
-    (:class:`UnsafeCheckpointError`), raises QKGeomError naming the file; with ``cfg``, so
-    does one that does not belong to that run (:func:`check_checkpoint`). Reads only.
-    """
+    """The newest readable checkpoint (None when there is none), reading only. A torn one,
+    or one not holding the step its name says, is skipped with a warning; all torn, another
+    format version, one that needs unpickling or (with ``cfg``) one not of this run is a
+    QKGeomError naming the file."""
     found = list_checkpoints(run_dir)
     for step, path in reversed(found):
         try:
@@ -240,14 +216,20 @@ def load_latest_checkpoint(run_dir: Path, cfg: TrainConfig | None = None
     return None
 
 
+def run_checkpoints(run: Path) -> dict[int, Path]:
+    """``{step: file}`` of a run folder's checkpoints; one line when it has none."""
+    found = dict(list_checkpoints(run))
+    if not found:
+        raise QKGeomError(f"{run}: the run folder has no checkpoints (checkpoints/ckpt_*.pt)")
+    return found
+
+
 def load_model(run_dir: str | Path, step: int | None = None) -> tuple[Any, int]:
     """(GPT in eval mode, step) from a run folder's checkpoint at ``step`` (default: newest)."""
     from qkgeom.model import GPT
 
     run = Path(run_dir)
-    found = dict(list_checkpoints(run))
-    if not found:
-        raise QKGeomError(f"{run}: the run folder has no checkpoints (checkpoints/ckpt_*.pt)")
+    found = run_checkpoints(run)
     step = max(found) if step is None else step
     if step not in found:
         raise QKGeomError(f"{run}: no checkpoint at step {step}; it has steps "

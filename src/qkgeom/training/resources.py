@@ -1,36 +1,10 @@
 """Will a run fit? Up-front estimates of memory and probe time, checked before any work.
 
-Why: a batch size or context that cannot fit used to surface as an allocation traceback
-(or the kernel's OOM kill) after the run folder was written, and a huge context as a first
-probe that ran for many minutes without a word. The estimates here are deliberately
-simple sums (docs/faults.md#resources) of the big terms, compared with what the device has:
-
-- **training memory**: fp32 weights, gradients and AdamW's two moments (16 bytes per
-  parameter); activations kept for the backward pass, about ``ACT_FLOATS_PER_DIM`` values
-  per batch × context × layer × model width (the usual count for a GPT block without its
-  attention matrix); the logits and their gradient (3 floats per
-  batch × context × vocabulary); the probe's float64 forward (one layer's
-  ``probe_batch × heads × context²`` attention scores plus q/k captures). Fused attention
-  kernels keep no context² term in training, so none is counted there.
-- **available memory**: free memory of the CUDA device (``torch.cuda.mem_get_info``), else
-  the system's available memory (``MemAvailable`` of ``/proc/meminfo``, else
-  ``os.sysconf``).
-- **probe time**: the attention-entropy work of one probe, ``probe_sequences × layers ×
-  heads × T(T+1)/2`` causal scores at ``4·head_dim + 16`` float64 operations each, at
-  :data:`PROBE_FLOPS` per second (CPU: one core runs about 6.5e9 of them in the probe's
-  kernels; accelerators: a conservative float64 rate). The rate does not scale with the
-  thread count on purpose: a config is refused or not whatever machine reads it. A probe estimated above
-  :data:`PROBE_LIMIT_S` is refused: its context makes the O(T²) probe absurd.
-
-A run that passes and still runs out of memory (an estimate is an estimate) stops with one
-line and ``status: failed`` (:func:`is_out_of_memory`), never a traceback.
-
-- **CPU time**: a run that lands on a CPU (``device: auto`` on a machine without a GPU) is
-  not refused, but one whose training FLOPs (:func:`qkgeom.model.flops_per_token` × its
-  tokens) would take more than :data:`LONG_CPU_S` at :data:`CPU_TRAIN_FLOPS` gets one
-  warning with the estimate (:func:`warn_if_long_on_cpu`). The rate is deliberately
-  generous (a many-core workstation; the 2-core dev machine trains the demo model at about
-  a tenth of it), so the estimate is a lower bound and small runs never warn.
+A batch or context that cannot fit would otherwise surface as an allocation traceback (or
+the kernel's OOM kill) after the run folder was written, and a huge context as a probe
+running for minutes without a word. The estimates are deliberately simple sums of the big
+terms, compared with what the device has; a run estimated long on a CPU gets one warning.
+The terms and rates: docs/faults.md#resources.
 """
 
 from __future__ import annotations
@@ -51,7 +25,9 @@ __all__ = ["CPU_TRAIN_FLOPS", "LONG_CPU_S", "PROBE_LIMIT_S", "available_memory",
            "probe_seconds", "require_memory", "training_memory", "warn_if_long_on_cpu"]
 
 ACT_FLOATS_PER_DIM = 17  # activation values kept per token, layer and model dimension
-PROBE_FLOPS = {"cpu": 5e9, "other": 1e12}  # float64 operations per second, per probe
+# float64 operations per second of a probe; not scaled by the threads, so a config gets the
+# same verdict on every machine
+PROBE_FLOPS = {"cpu": 5e9, "other": 1e12}
 PROBE_LIMIT_S = 60.0
 CPU_TRAIN_FLOPS = 1e11  # training FLOP/s of a fast CPU (fp32): generous, so a lower bound
 LONG_CPU_S = 3600.0  # runs estimated longer than this on a CPU are warned about
@@ -149,9 +125,8 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def cpu_seconds(cfg: TrainConfig) -> float:
-    """A lower bound on the seconds training ``cfg`` takes on a CPU: its training FLOPs
-    (:func:`qkgeom.model.flops_per_token` × steps × batch × context) at
-    :data:`CPU_TRAIN_FLOPS`. Probes and evals are not counted."""
+    """A lower bound on the seconds training ``cfg`` takes on a CPU: its training FLOPs at
+    :data:`CPU_TRAIN_FLOPS` (probes and evals not counted)."""
     from qkgeom.model import flops_per_token
 
     tokens = cfg.steps * cfg.batch_size * cfg.model.block_size
@@ -168,9 +143,8 @@ def duration(seconds: float) -> str:
 
 
 def warn_if_long_on_cpu(cfg: TrainConfig, device: torch.device, runs: int = 1) -> float:
-    """One warning when ``runs`` runs of ``cfg`` on ``device`` (a CPU) would take longer
-    than :data:`LONG_CPU_S` by :func:`cpu_seconds`; returns the estimate (seconds, all
-    runs). Nothing on an accelerator."""
+    """One warning when ``runs`` runs of ``cfg`` on a CPU would take longer than
+    :data:`LONG_CPU_S`; returns the estimate (seconds, all runs; 0 on an accelerator)."""
     if device.type != "cpu":
         return 0.0
     total = cpu_seconds(cfg) * runs
