@@ -80,7 +80,8 @@ def run_sweep(
     runs_per_gpu: int | str = 1,
     max_runs_per_worker: int | None = None,
 ) -> SweepSummary:
-    """Train every run of ``grid`` into ``out_dir/runs/<run_id>`` (options: docs/sweeps.md).
+    """Train every run of ``grid`` into ``out_dir/runs/<run_id>`` (options: docs/sweeps.md;
+    ``max_runs_per_worker``, local: runs a worker process trains before it is replaced).
 
     Everything is checked before any work (a one-line :class:`QKGeomError`): the arguments,
     every run's config and data, the backend, and that ``out_dir/sweep.json``, if there,
