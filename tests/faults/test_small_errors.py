@@ -3,9 +3,9 @@ stderr naming what is wrong, exit 2, and nothing written: ``--config DIR``, ``--
 in a folder that holds files, ``export --out FILE``, ``--device mps:0`` where there is no
 MPS, ``watch --interval inf|nan``, ``QKGEOM_CACHE=/dev/null``, a dangling cached
 ``data/sample`` link, a malformed ``QKGEOM_FAULT``, a garbage Ray ``--address``. And two
-that read what they should not: a ``sweep.json`` whose ``dir`` points outside the sweep
-(listed as unreadable, never read) and a corpus folder with a link to a file outside it
-(refused, not trained on)."""
+that would read what they should not: a ``sweep.json`` whose run entries name their own
+folder (``dir``, outside the sweep: an older shape, refused whole, nothing read or written)
+and a corpus folder with a link to a file outside it (refused, not trained on)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from fault_helpers import (
     tiny_base,
     train_args,
     train_in_process,
+    tree,
 )
 
 RESULTS: dict[str, bool] = {}
@@ -150,20 +151,18 @@ def test_sweep_record_dir_outside_the_sweep_is_never_read(
     for folder, rid in ((sweep / "runs" / "r0", "r0"), (foreign, "foreign")):
         shutil.copytree(base_run, folder)
         (folder / "config.json").write_text(json.dumps({**record, "run_id": rid}))
-    (sweep / "sweep.json").write_text(json.dumps({
-        "grid": {"name": "d", "preset": "smoke", "base": {}, "axes": {}},
-        "runs": [{"run_id": "r0", "axes": {}, "config_hash": record["config_hash"]},
-                 {"run_id": "r1", "axes": {}, "config_hash": record["config_hash"],
-                  "dir": str(foreign)},
-                 {"run_id": "r2", "axes": {}, "config_hash": record["config_hash"],
-                  "dir": "../someone-elses-run"}]}))
-    code, _, err = in_process(["report", str(sweep)], capsys)
-    assert code == 0, err
-    report = sweep / "report"
-    assert json.loads((report / "report.json").read_text())["excluded"] == 2
-    text = (report / "report.md").read_text()
-    assert text.count("outside the sweep folder") == 2
-    assert "r1" in text and "r2" in text
+    for where in (str(foreign), "../someone-elses-run"):
+        (sweep / "sweep.json").write_text(json.dumps({
+            "grid": {"name": "d", "preset": "smoke", "base": {}, "axes": {}},
+            "runs": [{"run_id": "r0", "axes": {}, "config_hash": record["config_hash"]},
+                     {"run_id": "r1", "axes": {}, "config_hash": record["config_hash"],
+                      "dir": where}]}))
+        before = tree(tmp_path)
+        for command in ("report", "sweep status"):
+            code, _, err = in_process([*command.split(), str(sweep)], capsys)
+            assert_clean_error(code, err, words=(str(sweep / "sweep.json"), "'r1'", "'dir'",
+                                                 "run the grid again"))
+            assert tree(tmp_path) == before  # nothing written, no report folder
     RESULTS["sweep.json dir: /abs/run and ../run"] = True
 
 

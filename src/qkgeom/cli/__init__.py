@@ -1,14 +1,11 @@
 """``qkgeom`` command line: subcommands only; parse, validate, call the API, print.
 
-One module per group of subcommands: :mod:`.data` (``data prepare``), :mod:`.train`
-(``train``, ``show``), :mod:`.sweeps` (``sweep run|status``, ``reproduce e1|e3``,
-``report``), :mod:`.checkpoints` (``analyze``, ``export``), :mod:`.watch` (``watch``).
-
-Exit codes: 0 done, 2 bad input, not enough memory or a missing optional package (one
-line on stderr, no traceback; a missing package names the extra that brings it), 3
-diverged, 130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (one line saying where the
-run stopped and how to resume it). Every line printed from a message goes through
-:func:`qkgeom.ui.printable`: text a file held cannot drive the terminal.
+One module per group of subcommands: :mod:`.data`, :mod:`.train` (``train``, ``show``),
+:mod:`.sweeps` (``sweep run|status``, ``reproduce``, ``report``), :mod:`.checkpoints`
+(``analyze``, ``export``), :mod:`.watch`. Exit codes: 0 done, 2 bad input, not enough
+memory or a missing optional package (one line on stderr naming the extra), 3 diverged,
+130 / 143 interrupted by SIGINT / SIGTERM (one line saying how to resume). Every message
+goes through :func:`qkgeom.ui.printable`: text a file held cannot drive the terminal.
 """
 
 from __future__ import annotations
@@ -38,7 +35,6 @@ OWN_INSTALL = {"wandb": "pip install wandb",
                "lightning": "pip install lightning", "pytorch_lightning": "pip install lightning"}
 
 
-
 def _plain_flags(params: list[Any]) -> list[Any]:
     """Flags (``--resume``, ``--help``) take no value, so their help shows no value type:
     typer's rich help prints one for every option (``<bool>``) unless a metavar is set."""
@@ -56,26 +52,6 @@ class _Command(TyperCommand):
 class _Group(TyperGroup):
     def get_params(self, ctx: Any) -> list[Any]:
         return _plain_flags(super().get_params(ctx))
-
-
-def _use_plain_flags(typer_app: typer.Typer) -> None:
-    """Every command and group of ``typer_app`` (and its sub-apps) as :class:`_Command`
-    and :class:`_Group`."""
-    typer_app.info.cls = _Group
-    for command in typer_app.registered_commands:
-        if command.cls in (None, TyperCommand):
-            command.cls = _Command
-    for group in typer_app.registered_groups:
-        group.cls = _Group
-        if group.typer_instance is not None:
-            _use_plain_flags(group.typer_instance)
-
-
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
-                  help="Geometry of attention queries and keys.")
-for group in (data, train, sweeps, checkpoints, watch):
-    group.register(app)
-_use_plain_flags(app)
 
 
 class _Stopped(BaseException):
@@ -98,16 +74,26 @@ def _carry_interrupts(command: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _wrap_commands(typer_app: typer.Typer) -> None:
-    for info in typer_app.registered_commands:
-        if info.callback is not None:
-            info.callback = _carry_interrupts(info.callback)
-    for sub in typer_app.registered_groups:
-        if sub.typer_instance is not None:
-            _wrap_commands(sub.typer_instance)
+def _finish(typer_app: typer.Typer) -> None:
+    """Every command and group of ``typer_app`` (and its sub-apps) with plain flags
+    (:class:`_Command`, :class:`_Group`) and carrying interrupts past typer."""
+    typer_app.info.cls = _Group
+    for command in typer_app.registered_commands:
+        if command.cls in (None, TyperCommand):
+            command.cls = _Command
+        if command.callback is not None:
+            command.callback = _carry_interrupts(command.callback)
+    for group in typer_app.registered_groups:
+        group.cls = _Group
+        if group.typer_instance is not None:
+            _finish(group.typer_instance)
 
 
-_wrap_commands(app)
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+                  help="Geometry of attention queries and keys.")
+for group in (data, train, sweeps, checkpoints, watch):
+    group.register(app)
+_finish(app)
 
 
 def _print_version(value: bool) -> None:
@@ -135,15 +121,11 @@ def missing_package(err: ModuleNotFoundError) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: turn user errors into one line and an exit code.
-
-    Typer's standalone mode already reports usage errors (unknown option, bad choice) as a
-    short message with exit code 2; errors the user can fix raised from inside a command
-    (:class:`QKGeomError`) are caught here.
-    """
+    """Entry point: errors the user can act on as one line and an exit code (typer's
+    standalone mode already does so for usage errors: unknown option, bad choice)."""
     import warnings
 
-    from qkgeom.errors import DivergedError, Interrupted, StorageError, signals_interrupt
+    from qkgeom.errors import signals_interrupt
     from qkgeom.ui import printable
 
     # Warnings (e.g. "torn checkpoint, falling back") as one line, not file:line + source.
@@ -151,38 +133,39 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with signals_interrupt():  # SIGTERM stops a command as Ctrl-C does, and says so
             app(args=argv, standalone_mode=True)
-    except DivergedError as err:
-        typer.echo(f"qkgeom: {printable(err)}", err=True)
-        sys.exit(err.exit_code)
-    except QKGeomError as err:
-        typer.echo(f"qkgeom: error: {printable(err)}", err=True)
-        sys.exit(err.exit_code)
-    except ModuleNotFoundError as err:
+    except (Exception, KeyboardInterrupt, _Stopped) as err:
+        line = _error_line(err.interrupt if isinstance(err, _Stopped) else err)
+        if line is None:
+            raise
+        typer.echo(line[0], err=True)
+        sys.exit(line[1])
+
+
+def _error_line(err: BaseException) -> tuple[str, int] | None:
+    """The line and exit code of an error the user can act on; None for a bug."""
+    from qkgeom.errors import DivergedError, Interrupted, StorageError
+    from qkgeom.ui import printable
+
+    if isinstance(err, QKGeomError):
+        return (f"qkgeom: {'' if isinstance(err, DivergedError) else 'error: '}"
+                f"{printable(err)}", err.exit_code)
+    if isinstance(err, ModuleNotFoundError):
         message = missing_package(err)
-        if message is None:
-            raise
-        typer.echo(f"qkgeom: error: {message}", err=True)
-        sys.exit(QKGeomError.exit_code)
-    except OSError as err:  # a folder qkgeom may not create (read-only, full disk)
+        return (f"qkgeom: error: {message}", QKGeomError.exit_code) if message else None
+    if isinstance(err, OSError):  # a folder qkgeom may not create (read-only, full disk)
         if err.errno not in StorageError.ERRNOS:
-            raise
-        typer.echo(f"qkgeom: error: {printable(StorageError.of(err.filename or '?', err))}",
-                   err=True)
-        sys.exit(StorageError.exit_code)
-    except (MemoryError, RuntimeError) as err:  # an allocation the host or device refused
+            return None
+        return (f"qkgeom: error: {printable(StorageError.of(err.filename or '?', err))}",
+                StorageError.exit_code)
+    if isinstance(err, (MemoryError, RuntimeError)):  # an allocation refused
         from qkgeom.training.resources import is_out_of_memory
 
         if not is_out_of_memory(err):
-            raise
+            return None
         first = (str(err).strip().splitlines() or [""])[0][:200]
-        typer.echo(f"qkgeom: error: out of memory ({type(err).__name__}{': ' if first else ''}"
-                   f"{first}); lower --batch-size or the context length", err=True)
-        sys.exit(QKGeomError.exit_code)
-    except (KeyboardInterrupt, _Stopped) as caught:
-        err = caught.interrupt if isinstance(caught, _Stopped) else caught
-        if isinstance(err, Interrupted):
-            typer.echo(f"qkgeom: {printable(err.message or f'interrupted ({err.signal_name})')}",
-                       err=True)
-            sys.exit(err.exit_code)
-        typer.echo("qkgeom: interrupted", err=True)
-        sys.exit(130)
+        return (f"qkgeom: error: out of memory ({type(err).__name__}{': ' if first else ''}"
+                f"{first}); lower --batch-size or the context length", QKGeomError.exit_code)
+    if isinstance(err, Interrupted):
+        return (f"qkgeom: {printable(err.message or f'interrupted ({err.signal_name})')}",
+                err.exit_code)
+    return ("qkgeom: interrupted", 130) if isinstance(err, KeyboardInterrupt) else None

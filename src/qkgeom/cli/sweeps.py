@@ -52,9 +52,15 @@ ResultFolder = Annotated[Path, typer.Argument(
          "folder (trained or monitored).")]
 
 
-def _print_summary(summary: object, out: Path) -> None:
+def _finish_sweep(summary: Any, out: Path, report_after: bool = False) -> None:
+    """Print the sweep's summary (then its report); exit 1 when a run failed (a diverged
+    run is a result, not a failure)."""
     typer.echo(f"{summary}")
     typer.echo(f"sweep folder: {out}")
+    if report_after:
+        report(out, None)
+    if summary.counts.get("failed"):
+        raise typer.Exit(1)
 
 
 def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
@@ -68,13 +74,11 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     path = write_report(folder, out)
     html = path.with_suffix(".html")
     # The report wrote its claims: read them back rather than analyse the folder twice.
-    claims = pd.read_csv(path.parent / "claims.csv", keep_default_na=False,
-                         na_values=[""])
+    claims = pd.read_csv(path.parent / "claims.csv", keep_default_na=False, na_values=[""])
     excluded = excluded_count(path.parent)
     if fmt == "json":
         write_json({"folder": str(folder), "report": str(path),
-                    "html": str(html) if html.is_file() else None,
-                    "excluded": excluded,
+                    "html": str(html) if html.is_file() else None, "excluded": excluded,
                     "claims": records(claims)})
         return
     if fmt == "csv":
@@ -93,17 +97,12 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
                   *(["role: the primary row decides the claim, secondary rows are "
                      "descriptive"] if "role" in shown else [])],
                  group=[c for c in ("id", "claim") if c in shown])
-    if descriptive:
-        typer.echo(descriptive)
-    unmeasured = _not_recorded(claims)
-    if unmeasured:
-        typer.echo(unmeasured)
-    if excluded:
-        typer.echo(f"{excluded} run(s) left out (diverged/failed/unfinished): see the report")
-    typer.echo(summary_line(path.parent))
-    typer.echo(f"report: {path}")
-    if html.is_file():
-        typer.echo(f"report (HTML): {html}")
+    left_out = f"{excluded} run(s) left out (diverged/failed/unfinished): see the report"
+    for line in (descriptive, _not_recorded(claims), left_out if excluded else "",
+                 summary_line(path.parent), f"report: {path}",
+                 f"report (HTML): {html}" if html.is_file() else ""):
+        if line:
+            typer.echo(line)
 
 
 #: The terminal claims table: claims.csv column -> its header (words, not field names).
@@ -115,9 +114,8 @@ SIGN_HEADER = TERMINAL_CLAIMS["measured"]
 
 def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
     """The claims table as the terminal shows it: the columns of :data:`TERMINAL_CLAIMS`
-    under their headers (the Holm-adjusted p where the table has one, else the sign-flip
-    p), without the verdict when the table is descriptive (too few units for any verdict:
-    :func:`qkgeom.analysis.kit.descriptive_reason`)."""
+    under their headers (the Holm p where there is one, else the sign-flip p), without the
+    verdict when the table is descriptive (too few units for any verdict)."""
     from qkgeom.analysis.kit import descriptive_reason
 
     cols = [c for c in TERMINAL_CLAIMS if c in claims
@@ -144,12 +142,10 @@ def _not_recorded(claims: pd.DataFrame) -> str:
 
 
 def _status_table(status: pd.DataFrame) -> pd.DataFrame:
-    """The sweep status for people: the run id carries the axes, so those and the config
-    hash stay in --format json/csv; the error column only when a run has one."""
-    keep = ["run_id", "state", "step", "steps"]
-    if status["error"].notna().any():
-        keep.append("error")
-    return status[keep]
+    """The sweep status for people: the run id carries the axes (those and the config hash
+    are in --format json/csv); the error column only when a run has one."""
+    return status[["run_id", "state", "step", "steps",
+                   *(["error"] if status["error"].notna().any() else [])]]
 
 
 def unfinished(out: Path, runs: list[Any]) -> list[Any]:
@@ -163,8 +159,7 @@ def unfinished(out: Path, runs: list[Any]) -> list[Any]:
 
 def warn_long_sweep(configs: list[Any], device: str | None) -> None:
     """One warning when the runs of a sweep still to train would take long on this
-    machine's CPU (the device ``auto`` finds no GPU, or ``cpu`` is asked for): the sum of
-    their estimates."""
+    machine's CPU (no GPU found, or ``cpu`` asked for): the sum of their estimates."""
     import warnings
 
     from qkgeom.config import detect_device
@@ -180,12 +175,6 @@ def warn_long_sweep(configs: list[Any], device: str | None) -> None:
                       f"{duration(total)} of CPU time on this machine (no GPU in use); train "
                       "on a GPU (--device auto finds one), or choose a smaller --preset",
                       stacklevel=2)
-
-
-def _exit_if_failed(summary: Any) -> None:
-    """Exit 1 when some run of the sweep failed (diverged runs are results, not failures)."""
-    if summary.counts.get("failed"):
-        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
@@ -217,8 +206,7 @@ def register(app: typer.Typer) -> None:
                             threads_per_run=threads, progress=not quiet,
                             retry_failed=retry_failed, retries=retries,
                             runs_per_gpu=runs_per_gpu)
-        _print_summary(summary, out)
-        _exit_if_failed(summary)
+        _finish_sweep(summary, out)
 
     @sweep_app.command("status")
     def sweep_status_cmd(sweep: Annotated[Path, typer.Argument(help="Sweep folder.")],
@@ -304,9 +292,7 @@ def register(app: typer.Typer) -> None:
         summary = exp.run(grid, out, workers=workers, backend=backend, address=address,
                           threads_per_run=threads, progress=not quiet, retries=retries,
                           runs_per_gpu=runs_per_gpu)
-        _print_summary(summary, out)
-        report(out, None)
-        _exit_if_failed(summary)
+        _finish_sweep(summary, out, report_after=True)
 
 
 def _reproduce_e4(exp: Any, preset: str, out: Path | None, data: str, device: str | None,

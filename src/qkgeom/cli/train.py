@@ -12,7 +12,7 @@ from qkgeom.config import DEVICE_HELP, PRESETS, TrainConfig, deep_merge, flatten
 from qkgeom.errors import QKGeomError
 
 # CLI flag -> dotted config key (flags left None keep the preset's value).
-_FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth: the old name
+_FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth is --n-layer
               "n_embd": "model.n_embd", "n_head": "model.n_head",
               "block_size": "model.block_size", "qk_init": "model.qk_init",
               "key_control": "key_control.mode", "dose": "key_control.dose",
@@ -23,16 +23,13 @@ _FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth: 
 SAMPLE = "sample"
 
 
-def preset_values(key: str) -> str:
-    """``smoke 2 · demo 4 · paper 6``: what each preset sets ``key`` (dotted) to, for the
-    help of a flag whose default is the preset's."""
-    defaults = TrainConfig().to_dict()
-    return " · ".join(f"{name} {flatten(deep_merge(defaults, preset))[key]}"
-                      for name, preset in PRESETS.items())
-
-
 def _preset_help(text: str, key: str) -> str:
-    return f"{text.rstrip('.')} (presets: {preset_values(key)})."
+    """``text (presets: smoke 2 · demo 4 · paper 6).``: the help of a flag whose default is
+    the preset's value of ``key`` (dotted)."""
+    defaults = TrainConfig().to_dict()
+    values = " · ".join(f"{name} {flatten(deep_merge(defaults, preset))[key]}"
+                        for name, preset in PRESETS.items())
+    return f"{text.rstrip('.')} (presets: {values})."
 
 
 def data_spec(value: str | None) -> str | None:
@@ -71,6 +68,7 @@ def show_run(run: Path, step: int | None, fmt: str = "table") -> None:
 
 def _show_metrics(run: Path, metrics: Any, step: int | None, ref: int | None,
                   fmt: str = "table") -> None:
+    """The per-layer table of ``metrics`` (a run's) at ``step``, changes since ``ref``."""
     from qkgeom.analysis.tables import layer_table
     from qkgeom.runs import METRICS
 

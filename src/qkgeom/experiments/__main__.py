@@ -1,11 +1,6 @@
-"""Internal process entries of the sweep (users run ``qkgeom sweep run``):
-
-- ``python -m qkgeom.experiments worker [--max-runs N]``: the local backend's persistent
-  worker, which reads runs to train on stdin and answers on stdout
-  (:func:`qkgeom.experiments.worker.main`);
-- ``python -m qkgeom.experiments probe ...``: one process of the packing probe
-  (:func:`qkgeom.experiments.packing.probe_main`).
-"""
+"""Internal process entries of the sweep (users run ``qkgeom sweep run``): ``worker``, the
+local backend's persistent worker (:func:`qkgeom.experiments.worker.main`), and ``probe``,
+one process of the packing probe (:func:`qkgeom.experiments.packing.probe_main`)."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """Where a sweep's runs execute: local worker processes or Ray tasks, both calling ``run_one``.
 
 A backend only starts runs and reports finished ones; skipping, locking and recording are
-:func:`~qkgeom.experiments.worker.run_one`'s job, identical for both (docs/sweeps.md).
-**Local**: persistent worker processes (:mod:`~qkgeom.experiments.pool`); on a CUDA grid
-each is pinned to the GPU with the fewest runs, ``runs_per_gpu`` to a GPU. **Ray**: one
-task per run asking for its threads (and ``1/runs_per_gpu`` of a GPU: Ray's fractional GPUs
-pack them), retried up to ``retries`` times when its worker dies (the retry resumes from
-the newest checkpoint under the run's lock); the sweep folder must be on a filesystem every
-node sees. A local instance qkgeom starts listens on 127.0.0.1 only, and a run asking for
-more than the whole cluster has is refused in one line (it would wait for ever).
+:func:`~qkgeom.experiments.worker.run_one`'s, the same for both. **Local**: persistent
+worker processes (:mod:`~qkgeom.experiments.pool`), on a CUDA grid each pinned to the GPU
+with the fewest runs. **Ray**: one task per run asking for its threads (and
+``1/runs_per_gpu`` of a GPU), retried ``retries`` times when its worker dies; a local Ray
+instance qkgeom starts listens on 127.0.0.1 only. Details: docs/sweeps.md#at-scale-ray.
 """
 
 from __future__ import annotations
@@ -47,11 +44,8 @@ def make_backend(name: str, address: str | None = None, retries: int = 0, *,
                  runs_per_gpu: int = 1, gpus: list[str] | None = None,
                  max_runs_per_worker: int | None = None) -> Backend:
     """The backend called ``name``; Ray is imported (and connected) only when asked for.
-
-    ``runs_per_gpu`` (Ray: ``num_gpus=1/runs_per_gpu`` per CUDA run), ``gpus`` (local:
-    the CUDA device ids to spread runs over) and ``max_runs_per_worker`` (local: runs per
-    worker process, None for no limit) are described in the module docstring.
-    """
+    ``gpus`` (local): the CUDA device ids to spread runs over; ``max_runs_per_worker``
+    (local): runs per worker process (None: no limit, 1: a fresh process per run)."""
     if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
         raise QKGeomError(f"--retries must be a whole number >= 0, got {retries!r}")
     if name == "local":
@@ -73,12 +67,8 @@ def crashed(run_dir: Path, message: str) -> dict[str, Any]:
 
 
 class LocalBackend:
-    """Persistent worker processes on this machine (:class:`~qkgeom.experiments.pool.WorkerPool`).
-
-    ``gpus``: the CUDA device ids runs of device ``cuda`` are spread over (least-loaded
-    first; each worker pinned to one); ``max_runs_per_worker``: None keeps workers for
-    the whole sweep, 1 starts a fresh process per run.
-    """
+    """Persistent worker processes on this machine; CUDA runs on the least-loaded of
+    ``gpus``."""
 
     def __init__(self, gpus: list[str] | None = None,
                  max_runs_per_worker: int | None = None) -> None:
@@ -97,13 +87,13 @@ class LocalBackend:
                                    "retry_failed": retry_failed}, key=(threads, gpu), env=env)
 
     def capacity(self, on_cuda: bool, runs_per_gpu: int) -> int | None:
-        """Runs at once this machine takes for a grid: ``runs_per_gpu`` per visible GPU on
-        a CUDA grid; None (no limit of its own) otherwise."""
+        """Runs at once this machine takes: ``runs_per_gpu`` per visible GPU on a CUDA
+        grid; None (no limit of its own) otherwise."""
         return len(self._gpus) * runs_per_gpu if on_cuda and self._gpus else None
 
     def _place(self, device: str) -> str | None:
-        """The GPU with the fewest runs of this sweep on it, for a run on ``cuda``; None for
-        CPU runs and runs that name their device (``cuda:1``)."""
+        """The GPU with the fewest runs of this sweep, for a run on ``cuda``; None for CPU
+        runs and runs that name their device (``cuda:1``)."""
         if device != "cuda" or not self._gpus:
             return None
         busy = list(self._placed.values())
@@ -114,20 +104,14 @@ class LocalBackend:
         results = []
         for run_dir, result, why in self._pool.wait(timeout):
             self._placed.pop(run_dir.name, None)
-            if result is None:
-                result = crashed(run_dir, f"worker process died ({why}) without recording a "
-                                          f"result; see {run_dir / WORKER_LOG}")
-            results.append(result)
+            results.append(result if result is not None else crashed(
+                run_dir, f"worker process died ({why}) without recording a result; see "
+                         f"{run_dir / WORKER_LOG}"))
         return results
 
     def cancel(self, signum: int = signal.SIGINT) -> None:
-        """Stop every running worker (Ctrl-C, SIGTERM): the signal passed on so runs stop
-        cleanly, waited for, then killed if they have not ended.
-
-        Cancelled runs are not recorded as failed: their status says ``interrupted`` (or
-        ``running`` after a kill) and the next sweep resumes them from their newest
-        checkpoint.
-        """
+        """Stop every running worker, the signal passed on: cancelled runs record
+        ``interrupted`` (not failed), and the next sweep resumes them."""
         self._pool.cancel(signum)
         self._placed.clear()
 
@@ -136,43 +120,27 @@ class LocalBackend:
         self._placed.clear()
 
 
-# Ray takes the loopback address as the node's own only when its "cluster" mode is off (the
-# mode it uses on macOS/Windows); read once, when ray's constants are imported.
-_RAY_LOCAL_ONLY = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-
-
-def _ray() -> Any:
+def connect_ray(address: str | None) -> tuple[Any, bool]:
+    """``(ray, owns)``: Ray connected to the cluster at ``address`` (None: a local instance
+    on 127.0.0.1 only, no dashboard); ``owns``: this call connected, so its caller shuts
+    the connection down."""
     try:
         import ray
     except ImportError:
         raise QKGeomError("the ray backend needs Ray: pip install 'qkgeom[ray]' "
                           "(or pip install ray)") from None
-    return ray
-
-
-def _loopback_only(ray: Any) -> None:
-    """Keep the local instance about to start on 127.0.0.1: ray otherwise resolves
-    "127.0.0.1" to the machine's network address, and its servers then listen on every
-    interface. The switch is read when ray is imported, so the module's copy is set too."""
-    os.environ[_RAY_LOCAL_ONLY] = "0"  # for the processes ray.init starts
-    constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-    if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
-        constants.ENABLE_RAY_CLUSTER = False
-
-
-def connect_ray(address: str | None) -> tuple[Any, bool]:
-    """``(ray, owns)``: Ray connected to the cluster at ``address`` (None: a local instance
-    on 127.0.0.1 only, no dashboard); ``owns`` says this call started the connection, so
-    its caller shuts it down."""
-    ray = _ray()
     if ray.is_initialized():
         return ray, False
-    # Ray's own INFO lines ("Connecting to existing Ray cluster ...") stay out of the
-    # command's output: its result, or its one error line
+    # Ray's INFO lines stay out of the command's output (its result, or its one error line)
     kwargs: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.WARNING}
     if address is None:
         kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
-        _loopback_only(ray)
+        # Ray resolves 127.0.0.1 to the network address (and listens on every interface)
+        # unless its "cluster" mode is off: read when ray is imported, so set it there too
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+        if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
+            constants.ENABLE_RAY_CLUSTER = False
     try:
         ray.init(address=address, **kwargs)
     except Exception as err:  # a refused connection, an address Ray cannot parse ...
@@ -199,9 +167,7 @@ def _ray_run_one(run_dir: str, config_dict: dict[str, Any], threads: int,
 
 
 class RayBackend:
-    """One Ray task per run on the cluster at ``address`` (None: a local Ray instance on
-    127.0.0.1); a task whose worker dies is retried up to ``retries`` times; a CUDA run
-    takes ``1/runs_per_gpu`` of a GPU."""
+    """One Ray task per run on the cluster at ``address`` (None: a local instance)."""
 
     def __init__(self, address: str | None, retries: int = 0, runs_per_gpu: int = 1) -> None:
         self._ray, self._owns = connect_ray(address)
@@ -217,23 +183,20 @@ class RayBackend:
         options: dict[str, Any] = {"num_cpus": threads}
         task = self._task
         device = str(config_dict.get("device", "auto"))
-        if device.startswith("cuda") or (device == "auto" and self._cluster_has_gpus()):
+        # device auto: a GPU share when the cluster has GPUs (the worker then picks cuda)
+        if device.startswith("cuda") or (device == "auto" and self._resources("GPU") > 0):
             options["num_gpus"] = self._gpu_share
             task = self._gpu_task
         ref = task.options(**options).remote(str(run_dir), config_dict, threads, retry_failed)
         self._refs[ref] = run_dir
 
-    def _cluster_has_gpus(self) -> bool:
-        """``device: auto`` on a cluster: a run asks for a GPU share when the cluster has
-        GPUs (the worker then resolves auto to cuda), else it runs on CPUs."""
-        return self._ray.cluster_resources().get("GPU", 0) > 0
+    def _resources(self, kind: str) -> float:
+        return self._ray.cluster_resources().get(kind, 0)
 
     def check_fits(self, threads: int, on_cuda: bool) -> None:
-        """Refuse, in one line, runs that ask for more of a resource than the whole cluster
-        has (Ray would keep them pending for ever): ``threads`` CPUs per run, and a GPU
-        share for a CUDA grid."""
-        resources = self._ray.cluster_resources()
-        cpus, gpus = resources.get("CPU", 0), resources.get("GPU", 0)
+        """Refuse in one line runs asking for more CPUs (``threads``) or GPUs than the whole
+        cluster has: Ray would keep them pending for ever."""
+        cpus, gpus = self._resources("CPU"), self._resources("GPU")
         if threads > cpus:
             raise QKGeomError(f"each run asks Ray for {threads} CPUs (--threads) but the whole "
                               f"cluster has {cpus:g}; lower --threads (at most {int(cpus)})")
@@ -244,8 +207,7 @@ class RayBackend:
     def capacity(self, on_cuda: bool, runs_per_gpu: int) -> int | None:
         """Runs at once the cluster takes now: its GPUs x ``runs_per_gpu`` on a CUDA grid,
         else its CPUs (one thread per run)."""
-        resources = self._ray.cluster_resources()
-        n = resources.get("GPU", 0) * runs_per_gpu if on_cuda else resources.get("CPU", 0)
+        n = self._resources("GPU") * runs_per_gpu if on_cuda else self._resources("CPU")
         return max(1, int(n)) if n else None
 
     def wait(self, timeout: float) -> list[dict[str, Any]]:

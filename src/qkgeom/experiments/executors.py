@@ -1,19 +1,12 @@
 """Checkpoint families spread over workers: Ray tasks on a cluster, or local processes.
 
-:func:`qkgeom.checkpoints.family.analyze_checkpoints` takes an ``executor``: something that
-runs ``measure(job)`` for each checkpoint job somewhere and yields ``(job, row or
-exception)`` as each ends. The job writes its own cache entry in the analysis folder
-(``checkpoints/<name>.parquet`` + ``.json``), so the folder must be on a filesystem the
-workers see; a failed or interrupted job leaves the others' entries, and running the
-same analysis again measures only what is missing. The tables are the same whichever
-way the checkpoints were measured (tests/checkpoints/test_executors.py).
-
-- ``ray``: one task per checkpoint (``num_cpus=threads``, plus ``num_gpus=1`` on CUDA:
-  each task sees one GPU, where a large model may still be split by ``device_map="auto"``
-  across whatever that task sees), at most ``workers`` in flight (None: as many as the
-  cluster runs at once);
-- ``local`` with ``workers > 1``: a pool of that many fresh (spawned) processes on this
-  machine, ``threads`` torch threads each.
+:func:`qkgeom.checkpoints.family.analyze_checkpoints` takes an ``executor`` that runs
+``measure(job)`` for each checkpoint somewhere and yields ``(job, row or exception)`` as
+each ends; each job writes its own cache entry in the analysis folder (which the workers
+must see), so a rerun measures only what is missing, and the tables are the same however
+they were measured (tests/checkpoints/test_executors.py). ``ray``: one task per checkpoint
+(``threads`` CPUs, one GPU on CUDA), at most ``workers`` in flight; ``local`` with
+``workers > 1``: that many spawned processes here.
 """
 
 from __future__ import annotations

@@ -1,27 +1,13 @@
 """How many runs to train at once on one device: a measured probe and the rule that picks.
 
-Why: one paper-size run (6 x 384, context 256, batch 64, ~10.7 M parameters) leaves most
-of an H100/H200 idle (small matmuls, kernel-launch gaps), so a GPU grid goes faster with
-several runs per GPU; how many is a property of the model, the GPU and the host, so it is
-measured rather than guessed.
-
-The probe (:func:`measure_packing`) starts ``k`` processes at once on the device, each
-training the grid's own config (``qkgeom.train``, key control and all) for ``warmup``
-steps, then waiting at a barrier until all ``k`` are warm (torch.compile done), then
-timing ``steps`` more. The grid's throughput at ``k`` is the tokens all processes trained
-inside the window in which every one of them was in its timed phase, over that window's
-length (:func:`window_throughput`); the memory per run is the largest peak a process
-reserved (CUDA: ``max_memory_reserved``; CPU: peak resident memory) plus
-:data:`CONTEXT_BYTES` for a CUDA context.
-
-The rule (:func:`choose_runs_per_gpu`), fixed before any measurement: among the counts
-whose projected memory ``k x per-run memory`` stays under :data:`MEMORY_SHARE` of the
-device, take the smallest ``k`` whose summed tokens/s is within :data:`NEAR_BEST` of the
-best measured. :func:`probe_packing` measures ``k`` = 1, 2, 4, 8 in turn and stops early
-when the next count would not fit or doubling gained less than :data:`MIN_GAIN`.
-``qkgeom sweep run --runs-per-gpu auto`` runs it once per sweep folder (``packing.json``)
-and ``benchmarks/grid_packing.py`` prints its table; on a CPU the same measurement
-compares layouts (runs at once x threads per run).
+Why: one paper-size run leaves most of a large GPU idle (small matmuls, launch gaps), and
+how many runs share it best depends on the model, the GPU and the host, so it is measured.
+The probe (:func:`measure_packing`) starts ``k`` processes training the grid's own config,
+waits until all are warm, and counts the tokens trained in the window where all ``k`` were
+timed (:func:`window_throughput`). The rule (:func:`choose_runs_per_gpu`), fixed before any
+measurement: the smallest ``k`` within :data:`NEAR_BEST` of the best summed tokens/s whose
+``k x`` memory per run stays under :data:`MEMORY_SHARE` of the device. Details and
+measurements: docs/speed.md#runs-packed-per-gpu.
 """
 
 from __future__ import annotations
@@ -30,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -37,10 +24,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.pool import SAFE_PATH
+from qkgeom.io import make_dir, read_json, write_json
+from qkgeom.runs.sweep import PACKING_FILE
+
+if TYPE_CHECKING:
+    from qkgeom.experiments.grid import RunSpec
 
 COUNTS = (1, 2, 4, 8)
 CONTEXT_BYTES = 0.75 * 2**30  # a CUDA context per process, beside what torch reserves
@@ -87,14 +79,10 @@ class PackingResult:
 
 
 def window_throughput(traces: list[list[tuple[float, int]]], tokens_per_step: int) -> float:
-    """Summed tokens/s of processes timed at once.
-
-    ``traces``: per process, ``(wall time, steps done)`` points of its timed phase in time
-    order (the first at its start). The window is from the latest start to the earliest
-    end, so every process counts only while all were running; steps inside it are
-    interpolated linearly between points. Processes that never overlapped fall back to
-    all their steps over the span from the first start to the last end.
-    """
+    """Summed tokens/s of processes timed at once. ``traces``: per process, ``(wall time,
+    steps done)`` points of its timed phase. Only the window from the latest start to the
+    earliest end counts (steps interpolated linearly); processes that never overlapped
+    fall back to all their steps over the whole span."""
     traces = [t for t in traces if len(t) >= 2]
     if not traces:
         raise QKGeomError("the packing probe recorded no timed steps")
@@ -133,26 +121,21 @@ def measure_packing(config: dict[str, Any], runs: int, *, threads: int = 1,
                     warmup: int = PROBE_WARMUP, steps: int = PROBE_STEPS,
                     env: dict[str, str] | None = None, timeout: float = 900.0
                     ) -> PackingResult:
-    """Train ``runs`` copies of ``config`` at once in fresh processes (see the module doc).
-
-    ``env`` goes on top of this process's environment (e.g. ``CUDA_VISIBLE_DEVICES``).
-    A process that fails (out of memory, say) makes the result ``ok=False`` with its
-    last line of output as ``error``; nothing is raised for it.
-    """
+    """Train ``runs`` copies of ``config`` at once in fresh processes, ``env`` on top of
+    this one's. A process that fails (out of memory, say) gives ``ok=False`` with its last
+    line of output as ``error``; nothing is raised for it."""
     config = dict(config, threads=threads)
+    child_env = {**os.environ, **SAFE_PATH, "OMP_NUM_THREADS": str(threads),
+                 "MKL_NUM_THREADS": str(threads), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="qkgeom-packing-") as tmp:
         folder = Path(tmp)
-        procs = []
-        for i in range(runs):
-            cmd = [sys.executable, "-m", "qkgeom.experiments", "probe", "--config",
-                   json.dumps(config), "--warmup", str(warmup), "--steps", str(steps),
-                   "--barrier", str(folder / "barrier"), "--runs", str(runs),
-                   "--out", str(folder / f"out-{i}.json"), "--run-dir", str(folder / f"run-{i}")]
-            child_env = {**os.environ, **SAFE_PATH, "OMP_NUM_THREADS": str(threads),
-                         "MKL_NUM_THREADS": str(threads), **(env or {})}
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                          env=child_env, text=True))
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "qkgeom.experiments", "probe", "--config", json.dumps(config),
+             "--warmup", str(warmup), "--steps", str(steps), "--barrier", str(folder / "barrier"),
+             "--runs", str(runs), "--out", str(folder / f"out-{i}.json"),
+             "--run-dir", str(folder / f"run-{i}")], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=child_env, text=True)
+            for i in range(runs)]
         errors = []
         deadline = time.monotonic() + timeout
         for proc in procs:
@@ -179,9 +162,9 @@ def probe_packing(config: dict[str, Any], *, counts: tuple[int, ...] = COUNTS,
                   warmup: int = PROBE_WARMUP, steps: int = PROBE_STEPS,
                   env: dict[str, str] | None = None,
                   log: Callable[[str], None] | None = None) -> tuple[int, list[PackingResult]]:
-    """Measure ``counts`` in turn (stopping early, module doc) and pick one:
-    ``(runs per GPU, every measurement)``. ``memory_total`` (bytes) defaults to what
-    the first measurement's device reported."""
+    """Measure ``counts`` in turn and pick one: ``(runs per GPU, every measurement)``.
+    The ramp stops when the next count would not fit, a count fails, or doubling gained
+    less than :data:`MIN_GAIN`; ``memory_total`` defaults to the first device's."""
     results: list[PackingResult] = []
     for k in counts:
         if results and not fits(k, results[0].memory, memory_total):
@@ -192,10 +175,8 @@ def probe_packing(config: dict[str, Any], *, counts: tuple[int, ...] = COUNTS,
         memory_total = memory_total or result.device_memory
         if log is not None:
             log(describe(result))
-        if not result.ok:
-            break
-        prev = results[-2] if len(results) > 1 else None
-        if prev is not None and result.tokens_per_s < MIN_GAIN * prev.tokens_per_s:
+        if not result.ok or (len(results) > 1
+                             and result.tokens_per_s < MIN_GAIN * results[-2].tokens_per_s):
             break
     return choose_runs_per_gpu(results, memory_total), results
 
@@ -205,6 +186,48 @@ def describe(r: PackingResult) -> str:
         return f"{r.runs} run(s) at once: failed ({r.error})"
     return (f"{r.runs} run(s) at once x {r.threads} thread(s): {r.tokens_per_s:,.0f} tokens/s "
             f"summed ({r.per_run:,.0f} per run), {r.memory / 2**30:.2f} GiB per run")
+
+
+def probe_packing_record(config: dict[str, Any], threads: int,
+                         env: dict[str, str] | None) -> dict[str, Any]:
+    """:func:`probe_packing` as ``packing.json`` records it: the pick, the host, the rule
+    and every measurement. Runs where the GPU is (a Ray task on a cluster)."""
+    choice, results = probe_packing(config, threads=threads, env=env)
+    return {"runs_per_gpu": choice, "host": socket.gethostname(),
+            "rule": f"smallest k within {NEAR_BEST:.0%} of the best summed tokens/s, "
+                    f"k x memory <= {MEMORY_SHARE:.0%} of the device",
+            "results": [dataclasses.asdict(r) for r in results]}
+
+
+def runs_per_gpu_for(out: Path, spec: RunSpec, backend: str, address: str | None,
+                     gpus: list[str], threads: int | None) -> int:
+    """``--runs-per-gpu auto``: the number ``out/packing.json`` records for ``spec``'s
+    config, else measured now on one GPU (this machine's, or one Ray task's) and recorded."""
+    path = out / PACKING_FILE
+    if path.is_file():
+        saved = read_json(path)
+        if isinstance(saved, dict) and saved.get("config_hash") == spec.config_hash \
+                and isinstance(saved.get("runs_per_gpu"), int) and saved["runs_per_gpu"] >= 1:
+            return int(saved["runs_per_gpu"])
+    config, threads = spec.config.to_dict(), threads or 1
+    if backend == "ray":
+        from qkgeom.experiments.backends import connect_ray
+
+        ray, owns = connect_ray(address)
+        try:
+            task = ray.remote(num_gpus=1, num_cpus=threads)(probe_packing_record)
+            record = ray.get(task.remote(config, threads, None))
+        finally:
+            if owns:
+                ray.shutdown()
+    elif not gpus:
+        raise QKGeomError("--runs-per-gpu auto needs a CUDA device on this machine; none is "
+                          "visible")
+    else:
+        record = probe_packing_record(config, threads, {"CUDA_VISIBLE_DEVICES": gpus[0]})
+    make_dir(out)
+    write_json(path, {"config_hash": spec.config_hash, "run_id": spec.run_id, **record})
+    return int(record["runs_per_gpu"])
 
 
 # ------------------------------------------------------------------ the probe process
@@ -242,13 +265,9 @@ def _clock(warmup: int, total: int, barrier: Path, runs: int, trace: list) -> An
 def probe_main(argv: list[str] | None = None) -> int:
     """Child entry (``python -m qkgeom.experiments probe``): one process of a probe."""
     ap = argparse.ArgumentParser(prog="python -m qkgeom.experiments probe")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--warmup", type=int, required=True)
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--barrier", type=Path, required=True)
-    ap.add_argument("--runs", type=int, required=True)
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--run-dir", type=Path, required=True)
+    for name, kind in (("config", str), ("warmup", int), ("steps", int), ("barrier", Path),
+                       ("runs", int), ("out", Path), ("run-dir", Path)):
+        ap.add_argument(f"--{name}", type=kind, required=True)
     args = ap.parse_args(argv)
     import resource
 
@@ -268,23 +287,8 @@ def probe_main(argv: list[str] | None = None) -> int:
     cuda = cfg.device.startswith("cuda")
     peak = (torch.cuda.max_memory_reserved() if cuda  # ru_maxrss: KiB on Linux
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    total = float(torch.cuda.mem_get_info()[1]) if cuda else None
-    args.out.write_text(json.dumps({"trace": trace, "peak_memory": float(peak), "cuda": cuda,
-                                    "device_memory": total,
-                                    "tokens_per_step": cfg.batch_size * cfg.model.block_size}))
+    args.out.write_text(json.dumps({
+        "trace": trace, "peak_memory": float(peak), "cuda": cuda,
+        "device_memory": float(torch.cuda.mem_get_info()[1]) if cuda else None,
+        "tokens_per_step": cfg.batch_size * cfg.model.block_size}))
     return 0
-
-
-
-def probe_packing_record(config: dict[str, Any], threads: int,
-                         env: dict[str, str] | None) -> dict[str, Any]:
-    """:func:`probe_packing` as the JSON a sweep folder records (``packing.json``): the
-    pick, the device and every measurement. Runs where the GPU is (a Ray task on a
-    cluster)."""
-    import socket
-
-    choice, results = probe_packing(config, threads=threads, env=env)
-    return {"runs_per_gpu": choice, "host": socket.gethostname(),
-            "rule": f"smallest k within {NEAR_BEST:.0%} of the best summed tokens/s, "
-                    f"k x memory <= {MEMORY_SHARE:.0%} of the device",
-            "results": [dataclasses.asdict(r) for r in results]}

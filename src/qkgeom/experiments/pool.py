@@ -1,16 +1,11 @@
 """Persistent local worker processes: each trains the runs it is handed, one at a time.
 
-Why a pool of our own rather than ``concurrent.futures.ProcessPoolExecutor``: a worker that
-dies hard (out-of-memory kill, segfault) breaks an executor and fails every pending future
-with it, whereas here it is one failed run and a new worker for the next; each worker gets
-its own environment (``OMP_NUM_THREADS``, ``CUDA_VISIBLE_DEVICES`` for the GPU it is packed
-onto), which an executor's workers share; and a worker sends everything a run prints to
-that run's worker.log.
-
-A worker is ``python -m qkgeom.experiments worker`` (:func:`qkgeom.experiments.worker.serve`):
-one request per line on its stdin, one result per line on its stdout, read here by one
-thread per worker into a queue. Its own output outside runs (an import error, say) goes to
-a private temporary file, copied into the run's worker.log if the worker dies holding a run.
+Why not ``concurrent.futures.ProcessPoolExecutor``: a worker that dies hard (out-of-memory
+kill, segfault) breaks an executor and every pending future, where here it fails one run;
+each worker needs its own environment (threads, the GPU it is packed onto); and a worker
+sends what a run prints to that run's worker.log. A worker is ``python -m
+qkgeom.experiments worker`` (:func:`qkgeom.experiments.worker.serve`): one request per line
+on its stdin, one result per line on its stdout, read by one thread per worker.
 """
 
 from __future__ import annotations
@@ -33,15 +28,11 @@ from qkgeom.errors import QKGeomError
 from qkgeom.io import append_file, make_dir
 from qkgeom.runs.sweep import WORKER_LOG
 
-#: Environment for the worker processes this package starts (``python -m ...``): without
-#: it, Python puts the working directory first on ``sys.path``, so a user's ``timeit.py``
-#: or ``random.py`` in the folder a sweep is started from would shadow the standard
-#: library in every worker (Python >= 3.11 honours it).
+#: For the processes this package starts: else a user's ``random.py`` in the folder a
+#: sweep starts from would shadow the standard library in every worker (Python >= 3.11).
 SAFE_PATH = {"PYTHONSAFEPATH": "1"}
 _TAIL = 4000  # bytes of a dead worker's own output copied into the run's worker.log
-#: Seconds a stopped worker gets to record where its run stopped (status ``interrupted``)
-#: and exit, before it is killed.
-STOP_GRACE_S = 30.0
+STOP_GRACE_S = 30.0  # seconds a stopped worker gets to record ``interrupted`` and exit
 
 
 @dataclass(eq=False)
@@ -62,20 +53,17 @@ class Worker:
 
 class WorkerPool:
     """Worker processes keyed by their environment; ``max_runs`` per worker (None: no
-    limit; 1: a fresh process per run, the layout before persistent workers)."""
+    limit; 1: a fresh process per run)."""
 
     def __init__(self, max_runs: int | None = None) -> None:
         self.max_runs = max_runs
         self.workers: list[Worker] = []
         self._events: queue.Queue[tuple[Worker, str | None]] = queue.Queue()
 
-    # -------------------------------------------------------------------- starting runs
-
     def start(self, run_dir: Path, request: dict[str, Any], key: tuple[Any, ...],
               env: dict[str, str]) -> None:
         """Hand the run to an idle worker with this ``key``, or to a new one started with
-        ``env`` on top of this process's environment (an idle worker of another key is
-        ended first, so the pool never holds more processes than runs at once)."""
+        ``env`` (idle workers of other keys end first: never more processes than runs)."""
         worker = next((w for w in self.workers if not w.busy and not w.retiring
                        and w.key == key and w.proc.poll() is None), None)
         if worker is None:
@@ -122,26 +110,18 @@ class WorkerPool:
                 assert worker.proc.stdin is not None
                 worker.proc.stdin.close()
 
-    # -------------------------------------------------------------------- results
-
     def wait(self, timeout: float) -> list[tuple[Path, dict[str, Any] | None, str]]:
-        """Runs that ended within ``timeout`` seconds: ``(run_dir, result, why)``; a
-        result of None means the worker died holding the run (``why`` says how, and the
-        end of the worker's own output has been appended to the run's worker.log)."""
+        """Runs that ended within ``timeout`` seconds: ``(run_dir, result, why)``; result
+        None: the worker died holding the run (``why`` says how; the end of its own output
+        is appended to the run's worker.log)."""
         ended: list[tuple[Path, dict[str, Any] | None, str]] = []
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                worker, line = self._events.get(timeout=max(deadline - time.monotonic(), 0))
-            except queue.Empty:
-                return ended
-            self._handle(worker, line, ended)
-            while True:  # take whatever else is ready without waiting
-                try:
-                    worker, line = self._events.get_nowait()
-                except queue.Empty:
-                    return ended
-                self._handle(worker, line, ended)
+        try:
+            event = self._events.get(timeout=max(timeout, 0))
+            while True:  # then whatever else is ready, without waiting
+                self._handle(*event, ended)
+                event = self._events.get_nowait()
+        except queue.Empty:
+            return ended
 
     def _handle(self, worker: Worker, line: str | None,
                 ended: list[tuple[Path, dict[str, Any] | None, str]]) -> None:
@@ -166,13 +146,10 @@ class WorkerPool:
             ended.append((run_dir, None, why))
         worker.errors.close()
 
-    # -------------------------------------------------------------------- ending
-
     def cancel(self, signum: int = signal.SIGINT) -> None:
-        """Stop every worker (Ctrl-C, SIGTERM): ``signum`` passed on so the runs stop
-        cleanly (each records ``interrupted`` at its step: resumable), then wait for them,
-        killing only those that have not ended after :data:`STOP_GRACE_S`. A second
-        interrupt while waiting kills them at once (never an orphan left training)."""
+        """Stop every worker: ``signum`` passed on so each run records ``interrupted``,
+        then those not ended after :data:`STOP_GRACE_S` are killed (at once on a second
+        interrupt: never an orphan left training)."""
         for worker in self.workers:
             if worker.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

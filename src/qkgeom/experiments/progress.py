@@ -1,10 +1,9 @@
 """Live view of a sweep: one bar over all runs' steps, run counts per state, ETA.
 
-The view learns everything from the run folders (each run's status.json ``step``, written
-at every probe and checkpoint boundary), so it looks the same for local and Ray workers and
-shows runs that another sweep process trains on the same folder. Written on stderr: a rich
-bar on a terminal; redirected (nohup, SLURM, CI), where a bar is drawn only once at the
-end, plain lines instead (:class:`PlainSweepView`).
+It reads only the run folders (each status.json's ``step``), so it is the same for local
+and Ray workers and shows runs another sweep process trains. On stderr: a rich bar on a
+terminal, plain lines when redirected (:class:`PlainSweepView`: a bar would be drawn only
+once, at the end).
 """
 
 from __future__ import annotations
@@ -78,9 +77,9 @@ class SweepView:
 
 
 class PlainSweepView:
-    """Plain lines for a log: one when a run starts or finishes (``run <id> done``), and a
-    summary (steps done, share, runs per state, elapsed, ETA) at most every ``every``
-    seconds and at the end. Flushed at once, so ``tail -f`` shows them as they come."""
+    """Plain lines for a log, flushed at once: one when a run starts or finishes, and a
+    summary (steps, share, runs per state, elapsed, ETA) every ``every`` seconds and at the
+    end."""
 
     def __init__(self, title: str, steps: dict[str, int], every: float = 60.0,
                  stream: Any = None) -> None:

@@ -1,17 +1,9 @@
 """Run a grid into a sweep folder: skip what is done, resume what was cut, record the rest.
 
-:func:`run_sweep` is safe to rerun and to run twice at once on one folder: a finished run is
-skipped (:func:`qkgeom.runs.finished_state`), any other resumes; every run trains under its
-own lock, and a process does not wait for runs another holds: it counts them ``locked`` and
-ends (run it again later, or see :func:`sweep_status`); one run's exception never stops the
-others. A run that depends on another (:attr:`RunSpec.depends_on`, an arm's reference)
-starts only once that one is ``done``; a reference that diverged or failed makes its
-dependents ``failed`` with the reason, one held by another process leaves them ``pending``.
-
-``workers`` runs train at once, each with ``threads_per_run`` torch threads (default: the
-CPUs this process may use / ``workers``; ``threads`` is outside the config hash). The
-defaults and ``runs_per_gpu`` (``"auto"``: measured once per sweep folder, recorded in
-``packing.json``) are in docs/sweeps.md.
+:func:`run_sweep` is safe to rerun and to run twice at once on one folder: every run trains
+under its own lock, the skip rule is :func:`qkgeom.runs.finished_state`, and a run another
+process holds is counted ``locked``, not waited for. A run that depends on another (an
+arm's reference) starts once that one is ``done``. Layout and defaults: docs/sweeps.md.
 """
 
 from __future__ import annotations
@@ -31,18 +23,12 @@ import pandas as pd
 from qkgeom.errors import Interrupted, QKGeomError
 from qkgeom.experiments.backends import BACKENDS, make_backend
 from qkgeom.experiments.grid import Grid, RunSpec
-from qkgeom.experiments.packing import parse_runs_per_gpu
+from qkgeom.experiments.packing import parse_runs_per_gpu, runs_per_gpu_for
 from qkgeom.experiments.progress import sweep_view
 from qkgeom.experiments.worker import record_failure
-from qkgeom.io import make_dir, read_json, write_json
+from qkgeom.io import make_dir, write_json
 from qkgeom.runs import FolderLock, finished_state, lock_is_held, read_status, status_of
-from qkgeom.runs.sweep import (
-    PACKING_FILE,
-    SWEEP_FILE,
-    read_sweep_record,
-    refuse_sweep_links,
-    run_dir,
-)
+from qkgeom.runs.sweep import RUNS_DIR, SWEEP_FILE, read_sweep_record, refuse_sweep_links, run_dir
 from qkgeom.version import __version__
 
 STATES = ("done", "diverged", "failed", "locked", "pending")
@@ -52,13 +38,9 @@ MAX_THREADS = 4096  # the config's own bound on torch threads
 
 @dataclass
 class SweepSummary:
-    """What one :func:`run_sweep` call ended with.
-
-    ``counts``: runs per state — done, diverged, failed, locked (held by another sweep
-    process when this one looked), pending (not reached: after an interruption, or waiting
-    for a reference run another process holds).
-    ``trained``: ids this call trained or resumed. ``wall_s``: seconds this call took.
-    """
+    """What one :func:`run_sweep` call ended with: ``counts`` of runs per state (locked:
+    held by another process; pending: not reached, or waiting on a run another process
+    holds), ``trained`` the ids this call trained or resumed, ``wall_s`` its seconds."""
 
     out_dir: Path
     counts: dict[str, int]
@@ -69,8 +51,7 @@ class SweepSummary:
     @property
     def complete(self) -> bool:
         """Every run finished, and none failed (diverged runs are results, not failures)."""
-        return self.counts["failed"] == 0 and self.counts["locked"] == 0 \
-            and self.counts["pending"] == 0
+        return not (self.counts["failed"] or self.counts["locked"] or self.counts["pending"])
 
     def __str__(self) -> str:
         counts = ", ".join(f"{k} {v}" for k, v in self.counts.items() if v)
@@ -99,17 +80,12 @@ def run_sweep(
     runs_per_gpu: int | str = 1,
     max_runs_per_worker: int | None = None,
 ) -> SweepSummary:
-    """Train every run of ``grid`` into ``out_dir/runs/<run_id>`` (see the module doc).
+    """Train every run of ``grid`` into ``out_dir/runs/<run_id>`` (options: docs/sweeps.md;
+    ``max_runs_per_worker``, local: runs a worker process trains before it is replaced).
 
-    ``retries`` (ray backend): times Ray starts a run again whose worker process died; the
-    retry resumes from the run's newest checkpoint. ``runs_per_gpu``: runs sharing one GPU
-    on a CUDA grid, or ``"auto"``; ``max_runs_per_worker`` (local): runs one worker
-    process trains before it is replaced (None: no limit).
-
-    Everything is validated before any work: the grid (every run's config), the arguments,
-    the data (see :func:`resolve_data`), the backend (Ray importable and reachable), and
-    that ``out_dir/sweep.json``, if there, records this same grid. Raises
-    :class:`QKGeomError` for any of those.
+    Everything is checked before any work (a one-line :class:`QKGeomError`): the arguments,
+    every run's config and data, the backend, and that ``out_dir/sweep.json``, if there,
+    records this same grid.
     """
     t0 = time.perf_counter()
     _check_arguments(workers, threads_per_run, max_runs_per_worker, backend)
@@ -119,7 +95,7 @@ def run_sweep(
     on_cuda = any(s.config.device.startswith("cuda") for s in specs)
     gpus = cuda_devices() if on_cuda and backend == "local" else []
     if per_gpu == "auto":
-        per_gpu = runs_per_gpu_for(out, specs, backend, address, gpus, threads_per_run) \
+        per_gpu = runs_per_gpu_for(out, specs[0], backend, address, gpus, threads_per_run) \
             if on_cuda else 1
     runner = make_backend(backend, address, retries, runs_per_gpu=per_gpu, gpus=gpus,
                           max_runs_per_worker=max_runs_per_worker)
@@ -127,19 +103,17 @@ def run_sweep(
         workers = sweep_workers(workers, specs, runner, on_cuda=on_cuda, runs_per_gpu=per_gpu,
                                 local=backend == "local")
         threads = threads_per_run or max(1, available_cpus() // workers)
-        check_fits = getattr(runner, "check_fits", None)
-        if check_fits is not None:
-            check_fits(threads, on_cuda)
+        if hasattr(runner, "check_fits"):
+            runner.check_fits(threads, on_cuda)
         write_sweep_file(out, grid, specs)
         return _schedule(specs, out, runner, workers=workers, threads=threads,
                          retry_failed=retry_failed, progress=progress, title=grid.name, t0=t0)
     except KeyboardInterrupt as err:  # SIGINT / SIGTERM: passed on to the runs, waited for
         signum = err.signum if isinstance(err, Interrupted) else signal.SIGINT
         runner.cancel(signum)
-        name = signal.Signals(signum).name
-        raise Interrupted(signum, f"interrupted ({name}); the runs in flight were stopped and "
-                                  "recorded where they stopped: run the same command again to "
-                                  "resume them") from None
+        raise Interrupted(signum, f"interrupted ({signal.Signals(signum).name}); the runs in "
+                                  "flight were stopped and recorded where they stopped: run "
+                                  "the same command again to resume them") from None
     except BaseException:
         runner.cancel()
         raise
@@ -190,8 +164,8 @@ def cuda_devices() -> list[str]:
 
 def sweep_workers(workers: int | None, specs: list[RunSpec], runner: Any, *, on_cuda: bool,
                   runs_per_gpu: int, local: bool) -> int:
-    """Runs at once (module doc): ``workers`` as given, or the default for the grid from
-    the backend's capacity; a local CUDA grid never more than its GPUs' slots."""
+    """Runs at once: ``workers`` as given, or the default for the grid from the backend's
+    capacity; a local CUDA grid never more than its GPUs' slots."""
     capacity = getattr(runner, "capacity", None)
     cap = capacity(on_cuda, runs_per_gpu) if capacity is not None else None
     if workers is None:
@@ -200,8 +174,8 @@ def sweep_workers(workers: int | None, specs: list[RunSpec], runner: Any, *, on_
 
 
 def on_this_machine(spec: RunSpec) -> RunSpec:
-    """``spec`` with ``device: auto`` resolved here (CUDA, MPS or CPU), so that placement
-    and packing see the device the run will use; the config hash leaves the device out."""
+    """``spec`` with ``device: auto`` resolved here, so that placement and packing see the
+    device the run will use (the config hash leaves the device out)."""
     if spec.config.device != "auto":
         return spec
     from qkgeom.config import detect_device
@@ -210,51 +184,10 @@ def on_this_machine(spec: RunSpec) -> RunSpec:
                                                                 device=detect_device()))
 
 
-def runs_per_gpu_for(out: Path, specs: list[RunSpec], backend: str, address: str | None,
-                     gpus: list[str], threads: int | None) -> int:
-    """``runs_per_gpu="auto"``: the number recorded in ``out/packing.json`` for this grid's
-    first run config, else measured now on one GPU (this machine's, or one Ray task's)
-    and recorded."""
-    from qkgeom.experiments.packing import probe_packing_record
-
-    spec = specs[0]
-    path = out / PACKING_FILE
-    if path.is_file():
-        saved = read_json(path)
-        if isinstance(saved, dict) and saved.get("config_hash") == spec.config_hash \
-                and isinstance(saved.get("runs_per_gpu"), int) and saved["runs_per_gpu"] >= 1:
-            return int(saved["runs_per_gpu"])
-    config = spec.config.to_dict()
-    threads = threads or 1
-    if backend == "ray":
-        from qkgeom.experiments.backends import connect_ray
-
-        ray, owns = connect_ray(address)
-        try:
-            task = ray.remote(num_gpus=1, num_cpus=threads)(probe_packing_record)
-            record = ray.get(task.remote(config, threads, None))
-        finally:
-            if owns:
-                ray.shutdown()
-    else:
-        if not gpus:
-            raise QKGeomError("--runs-per-gpu auto needs a CUDA device on this machine; "
-                              "none is visible")
-        record = probe_packing_record(config, threads, {"CUDA_VISIBLE_DEVICES": gpus[0]})
-    make_dir(out)
-    write_json(path, {"config_hash": spec.config_hash, "run_id": spec.run_id, **record})
-    return int(record["runs_per_gpu"])
-
-
 def resolve_data(specs: list[RunSpec]) -> list[RunSpec]:
-    """The specs with ``model.vocab_size`` set from their data, checking the data first.
-
-    Each distinct ``data`` folder is opened once here, before any run starts: a missing or
-    too-short corpus fails the sweep at once instead of failing every run, the embedded
-    sample is prepared once instead of by racing workers, and the config hashes recorded in
-    sweep.json equal those the trainer writes to each run's config.json (which include the
-    data's vocabulary size). So the driver must see the data folders too.
-    """
+    """The specs with ``model.vocab_size`` set from their data, each data folder opened
+    once here: a missing or short corpus fails the sweep before any run, the sample is
+    prepared once, and sweep.json records the hashes the trainer writes."""
     from qkgeom.config import with_vocab
     from qkgeom.data import load_data
 
@@ -264,16 +197,15 @@ def resolve_data(specs: list[RunSpec]) -> list[RunSpec]:
         cfg = spec.config
         if cfg.data not in loaded:
             loaded[cfg.data] = load_data(cfg.data)
-        data = loaded[cfg.data]
-        data.require_block(cfg.model.block_size)
-        out.append(dataclasses.replace(spec, config=with_vocab(cfg, data.vocab.vocab_size)))
+        loaded[cfg.data].require_block(cfg.model.block_size)
+        out.append(dataclasses.replace(
+            spec, config=with_vocab(cfg, loaded[cfg.data].vocab.vocab_size)))
     return out
 
 
 def _schedule(specs: list[RunSpec], out: Path, runner: Any, *, workers: int, threads: int,
               retry_failed: bool, progress: bool, title: str, t0: float) -> SweepSummary:
-    """The loop: keep ``workers`` runs going (dependencies first), collect results, refresh
-    the view."""
+    """Keep ``workers`` runs going (dependencies first), collect results, refresh the view."""
     waiting = list(specs)  # in grid order; a run leaves when started or settled
     states: dict[str, str] = {}
     in_flight: set[str] = set()
@@ -301,20 +233,19 @@ def _schedule(specs: list[RunSpec], out: Path, runner: Any, *, workers: int, thr
                     break  # everything left waits on runs this process cannot finish
                 continue
             for result in runner.wait(_POLL_S) if in_flight else []:
-                run_id = result["run_id"]
-                in_flight.discard(run_id)
-                states[run_id] = result["state"]
+                in_flight.discard(result["run_id"])
+                states[result["run_id"]] = result["state"]
                 if result["action"] in ("trained", "resumed"):
-                    trained.append(run_id)
+                    trained.append(result["run_id"])
             if view is not None:
                 view.update(_live_states(specs, out, states, in_flight))
     finally:
         if view is not None:
             view.close()
     final = {s.run_id: states.get(s.run_id, "pending") for s in specs}
-    counts = {k: sum(v == k for v in final.values()) for k in STATES}
-    return SweepSummary(out_dir=out, counts=counts, wall_s=time.perf_counter() - t0,
-                        states=final, trained=trained)
+    return SweepSummary(out_dir=out, counts={k: sum(v == k for v in final.values())
+                                             for k in STATES},
+                        wall_s=time.perf_counter() - t0, states=final, trained=trained)
 
 
 def _ready(spec: RunSpec, states: dict[str, str]) -> bool:
@@ -324,10 +255,9 @@ def _ready(spec: RunSpec, states: dict[str, str]) -> bool:
 
 def _settle_blocked(waiting: list[RunSpec], states: dict[str, str], out: Path,
                     retry_failed: bool) -> None:
-    """Settle the runs whose reference finished without being done (repeatedly, so a
-    chain of references settles at once): ``failed`` with the reason, recorded in their
-    status.json (unless they already finished); ``pending`` when the reference is held by
-    another process or itself pending. Runs whose reference is still to run stay."""
+    """Settle the runs whose reference ended without being done, repeatedly (a chain
+    settles at once): ``failed`` with the reason when it diverged or failed, ``pending``
+    when another process holds it or it is itself pending."""
     changed = True
     while changed:
         changed = False
@@ -349,12 +279,8 @@ def _settle_blocked(waiting: list[RunSpec], states: dict[str, str], out: Path,
 
 
 def _precheck(folder: Path, retry_failed: bool) -> str | None:
-    """A run's known outcome without starting a worker: finished, or locked by another.
-
-    Saves handing a skipped run to a worker (and starting one, with its imports, when none
-    is idle); the worker checks again under the lock, which is what makes skipping
-    race-free.
-    """
+    """A run's known outcome without starting a worker (finished, or locked by another);
+    the worker checks again under the lock, which is what makes skipping race-free."""
     state = finished_state(read_status(folder), retry_failed)
     return state or ("locked" if lock_is_held(folder) else None)
 
@@ -362,18 +288,13 @@ def _precheck(folder: Path, retry_failed: bool) -> str | None:
 def _live_states(specs: list[RunSpec], out: Path, states: dict[str, str],
                  in_flight: set[str]) -> dict[str, tuple[str, int]]:
     live: dict[str, tuple[str, int]] = {}
-    for spec in specs:
-        rid = spec.run_id
+    for rid in (s.run_id for s in specs):
         if rid in in_flight or states.get(rid) == "locked":
-            status = read_status(run_dir(out, rid)) or {}
-            state = "running" if rid in in_flight else "locked"
-            live[rid] = (state, int(status.get("step", 0)))
+            step = int((read_status(run_dir(out, rid)) or {}).get("step", 0))
+            live[rid] = ("running" if rid in in_flight else "locked", step)
         else:
             live[rid] = (states.get(rid, "pending"), 0)
     return live
-
-
-# --- sweep.json ----------------------------------------------------------------------------
 
 
 def _sweep_record(grid: Grid, specs: list[RunSpec]) -> dict[str, Any]:
@@ -389,18 +310,15 @@ def check_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
     """Refuse a sweep folder that records another grid (or other configs for this one)."""
     path = out / SWEEP_FILE
     if not path.exists():
-        if (out / "runs").is_dir() and any((out / "runs").iterdir()):
+        if (out / RUNS_DIR).is_dir() and any((out / RUNS_DIR).iterdir()):
             raise QKGeomError(f"{out} holds runs but no {SWEEP_FILE}; use another folder")
         return
-    saved = read_sweep_record(out)
-    mine = _sweep_record(grid, specs)
-    if saved.get("grid") != mine["grid"]:
-        name = saved.get("grid", {}).get("name")
-        raise QKGeomError(f"{path}: this folder holds sweep {name!r} with a different grid; "
-                          "use another output folder, or the grid it was started with")
-    runs = saved.get("runs", [])
-    old = {r.get("run_id"): r.get("config_hash") for r in runs if isinstance(r, dict)} \
-        if isinstance(runs, list) else {}
+    saved, mine = read_sweep_record(out), _sweep_record(grid, specs)
+    if saved["grid"] != mine["grid"]:
+        raise QKGeomError(f"{path}: this folder holds sweep {saved['grid'].get('name')!r} with "
+                          "a different grid; use another output folder, or the grid it was "
+                          "started with")
+    old = {r["run_id"]: r.get("config_hash") for r in saved["runs"]}
     new = {r["run_id"]: r["config_hash"] for r in mine["runs"]}
     if old != new:
         changed = sorted(k for k in new if old.get(k) != new[k])
@@ -416,35 +334,23 @@ def write_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
         if (out / SWEEP_FILE).exists():
             check_sweep_file(out, grid, specs)
             return
-        record = _sweep_record(grid, specs)
-        record["created"] = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-        record["qkgeom_version"] = __version__
-        write_json(out / SWEEP_FILE, record)
-
-
-# --- status --------------------------------------------------------------------------------
+        write_json(out / SWEEP_FILE, {
+            **_sweep_record(grid, specs), "qkgeom_version": __version__,
+            "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
 
 
 def sweep_status(out_dir: str | Path) -> pd.DataFrame:
     """One row per run: run_id, the axis values (and the arm), state, step, steps, error,
-    config_hash.
-
-    ``state`` is done | diverged | failed | running (a process holds the run's lock) |
-    interrupted (started, not finished, nobody holds it: the next sweep resumes it) |
-    pending (never started).
-    """
+    config_hash. ``state``: done | diverged | failed | running (its lock is held) |
+    interrupted (started, nobody holds it: the next sweep resumes it) | pending (never
+    started) | unreadable (its status is not qkgeom's: the reason is the error)."""
     out = Path(out_dir)
     record = read_sweep_record(out)
-    if not isinstance(record.get("runs"), list):
-        raise QKGeomError(f"{out / SWEEP_FILE}: not a qkgeom sweep record (no list of runs)")
-    grid = record.get("grid", {})
-    axes_of = grid.get("axes", {})
-    axes = [*(axes_of if isinstance(axes_of, dict) else {}),
+    grid = record["grid"]
+    axes = [*(grid["axes"] if isinstance(grid.get("axes"), dict) else {}),
             *(["arm"] if grid.get("arms") else [])]
     rows = []
     for run in record["runs"]:
-        if isinstance(run, str):
-            run = {"run_id": run}
         folder = run_dir(out, run["run_id"])
         status, problem = status_of(folder) if not folder.is_symlink() else (
             None, f"{folder}: is a symbolic link")
@@ -457,8 +363,7 @@ def sweep_status(out_dir: str | Path) -> pd.DataFrame:
             state, step = status["state"], status["step"]
             if state == "running" and not lock_is_held(folder):
                 state = "interrupted"
-        rows.append({"run_id": run["run_id"],
-                     **{k: run.get("axes", {}).get(k) for k in axes},
+        rows.append({"run_id": run["run_id"], **{k: run.get("axes", {}).get(k) for k in axes},
                      "state": state, "step": step, "steps": int(run.get("steps", 0)),
                      "error": error, "config_hash": run.get("config_hash", "")})
     return pd.DataFrame(rows, columns=["run_id", *axes, "state", "step", "steps", "error",

@@ -1,23 +1,13 @@
 """One run of a sweep: lock, skip or resume, train, record the outcome; and the worker loop.
 
-:func:`run_one` is the only code that trains a sweep's run, whatever the backend: the local
-backend calls it in a persistent ``python -m qkgeom.experiments worker`` subprocess that
-trains the runs it is handed one after another (:func:`serve`), the Ray backend in a Ray
-task. A process that trains several runs in turn pays the torch import and the first-step
-warm-up once, not once per run; what one run could leave behind for the next is reset
-before each run (:func:`fresh_run_state`: torch's thread count, torch.compile's caches,
-freed memory; the trainer seeds every generator it uses), so a run gives the same metrics
-bit for bit in a fresh process or in one that trained other runs before
-(tests/experiments/test_worker_reuse.py). A hard crash (segfault, out-of-memory kill) takes
-down the worker and the one run it held, which is recorded ``failed``; the sweep starts a
-new worker for the next run.
-
-The run folder may come from someone else (a sweep folder shared or downloaded): the run
-is refused (recorded ``failed`` with the one-line reason) when its folder holds a symbolic
-link (:func:`qkgeom.runs.refuse_links`), and the files a worker appends to
-(``attempts.jsonl``, ``worker.log``) are opened without following links
-(:func:`qkgeom.io.append_file`). SIGTERM stops a worker as SIGINT does: the run it trains
-records ``interrupted`` and stays resumable.
+:func:`run_one` is the only code that trains a sweep's run, in a persistent local worker
+process (:func:`serve`, ``python -m qkgeom.experiments worker``) or a Ray task. A process
+that trains runs in turn pays the torch import once; what one run could leave for the next
+is reset before each (:func:`fresh_run_state`), so a run's metrics are the same bit for bit
+in a fresh or a reused process (tests/experiments/test_worker_reuse.py). A run folder that
+holds a symbolic link is refused (recorded ``failed``), and the files a worker appends to
+are opened without following links. SIGTERM stops a worker as SIGINT does: the run records
+``interrupted`` and stays resumable.
 """
 
 from __future__ import annotations
@@ -31,6 +21,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +43,10 @@ def run_one(run_dir: str, config_dict: dict[str, Any], threads: int, *,
             retry_failed: bool = False) -> dict[str, Any]:
     """Train the run in ``run_dir`` unless it is finished or another process holds it.
 
-    Returns ``{"run_id", "state", "step", "steps", "error", "action"}``: ``state`` is the
-    run's state afterwards (done | diverged | failed, or ``locked`` when another process
-    holds the run), ``action`` what this call did (trained | resumed | skipped | locked).
-    A finished run is skipped (:func:`qkgeom.runs.finished_state`); anything else is
-    trained with ``resume=True``, which continues from the newest checkpoint or starts
-    fresh when there is none. Any exception in training is recorded as ``failed`` with a
-    one-line message in status.json (traceback in error.log) and returned, never raised;
-    KeyboardInterrupt is not caught, so an interrupted run stays resumable.
+    Returns :func:`result_of`: the run's state afterwards (done | diverged | failed |
+    locked) and what this call did (trained | resumed | skipped | locked | refused). An
+    exception in training is recorded ``failed`` (traceback in error.log) and returned,
+    never raised; KeyboardInterrupt is not caught, so an interrupted run stays resumable.
     """
     run = Path(run_dir)
     try:
@@ -114,11 +101,9 @@ def _train(run: Path, config_dict: dict[str, Any]) -> dict[str, Any]:
 
 
 def record_failure(run: Path, message: str) -> bool:
-    """Mark a run ``failed`` after its worker died without recording anything itself.
-
-    Takes the run's lock first, so a run that another process has meanwhile picked up is
-    left alone; returns whether the failure was written.
-    """
+    """Mark a run ``failed`` whose worker died without recording anything, under the run's
+    lock (a run another process has picked up meanwhile is left alone); returns whether
+    the failure was written."""
     try:
         refuse_link(run)
         lock = RunLock(run)
@@ -151,15 +136,11 @@ def result_of(run: Path, state: str, action: str,
 
 
 def fresh_run_state(threads: int) -> None:
-    """Leave nothing of an earlier run in this process that could change the next one.
-
-    The trainer seeds every generator it draws from, so what is left is process state:
-    torch's intra-op thread count (``threads``; 0 leaves it), torch.compile's in-memory
-    caches (a reused process would otherwise accumulate one compiled graph per model
-    until dynamo's recompile limit sends later runs to eager mode; the on-disk inductor
-    cache still makes the recompile quick), and the memory the last run's model and
-    optimiser held (returned, on CUDA too, so a packed GPU sees it free).
-    """
+    """Leave nothing of an earlier run in this process that could change the next one:
+    torch's thread count (``threads``; 0 leaves it), torch.compile's in-memory caches (else
+    dynamo's recompile limit would send later runs to eager mode) and the memory the last
+    run held (returned on CUDA too, so a packed GPU sees it free). The trainer seeds every
+    generator itself."""
     import torch
 
     if threads > 0:
@@ -173,11 +154,9 @@ def fresh_run_state(threads: int) -> None:
 
 
 @contextlib.contextmanager
-def _output_to(log: Path):
-    """File descriptors 1 and 2 (print, warnings, C-level messages) into ``log`` for the
-    block, then back where they were. A log that cannot be opened safely (a link planted
-    in the run folder) is not used: the output stays where it was, and :func:`run_one`
-    refuses the run."""
+def _output_to(log: Path) -> Iterator[None]:
+    """File descriptors 1 and 2 into ``log`` for the block, then back. A log that cannot be
+    opened safely (a planted link) is not used: :func:`run_one` then refuses the run."""
     try:
         make_dir(log.parent)
         fh = append_file(log)
@@ -202,10 +181,9 @@ def _output_to(log: Path):
 
 def serve(requests: Any, results: Any, max_runs: int | None = None) -> int:
     """Train the runs requested on ``requests`` (one JSON object per line: ``run_dir``,
-    ``config``, ``threads``, ``retry_failed``) one after another, each with its output in
-    its own worker.log, writing each :func:`run_one` result as one JSON line to
-    ``results``. Ends at the end of ``requests`` or after ``max_runs`` runs; returns the
-    exit code (130 when interrupted: the run it held stays resumable)."""
+    ``config``, ``threads``, ``retry_failed``) in turn, each with its output in its
+    worker.log, writing each result as one JSON line to ``results``; until the end of
+    ``requests`` or ``max_runs`` runs. Returns the exit code (130/143 when interrupted)."""
     done = 0
     try:
         for line in requests:
@@ -220,15 +198,14 @@ def serve(requests: Any, results: Any, max_runs: int | None = None) -> int:
             done += 1
             if max_runs is not None and done >= max_runs:
                 break
-    except KeyboardInterrupt as err:  # 130 (SIGINT) or 143 (SIGTERM)
+    except KeyboardInterrupt as err:
         return getattr(err, "exit_code", 130)
     return 0
 
 
 def warm_up() -> None:
     """Pay a process's one-time costs before the first run: importing torch and the
-    trainer, and what torch imports on the first optimiser it builds (torch._dynamo,
-    sympy; measured in docs/speed.md)."""
+    trainer, and what torch imports for the first optimiser it builds."""
     import torch
 
     import qkgeom.launch  # noqa: F401
@@ -237,12 +214,8 @@ def warm_up() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Subprocess entry of the local backend: requests on stdin, results on stdout.
-
-    Everything else the process prints goes to stderr (and, during a run, to that run's
-    worker.log), so stdout carries exactly the result lines the parent parses. The
-    process warms up (:func:`warm_up`) before it reads the first request.
-    """
+    """Subprocess entry of the local backend: requests on stdin, results on stdout; every
+    other line the process prints goes to stderr (or the run's worker.log)."""
     parser = argparse.ArgumentParser(prog="python -m qkgeom.experiments worker")
     parser.add_argument("--max-runs", type=int, default=None,
                         help="exit after this many runs (1: a fresh process per run)")

@@ -1,18 +1,10 @@
 """File names, format version, config record, status and tables of a run folder.
 
-The layout is in docs/definitions.md#run-folder; its names are the constants below.
-One format is read, :data:`FORMAT_VERSION`: an older folder is refused in one line saying
-to train it again (a 0.1 carries no migrations).
-
-Ownership: qkgeom writes into a folder only when it is new, empty, or already a qkgeom run
-folder holding nothing but its own entries (plus a sweep's bookkeeping files, a
-``report/`` folder and qkgeom's own temp files): :func:`claim_run_dir` refuses anything
-else, so ``--resume`` never overwrites or deletes a file qkgeom did not write. A symbolic link
-among those entries (``checkpoints -> another run's``, ``status.json -> ~/notes``) is
-refused in one line naming it, before anything is written (:func:`refuse_links`).
-
-Every file is checked against its schema when read (:mod:`.schema`): a file of the wrong
-types is one line naming it.
+The layout is in docs/definitions.md#run-folder. One format is read (:data:`FORMAT_VERSION`;
+an older folder is refused in one line). qkgeom writes into a folder only when it is new,
+empty, or a qkgeom run folder holding nothing but its own entries and no symbolic link
+(:func:`claim_run_dir`), so ``--resume`` never overwrites a file qkgeom did not write.
+Every file is checked against its schema when read (:mod:`.schema`).
 """
 
 from __future__ import annotations
@@ -59,13 +51,9 @@ _TEMP = temp_name_pattern("|".join(re.escape(n) for n in sorted(_OWN_FILES))
                           + r"|ckpt_\d{8}\.pt|p\d{10}-L\d+\.parquet")
 
 
-# ----------------------------------------------------------------------------- the record
-
-
 def run_record(cfg: TrainConfig | None, run_id: str, **facts: Any) -> dict[str, Any]:
-    """The ``config.json`` record of a run: ``cfg`` and its hash (``None``: a run whose
-    config qkgeom cannot know, e.g. a monitored run it could not map) plus ``facts`` (data
-    folder, source, vocabulary, ...), the format version and the software versions."""
+    """The ``config.json`` record of a run: ``cfg`` and its hash (``None``: a monitored run
+    qkgeom could not map), ``facts`` (data, vocabulary, ...), the format and versions."""
     import torch
 
     known = {"config": cfg.to_dict(), "config_hash": cfg.config_hash()} if cfg else {"config": {}}
@@ -75,10 +63,8 @@ def run_record(cfg: TrainConfig | None, run_id: str, **facts: Any) -> dict[str, 
 
 
 def read_record(run: str | Path) -> dict[str, Any]:
-    """The run's ``config.json``, checked.
-
-    Raises QKGeomError (one line) for a missing, torn or foreign file, or one of another
-    format (a record without ``format_version`` is format 1)."""
+    """The run's ``config.json``, checked: a one-line QKGeomError for a missing, torn or
+    foreign file, or one of another format (no ``format_version``: format 1)."""
     path = Path(run) / CONFIG
     record = read_json(path)
     if not isinstance(record, dict) or not isinstance(record.get("config"), dict):
@@ -116,10 +102,9 @@ def is_run_folder(path: str | Path) -> bool:
 
 def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
     """Names in ``run`` that qkgeom did not write there (sorted): anything but the run
-    folder's own files and folders, a sweep's bookkeeping, and qkgeom's temp files; a
-    symbolic link is never qkgeom's. ``check_status``: a ``status.json`` that does not
-    read as a qkgeom status counts as foreign too (in a folder without a run record;
-    beside a record it is a damaged status of that run, which a resume rewrites)."""
+    folder's own entries, a sweep's bookkeeping and qkgeom's temp files; a symbolic link is
+    never qkgeom's. ``check_status``: a ``status.json`` that is not a qkgeom status counts
+    too (beside a run record it is that run's damaged status, which a resume rewrites)."""
     run = Path(run)
     if not run.is_dir():
         return []
@@ -138,15 +123,16 @@ def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
 
 def refuse_links(run: str | Path) -> None:
     """One line (:class:`~qkgeom.io.LinkError`) naming the first symbolic link among the run
-    folder's entries and inside its sub-folders (``checkpoints/``, the table parts,
-    ``report/`` ...), if any: nothing qkgeom writes there is a link, so each is planted (or
-    a user's), and writing through it could overwrite or delete any file."""
+    folder's entries and in its sub-folders: nothing qkgeom writes there is a link, and
+    writing through one could overwrite any file."""
     links = links_in(run)
     if links:
         raise LinkError(links[0])
 
 
 def _refuse_foreign(out: Path, foreign: list[str]) -> None:
+    if not foreign:
+        return
     shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
     raise QKGeomError(f"{out}: holds files qkgeom did not write ({shown}); --resume continues "
                       "only a qkgeom run folder and never overwrites other files: choose "
@@ -187,13 +173,10 @@ def claim_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
 
 
 def check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
-    """Whether ``record``'s run may be written into ``out``: a one-line QKGeomError if not;
-    reads only.
-
-    A fresh run needs an empty or missing folder. Resuming needs a qkgeom run folder (or a
-    folder holding only a sweep's files for the run) with nothing foreign in it and no
-    symbolic link in it, the same config (compared by hash), a vocabulary with the same characters and, where both records have one, the
-    same corpus (``corpus_sha256``)."""
+    """Whether ``record``'s run may be written into ``out``; a one-line QKGeomError if not
+    (reads only). A fresh run needs an empty or missing folder; a resume a qkgeom run folder
+    (or one holding only a sweep's files) with nothing foreign and no link in it, the same
+    config hash, vocabulary and (where both record one) corpus."""
     cfg_path = out / CONFIG
     if out.exists() and not out.is_dir():
         raise QKGeomError(f"{out} exists and is not a folder; choose another --out")
@@ -204,40 +187,39 @@ def check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
             raise QKGeomError(f"{out} already holds a run; pass --resume to continue it "
                               "or choose another --out")
         saved = read_record(out)
-        foreign = foreign_entries(out, check_status=False)
-        if foreign:
-            _refuse_foreign(out, foreign)
-        if saved.get("vocab_sha256", record["vocab_sha256"]) != record["vocab_sha256"]:
-            meta = Path(record["data_dir"]) / "meta.json"
-            raise QKGeomError(f"{meta}: its vocabulary is not the one this run was trained "
-                              f"with ({cfg_path} records {saved.get('data_dir')}); resume with "
-                              "--data pointing at that data, or train into a new --out")
-        corpus = record.get("corpus_sha256")
-        if corpus and saved.get("corpus_sha256", corpus) != corpus:
-            meta = Path(record["data_dir"]) / "meta.json"
-            raise QKGeomError(f"{meta}: the corpus is not the one this run was trained on "
-                              f"(corpus_sha256 {str(saved.get('corpus_sha256'))[:12]} in "
-                              f"{cfg_path}, {corpus[:12]} now; was the data prepared again?); "
-                              "resume with --data pointing at that corpus, or train into a "
-                              "new --out")
-        saved_cfg = load_config(out)
-        if saved_cfg.config_hash() != record["config_hash"]:
-            _refuse_config_change(cfg_path, saved_cfg, record)
+        _refuse_foreign(out, foreign_entries(out, check_status=False))
+        _refuse_other_run(out, saved, record)
     elif out.exists() and any(out.iterdir()):
         if not resume:
             raise QKGeomError(f"{out} exists and is not empty; choose another --out")
-        foreign = foreign_entries(out)
-        if foreign:
-            _refuse_foreign(out, foreign)
+        _refuse_foreign(out, foreign_entries(out))
 
 
-# ----------------------------------------------------------------------------- status
+def _refuse_other_run(out: Path, saved: dict[str, Any], record: dict[str, Any]) -> None:
+    """A resume of ``out`` (recording ``saved``) with ``record``: the same vocabulary,
+    corpus (where both record one) and config hash, else one line saying what changed."""
+    cfg_path = out / CONFIG
+    if saved.get("vocab_sha256", record["vocab_sha256"]) != record["vocab_sha256"]:
+        meta = Path(record["data_dir"]) / "meta.json"
+        raise QKGeomError(f"{meta}: its vocabulary is not the one this run was trained "
+                          f"with ({cfg_path} records {saved.get('data_dir')}); resume with "
+                          "--data pointing at that data, or train into a new --out")
+    corpus = record.get("corpus_sha256")
+    if corpus and saved.get("corpus_sha256", corpus) != corpus:
+        meta = Path(record["data_dir"]) / "meta.json"
+        raise QKGeomError(f"{meta}: the corpus is not the one this run was trained on "
+                          f"(corpus_sha256 {str(saved.get('corpus_sha256'))[:12]} in "
+                          f"{cfg_path}, {corpus[:12]} now; was the data prepared again?); "
+                          "resume with --data pointing at that corpus, or train into a "
+                          "new --out")
+    saved_cfg = load_config(out)
+    if saved_cfg.config_hash() != record["config_hash"]:
+        _refuse_config_change(cfg_path, saved_cfg, record)
 
 
 def status_of(run: str | Path) -> tuple[dict[str, Any] | None, str]:
-    """``(status, problem)``: the run's status.json checked against its schema, or
-    ``(None, "")`` when it has none, or ``(None, reason)`` when it is unreadable or not a
-    status qkgeom wrote (the reason names the file)."""
+    """``(status, problem)``: the run's status.json checked against its schema; ``(None,
+    "")`` when it has none, ``(None, reason naming the file)`` when it is not qkgeom's."""
     path = Path(run) / STATUS
     if not path.exists() and not path.is_symlink():
         return None, ""
@@ -248,11 +230,8 @@ def status_of(run: str | Path) -> tuple[dict[str, Any] | None, str]:
 
 
 def read_status(run: str | Path) -> dict[str, Any] | None:
-    """The run's status.json, or None when it has none (never started) or it is unreadable.
-
-    An unreadable status (atomic writes never leave one; a user may edit it), or one of the
-    wrong types, reads as "never finished": a sweep then resumes the run from its newest
-    checkpoint, cheap and safe."""
+    """The run's status.json, or None when it has none or it is not qkgeom's (atomic writes
+    never leave one torn): "never finished", so a sweep resumes the run, cheap and safe."""
     return status_of(run)[0]
 
 
@@ -273,14 +252,10 @@ def read_alerts(run: str | Path) -> list[dict[str, Any]]:
     return check_alerts(read_json(path), path)
 
 
-# ----------------------------------------------------------------------------- tables
-
-
 def read_table(path: Path, upto: int | None = None,
                columns: tuple[str, ...] = ("step",)) -> pd.DataFrame | None:
-    """A run table with the parts written since its last compaction (rows with
-    ``step <= upto``), None when there is neither. A torn or foreign file is a one-line
-    QKGeomError naming it."""
+    """A run table with its parts (rows with ``step <= upto``), None when there is neither;
+    a torn or foreign file is a one-line QKGeomError naming it."""
     frame = table.read(path, columns)
     if frame is None or upto is None:
         return frame
@@ -288,8 +263,7 @@ def read_table(path: Path, upto: int | None = None,
 
 
 def read_metrics(run: str | Path, upto: int | None = None) -> pd.DataFrame | None:
-    """``metrics.parquet`` (long format, :data:`METRIC_COLUMNS`) with every probe written
-    since its last compaction, or None."""
+    """``metrics.parquet`` (long format, :data:`METRIC_COLUMNS`) with its parts, or None."""
     return read_table(Path(run) / METRICS, upto, ("step", "layer", "head", "metric", "value"))
 
 
@@ -303,9 +277,6 @@ def has_metrics(run: str | Path) -> bool:
     return table.exists(Path(run) / METRICS)
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-
 def checkpoint_dir(run: str | Path) -> Path:
     return Path(run) / CHECKPOINTS
 
@@ -315,8 +286,8 @@ def checkpoint_path(run: str | Path, step: int) -> Path:
 
 
 def list_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint file (exact name ``ckpt_<8 digits>.pt``, a plain
-    file: a link is not a checkpoint of this run), oldest first."""
+    """(step, path) of every checkpoint file (``ckpt_<8 digits>.pt``, not a link), oldest
+    first."""
     folder = checkpoint_dir(run)
     if not folder.is_dir():
         return []
@@ -325,12 +296,9 @@ def list_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
 
 
 def remove_stale_temp_files(run: str | Path) -> list[Path]:
-    """Delete the temp files a killed atomic write of qkgeom left in the run folder, its
-    checkpoints and its table parts; returns them.
-
-    Only names qkgeom's own writes use (``.<name>.<8 characters>.tmp`` for a name of the
-    run folder) are touched: a user's ``*.tmp`` is not ours to delete. Only called when a
-    run resumes, by the one process that holds the run's lock."""
+    """Delete (and return) the temp files a killed atomic write of qkgeom left in the run
+    folder, its checkpoints and table parts: only names qkgeom's own writes use (a user's
+    ``*.tmp`` is not ours). Called on resume, by the process holding the run's lock."""
     run = Path(run)
     removed = []
     for folder in (run, checkpoint_dir(run), table.parts_dir(run / METRICS),

@@ -1,24 +1,12 @@
 """One writer per run: an OS-level lock file beside the run folder.
 
-The lock sits *beside* the run folder (``.<name>.lock`` next to ``<name>/``), not in it,
-because a fresh run refuses a non-empty folder; it is a dot-file so listings show runs.
-Every writer of a run folder takes it: ``qkgeom train`` (fresh and ``--resume``), a
-sweep's worker, the :class:`~qkgeom.monitor.GeometryMonitor`'s run folder. Locks are
-``flock`` locks: the kernel drops them when their process dies, even on SIGKILL, so a
-killed run leaves no stale lock behind. The holder writes its pid, host and start time
-into the lock file, so a refused writer can say who holds the run. On a cluster the folder
-must be on a filesystem that supports ``flock`` across nodes (NFSv4, Lustre, GPFS, CephFS).
-
-The lock is exclusive, also between two holders in one process; a holder that works for
-the one already holding it joins it instead (``acquire(reentrant=True)``: the trainer a
-sweep worker calls, inside the worker's lock).
-
-The lock belongs to the folder, not to the path that names it: it lies beside the folder's
-real path (symbolic links in the path resolved), so ``alias -> runs/a`` and ``runs/a`` meet
-one lock. The lock file is opened without following links and must be a plain file
-(:func:`qkgeom.io.open_private`): a planted ``.a.lock -> ~/thesis.tex`` is refused in one
-line, never truncated. Readers (:func:`lock_is_held`, :func:`holder`: ``sweep status``,
-``watch``) open it read-only and create, truncate or write nothing.
+``.<name>.lock`` sits beside ``<name>/`` (a fresh run refuses a non-empty folder), at the
+folder's real path, so every alias of a folder meets one lock. Locks are ``flock`` locks:
+the kernel drops them when their process dies, even on SIGKILL. The holder writes its pid
+and host into the file, so a refused writer can say who holds the run. A lock file is
+opened without following links and must be a plain file (:func:`qkgeom.io.open_private`);
+readers (:func:`lock_is_held`, :func:`holder`) create, truncate and write nothing.
+The guarantees and their tests: docs/faults.md#one-writer-per-run.
 """
 
 from __future__ import annotations
@@ -45,6 +33,7 @@ _HELD: dict[str, list[Any]] = {}
 _GUARD = threading.Lock()
 if hasattr(os, "register_at_fork"):  # a forked child holds nothing of its parent's
     os.register_at_fork(after_in_child=_HELD.clear)
+_BUSY = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
 def lock_path(run: str | Path) -> Path:
@@ -55,13 +44,13 @@ def lock_path(run: str | Path) -> Path:
     return real.with_name(f".{real.name}.lock")
 
 
-def _try_lock(path: Path) -> Any | None:
-    """An open, exclusively locked handle on ``path`` with this process as its holder, or
-    None when another process holds it."""
+def _lock(path: Path, blocking: bool) -> Any | None:
+    """An open, exclusively locked handle on ``path``, or None when another process holds
+    it (never, when ``blocking``)."""
     if fcntl is None:
         from filelock import FileLock, Timeout
 
-        lock = FileLock(str(path), timeout=0)
+        lock = FileLock(str(path), timeout=-1 if blocking else 0)
         try:
             lock.acquire()
         except Timeout:
@@ -69,34 +58,32 @@ def _try_lock(path: Path) -> Any | None:
         return lock
     fd = open_private(path, os.O_RDWR | os.O_CREAT)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as err:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BaseException as err:
         os.close(fd)
-        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        if isinstance(err, OSError) and err.errno in _BUSY and not blocking:
             return None
         raise
-    holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                         "since": time.time()}).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, holder, 0)
     return fd
 
 
-def _unlock(handle: Any) -> None:
+def _unlock(handle: Any, clear: bool = True) -> None:
     if fcntl is None:
         handle.release()
         return
-    os.ftruncate(handle, 0)  # nobody holds it now; a stale holder would mislead
+    if clear:
+        os.ftruncate(handle, 0)  # nobody holds it now; a stale holder would mislead
     fcntl.flock(handle, fcntl.LOCK_UN)
     os.close(handle)
 
 
 class RunLock:
-    """Non-blocking per-run lock: ``acquire()`` says whether this process now holds it."""
+    """Non-blocking per-run lock: ``acquire()`` says whether this process now holds it.
+    Exclusive also between two holders in one process, unless one joins the other's hold
+    (``acquire(reentrant=True)``: the trainer a sweep worker calls inside its lock).
+    ``path``: the lock file, when not beside the run folder (the monitor keeps its own)."""
 
     def __init__(self, run: str | Path, path: str | Path | None = None) -> None:
-        """``path``: the lock file, when not the default beside the run folder
-        (:func:`lock_path`; the monitor keeps its lock inside its own folder)."""
         self.run = Path(run)
         self.path = (Path(os.path.realpath(Path(path).parent)) / Path(path).name if path is not None
                      else lock_path(run))
@@ -105,8 +92,7 @@ class RunLock:
         self._mine = False
 
     def acquire(self, reentrant: bool = False) -> bool:
-        """Take the lock; False when it is held elsewhere (by another process, or by another
-        holder in this one unless ``reentrant``, which joins this process's hold)."""
+        """Take the lock; False when it is held elsewhere."""
         with _GUARD:
             if self._mine:
                 return True
@@ -114,9 +100,13 @@ class RunLock:
             if entry is not None and not reentrant:
                 return False
             if entry is None:
-                handle = _try_lock(self.path)
+                handle = _lock(self.path, blocking=False)
                 if handle is None:
                     return False
+                if fcntl is not None:
+                    os.ftruncate(handle, 0)
+                    os.pwrite(handle, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                                  "since": time.time()}).encode(), 0)
                 entry = _HELD[self._key] = [handle, 0]
             entry[1] += 1
             self._mine = True
@@ -179,10 +169,9 @@ def _holder(path: Path) -> str:
 
 
 def lock_is_held(run: str | Path) -> bool:
-    """Whether a process (this one included) holds the run's lock right now (it is
-    writing the run). Read-only: tries a shared lock on a read-only descriptor and drops
-    it at once; a missing lock file, or one that is a link or not a plain file, means
-    nobody holds the run through it."""
+    """Whether a process (this one included) holds the run's lock now. Read-only: a shared
+    lock tried on a read-only descriptor and dropped at once; a missing lock file, or one
+    that is a link or not a plain file, means nobody holds the run through it."""
     path = lock_path(run)
     with _GUARD:
         if str(path) in _HELD:
@@ -199,7 +188,7 @@ def lock_is_held(run: str | Path) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as err:
-        return err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+        return err.errno in _BUSY
     else:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
@@ -208,35 +197,18 @@ def lock_is_held(run: str | Path) -> bool:
 
 
 class FolderLock:
-    """A blocking exclusive lock on a file in a folder (``with FolderLock(path):``), for
-    short critical sections such as creating ``sweep.json`` once when two sweep processes
-    start together. The file is opened like a run's lock (never through a link) and
-    nothing is written into it."""
+    """A blocking exclusive lock on a file (``with FolderLock(path):``) for short critical
+    sections, such as creating ``sweep.json`` once when two sweeps start together. Opened
+    like a run's lock (never through a link); nothing is written into it."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._handle: Any = None
 
     def __enter__(self) -> FolderLock:
-        if fcntl is None:
-            from filelock import FileLock
-
-            self._handle = FileLock(str(self.path))
-            self._handle.acquire()
-            return self
-        fd = open_private(self.path, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._handle = fd
+        self._handle = _lock(self.path, blocking=True)
         return self
 
     def __exit__(self, *_: Any) -> None:
-        if fcntl is None:
-            self._handle.release()
-        else:
-            fcntl.flock(self._handle, fcntl.LOCK_UN)
-            os.close(self._handle)
+        _unlock(self._handle, clear=False)
         self._handle = None

@@ -1,16 +1,9 @@
 """One schema per file of a run or sweep folder, checked when the file is read.
 
-Why: a result folder may come from someone else, or be edited by hand, and a file that
-is valid JSON or Parquet can still hold the wrong types (``"step": "five"``, a ``value``
-column of strings, ``alerts.json`` = ``5``). Every reader checks the file against its
-schema here first, so a bad file is one line naming it and the reason (a
-:class:`~qkgeom.errors.QKGeomError`), never a ``TypeError`` deep in a table or a run
-written over. Extra keys and extra columns are allowed (a newer qkgeom, or a feature
-that adds its own): only what the readers use is checked.
-
-Tables: a column is ``int`` (an integer dtype: a NaN in it makes it float and is refused),
-``float`` (any real number dtype; NaN allowed) or ``str`` (text values). JSON records:
-each key has its Python types, required keys must be present.
+Why: a result folder may come from someone else or be edited by hand, and valid JSON or
+Parquet can still hold the wrong types (``"step": "five"``). A bad file is then one line
+naming it, never a ``TypeError`` deep in a table. Extra keys and columns are allowed (a
+newer qkgeom may add some): only what the readers use is checked.
 """
 
 from __future__ import annotations
@@ -24,26 +17,21 @@ from qkgeom.errors import QKGeomError
 if TYPE_CHECKING:
     import pandas as pd
 
-#: Run-folder tables: column -> kind, and which columns must be there.
+#: Run-folder tables: column -> kind (int: an integer dtype, so a NaN is refused; float;
+#: str), and which columns must be there.
 TABLES: dict[str, tuple[dict[str, str], tuple[str, ...]]] = {
     "metrics.parquet": ({"step": "int", "layer": "int", "head": "int", "metric": "str",
                          "value": "float", "run_id": "str"},
                         ("step", "layer", "head", "metric", "value")),
     "train_log.parquet": ({"step": "int", "loss": "float", "val_loss": "float", "lr": "float",
                            "tokens_per_s": "float"}, ("step",)),
-    # key-control trajectory: the reader names the columns it needs (control/trajectory.py);
-    # further columns a newer control adds are not checked
     "key_pr.parquet": ({"step": "int", "unit": "str", "pr": "float", "pr_token": "float",
                         "spread": "float"}, ("step", "unit", "pr")),
 }
 #: The table a part file (``metrics.parts/p…-L0.parquet``) belongs to.
 PARTS = {"metrics.parts": "metrics.parquet", "train_log.parts": "train_log.parquet"}
 
-_INT = (int,)
-_NUM = (int, float)
-_TEXT = (str,)
-_NONE = (type(None),)
-
+_INT, _NUM, _TEXT, _NONE = (int,), (int, float), (str,), (type(None),)
 #: status.json: key -> (allowed types, required).
 STATUS_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
     "state": (_TEXT, True), "step": (_INT, True), "steps": (_INT, False),
@@ -57,31 +45,29 @@ SWEEP_RUN_KEYS: dict[str, tuple[tuple[type, ...], bool]] = {
     "run_id": (_TEXT, True), "axes": ((dict,), False), "config_hash": (_TEXT, False),
     "steps": (_INT, False), "depends_on": (_TEXT, False),
 }
+_KIND_WORDS = {"int": "whole numbers", "float": "numbers", "str": "text"}
+_TYPE_WORDS = {int: "a whole number", float: "a number", str: "text", dict: "a mapping",
+               type(None): "null"}
 
 
 def table_schema(path: Path) -> tuple[dict[str, str], tuple[str, ...]] | None:
     """The schema of the run table at ``path`` (a base file or one of its parts); None
     for a file qkgeom has no schema for."""
-    if path.name in TABLES:
-        return TABLES[path.name]
-    table = PARTS.get(path.parent.name)
+    table = path.name if path.name in TABLES else PARTS.get(path.parent.name)
     return TABLES[table] if table else None
 
 
 def _kind_ok(series: pd.Series, kind: str) -> bool:
     from pandas.api import types
 
+    if types.is_bool_dtype(series.dtype):
+        return False
     if kind == "int":
-        return types.is_integer_dtype(series.dtype) and not types.is_bool_dtype(series.dtype)
+        return types.is_integer_dtype(series.dtype)
     if kind == "float":
-        return (types.is_float_dtype(series.dtype) or types.is_integer_dtype(series.dtype)) \
-            and not types.is_bool_dtype(series.dtype)
-    if types.is_string_dtype(series.dtype) or types.is_object_dtype(series.dtype):
-        return bool(series.map(lambda v: isinstance(v, str)).all())
-    return False
-
-
-_KIND_WORDS = {"int": "whole numbers", "float": "numbers", "str": "text"}
+        return types.is_float_dtype(series.dtype) or types.is_integer_dtype(series.dtype)
+    return (types.is_string_dtype(series.dtype) or types.is_object_dtype(series.dtype)) \
+        and bool(series.map(lambda v: isinstance(v, str)).all())
 
 
 def check_table(frame: pd.DataFrame, path: Path,
@@ -99,6 +85,11 @@ def check_table(frame: pd.DataFrame, path: Path,
                               f"is {frame[col].dtype}; the file is corrupt or not qkgeom's")
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _check_keys(record: Any, path: Path, keys: dict[str, tuple[tuple[type, ...], bool]],
                 what: str) -> dict[str, Any]:
     if not isinstance(record, dict):
@@ -110,23 +101,12 @@ def _check_keys(record: Any, path: Path, keys: dict[str, tuple[tuple[type, ...],
                 raise QKGeomError(f"{path}: not {what} (no {key!r})")
             continue
         value = record[key]
-        bad = isinstance(value, bool) or not isinstance(value, types_) or (
-            isinstance(value, float) and not math.isfinite(value))
-        if bad:
-            raise QKGeomError(f"{path}: {key!r} is {_short(value)}, not "
-                              f"{' or '.join(_type_word(t) for t in types_)}; the file is "
+        if isinstance(value, bool) or not isinstance(value, types_) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            words = " or ".join(_TYPE_WORDS.get(t, t.__name__) for t in types_)
+            raise QKGeomError(f"{path}: {key!r} is {_short(value)}, not {words}; the file is "
                               "corrupt or not qkgeom's")
     return record
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-def _type_word(kind: type) -> str:
-    return {int: "a whole number", float: "a number", str: "text", dict: "a mapping",
-            type(None): "null"}.get(kind, kind.__name__)
 
 
 def check_status(record: Any, path: Path, states: tuple[str, ...]) -> dict[str, Any]:
@@ -141,20 +121,32 @@ def check_status(record: Any, path: Path, states: tuple[str, ...]) -> dict[str, 
 
 
 def check_sweep_record(record: Any, path: Path) -> dict[str, Any]:
-    """``sweep.json``: a mapping whose ``runs`` (when present) is a list of run entries
-    (or the older mapping of run id -> axes)."""
+    """``sweep.json`` as ``qkgeom sweep run`` writes it: a ``grid`` mapping and a list of
+    run entries, each run in ``runs/<run_id>/``. Anything else (an older shape: runs as a
+    mapping, bare ids, an entry naming its own folder) is refused, so that no sweep record
+    can point a reader outside the sweep folder."""
+    refuse = (f"{path}: not a sweep record of this qkgeom ({{}}); it reads the sweep.json "
+              "that `qkgeom sweep run` writes: run the grid again into a new folder, or read "
+              "it with the qkgeom version that wrote it")
     if not isinstance(record, dict):
-        raise QKGeomError(f"{path}: not a qkgeom sweep record (a JSON object is expected, "
-                          f"got {type(record).__name__})")
-    runs = record.get("runs", [])
-    if isinstance(runs, list):
-        for entry in runs:
-            if not isinstance(entry, str):
-                _check_keys(entry, path, SWEEP_RUN_KEYS, "a qkgeom sweep record (a run entry)")
-    elif not isinstance(runs, dict):
-        raise QKGeomError(f"{path}: 'runs' is {type(runs).__name__}, not a list of runs")
-    if "grid" in record and not isinstance(record["grid"], dict):
-        raise QKGeomError(f"{path}: 'grid' is {type(record['grid']).__name__}, not a mapping")
+        raise QKGeomError(refuse.format(f"a JSON object is expected, got "
+                                        f"{type(record).__name__}"))
+    for key, kind in (("grid", dict), ("runs", list)):
+        if not isinstance(record.get(key), kind):
+            word = "a mapping" if kind is dict else "a list of runs"
+            raise QKGeomError(refuse.format(f"{key!r} must be {word}"))
+    for entry in record["runs"]:
+        if not isinstance(entry, dict):
+            raise QKGeomError(refuse.format(f"a run entry is {_short(entry)}, not a mapping"))
+        _check_keys(entry, path, SWEEP_RUN_KEYS, "a qkgeom sweep record (a run entry)")
+        rid = entry["run_id"]
+        placed = next((k for k in ("dir", "out_dir", "path") if k in entry), None)
+        if placed:
+            raise QKGeomError(refuse.format(f"run {rid[:40]!r} names its own folder "
+                                            f"({placed!r}); runs live in runs/<run_id>/"))
+        if not rid or rid in (".", "..") or any(c in rid for c in "/\\\0"):
+            raise QKGeomError(f"{path}: run id {rid[:40]!r} is not a folder name; the file "
+                              "is corrupt or not qkgeom's")
     return record
 
 

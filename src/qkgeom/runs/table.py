@@ -1,22 +1,14 @@
 """Append-only run tables: ``metrics.parquet`` / ``train_log.parquet`` and their parts.
 
-Why: rewriting a run's whole ``metrics.parquet`` at every probe makes a long (monitored)
-run do I/O quadratic in its number of probes. A writer instead adds the rows of each flush
-as one small Parquet *part* in ``<name>.parts/`` (``metrics.parts/``, written atomically)
-and folds everything into the plain ``<name>.parquet`` only when the run ends or resumes
-(:meth:`TableWriter.compact`). Readers (:func:`read`, through
-:func:`qkgeom.runs.read_metrics` / :func:`~qkgeom.runs.read_log`) see the base file with
-every part laid over it, so ``show``, ``watch``, collation and reports see each probe
-written so far, also of a run killed between compactions.
-
-Parts are named ``p<seq:010d>-L<level>.parquet`` and applied in ``(seq, level)`` order; a
-part's rows replace every earlier row of the steps it holds (a re-measured step). So that
-the part count stays small, :data:`FAN_IN` parts of one level are merged into one part of
-the next (a binary-counter scheme): each row is rewritten O(log N) times over N flushes,
-and a flush costs the same at the thousandth probe as at the first (bench:
-``benchmarks/run_folder_io.py``). A kill at any moment leaves a readable table: parts and
-the base are written atomically, and a merge or compaction deletes its inputs only after
-its output is in place (the duplicate rows it may leave hold the same values).
+Why: rewriting a run's whole table at every probe makes a long run's I/O quadratic. A
+flush instead writes its rows as one small Parquet part in ``<name>.parts/``
+(``p<seq:010d>-L<level>.parquet``, applied in ``(seq, level)`` order, a part's rows
+replacing earlier rows of its steps); :data:`FAN_IN` parts of a level merge into one of the
+next, and :meth:`TableWriter.compact` folds everything into the base file when the run ends
+or resumes. Readers (:func:`read`) lay the parts over the base, so they see every probe
+written so far. A kill at any moment leaves a readable table: every file is written
+atomically and a merge deletes its inputs only after its output is in place
+(docs/faults.md#run-folder-durability-and-scale).
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ def parts_dir(path: str | Path) -> Path:
 
 def list_parts(path: str | Path) -> list[tuple[int, int, Path]]:
     """``(seq, level, file)`` of every part of the table at ``path``, in the order applied
-    (plain files only: a link among the parts is not one of them)."""
+    (a link is not a part)."""
     folder = parts_dir(path)
     if not folder.is_dir():
         return []
@@ -89,8 +81,8 @@ def overlay(frames: list[pd.DataFrame]) -> pd.DataFrame:
 
 
 def read(path: str | Path, columns: tuple[str, ...] = ("step",)) -> pd.DataFrame | None:
-    """The table at ``path`` with its parts laid over it; None when it has neither.
-    A torn or foreign file is a one-line QKGeomError naming it."""
+    """The table at ``path`` with its parts laid over it; None when it has neither; a torn
+    or foreign file is a one-line QKGeomError naming it."""
     path = Path(path)
     files = ([path] if path.exists() else []) + [p for _, _, p in list_parts(path)]
     if not files:

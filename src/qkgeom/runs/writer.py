@@ -1,12 +1,10 @@
 """The tables and status of a run folder while a run writes them (trainer or monitor).
 
-Every write is atomic (:mod:`qkgeom.io`), so a run killed at any moment leaves complete
-files behind. The tables grow by parts (:mod:`qkgeom.runs.table`): a flush writes only the
-rows added since the last one, and :meth:`RunWriter.compact` folds them into
-``metrics.parquet`` / ``train_log.parquet`` when the run ends or resumes. The status
-records when the run started, the wall time spent on it (summed over resumed attempts) and
-the torch thread count of the attempt. :meth:`RunWriter.status` is the only code that writes
-a run's state (:func:`record_failed` for a run whose trainer could not).
+Every write is atomic, so a run killed at any moment leaves complete files; the tables grow
+by parts (:mod:`.table`) and are compacted when the run ends or resumes. The status records
+the start, the wall time summed over resumed attempts and the attempt's thread count.
+:meth:`RunWriter.status` is the only code that writes a run's state (:func:`record_failed`
+for a run whose trainer could not).
 """
 
 from __future__ import annotations
@@ -33,16 +31,10 @@ from qkgeom.runs.table import TableWriter
 
 
 class RunWriter:
-    """Accumulates a run's metrics and log rows and writes them, with its status, to ``out``.
-
-    Args:
-        out: the run folder (its config.json is written by the caller).
-        run_id: the ``run_id`` column of the metrics.
-        steps: the run's planned length, recorded in the status.
-        resume: continue an earlier attempt: its start time and wall time carry over.
-        threads: the torch thread count of this attempt, recorded in the status (resuming
-            with another count can change the last bits of the results).
-    """
+    """Accumulates a run's metrics and log rows and writes them, with its status, to ``out``
+    (whose config.json the caller writes). ``steps``: the planned length; ``resume``: the
+    earlier attempt's start and wall time carry over; ``threads``: recorded in the status
+    (resuming with another count can change the last bits of the results)."""
 
     def __init__(self, out: str | Path, run_id: str, *, steps: int = 0,
                  resume: bool = False, threads: int | None = None) -> None:
@@ -63,16 +55,14 @@ class RunWriter:
     def read_previous(self, upto: int | None = None
                       ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
         """The tables an earlier attempt wrote (rows with ``step <= upto``), read and
-        checked (a bad file is a one-line QKGeomError) but not yet taken up: a resume
-        reads them before it writes anything."""
+        checked but not taken up: a resume reads them before it writes anything."""
         return read_metrics(self.out, upto), read_log(self.out, upto)
 
     def restore(self, upto: int | None = None,
                 tables: tuple[pd.DataFrame | None, pd.DataFrame | None] | None = None) -> None:
-        """Take up the tables an earlier attempt wrote (rows with ``step <= upto``; or
-        ``tables``, from :meth:`read_previous`) and compact them: rows after ``upto``
-        (recomputed by this attempt) are dropped on disk, and a table left with no rows is
-        removed."""
+        """Take up the tables an earlier attempt wrote (rows with ``step <= upto``, or
+        ``tables`` from :meth:`read_previous`) and compact them: later rows (recomputed by
+        this attempt) are dropped on disk, and a table left empty is removed."""
         metrics, log = tables if tables is not None else self.read_previous(upto)
         self._metrics = ({int(s): rows for s, rows in metrics.groupby("step", sort=False)}
                          if metrics is not None else {})
@@ -133,9 +123,8 @@ class RunWriter:
         self._dirty = {"metrics": set(), "log": set()}
 
     def compact(self) -> None:
-        """Write each table that has rows whole (``metrics.parquet``, ``train_log.parquet``)
-        and drop its parts: at the end of a run, so that the plain files are complete;
-        readers see the same rows before and after."""
+        """Write each table that has rows whole and drop its parts (at the end of a run, so
+        the plain files are complete; readers see the same rows before and after)."""
         self.flush()
         if self._metrics:
             self._tables["metrics"].compact(self.metrics)
@@ -164,11 +153,10 @@ def one_line(err: BaseException, limit: int = 300) -> str:
 
 def record_failed(run: str | Path, message: str, steps: int | None = None, *,
                   keep: bool = True) -> dict[str, Any] | None:
-    """Record ``failed`` with ``message`` for a run its trainer could not record (refused
-    before training, or its process died). ``keep``: the step reached, the planned
-    ``steps`` (unless given) and the time spent carry over from the status there; off for a
-    folder not to be read (one holding a link). Returns the status written, or None when it
-    could not be (a link where it goes, a full disk)."""
+    """Record ``failed`` with ``message`` for a run its trainer could not record (refused,
+    or its process died). ``keep``: the step, planned ``steps`` (unless given) and time
+    carry over from the status there (off for a folder not to be read: one holding a link).
+    Returns the status written, or None when it could not be (a link there, a full disk)."""
     try:
         writer = RunWriter(run, Path(run).name, resume=keep)
         before = writer.previous
