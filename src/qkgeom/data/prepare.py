@@ -312,10 +312,11 @@ def load_prepared(dir: str | Path) -> PreparedData:
     return PreparedData(dir=folder, vocab=vocab, meta=meta, **arrays)
 
 
-def load_data(spec: str | Path = "") -> PreparedData:
-    """The prepared corpus ``spec`` names: a prepared folder, or ``""`` for the embedded
-    Wikipedia sample (prepared on first use into :func:`default_data_dir`)."""
-    return load_prepared(ensure_sample_data() if str(spec) == "" else Path(spec))
+def load_data(spec: str | Path = "sample") -> PreparedData:
+    """The prepared corpus ``spec`` names: a prepared folder, or ``"sample"`` for the
+    embedded Wikipedia sample (prepared on first use into :func:`default_data_dir`)."""
+    return load_prepared(ensure_sample_data() if str(spec) in ("sample", "")
+                         else Path(spec))
 
 
 def load_vocab(data_dir: str | Path) -> CharVocab:

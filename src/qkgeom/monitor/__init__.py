@@ -29,8 +29,8 @@ _EXPORTS = {
     "Alert": "qkgeom.monitor.alerts", "AlertRule": "qkgeom.monitor.alerts",
     "DEFAULT_RULES": "qkgeom.monitor.alerts", "GeometryWarning": "qkgeom.monitor.alerts",
     "entropy_collapse": "qkgeom.monitor.alerts", "key_pr_collapse": "qkgeom.monitor.alerts",
-    "EntropyController": "qkgeom.monitor.closed_loop",
-    "EntropyControlCallback": "qkgeom.monitor.closed_loop",
+    "EntropyController": "qkgeom.control.closed_loop",
+    "EntropyControlCallback": "qkgeom.control.closed_loop",
     "watch": "qkgeom.monitor.watch", "ReportTo": "qkgeom.monitor.report_to",
 }
 
@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from qkgeom.control.closed_loop import EntropyControlCallback, EntropyController
     from qkgeom.monitor.alerts import (
         DEFAULT_RULES,
         Alert,
@@ -49,7 +50,6 @@ if TYPE_CHECKING:
         entropy_collapse,
         key_pr_collapse,
     )
-    from qkgeom.monitor.closed_loop import EntropyControlCallback, EntropyController
     from qkgeom.monitor.monitor import DEFAULT_EVERY, DEFAULT_METRICS, GeometryMonitor
     from qkgeom.monitor.report_to import ReportTo
     from qkgeom.monitor.watch import watch
