@@ -57,12 +57,11 @@ import torch
 from torch import Tensor
 
 from qkgeom.geometry.workspace import Workspace
+from qkgeom.metrics import ATTENTION_METRICS
 
 __all__ = ["ATTENTION_METRICS", "StreamingEntropy", "logit_std_from_moments",
            "visible_pairs"]
 
-ATTENTION_METRICS = ("attn_entropy", "attn_entropy_norm", "attn_max", "attn_entropy_scalefree",
-                     "logit_std_row")
 
 _MAX_BLOCK_ELEMENTS = 2**22  # scores per block: 16 MiB in float32
 _LOG_TINY = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}

@@ -38,8 +38,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkgeom.geometry.entropy import ATTENTION_METRICS
 from qkgeom.geometry.spectra import product_pr, require_finite, split_heads, weight_pr
+from qkgeom.metrics import (
+    LAYER_ONLY_METRICS,
+    METRIC_NAMES,
+    POST_ROTARY_METRICS,
+    TOKEN_METRICS,
+    WEIGHT_METRICS,
+)
 
 __all__ = [
     "LAYER",
@@ -57,15 +63,6 @@ __all__ = [
 Record = tuple[int, str, float]
 LAYER = -1  # the ``head`` value of a whole-layer record
 
-WEIGHT_METRICS = ("pr_q_weight", "pr_k_weight", "contrast_weight", "pr_qk_weight",
-                  "pr_qk_weight_full")
-POST_ROTARY_METRICS = ("pr_q_token_post", "pr_k_token_post", "contrast_token_post")
-TOKEN_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "contrast_token_heads",
-                 "pr_qk_token", "logit_std", *ATTENTION_METRICS, "logit_max", "logit_delta",
-                 *POST_ROTARY_METRICS)
-METRIC_NAMES = WEIGHT_METRICS + TOKEN_METRICS
-#: Metrics with a layer row (head −1) only: they describe the layer as a whole.
-LAYER_ONLY_METRICS = ("pr_qk_weight_full", "contrast_token_heads")
 
 
 

@@ -46,13 +46,13 @@ from typing import Any
 import pandas as pd
 from torch import nn
 
+from qkgeom.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.arch import QK_SITES, adapter_for
 from qkgeom.control.closed_loop import EntropyController
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import Measurement, measure, resolve_metrics
 from qkgeom.geometry.measure import PRECISIONS
 from qkgeom.io import write_json
-from qkgeom.monitor.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_batch
 from qkgeom.monitor.sinks import TensorBoardSink, WandbSink, active_wandb_run
 from qkgeom.runs import (
@@ -108,7 +108,7 @@ class GeometryMonitor:
         wandb: ``"auto"`` logs to the active ``wandb.run`` when W&B is installed; None or
             False: off.
         histograms: log per-layer histograms of the key spectrum (TensorBoard, W&B).
-        alerts: alert rules (default :data:`~qkgeom.monitor.alerts.DEFAULT_RULES`; ``()``
+        alerts: alert rules (default :data:`~qkgeom.alerts.DEFAULT_RULES`; ``()``
             for none); ``on_alert``: a hook called with each :class:`Alert`.
         control: an :class:`EntropyController` to close the loop (off by default: with it,
             training is of course no longer what it was unmonitored).

@@ -35,8 +35,8 @@ RUNS_DIR = "runs"
 ATTEMPTS_FILE = "attempts.jsonl"
 WORKER_LOG = "worker.log"
 ERROR_LOG = "error.log"
-#: The paper's experiments a grid may declare (``experiment:``), so its report is theirs.
-EXPERIMENT_NAMES = ("e1", "e3", "e4")
+#: The experiments a grid may declare (``experiment:``), so its report is theirs.
+EXPERIMENT_NAMES = ("e1", "e3", "e4", "stability")
 
 
 def run_dir(out_dir: str | Path, run_id: str) -> Path:

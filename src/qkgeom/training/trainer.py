@@ -449,8 +449,11 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.step = self.ctx.step = self.step + 1
-        for cb in self.callbacks:
-            cb.on_step_end(self.ctx)
+        try:
+            for cb in self.callbacks:
+                cb.on_step_end(self.ctx)
+        except NonFiniteError as err:  # a control met inf/NaN weights: update s diverged
+            self._diverge(self.step, f"{err} after update {self.step}")
         self.acc["tokens"] += cfg.batch_size * cfg.model.block_size
 
     def _read_losses(self) -> None:
