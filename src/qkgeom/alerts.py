@@ -108,9 +108,11 @@ def key_pr_drop(fraction: float, from_step: int, *, heads: bool = False) -> Aler
                      from_step=from_step)
 
 
-#: Chosen on the calibration runs of docs/stability.md#alerts (2 × the largest layer
-#: logit_max of the stable runs; ½ × their smallest layer entropy).
-DEFAULT_RULES = (logit_growth(50.0), entropy_collapse(0.1))
+#: The calibration rule of docs/stability.md#alerts on the ``calibrate`` preset's runs (the
+#: demo model): 2 × the stable runs' largest layer logit_max and logit_delta, ½ × their
+#: smallest layer entropy; each warned every collapsed calibration run before its loss
+#: departed. Thresholds for that model: docs/monitor.md#alerts says how to set your own.
+DEFAULT_RULES = (logit_growth(74.0), logit_jump(8.8), entropy_collapse(0.59))
 
 
 @dataclass

@@ -7,7 +7,8 @@ experiment's report:
   them, one per seed (``e4.json``, ``qkgeom reproduce e4``): E4,
   :mod:`qkgeom.analysis.e4.report`;
 - a sweep whose grid declares ``experiment: e3`` (``qkgeom reproduce e3`` does): E3,
-  :mod:`qkgeom.analysis.e3.report`;
+  :mod:`qkgeom.analysis.e3.report`; ``experiment: stability``:
+  :mod:`qkgeom.analysis.stability.report`;
 - any other sweep, or one run folder (trained by qkgeom, or written by its
   :class:`~qkgeom.monitor.GeometryMonitor`, which may record only some metrics):
   E1/E2, :mod:`qkgeom.analysis.e1.report`. A folder that declares no experiment (a run
@@ -64,6 +65,11 @@ def claims_table(folder: str | Path, include_incomplete: bool = False,
     token-block bootstrap resamples), an E4 set those over its seeds."""
     if is_analysis_folder(folder) or is_e4_set(folder):
         return e4_claims_table(folder, n_boot=n_boot)
+    if sweep_experiment(folder) == "stability":
+        from qkgeom.analysis.stability.claims import stability_claims
+        from qkgeom.analysis.stability.outcomes import read_stability
+
+        return stability_claims(read_stability(folder))
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)
     e3 = _is_e3_folder(folder, table)
     claims = e3_analysis(table)["claims"] if e3 else e1_claims(table)["claims"]
@@ -90,6 +96,11 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     if is_analysis_folder(folder) or is_e4_set(folder):  # checkpoint families: E4
         claim_report_dir(out, folder)
         return write_e4_report(folder, out, figures=figures, n_boot=n_boot)
+    if sweep_experiment(folder) == "stability":  # diverged runs are part of its results
+        from qkgeom.analysis.stability.report import write_stability_report
+
+        claim_report_dir(out, _result_folder(folder))
+        return write_stability_report(folder, out, figures)
     table = collate(_result_folder(folder), include_incomplete=include_incomplete)
     _refuse_unfinished_run(folder, table)
     claim_report_dir(out, folder)
