@@ -68,10 +68,17 @@ def read_stability(folder: str | Path) -> StabilityRuns:
                      "diverged_step": _diverged_step(r.dir, r.state)})
     if not rows:
         raise QKGeomError(f"{folder}: no finished run of a stability sweep to report")
-    runs = pd.DataFrame(rows)
-    stab = StabilityRuns(runs, pd.concat(layers, ignore_index=True),
-                         pd.concat(vals, ignore_index=True), left_out.reset_index(drop=True),
-                         float(runs["lr"].min()), folder.name)
+    return stability_runs(pd.DataFrame(rows), pd.concat(layers, ignore_index=True),
+                          pd.concat(vals, ignore_index=True), left_out.reset_index(drop=True),
+                          folder.name)
+
+
+def stability_runs(runs: pd.DataFrame, layers: pd.DataFrame, val: pd.DataFrame,
+                   left_out: pd.DataFrame, name: str) -> StabilityRuns:
+    """The outcomes of runs given as tables: ``runs`` (``run_id, arm, lr, seed, state,
+    steps, diverged_step``), ``layers`` (``run_id, step, layer, metric, value``), ``val``
+    (``run_id, step, val_loss``)."""
+    stab = StabilityRuns(runs, layers, val, left_out, float(runs["lr"].min()), name)
     stab.runs = _outcomes(stab)[RUN_COLUMNS]
     return stab
 
