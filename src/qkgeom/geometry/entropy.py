@@ -1,51 +1,15 @@
-"""Attention entropy from captured q/k with an online softmax over key chunks.
+"""Attention entropy, the logit scales and the largest logit, streamed from captured q/k.
 
-Why from q/k: training uses fused ``scaled_dot_product_attention`` (HF models their ``sdpa``
-path), which returns no weights, so the softmax is recomputed here from the captured q/k.
-Why streaming: a checkpoint analysis runs long contexts (T = 512 … 2048) over many batches;
-the (B, H, T, T) pattern is never formed. Scores are computed block by block (a block of
-query positions × a block of key positions, at most ``max_block_elements`` scores at once)
-and each query row keeps three running numbers (the FlashAttention recurrence):
-
-    m = max score so far,  Z = Σ exp(s − m),  A = Σ exp(s − m)·(s − m).
-
-When a new key block raises the maximum from ``m`` to ``m'`` (``α = exp(m − m')``):
-``Z ← α·Z + Z_blk`` and ``A ← α·(A + (m − m')·Z) + A_blk``. At the end, per row,
-``H = log Z − A / Z`` (nats; ``p = exp(s − m)/Z`` so ``−Σp log p = log Z − A/Z``) and the
-largest weight is ``1 / Z``. Keeping A relative to the running maximum avoids the
-cancellation of ``m + log Z − Σ p s`` for peaked rows. Causally, keys after a query block
-are never multiplied (half the work). When whole key rows of ≥ 16 queries fit the block
-bound (T ≲ 1k at typical batch sizes) each row is one block and no rescaling happens.
-
-Grouped-query attention: ``k`` has ``H_kv`` heads; query head ``h`` uses key head
-``h // (H / H_kv)`` (HF ``repeat_kv`` order); keys are never copied per query head.
-
-Reported means over every (sequence, query position) with ``n_t`` visible keys (causal:
-``t + 1``; bidirectional: ``T``), ``H_t = −Σ_s p_ts log p_ts`` in nats:
-
-- ``attn_entropy``: mean ``H_t`` (0 = one-hot, ``log n_t`` = uniform);
-- ``attn_entropy_norm``: mean of ``H_t / log n_t`` over rows with ``n_t ≥ 2`` (in [0, 1]);
-- ``attn_max``: mean of ``max_s p_ts`` (in [1/n_t, 1]);
-- ``logit_std_row``: the **within-row logit scale**, mean over rows with ``n_t ≥ 2`` of
-  σ_t, the standard deviation of the row's visible scaled logits. It is the scale the
-  softmax of that row sees; the pooled ``logit_std`` below also holds the spread *between*
-  rows (a shift of a whole row), which the softmax ignores;
-- ``attn_entropy_scalefree``: mean ``H_t`` of ``softmax(s_t / σ_t)``, the entropy once each
-  row's logits are divided by their own standard deviation (σ_t = 0: the row is left as it
-  is, all its logits equal). A change of temperature alone leaves it unchanged, so a
-  sharpening that survives in it comes from the shape of the logits, not their scale.
-- ``logit_max`` (:meth:`StreamingEntropy.logit_max`): the largest visible scaled logit of
-  each head, the quantity attention-logit-growth studies track. Read off the softmax
-  already computed: a row's largest centred score is ``log Z + log max p`` (``log Z`` from
-  key 0, which every query sees), plus the row mean that was taken out; no extra pass.
-
-Per row, the sum of the visible scores is a matrix-vector product for the keys before a
-causal block (q_t·Σ_s k_s) plus a read of the block's diagonal square; the row is then
-shifted by its mean in place (softmax ignores the shift) and Σ (s − mean)² read, so the
-row variance has no cancellation. The same row sums give ``logit_std``, the standard
-deviation of the visible scaled logits of a head pooled over all its (query, key) pairs
-(causally s ≤ t, bidirectionally all), in running float64 totals. Rows longer than a block
-take two passes over their key chunks: the row moments, then the two online softmaxes.
+Why from q/k: training uses fused ``scaled_dot_product_attention``, which returns no
+weights. Why streamed: long contexts over many batches never form the (B, H, T, T)
+pattern. Scores come in blocks of query rows × key columns (at most ``max_block_elements``
+at once; causally a block never meets the keys after it). Whole rows get an explicit log
+softmax; longer rows an online softmax over key chunks, each row keeping m = max s,
+Z = Σ e^(s−m), A = Σ e^(s−m)(s − m) (rescaled by e^(m−m′) when the maximum grows; then
+H = log Z − A/Z, max p = 1/Z: A relative to m avoids cancellation in peaked rows). Each
+row is centred on its mean before the softmax (which ignores the shift), so its variance
+has no cancellation. GQA: query head h reads key head h // (H / H_kv), never copied.
+Definitions of every metric: docs/definitions.md#attention-entropy and #logit-scale.
 """
 
 from __future__ import annotations

@@ -67,8 +67,11 @@ def _row(stab: StabilityRuns, pairs: pd.DataFrame, arm: str, lr: float, column: 
     delta = DELTA_LOSS if (stable and column == "final_val_loss") else None
     values = pairs[(pairs["arm"] == arm) & np.isclose(pairs["lr"], lr)]["delta"]
     u = stats.unit_test(values, sign, delta=delta)
-    acted = stab.runs[(stab.runs["arm"] == arm) & np.isclose(stab.runs["lr"], lr)]["acted"]
-    reason = "" if acted.all() else "the remedy did not act in every seed"
+    mine = stab.runs[(stab.runs["arm"] == arm) & np.isclose(stab.runs["lr"], lr)]
+    reason = "" if mine["acted"].all() else "the remedy did not act in every seed"
+    if not u["n"] and not reason:
+        diverged = int((mine["state"] == "diverged").sum())
+        reason = f"no seed has both final values ({arm}: {diverged} of {len(mine)} diverged)"
     pred = {1: "Δ > 0", -1: "Δ < 0", 0: "no prediction"}[sign]
     estimate = (f"{signed(u['mean'])} [{signed(u['ci_low'])}, {signed(u['ci_high'])}]"
                 if u["n"] else "n/a")
