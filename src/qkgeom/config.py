@@ -20,6 +20,8 @@ from typing import Any
 from qkgeom.errors import QKGeomError
 
 QK_INITS = ("normal", "orthogonal", "tied")
+# Reparametrisations of W_Q and W_K: none, or sigma (σReparam: γ·W/σ_max(W), docs/stability.md).
+QK_REPARAMS = ("none", "sigma")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 # auto = the best this machine has (detect_device): CUDA, then MPS, then CPU.
 DEVICE_HELP = "auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps"
@@ -39,6 +41,8 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     qk_init: str = "normal"
+    qk_norm: bool = False  # LayerNorm of each head's q and k before the logits (qk-layernorm)
+    qk_reparam: str = "none"  # none | sigma (σReparam of W_Q and W_K)
 
     @property
     def head_dim(self) -> int:
@@ -60,6 +64,9 @@ class GPTConfig:
             raise QKGeomError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.qk_init not in QK_INITS:
             raise QKGeomError(f"unknown qk_init {self.qk_init!r}; choose one of {', '.join(QK_INITS)}")
+        if self.qk_reparam not in QK_REPARAMS:
+            raise QKGeomError(f"unknown model.qk_reparam {self.qk_reparam!r}; choose one of "
+                              f"{', '.join(QK_REPARAMS)}")
 
 
 @dataclass(frozen=True)
@@ -69,9 +76,9 @@ class KeyControlConfig:
     The one definition of the control's settings: :mod:`qkgeom.control` reads its allowed
     values from here, so the config stays torch-free and nothing is kept equal by hand.
 
-    ``dose`` 0 means "not given": for shrink, sham and expand it is replaced by the mode's
+    ``dose`` None means "not given": for shrink, sham and expand it is replaced by the mode's
     default (:attr:`DEFAULT_DOSE`) when the config is built, so an explicit default and an
-    omitted one are the same run (one config hash); none and hold take no dose and keep 0.
+    omitted one are the same run (one config hash); none and hold take no dose.
     """
 
     MODES = ("none", "hold", "shrink", "sham", "expand")
@@ -87,7 +94,7 @@ class KeyControlConfig:
     mode: str = "none"  # none | hold | shrink | sham | expand
     level: str = "token"  # token (spectrum of W_K Σ W_Kᵀ, the keys' covariance) | weight (of W_K)
     scale: str = "data"  # data (key spread tr(W_K Σ W_Kᵀ), matched to the reference) | frobenius
-    dose: float = 0.0  # r: shrink (0, 1], expand >= 1, sham 1; 0 = not given (default)
+    dose: float | None = None  # r: shrink (0, 1], expand >= 1, sham 1; None = the default
     reference: str = ""  # the paired uncontrolled run folder ("" = base is PR_K at step 0)
     ramp_steps: int = -1  # steps over which r(t) goes from 1 to dose; -1 = warmup_steps
     record: bool = False  # write key_pr.parquet (the per-step PR_K of every unit)
@@ -95,7 +102,7 @@ class KeyControlConfig:
     how: str = "post_step"  # post_step (project after each update) | parametrize
 
     def __post_init__(self) -> None:
-        if self.dose == 0 and isinstance(self.mode, str) and self.mode in self.DEFAULT_DOSE:
+        if self.dose is None and isinstance(self.mode, str) and self.mode in self.DEFAULT_DOSE:
             object.__setattr__(self, "dose", self.DEFAULT_DOSE[self.mode])
         prefix = "key_control."
         _check_types(self, prefix)
@@ -106,17 +113,21 @@ class KeyControlConfig:
                 raise QKGeomError(f"unknown {prefix}{name} {getattr(self, name)!r}; choose one "
                                   f"of {', '.join(allowed)}")
         mode, dose = self.mode, self.dose
-        if not math.isfinite(dose):
+        if mode in ("hold", "none"):
+            if dose is not None:
+                raise QKGeomError(f"{prefix}dose is not used by {mode}; got {dose} (leave it "
+                                  "unset)")
+        elif not math.isfinite(dose):
             raise QKGeomError(f"{prefix}dose must be a finite number, got {dose}")
+        elif dose <= 0:
+            raise QKGeomError(f"{prefix}dose must be > 0, got {dose} (leave it unset for the "
+                              "mode's default)")
         if mode == "shrink" and not 0.0 < dose <= 1.0:
             raise QKGeomError(f"{prefix}dose must be in (0, 1] for shrink, got {dose}")
         if mode == "expand" and dose < 1.0:
             raise QKGeomError(f"{prefix}dose must be >= 1 for expand, got {dose}")
         if mode == "sham" and dose != 1.0:
             raise QKGeomError(f"{prefix}dose is fixed at 1 for sham; got {dose} (leave it "
-                              "unset)")
-        if mode in ("hold", "none") and dose != 0.0:
-            raise QKGeomError(f"{prefix}dose is not used by {mode}; got {dose} (leave it "
                               "unset)")
         if self.reference and not (mode in self.CAPPED or (mode != "none"
                                                            and self.scale == "data")):
@@ -171,13 +182,37 @@ class KeyControlConfig:
 
 
 @dataclass(frozen=True)
+class EntropyControlConfig:
+    """The closed loop that steers each layer's attention entropy toward ``target`` nats
+    through its key spectrum (:class:`qkgeom.monitor.EntropyController`, updated at every
+    probe of the run); ``target`` None = off."""
+
+    target: float | None = None  # H* in nats for every layer; None = no closed loop
+    gain: float = 1.0  # change of log PR* per nat of error per probe
+    max_step: float = 0.25  # bound on |Δ log PR*| per probe
+
+    def __post_init__(self) -> None:
+        _check_types(self, "entropy_control.")
+        if self.target is not None and not (math.isfinite(self.target) and self.target >= 0):
+            raise QKGeomError(f"entropy_control.target must be finite nats >= 0, got "
+                              f"{self.target}")
+        if not (self.gain > 0 and self.max_step > 0):
+            raise QKGeomError("entropy_control.gain and max_step must be positive, got "
+                              f"{self.gain} and {self.max_step}")
+
+    @property
+    def active(self) -> bool:
+        return self.target is not None
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Everything that determines a run. ``seed`` fixes init and data order; the probe set
     is fixed by ``probe_seed``-independent data (the start of the val split), so every run of
     one experiment is probed on the same tokens."""
 
     model: GPTConfig = field(default_factory=GPTConfig)
-    data: str = ""  # prepared data folder; "" = the embedded Wikipedia sample (cached)
+    data: str = "sample"  # "sample" (the embedded Wikipedia text, cached) or a prepared folder
     seed: int = 0
     steps: int = 2000
     batch_size: int = 32
@@ -212,10 +247,12 @@ class TrainConfig:
     threads: int = 0  # 0 = leave torch's default
     compile: bool = False  # torch.compile the training forward/backward (probes stay eager)
     key_control: KeyControlConfig = field(default_factory=KeyControlConfig)
+    entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
 
     def __post_init__(self) -> None:
         # The nested sections validated themselves when they were built.
-        for name, kind in (("model", GPTConfig), ("key_control", KeyControlConfig)):
+        for name, kind in (("model", GPTConfig), ("key_control", KeyControlConfig),
+                           ("entropy_control", EntropyControlConfig)):
             if not isinstance(getattr(self, name), kind):
                 raise QKGeomError(f"config key {name!r} must be a {kind.__name__}, got "
                                   f"{getattr(self, name)!r}")
@@ -262,11 +299,20 @@ class TrainConfig:
             raise QKGeomError(f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
         if not (self.device in ("auto", "cpu") or self.device.startswith(("cuda", "mps"))):
             raise QKGeomError(f"unknown device {self.device!r}; use {DEVICE_HELP}")
+        controls = [n for n in ("key_control", "entropy_control") if getattr(self, n).active
+                    and (n == "entropy_control" or self.key_control.mode != "none")]
+        if self.model.qk_reparam != "none" and controls:
+            raise QKGeomError(f"{controls[0]} reshapes W_K, which model.qk_reparam "
+                              f"{self.model.qk_reparam!r} reparametrises; use one or the other")
+        if len(controls) == 2:
+            raise QKGeomError("key_control and entropy_control both reshape W_K; use one or "
+                              "the other")
 
     def active_features(self) -> list[str]:
         """Config sections that ask for behaviour the trainer does not implement itself:
         each must be served by a callback (built from the config by :mod:`qkgeom.launch`)."""
-        return ["key_control"] if self.key_control.active else []  # a control or its record
+        return [name for name in ("key_control", "entropy_control")
+                if getattr(self, name).active]  # key_control: a control or its record
 
     @property
     def resolved_device(self) -> str:
@@ -337,15 +383,17 @@ def _check_types(cfg: Any, prefix: str) -> None:
         if f.default is dataclasses.MISSING:  # the nested model config: validated itself
             continue
         value, kind = getattr(cfg, f.name), type(f.default)
-        if kind is float:
+        if f.default is None:  # an optional number: None = not given
+            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        elif kind is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         elif kind is int:
             ok = isinstance(value, int) and not isinstance(value, bool)
         else:
             ok = isinstance(value, kind)
         if not ok:
-            raise QKGeomError(f"config key {prefix + f.name!r} must be {kind.__name__}, "
-                              f"got {value!r}")
+            what = "a number or null" if f.default is None else kind.__name__
+            raise QKGeomError(f"config key {prefix + f.name!r} must be {what}, got {value!r}")
 
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -466,8 +514,13 @@ _SYNONYMS = {"depth": "n_layer", "layers": "n_layer", "num_layers": "n_layer",
 
 
 def _coerce(value: Any, default: Any, name: str) -> Any:
-    """Type-check one value against its default's type (ints may become floats)."""
+    """Type-check one value against its default's type (ints may become floats; a default
+    of None is an optional number)."""
     kind = type(default)
+    if default is None:
+        if value is None:
+            return None
+        kind = float
     if kind is bool:
         if isinstance(value, bool):
             return value
@@ -481,7 +534,8 @@ def _coerce(value: Any, default: Any, name: str) -> Any:
             return float(value)
     elif kind is str and isinstance(value, str):
         return value
-    raise QKGeomError(f"config key {name!r} must be {kind.__name__}, got {value!r}")
+    what = "a number or null" if default is None else kind.__name__
+    raise QKGeomError(f"config key {name!r} must be {what}, got {value!r}")
 
 
 def _nested(cls: type) -> dict[str, type]:
@@ -667,12 +721,6 @@ def make_config(preset: str = "demo", overrides: dict[str, Any] | None = None) -
     """A preset with overrides applied on top (later wins), validated."""
     if preset not in PRESETS:
         raise QKGeomError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    given = (overrides or {}).get("key_control")
-    dose = given.get("dose") if isinstance(given, dict) else None
-    # 0 is the stored "not given" mark; a dose the user wrote must be a real one.
-    if isinstance(dose, (int, float)) and not isinstance(dose, bool) and dose <= 0:
-        raise QKGeomError(f"key_control.dose must be > 0, got {dose} (leave it unset for "
-                          "the mode's default)")
     return from_dict(deep_merge(PRESETS[preset], overrides or {}))
 
 

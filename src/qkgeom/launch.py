@@ -1,7 +1,7 @@
 """The composition root of a training run: a config -> the callbacks it asks for -> the trainer.
 
 The trainer knows only callbacks; the features a config can switch on (key-spectrum
-control) are built here, at the edge, and nowhere else. The CLI, the sweep workers and the
+control, the entropy closed loop) are built here, at the edge, and nowhere else. The CLI, the sweep workers and the
 Python API (``qkgeom.train``) all train through :func:`train`, so a run means the same
 thing however it was started.
 """
@@ -29,6 +29,12 @@ def callbacks_for(cfg: TrainConfig, out_dir: str | Path | None = None) -> list[C
         from qkgeom.control import KeyControlCallback
 
         out.append(KeyControlCallback(cfg.key_control, run_dir=out_dir))
+    if cfg.entropy_control.active:
+        from qkgeom.control.closed_loop import EntropyControlCallback, EntropyController
+
+        ec = cfg.entropy_control
+        out.append(EntropyControlCallback(EntropyController(ec.target, gain=ec.gain,
+                                                            max_step=ec.max_step)))
     return out
 
 

@@ -46,7 +46,7 @@ def test_bad_control_settings_are_clear_errors(over: dict, words: str) -> None:
 def test_dose_defaults_per_mode_and_an_explicit_default_is_the_same_run() -> None:
     doses = {m: make_config("smoke", {"key_control": {"mode": m}}).key_control.dose
              for m in KeyControlConfig.MODES}
-    assert doses == {"none": 0.0, "hold": 0.0, "shrink": 0.5, "sham": 1.0, "expand": 2.0}
+    assert doses == {"none": None, "hold": None, "shrink": 0.5, "sham": 1.0, "expand": 2.0}
     implicit = make_config("smoke", {"key_control": {"mode": "shrink"}})
     explicit = make_config("smoke", {"key_control": {"mode": "shrink", "dose": 0.5}})
     assert implicit.config_hash() == explicit.config_hash()

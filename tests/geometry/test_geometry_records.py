@@ -48,6 +48,8 @@ def test_metric_names_are_the_documented_names() -> None:
         "attn_max",
         "attn_entropy_scalefree",
         "logit_std_row",
+        "logit_max",
+        "logit_delta",
         "pr_q_token_post",
         "pr_k_token_post",
         "contrast_token_post",

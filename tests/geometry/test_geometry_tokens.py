@@ -85,7 +85,7 @@ def test_hand_known_covariance_prs() -> None:
     tg.update(q[1:].double(), k[1:].double())
     rec = _as_dict(tg.records())
     assert set(rec) == {(h, m) for h in [*range(n_head), LAYER] for m in TOKEN_METRICS
-                        if m not in POST_ROTARY_METRICS
+                        if m not in POST_ROTARY_METRICS and m != "logit_delta"  # no previous
                         and (h == LAYER or m not in LAYER_ONLY_METRICS)}
     for h in range(n_head):
         assert rec[(h, "pr_q_token")] == pytest.approx(25 / 17, rel=1e-12)
@@ -143,7 +143,8 @@ def test_end_to_end_layer_frame() -> None:
     tg = LayerGeometry(n_head, n_head, hd)
     tg.update(q, k)
     frame = records_to_frame({0: weight_records(w_q, w_k, n_head) + tg.records()}, run_id="x")
-    per_layer = [m for m in METRIC_NAMES if m not in POST_ROTARY_METRICS]  # one site: no _post
+    # one site: no _post; one measurement: no logit_delta (nothing to compare with)
+    per_layer = [m for m in METRIC_NAMES if m not in (*POST_ROTARY_METRICS, "logit_delta")]
     assert len(frame) == (n_head + 1) * len(per_layer) - n_head * len(LAYER_ONLY_METRICS)
     assert set(frame["metric"]) == set(per_layer)
     assert frame["value"].notna().all()

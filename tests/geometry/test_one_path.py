@@ -16,9 +16,11 @@ from qkgeom.training.checkpoint import load_model
 KEYS = ["layer", "head", "metric"]
 
 
-def _at(frame: pd.DataFrame, step: int | None = None) -> pd.DataFrame:
+def _at(frame: pd.DataFrame, step: int | None = None, delta: bool = False) -> pd.DataFrame:
+    """Rows at ``step``; logit_delta (a change since the previous probe) only with ``delta``."""
     if step is not None:
         frame = frame[frame["step"] == step]
+    frame = frame[(frame["metric"] == "logit_delta") == delta]
     return frame[[*KEYS, "value"]].sort_values(KEYS).reset_index(drop=True)
 
 
@@ -36,6 +38,12 @@ def test_trainer_monitor_measure_and_analyze_agree(sample_data: Path, tmp_path: 
 
     direct = _at(measure(model, ids, batch_size=cfg.probe_batch).frame)
     pd.testing.assert_frame_equal(direct, want, check_exact=True)
+    # the change since the previous probe: the trainer's = measuring step 20 after step 10
+    before = measure(load_model(run, 10)[0], ids, batch_size=cfg.probe_batch)
+    after = measure(model, ids, batch_size=cfg.probe_batch, previous=before)
+    assert len(_at(trained, 20, delta=True)) == (cfg.model.n_head + 1) * cfg.model.n_layer
+    pd.testing.assert_frame_equal(_at(after.frame, delta=True), _at(trained, 20, delta=True),
+                                  check_exact=True)
 
     mon = GeometryMonitor(model, ids, every=1, metrics="all", batch_size=cfg.probe_batch,
                           tensorboard=None, wandb=False, alerts=())

@@ -11,12 +11,12 @@ import torch
 from qkgeom.errors import QKGeomError
 from qkgeom.monitor import (
     AlertRule,
+    Alerts,
     GeometryMonitor,
     GeometryWarning,
     entropy_collapse,
-    key_pr_collapse,
+    key_pr_drop,
 )
-from qkgeom.monitor.alerts import Alerts
 
 
 def frame(values: dict[tuple[int, int, str], float]) -> pd.DataFrame:
@@ -24,22 +24,28 @@ def frame(values: dict[tuple[int, int, str], float]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["layer", "head", "metric", "value"])
 
 
-def test_key_pr_collapse_fires_once_and_rearms() -> None:
+def test_key_pr_drop_watches_from_its_step_fires_once_and_rearms() -> None:
+    """Relative to the post-transient level: the probes before ``from_step`` (the early
+    collapse every small model's keys go through) are not checked; the baseline is the
+    first probe at or after it."""
     seen = []
-    alerts = Alerts((key_pr_collapse(2.0),), hook=seen.append)
+    alerts = Alerts((key_pr_drop(0.5, 10),), hook=seen.append)
+    assert alerts.check(0, frame({(1, -1, "pr_k_token"): 0.1})) == []  # before from_step
+    assert alerts.check(10, frame({(0, -1, "pr_k_token"): 5.0, (1, -1, "pr_k_token"): 4.0,
+                                   (1, 0, "pr_k_token"): 0.1})) == []  # the baselines
     with pytest.warns(GeometryWarning, match=r"layer 1: pr_k_token = 1.5 is below 2"):
-        fired = alerts.check(10, frame({(0, -1, "pr_k_token"): 5.0, (1, -1, "pr_k_token"): 1.5,
-                                        (1, 0, "pr_k_token"): 1.0}))  # heads ignored
+        fired = alerts.check(20, frame({(0, -1, "pr_k_token"): 5.0, (1, -1, "pr_k_token"): 1.5,
+                                        (1, 0, "pr_k_token"): 0.05}))  # heads ignored
     assert [(a.step, a.layer, a.head, a.value, a.threshold) for a in fired] == [
-        (10, 1, -1, 1.5, 2.0)]
+        (20, 1, -1, 1.5, 2.0)]
     assert seen == fired
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # still collapsed: no second warning
-        assert alerts.check(20, frame({(1, -1, "pr_k_token"): 1.2})) == []
-        assert alerts.check(30, frame({(1, -1, "pr_k_token"): 3.0})) == []  # recovered
+        assert alerts.check(30, frame({(1, -1, "pr_k_token"): 1.2})) == []
+        assert alerts.check(40, frame({(1, -1, "pr_k_token"): 3.0})) == []  # recovered
     with pytest.warns(GeometryWarning):
-        assert len(alerts.check(40, frame({(1, -1, "pr_k_token"): 1.9}))) == 1  # re-armed
-    assert [a.step for a in alerts.fired] == [10, 40]
+        assert len(alerts.check(50, frame({(1, -1, "pr_k_token"): 1.9}))) == 1  # re-armed
+    assert [a.step for a in alerts.fired] == [20, 50]
 
 
 def test_relative_per_head_entropy_rule() -> None:
@@ -75,3 +81,19 @@ def test_monitor_warns_and_calls_the_hook(probe_tokens) -> None:
     assert sorted(a.layer for a in hits) == [0, 1] and mon.fired == hits
     assert set(mon.history["metric"]) == {"pr_q_token", "attn_entropy"}  # rule's metric measured
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("off", [False, None])
+def test_sinks_are_off_with_false_or_none(probe_tokens, off) -> None:
+    """``tensorboard=`` and ``wandb=`` take False and None alike for "off" (False used to be
+    a TypeError for TensorBoard); the default rules' metrics are measured."""
+    from qkgeom import GPT, GPTConfig
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32, vocab_size=256))
+    mon = GeometryMonitor(model, probe_tokens, metrics=["pr_q_token"], tensorboard=off,
+                          wandb=off)
+    assert mon.tensorboard is None and mon._wandb_sink() is None
+    mon.start(0)
+    mon.step(1)
+    mon.probe(1)
+    assert {"logit_max", "logit_delta", "attn_entropy"} <= set(mon.history["metric"])

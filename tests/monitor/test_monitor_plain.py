@@ -114,9 +114,9 @@ def test_run_folder_follows_spec7(runs) -> None:
     assert list(metrics.columns) == ["run_id", "step", "layer", "head", "metric", "value"]
     assert sorted(metrics["step"].unique()) == [0, 2, 4, 6]
     assert set(metrics["run_id"]) == {"mon-a"}
-    # 2 layers × ((2 heads + layer) × 14 metrics + 2 layer-only ones) per probe (no rotary:
-    # no _post metrics)
-    assert metrics.groupby("step").size().tolist() == [88] * 4
+    # 2 layers × ((2 heads + layer) × 15 metrics + 2 layer-only ones) per probe (no rotary:
+    # no _post metrics), + logit_delta from the second probe on
+    assert metrics.groupby("step").size().tolist() == [94] + [94 + 2 * 3] * 3
     status = read_json(run / "status.json")
     assert status["state"] == "done" and status["step"] == STEPS == status["steps"]
     cfg = read_json(run / "config.json")

@@ -2,7 +2,8 @@
 
 :func:`write_report` and :func:`claims_table` tell the folder's kind and hand it to its
 experiment: an analysis folder or a set of them (E4), a sweep whose grid declares
-``experiment: e3`` (E3), any other sweep or one run folder (E1/E2; a folder that declares
+``experiment: e3`` (E3) or ``experiment: stability``
+(:mod:`qkgeom.analysis.stability.report`), any other sweep or one run folder (E1/E2; a folder that declares
 no experiment is E3 when its runs pair a controlled run with an uncontrolled one). The
 report goes to ``<folder>/report/`` (docs/report.md), marked by ``report.json``: it is
 written only into a new or empty folder or one so marked, never over files qkgeom did not
@@ -47,6 +48,11 @@ def claims_table(folder: str | Path, include_incomplete: bool = False,
     token-block bootstrap resamples), an E4 set those over its seeds."""
     if is_analysis_folder(folder) or is_e4_set(folder):
         return e4_claims_table(folder, n_boot=n_boot)
+    if sweep_experiment(folder) == "stability":
+        from qkgeom.analysis.stability.claims import stability_claims
+        from qkgeom.analysis.stability.outcomes import read_stability
+
+        return stability_claims(read_stability(folder))
     data = collate(_result_folder(folder), include_incomplete=include_incomplete)
     return e3_analysis(data)["claims"] if _is_e3_folder(data) else e1_claims(data)["claims"]
 
@@ -70,6 +76,11 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     if is_analysis_folder(folder) or is_e4_set(folder):  # checkpoint families: E4
         claim_report_dir(out, folder)
         return write_e4_report(folder, out, figures=figures, n_boot=n_boot)
+    if sweep_experiment(folder) == "stability":  # diverged runs are part of its results
+        from qkgeom.analysis.stability.report import write_stability_report
+
+        claim_report_dir(out, _result_folder(folder))
+        return write_stability_report(folder, out, figures)
     data = collate(_result_folder(folder), include_incomplete=include_incomplete)
     _refuse_unfinished_run(data)
     claim_report_dir(out, folder)

@@ -51,8 +51,12 @@ def to_gpt2(model: GPT) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from qkgeom.arch.gpt2 import fuse_qkv
+    from qkgeom.errors import QKGeomError
 
     cfg = model.config
+    if cfg.qk_norm:
+        raise QKGeomError("a model with qk_norm has no GPT-2 equivalent (GPT-2 has no "
+                          "LayerNorm on q and k); it cannot be exported")
     d = cfg.n_embd
     hf_cfg = GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=d, n_layer=cfg.n_layer,

@@ -18,7 +18,7 @@ _FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth i
               "key_control": "key_control.mode", "dose": "key_control.dose",
               "key_control_scope": "key_control.scope",
               "key_control_level": "key_control.level"}
-#: The word that names the embedded Wikipedia sample (config ``data: ""``), as in
+#: The word that names the embedded Wikipedia sample (config ``data: sample``), as in
 #: ``qkgeom analyze --text sample``.
 SAMPLE = "sample"
 
@@ -33,9 +33,9 @@ def _preset_help(text: str, key: str) -> str:
 
 
 def data_spec(value: str | None) -> str | None:
-    """``--data``: ``sample`` is the embedded Wikipedia sample (the config's ``""``);
-    anything else a prepared data folder (``./sample`` names a folder called sample)."""
-    return "" if value == SAMPLE else value
+    """``--data``: ``sample`` is the embedded Wikipedia sample; anything else a prepared
+    data folder (``./sample`` names a folder called sample)."""
+    return value
 
 
 def train_overrides(**flags: Any) -> dict[str, Any]:

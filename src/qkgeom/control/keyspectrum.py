@@ -192,13 +192,13 @@ class KeySpectrumControl:
         spread in :attr:`trajectory`; ``record_initial=False`` when the state will come
         from :meth:`load_state_dict`. Mode ``none`` without ``record`` looks nothing up.
         """
-        settings = KeyControlConfig(mode=mode, level=level, scale=scale,
-                                    dose=0.0 if dose is None else dose,
+        settings = KeyControlConfig(mode=mode, level=level, scale=scale, dose=dose,
                                     reference=str(reference or ""), scope=scope, how=how,
                                     record=bool(record))  # validated as it is built
         if int(ramp_steps) < 0:
             raise QKGeomError(f"key control ramp_steps must be >= 0, got {ramp_steps}")
-        kw = dict(mode=mode, level=level, scope=scope, scale=scale, dose=settings.dose,
+        kw = dict(mode=mode, level=level, scope=scope, scale=scale,
+                  dose=1.0 if settings.dose is None else settings.dose,  # hold: unused
                   ramp_steps=int(ramp_steps), how=how, record=bool(record))
         if not settings.active:
             return cls(model, "", [], **kw)

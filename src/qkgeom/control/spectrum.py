@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from qkgeom.geometry.spectra import NonFiniteError
+
 __all__ = ["GAMMA_MAX", "SpectrumFit", "apply_target", "default_rtol", "fit_spectrum",
            "reshape_spectrum", "spectral_reshape"]
 
@@ -97,8 +99,8 @@ def _check_spectrum(s: Tensor | Any) -> Tensor:
     s = torch.as_tensor(s).to(torch.float64)
     if s.ndim == 0 or s.shape[-1] == 0:
         raise ValueError(f"a spectrum needs a non-empty last dim, got shape {tuple(s.shape)}")
-    if not bool(torch.isfinite(s).all()):
-        raise ValueError("the singular values contain NaN or inf")
+    if not bool(torch.isfinite(s).all()):  # the keys diverged: the trainer records it so
+        raise NonFiniteError("the singular values contain NaN or inf")
     if bool((s < 0).any()):
         raise ValueError(f"singular values must be non-negative; min = {s.min().item():.3g}")
     return s

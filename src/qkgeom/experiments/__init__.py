@@ -5,7 +5,8 @@ experiments.
 ids; ``run_sweep`` trains them into a resumable sweep folder (every run through
 ``run_one``, in persistent local worker processes or Ray tasks, packed ``runs_per_gpu`` to a
 GPU on CUDA grids); ``sweep_status`` tabulates a sweep folder. The paper's experiments are
-one :class:`Experiment` each (``e1``: E1 and E2, ``e3``, ``e4``), found by
+one :class:`Experiment` each (``e1``: E1 and E2, ``e3``, ``e4``; ``stability``, the
+attention-entropy collapse and its remedies), found by
 :func:`experiment`; :func:`reproduce` runs one end to end.
 """
 
@@ -21,10 +22,11 @@ from qkgeom.experiments.e4 import E4, E4_PRESETS
 from qkgeom.experiments.experiment import Experiment
 from qkgeom.experiments.grid import Arm, Grid, RunSpec, load_grid
 from qkgeom.experiments.runner import SweepSummary, run_sweep, sweep_status
+from qkgeom.experiments.stability import STABILITY_PRESETS, Stability
 from qkgeom.experiments.worker import run_one
 
 #: Every experiment ``qkgeom reproduce`` runs, by name.
-EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (E1(), E3(), E4())}
+EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (E1(), E3(), E4(), Stability())}
 
 
 def experiment(name: str) -> Experiment:
@@ -57,4 +59,5 @@ reproduce_e4 = EXPERIMENTS["e4"].run
 
 __all__ = ["Arm", "Grid", "RunSpec", "load_grid", "run_sweep", "run_one", "sweep_status",
            "SweepSummary", "Experiment", "EXPERIMENTS", "experiment", "reproduce",
-           "reproduce_e4", "E1_PRESETS", "E3_PRESETS", "E4_PRESETS", "e3_arm"]
+           "reproduce_e4", "E1_PRESETS", "E3_PRESETS", "E4_PRESETS", "STABILITY_PRESETS",
+           "e3_arm"]

@@ -1,47 +1,15 @@
-"""Attention entropy from captured q/k with an online softmax over key chunks.
+"""Attention entropy, the logit scales and the largest logit, streamed from captured q/k.
 
-Why from q/k: training uses fused ``scaled_dot_product_attention`` (HF models their ``sdpa``
-path), which returns no weights, so the softmax is recomputed here from the captured q/k.
-Why streaming: a checkpoint analysis runs long contexts (T = 512 … 2048) over many batches;
-the (B, H, T, T) pattern is never formed. Scores are computed block by block (a block of
-query positions × a block of key positions, at most ``max_block_elements`` scores at once)
-and each query row keeps three running numbers (the FlashAttention recurrence):
-
-    m = max score so far,  Z = Σ exp(s − m),  A = Σ exp(s − m)·(s − m).
-
-When a new key block raises the maximum from ``m`` to ``m'`` (``α = exp(m − m')``):
-``Z ← α·Z + Z_blk`` and ``A ← α·(A + (m − m')·Z) + A_blk``. At the end, per row,
-``H = log Z − A / Z`` (nats; ``p = exp(s − m)/Z`` so ``−Σp log p = log Z − A/Z``) and the
-largest weight is ``1 / Z``. Keeping A relative to the running maximum avoids the
-cancellation of ``m + log Z − Σ p s`` for peaked rows. Causally, keys after a query block
-are never multiplied (half the work). When whole key rows of ≥ 16 queries fit the block
-bound (T ≲ 1k at typical batch sizes) each row is one block and no rescaling happens.
-
-Grouped-query attention: ``k`` has ``H_kv`` heads; query head ``h`` uses key head
-``h // (H / H_kv)`` (HF ``repeat_kv`` order); keys are never copied per query head.
-
-Reported means over every (sequence, query position) with ``n_t`` visible keys (causal:
-``t + 1``; bidirectional: ``T``), ``H_t = −Σ_s p_ts log p_ts`` in nats:
-
-- ``attn_entropy``: mean ``H_t`` (0 = one-hot, ``log n_t`` = uniform);
-- ``attn_entropy_norm``: mean of ``H_t / log n_t`` over rows with ``n_t ≥ 2`` (in [0, 1]);
-- ``attn_max``: mean of ``max_s p_ts`` (in [1/n_t, 1]);
-- ``logit_std_row``: the **within-row logit scale**, mean over rows with ``n_t ≥ 2`` of
-  σ_t, the standard deviation of the row's visible scaled logits. It is the scale the
-  softmax of that row sees; the pooled ``logit_std`` below also holds the spread *between*
-  rows (a shift of a whole row), which the softmax ignores;
-- ``attn_entropy_scalefree``: mean ``H_t`` of ``softmax(s_t / σ_t)``, the entropy once each
-  row's logits are divided by their own standard deviation (σ_t = 0: the row is left as it
-  is, all its logits equal). A change of temperature alone leaves it unchanged, so a
-  sharpening that survives in it comes from the shape of the logits, not their scale.
-
-Per row, the sum of the visible scores is a matrix-vector product for the keys before a
-causal block (q_t·Σ_s k_s) plus a read of the block's diagonal square; the row is then
-shifted by its mean in place (softmax ignores the shift) and Σ (s − mean)² read, so the
-row variance has no cancellation. The same row sums give ``logit_std``, the standard
-deviation of the visible scaled logits of a head pooled over all its (query, key) pairs
-(causally s ≤ t, bidirectionally all), in running float64 totals. Rows longer than a block
-take two passes over their key chunks: the row moments, then the two online softmaxes.
+Why from q/k: training uses fused ``scaled_dot_product_attention``, which returns no
+weights. Why streamed: long contexts over many batches never form the (B, H, T, T)
+pattern. Scores come in blocks of query rows × key columns (at most ``max_block_elements``
+at once; causally a block never meets the keys after it). Whole rows get an explicit log
+softmax; longer rows an online softmax over key chunks, each row keeping m = max s,
+Z = Σ e^(s−m), A = Σ e^(s−m)(s − m) (rescaled by e^(m−m′) when the maximum grows; then
+H = log Z − A/Z, max p = 1/Z: A relative to m avoids cancellation in peaked rows). Each
+row is centred on its mean before the softmax (which ignores the shift), so its variance
+has no cancellation. GQA: query head h reads key head h // (H / H_kv), never copied.
+Definitions of every metric: docs/definitions.md#attention-entropy and #logit-scale.
 """
 
 from __future__ import annotations
@@ -53,20 +21,20 @@ import torch
 from torch import Tensor
 
 from qkgeom.geometry.workspace import Workspace
+from qkgeom.metrics import ATTENTION_METRICS
 
 __all__ = ["ATTENTION_METRICS", "StreamingEntropy", "logit_std_from_moments",
            "visible_pairs"]
 
-ATTENTION_METRICS = ("attn_entropy", "attn_entropy_norm", "attn_max", "attn_entropy_scalefree",
-                     "logit_std_row")
 
 _MAX_BLOCK_ELEMENTS = 2**22  # scores per block: 16 MiB in float32
 _LOG_TINY = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}
 _NEG = -1e30  # masked score: exp(−1e30 − m) is exactly 0 and (−1e30 − m)·0 = 0 (no NaN)
 # per head: Σ H_t, Σ H_t / log n_t, Σ max p, Σ s, Σ s² (s = visible scaled logits),
-# Σ σ_t (rows with n_t >= 2), Σ H_t of softmax(s_t / σ_t)
+# Σ σ_t (rows with n_t >= 2), Σ H_t of softmax(s_t / σ_t); then the largest s (a max, not a sum)
 _SUMS = 7
-_ROWS = 4  # per row: Σ p log p, max p, σ_t, Σ p′ log p′ of the scale-free softmax
+_MAX = _SUMS  # the row of batch_sums that holds the largest logit
+_ROWS = 5  # per row: Σ p log p, max p, σ_t, Σ p′ log p′ of the scale-free softmax, max s
 _TINY_STD = 1e-30  # a row std at or below this is a row of equal logits (left unscaled)
 
 
@@ -121,6 +89,7 @@ class StreamingEntropy:
         self.n_head, self.n_kv_head, self.causal = n_head, n_kv_head, causal
         self.max_block_elements = max_block_elements
         self._sums = torch.zeros(_SUMS, n_head, dtype=torch.float64)  # see _SUMS
+        self._max = torch.full((n_head,), -math.inf, dtype=torch.float64)  # largest s
         self.n_queries = 0
         self.n_queries_norm = 0
         self.n_pairs = 0  # visible (query, key) pairs per head
@@ -184,9 +153,9 @@ class StreamingEntropy:
     def batch_sums(self, qg: Tensor, kk: Tensor, B: int,
                    blocks: tuple[int, int] | None = None,
                    workspace: Workspace | None = None) -> Tensor:
-        """The (7, H) float64 sums of one batch (layouts of :meth:`prepare`), not yet added:
+        """The (8, H) float64 sums of one batch (layouts of :meth:`prepare`), not yet added:
         Σ H_t, Σ H_t / log n_t, Σ max p, Σ s and Σ s² over the visible scores s, Σ σ_t and
-        Σ H_t of the scale-free softmax (see the module docstring).
+        Σ H_t of the scale-free softmax (see the module docstring), and the largest s.
 
         Why separate from :meth:`add_sums`: a caller keeping several totals (all tokens and
         the current token block, :class:`~qkgeom.geometry.tokens.LayerGeometry`) computes
@@ -211,18 +180,20 @@ class StreamingEntropy:
                 self._online_rows(qb, kk, t0, n, R, nk, kc, n_vis, out, moments)
         w = _row_weights(T, self.causal, dtype, dev)  # (3, T): −1, −1/log n_t, 1{n_t ≥ 2}
         per_row = rows.view(_ROWS, B, Hk, T, R)
-        sums = torch.empty(_SUMS, H, dtype=torch.float64, device=dev)
+        sums = torch.empty(_SUMS + 1, H, dtype=torch.float64, device=dev)
         sums[:2] = torch.einsum("bgtr,wt->wgr", per_row[0], w[:2]).reshape(2, H)
         sums[2] = per_row[1].sum(dim=(0, 2)).reshape(H)
         sums[3:5] = moments.view(2, B, Hk, R).sum(dim=1).reshape(2, H)
         sums[5] = torch.einsum("bgtr,t->gr", per_row[2], w[2]).reshape(H)  # Σ σ_t, n_t ≥ 2
         sums[6] = torch.einsum("bgtr,t->gr", per_row[3], w[0]).reshape(H)  # Σ H_t, scale-free
+        sums[_MAX] = per_row[4].amax(dim=(0, 2)).reshape(H)  # largest visible s
         return sums
 
     def add_sums(self, sums: Tensor, B: int, T: int) -> None:
         """Add the :meth:`batch_sums` of ``B`` windows of ``T`` positions."""
         self._sums = self._sums.to(sums.device)
-        self._sums += sums
+        self._sums += sums[:_SUMS]
+        self._max = torch.maximum(self._max.to(sums.device), sums[_MAX])
         self.n_queries += B * T
         self.n_queries_norm += B * (T - 1 if self.causal else (T if T >= 2 else 0))
         self.n_pairs += B * visible_pairs(T, self.causal)
@@ -243,10 +214,14 @@ class StreamingEntropy:
         return torch.where(sd > _TINY_STD, sd.reciprocal(), torch.ones_like(sd))[..., None]
 
     @staticmethod
-    def _entropy_rows(s: Tensor, logp: Tensor, neg_ent: Tensor, top: Tensor | None) -> None:
+    def _entropy_rows(s: Tensor, logp: Tensor, neg_ent: Tensor, top: Tensor | None,
+                      peak: Tensor | None = None) -> None:
         """Σ p log p of ``softmax(s)`` per row into ``neg_ent`` (non-positive terms: no
-        cancellation), and with ``top`` the largest weight; ``s`` is spent (holds p)."""
+        cancellation), with ``top`` the largest weight, with ``peak`` the largest s
+        (``log Z + log max p``, ``log Z = s_0 − log p_0``); ``s`` is spent (holds p)."""
         torch.log_softmax(s, dim=-1, out=logp)
+        if peak is not None:
+            torch.sub(s[..., 0], logp[..., 0], out=peak)  # log Z, before the clamp below
         # log p >= log(smallest normal) + 1: keeps p and p log p out of the subnormal range,
         # where exp and mul run ~100x slower on x86; a weight below ~1e-37 (float32) then
         # adds at most 3e-36 nats per key, far below round-off (masked keys included).
@@ -254,6 +229,8 @@ class StreamingEntropy:
         p = torch.exp(logp, out=s)
         if top is not None:
             torch.amax(p, dim=-1, out=top)
+            if peak is not None:
+                peak.add_(top.log())
         torch.sum(p.mul_(logp), dim=-1, out=neg_ent)
 
     def _whole_rows(self, qb: Tensor, kb: Tensor, t0: int, n: int, R: int, n_vis: Tensor,
@@ -275,7 +252,8 @@ class StreamingEntropy:
             r1 = d1 if r1 is None else r1.add_(d1)
         else:
             r1 = torch.bmm(qb, kb.sum(dim=1)[:, :, None])[..., 0]  # (B·Hk, n·R)
-        s.sub_((r1 / n_vis.repeat_interleave(R))[..., None])  # centred rows: same softmax
+        mean = r1 / n_vis.repeat_interleave(R)  # (B·Hk, n·R)
+        s.sub_(mean[..., None])  # centred rows: same softmax
         if causal_block:
             r2c = torch.linalg.vector_norm(
                 torch.mul(grid[..., t0:], lower, out=diag), dim=-1).square_()
@@ -289,7 +267,8 @@ class StreamingEntropy:
         logp = ws.get("entropy.logp", shape, s.dtype, s.device)
         scaled = torch.mul(s, inv, out=ws.get("entropy.sf", shape, s.dtype, s.device))
         self._entropy_rows(scaled, logp, out[3], None)
-        self._entropy_rows(s, logp, out[0], out[1])
+        self._entropy_rows(s, logp, out[0], out[1], out[4])
+        out[4].add_(mean)  # the largest centred score + the row mean = the largest score
 
     def _online_rows(self, qb: Tensor, kk: Tensor, t0: int, n: int, R: int, nk: int, kc: int,
                      n_vis: Tensor, out: Tensor, moments: Tensor) -> None:
@@ -331,6 +310,7 @@ class StreamingEntropy:
         out[0].copy_(raw.neg_entropy())
         out[1].copy_(raw.z.reciprocal())  # largest weight
         out[3].copy_(scaled.neg_entropy())
+        out[4].copy_(raw.m)  # the largest (raw) score of the row
 
     def result(self) -> dict[str, Tensor]:
         """``{name: (H,) float64}`` means for the ``ATTENTION_METRICS``."""
@@ -350,6 +330,12 @@ class StreamingEntropy:
             raise ValueError("StreamingEntropy has no query positions; call update() first")
         sums = self._sums.cpu()
         return sums[3].clone(), sums[4].clone(), self.n_pairs
+
+    def logit_max(self) -> Tensor:
+        """(H,) float64 largest visible scaled logit of each head (``logit_max``)."""
+        if self.n_queries == 0:
+            raise ValueError("StreamingEntropy has no query positions; call update() first")
+        return self._max.cpu().clone()
 
     def logit_std(self) -> Tensor:
         """(H,) float64 population standard deviation of each head's visible scaled logits

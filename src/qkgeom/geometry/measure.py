@@ -27,6 +27,9 @@ totals (long corpora: faster, within float32 round-off; docs/checkpoints.md).
 
 Token blocks (``blocked=True``, for the bootstrap of docs/checkpoints.md): every metric over
 all tokens (``block = -1``, exactly an unblocked measurement's) and over each block.
+
+``previous=`` the last :class:`Measurement` of the same probe set (the trainer's and the
+monitor's previous probe), or its ``logit_windows``: ``logit_delta`` is recorded against them.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import pandas as pd
 import torch
@@ -90,7 +93,8 @@ class Measurement:
     caller (trainer, monitor) sets it. ``tokens``: query positions measured (the real
     tokens of padded batches); ``sequences``; ``seconds``: wall time; ``adapter``: the
     model as qkgeom saw it; ``block_tokens``: token positions per token block (blocked
-    measurements only).
+    measurements only); ``logit_windows``: per layer, the scaled q/k of the first window,
+    which the next measurement's ``logit_delta`` compares with.
     """
 
     frame: pd.DataFrame
@@ -102,6 +106,7 @@ class Measurement:
     key_sv_weight: dict[int, Tensor] = field(default_factory=dict)
     key_eig_token: dict[int, Tensor] = field(default_factory=dict)
     block_tokens: dict[int, int] = field(default_factory=dict)
+    logit_windows: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
     def layer_values(self, metric: str) -> dict[int, float]:
         """``{layer: value}`` of a metric at the layer level (head −1)."""
@@ -116,10 +121,14 @@ class Measurement:
                 f"{self.frame['metric'].nunique()} metrics, {self.seconds:.2f} s)")
 
 
+#: What ``previous=`` takes: the previous Measurement, its logit windows, or nothing.
+Previous = Union["Measurement", Mapping[int, tuple[Tensor, Tensor]], None]
+
+
 def measure(model: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | None = None,
             metrics: str | Iterable[str] = "all", batch_size: int = 8,
             qk_site: str = "post-rotary", precision: str = "float64", spectra: bool = False,
-            **columns: Any) -> Measurement:
+            previous: Previous = None, **columns: Any) -> Measurement:
     """Measure ``model`` on the token windows ``input_ids`` (n_seq, T), ``batch_size`` at a
     time; ``attention_mask`` (n_seq, T), 0 on padding, measures real tokens only (module
     docstring). See :func:`measure_batches` for the rest."""
@@ -136,14 +145,15 @@ def measure(model: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | Non
         {"input_ids": i, "attention_mask": m}
         for i, m in zip(ids.split(batch_size), mask.split(batch_size), strict=True)]
     return measure_batches(model, batches, metrics=metrics, qk_site=qk_site,
-                           precision=precision, spectra=spectra, **columns)
+                           precision=precision, spectra=spectra, previous=previous, **columns)
 
 
 def measure_batches(model: nn.Module, batches: Iterable[Any], *,
                     metrics: str | Iterable[str] = "all", qk_site: str = "post-rotary",
                     precision: str = "float64", spectra: bool = False,
                     progress: Callable[[int], None] | None = None,
-                    blocked: bool = False, **columns: Any) -> Measurement:
+                    blocked: bool = False, previous: Previous = None,
+                    **columns: Any) -> Measurement:
     """Every requested metric of ``model`` over token-id batches (B, T) read in turn.
 
     Args:
@@ -165,6 +175,8 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
             each block contiguous); the frame gets a ``block`` column (last): −1 for all
             tokens, k for block k, every metric for each (the weight metrics repeated).
             Memory: the accumulators of all tokens plus those of one block.
+        previous: the previous measurement of the same probe set, or its
+            ``logit_windows`` (``logit_delta`` is recorded against them).
         **columns: constant columns put in front of the frame (``run_id=..., step=...``).
 
     Raises:
@@ -178,13 +190,16 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
         raise QKGeomError(f"unknown precision {precision!r}; choose one of "
                           f"{', '.join(PRECISIONS)}")
     adapter = adapter_for(model)
-    passes = _TokenPasses(adapter, PRECISIONS[precision], qk_site)
+    windows = previous.logit_windows if isinstance(previous, Measurement) else previous
+    passes = _TokenPasses(adapter, PRECISIONS[precision], qk_site, windows or {})
     with frozen_training_state(model):
         if spectra or any(m in TOKEN_METRICS for m in wanted):  # weight metrics need none
             passes.run(batches, wanted, blocked, progress, next(model.parameters()).device)
         out = Measurement(_frame_of(adapter, passes, wanted, columns, blocked), adapter,
                           tokens=passes.tokens, sequences=passes.sequences,
-                          block_tokens=passes.block_tokens)
+                          block_tokens=passes.block_tokens,
+                          logit_windows={layer: geo.window for layer, geo in passes.layers.items()
+                                         if geo.window is not None})
         if spectra:  # the two key spectra, descending
             for site in adapter.sites:
                 w_k = site.weight("k").to(torch.float64)  # (H_kv·hd, d)
@@ -201,8 +216,10 @@ class _TokenPasses:
     to :meth:`on_qk`, which streams them into that layer's
     :class:`~qkgeom.geometry.tokens.LayerGeometry` (and the token block in hand)."""
 
-    def __init__(self, adapter: ModelAdapter, dtype: torch.dtype, qk_site: str) -> None:
+    def __init__(self, adapter: ModelAdapter, dtype: torch.dtype, qk_site: str,
+                 previous: Mapping[int, tuple[Tensor, Tensor]]) -> None:
         self.adapter, self.dtype, self.qk_site = adapter, dtype, qk_site
+        self.previous = previous  # logit windows of the previous measurement, by layer
         self.layers: dict[int, LayerGeometry] = {}  # by :meth:`run`
         self.lengths: Tensor | None = None  # real tokens per row of the batch in hand
         self.seen: set[int] = set()  # layers whose q/k the batch in hand delivered
@@ -225,7 +242,8 @@ class _TokenPasses:
         post = self.adapter.rotary and self.qk_site == "pre-rotary"  # site q/k != attention's
         self.layers = {s.layer: LayerGeometry(s.n_head, s.n_kv_head, s.head_dim,
                                               self.adapter.causal, "pr_qk_token" in wanted,
-                                              ws, post) for s in self.adapter.sites}
+                                              ws, post, self.previous.get(s.layer))
+                       for s in self.adapter.sites}
         current = -1
         with self.adapter.capture(self.on_qk, self.qk_site), \
                 torch.autocast(device.type, enabled=False):

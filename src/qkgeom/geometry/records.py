@@ -20,6 +20,9 @@ Layer-level definitions (head = −1):
   ``pr_q_token[h] − pr_k_token[h]`` (key head h // R), the GQA-fair layer contrast.
 - ``pr_qk_token`` and ``attn_*``: mean over heads of the per-head values.
 - ``logit_std``: standard deviation of the scaled logits over all heads' pairs pooled.
+- ``logit_max``: the largest scaled logit of any head; ``logit_delta``: the RMS over every
+  head's pairs of the heads' change since the previous measurement (per head: the change
+  of that head's row-centred logits on the probe set's first window).
 - ``pr_q_token_post`` / ``pr_k_token_post`` / ``contrast_token_post``: the token PRs of the
   post-rotary q/k, recorded only when the token PRs come from another site (pre-rotary on
   a rotary model).
@@ -35,8 +38,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from qkgeom.geometry.entropy import ATTENTION_METRICS
 from qkgeom.geometry.spectra import product_pr, require_finite, split_heads, weight_pr
+from qkgeom.metrics import (
+    LAYER_ONLY_METRICS,
+    METRIC_NAMES,
+    POST_ROTARY_METRICS,
+    TOKEN_METRICS,
+    WEIGHT_METRICS,
+)
 
 __all__ = [
     "LAYER",
@@ -54,14 +63,6 @@ __all__ = [
 Record = tuple[int, str, float]
 LAYER = -1  # the ``head`` value of a whole-layer record
 
-WEIGHT_METRICS = ("pr_q_weight", "pr_k_weight", "contrast_weight", "pr_qk_weight",
-                  "pr_qk_weight_full")
-POST_ROTARY_METRICS = ("pr_q_token_post", "pr_k_token_post", "contrast_token_post")
-TOKEN_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "contrast_token_heads",
-                 "pr_qk_token", "logit_std", *ATTENTION_METRICS, *POST_ROTARY_METRICS)
-METRIC_NAMES = WEIGHT_METRICS + TOKEN_METRICS
-#: Metrics with a layer row (head −1) only: they describe the layer as a whole.
-LAYER_ONLY_METRICS = ("pr_qk_weight_full", "contrast_token_heads")
 
 
 

@@ -15,8 +15,11 @@ right-padded with each sequence's number of real tokens, ``lengths=`` of
 - ``pr_qk_token``: PR of the squared singular values of each sequence's logit matrix
   ``Q_h K_hᵀ·scale``, mean over sequences (:func:`logit_pr`: two hd × hd Gram matrices, no
   SVD; equal to :func:`~qkgeom.geometry.spectra.logit_singular_values`' route).
-- ``attn_*`` and ``logit_std``: :class:`~qkgeom.geometry.entropy.StreamingEntropy` (online
-  softmax; the logit moments come from the same score blocks).
+- ``attn_*``, ``logit_std`` and ``logit_max``: :class:`~qkgeom.geometry.entropy.StreamingEntropy`
+  (online softmax; the logit moments and maxima come from the same score blocks).
+- ``logit_delta``: how far the logits moved since the previous measurement of the same
+  probe set (:func:`logit_delta`), on its first window, whose scaled q/k each measurement
+  keeps (:attr:`LayerGeometry.window`) for the next one.
 
 Token blocks (the bootstrap of docs/checkpoints.md): between :meth:`LayerGeometry.begin_block`
 and :meth:`LayerGeometry.end_block` each batch is computed once and added both to the
@@ -52,7 +55,7 @@ from qkgeom.geometry.records import LAYER, Record, token_records
 from qkgeom.geometry.spectra import NonFiniteError, gram_product_pr, pr_from_covariance
 from qkgeom.geometry.workspace import Workspace
 
-__all__ = ["LayerGeometry", "logit_pr"]
+__all__ = ["LayerGeometry", "logit_delta", "logit_pr"]
 
 # Largest |activation| whose float64 scatter (sums of squares over ~1e9 tokens) stays finite.
 _MAX_ABS_ACTIVATION = 1e140
@@ -106,6 +109,29 @@ def _logit_pr_prepared(qg: Tensor, kk: Tensor, B: int) -> Tensor:
     s1 = torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)  # (B, Hk, R) Σσ²
     s2 = (m * m.mT).sum(dim=(-2, -1))  # (B, Hk, R) Σσ⁴
     return torch.where(s2 > 0, s1 * s1 / s2, 0.0).flatten(1)  # (B, H)
+
+
+def logit_delta(before: tuple[Tensor, Tensor], now: tuple[Tensor, Tensor],
+                causal: bool) -> Tensor:
+    """RMS change of the row-centred logits of one window, per query head: (H,) float64.
+
+    ``before`` and ``now`` are (scaled q (1, H, T, hd), k (1, H_kv, T, hd)) of the same
+    tokens at two times. Each query row of ``Q Kᵀ`` is centred over its visible keys (the
+    softmax ignores a shift of a row), and the change is the root mean square over the
+    visible (query, key) pairs, in logit units; not divided by the steps in between."""
+    (q0, k0), (q1, k1) = before, now
+    H, Hk, T = q1.shape[1], k1.shape[1], q1.shape[2]
+    visible = (torch.ones(T, T, dtype=torch.bool, device=q1.device).tril() if causal
+               else torch.ones(T, T, dtype=torch.bool, device=q1.device))  # (T, T)
+    n_vis = visible.sum(dim=-1, keepdim=True)  # (T, 1) keys each query sees
+
+    def centred(q: Tensor, k: Tensor) -> Tensor:
+        s = q[0].double() @ k[0].double().repeat_interleave(H // Hk, dim=0).mT  # (H, T, T)
+        s = s.masked_fill(~visible, 0.0)
+        return (s - s.sum(dim=-1, keepdim=True) / n_vis).masked_fill(~visible, 0.0)
+
+    d = centred(q1, k1) - centred(q0, k0)  # (H, T, T)
+    return (d.square().sum(dim=(-2, -1)) / visible.sum()).sqrt().cpu()
 
 
 def _peaks(tensors: tuple[Tensor, ...]) -> tuple[dict[int, float], float]:
@@ -191,15 +217,21 @@ class LayerGeometry:
         with_post: also keep the covariances of ``q_attn``/``k_attn`` (the post-rotary
             q/k) and record ``pr_q_token_post``, ``pr_k_token_post``,
             ``contrast_token_post``; for a site whose q/k differ from the attention's.
+        previous: the :attr:`window` of the previous measurement of the same probe set:
+            ``logit_delta`` is recorded against it.
     """
 
     def __init__(self, n_head: int, n_kv_head: int, head_dim: int, causal: bool = True,
                  with_logit_spectrum: bool = True, workspace: Workspace | None = None,
-                 with_post: bool = False) -> None:
+                 with_post: bool = False,
+                 previous: tuple[Tensor, Tensor] | None = None) -> None:
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.causal, self.with_post = causal, with_post
         self.with_logit_spectrum = with_logit_spectrum
         self.workspace = workspace
+        self.previous = previous
+        #: scaled q (1, H, T, hd) and k (1, H_kv, T, hd) of the first window, float64
+        self.window: tuple[Tensor, Tensor] | None = None
         self._all = self._new_totals()
         self._block: _Totals | None = None
 
@@ -274,9 +306,12 @@ class LayerGeometry:
             sources.update(q_post=post[0], k_post=post[1])
         moments = {name: centred_scatter(x.transpose(1, 2), ws, f"cov.{name}", 2)
                    for name, x in sources.items()}  # rows (B, T), heads·hd
+        if self.window is None:  # the first window, for the next measurement's logit_delta
+            self.window = ((q_attn[:1] * scale).detach().double().clone(),
+                           k_attn[:1].detach().double().clone())
         qg, kk = self._all.entropy.prepare(q_attn, k_attn, scale, ws)  # (B·Hk, T, R, hd), (B·Hk, T, hd)
         pr_qk = _logit_pr_prepared(qg, kk, B).sum(dim=0) if self.with_logit_spectrum else None
-        sums = self._all.entropy.batch_sums(qg, kk, B, workspace=ws)  # (5, H)
+        sums = self._all.entropy.batch_sums(qg, kk, B, workspace=ws)  # (8, H)
         for totals in (self._all, self._block):
             if totals is not None:
                 totals.add(B, T, moments, pr_qk, sums)
@@ -313,7 +348,11 @@ class LayerGeometry:
         attn = t.entropy.result()
         s1, s2, pairs = t.entropy.logit_moments()
         per_head = {"pr_qk_token": pr_qk, "logit_std": logit_std_from_moments(s1, s2, pairs),
-                    **attn, **{f"pr_{name[0]}_token" + name[1:]: v for name, v in heads.items()}}
+                    "logit_max": t.entropy.logit_max(), **attn,
+                    **{f"pr_{name[0]}_token" + name[1:]: v for name, v in heads.items()}}
+        delta = self._delta() if t is self._all else None
+        if delta is not None:
+            per_head["logit_delta"] = delta
         out: list[Record] = []
         for h in range(H):
             out += token_records(h, {name: float(v[h]) for name, v in per_head.items()})
@@ -321,7 +360,20 @@ class LayerGeometry:
         whole.update({f"pr_{name[0]}_token" + name[1:]: v for name, v in layer.items()})
         whole["contrast_token_heads"] = float((heads["q"] - heads["k"]).mean())
         whole["logit_std"] = float(logit_std_from_moments(s1.sum(), s2.sum(), pairs * H))
+        whole["logit_max"] = float(per_head["logit_max"].max())
+        if delta is not None:  # RMS over every head's pairs
+            whole["logit_delta"] = float(delta.square().mean().sqrt())
         return out + token_records(LAYER, whole)
+
+    def _delta(self) -> Tensor | None:
+        """``logit_delta`` per head against :attr:`previous`, or None without one (or when
+        its window is not this measurement's shape)."""
+        if self.previous is None or self.window is None:
+            return None
+        if any(a.shape != b.shape for a, b in zip(self.previous, self.window, strict=True)):
+            return None
+        before = tuple(t.to(self.window[0].device) for t in self.previous)
+        return logit_delta(before, self.window, self.causal)
 
     def key_covariance(self) -> Tensor:
         """(H_kv·hd, H_kv·hd) float64 covariance of the layer's keys (all tokens)."""

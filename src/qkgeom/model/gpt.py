@@ -6,6 +6,12 @@ Pre-LayerNorm blocks, learned positions, GELU MLP x4, tied input/output embeddin
 directly. Training attention uses ``scaled_dot_product_attention``; probes read q and k
 through each attention layer's ``tap``, which :mod:`qkgeom.arch.gpt` sets only while it
 captures, and compute the explicit softmax themselves.
+
+Two remedies against attention-logit growth are model options (docs/stability.md):
+``qk_norm`` (a LayerNorm over each head's q and k before the logits; the tap sees the
+normalised q/k) and ``qk_reparam="sigma"`` (σReparam: W_Q and W_K trained as γ·W/σ_max(W),
+the spectral norm by one power iteration per training forward, γ a learned scalar that
+starts at σ_max(W₀) so the initial model is the unreparametrised one).
 """
 
 from __future__ import annotations
@@ -16,10 +22,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import spectral_norm
 
 from qkgeom.config import GPTConfig
 
 QKTap = Callable[[Tensor, Tensor], None]  # called with q, k of shape (B, nh, T, hs)
+
+
+# LayerNorm gains (1 at init); every other 1-D parameter is a bias (0).
+_NORM_GAINS = ("ln_1.weight", "ln_2.weight", "ln_f.weight", "q_norm.weight", "k_norm.weight")
 
 
 class CausalSelfAttention(nn.Module):
@@ -34,12 +46,18 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # qk-layernorm: one LayerNorm over the hs features of every head's q (and one of k)
+        self.q_norm = nn.LayerNorm(cfg.head_dim, bias=cfg.bias) if cfg.qk_norm else None
+        self.k_norm = nn.LayerNorm(cfg.head_dim, bias=cfg.bias) if cfg.qk_norm else None
         self.tap: QKTap | None = None  # set only while a capture runs (qkgeom.arch.gpt)
 
     def forward(self, x: Tensor) -> Tensor:
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, nh, hs)
+        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim)  # (B, T, nh, hs)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, nh, T, hs)
         v = self.v_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         if self.tap is not None:
             self.tap(q, k)
@@ -88,6 +106,10 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied embeddings
         self.reset_parameters(generator)
+        if cfg.qk_reparam == "sigma":  # after the init: σReparam starts from these weights
+            for block in self.blocks:
+                sigma_reparam(block.attn.q_proj)
+                sigma_reparam(block.attn.k_proj)
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -97,8 +119,7 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 # LayerNorm weight=1, every bias 0.
-                p.fill_(1.0 if name.endswith("ln_1.weight") or name.endswith("ln_2.weight")
-                        or name.endswith("ln_f.weight") else 0.0)
+                p.fill_(1.0 if name.endswith(_NORM_GAINS) else 0.0)
             elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer), generator=generator)
             else:
@@ -129,6 +150,31 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+class _Gain(nn.Module):
+    """γ·W: σReparam's learned scale of the spectrally normalised weight."""
+
+    def __init__(self, gain: Tensor) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(gain.detach().clone())
+
+    def forward(self, w: Tensor) -> Tensor:
+        return self.gain * w
+
+
+@torch.no_grad()
+def sigma_reparam(linear: nn.Linear) -> None:
+    """σReparam (Zhai et al., 2023) of ``linear.weight``: W/σ_max(W) by torch's
+    ``spectral_norm`` (one power iteration per training forward), times a learned scalar γ.
+    γ starts at the power iteration's estimate of σ_max(W₀), so the effective weight at
+    step 0 is W₀ (to rounding) and a run differs from its unreparametrised twin only in how
+    it trains. The spectral norm's start vector is drawn from torch's global generator,
+    which the trainer seeds."""
+    w0 = linear.weight.detach().clone()
+    spectral_norm(linear)
+    sigma = torch.linalg.vector_norm(w0) / torch.linalg.vector_norm(linear.weight)
+    parametrize.register_parametrization(linear, "weight", _Gain(sigma))
 
 
 @torch.no_grad()

@@ -9,8 +9,9 @@
     for step, batch in enumerate(loader): ...; mon.step(step + 1)      # plain loop
 
 Modules: ``monitor`` (:class:`GeometryMonitor`; each probe is :func:`qkgeom.geometry.measure`,
-its run folder :mod:`qkgeom.runs`'s), ``probe_input`` (the fixed probe set), ``alerts``
-(rules, warnings, hooks), ``closed_loop`` (entropy-targeting key control, research-grade),
+its run folder :mod:`qkgeom.runs`'s), ``probe_input`` (the fixed probe set), the alert
+rules of :mod:`qkgeom.alerts` (rules, warnings, hooks) and the closed loop of
+:mod:`qkgeom.control.closed_loop` (entropy-targeting key control, research-grade),
 ``sinks`` (TensorBoard, W&B), ``report_to`` (``qkgeom train --report-to``: the trainer's
 own probes to those sinks), ``integrations`` (HF / Lightning callbacks), ``watch`` (the
 ``qkgeom watch`` view).
@@ -26,30 +27,35 @@ from qkgeom._lazy import lazy_getattr
 _EXPORTS = {
     "GeometryMonitor": "qkgeom.monitor.monitor", "DEFAULT_EVERY": "qkgeom.monitor.monitor",
     "DEFAULT_METRICS": "qkgeom.monitor.monitor",
-    "Alert": "qkgeom.monitor.alerts", "AlertRule": "qkgeom.monitor.alerts",
-    "DEFAULT_RULES": "qkgeom.monitor.alerts", "GeometryWarning": "qkgeom.monitor.alerts",
-    "entropy_collapse": "qkgeom.monitor.alerts", "key_pr_collapse": "qkgeom.monitor.alerts",
-    "EntropyController": "qkgeom.monitor.closed_loop",
-    "EntropyControlCallback": "qkgeom.monitor.closed_loop",
+    **{name: "qkgeom.alerts" for name in (
+        "Alert", "AlertRule", "Alerts", "DEFAULT_RULES", "GeometryWarning", "entropy_collapse",
+        "key_pr_drop", "logit_growth", "logit_jump", "replay")},
+    "EntropyController": "qkgeom.control.closed_loop",
+    "EntropyControlCallback": "qkgeom.control.closed_loop",
     "watch": "qkgeom.monitor.watch", "ReportTo": "qkgeom.monitor.report_to",
 }
 
 __all__ = [
-    "DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_RULES", "Alert", "AlertRule",
+    "DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_RULES", "Alert", "AlertRule", "Alerts",
     "EntropyControlCallback", "EntropyController", "GeometryMonitor", "GeometryWarning",
-    "ReportTo", "entropy_collapse", "key_pr_collapse", "watch",
+    "ReportTo", "entropy_collapse", "key_pr_drop", "logit_growth", "logit_jump", "replay",
+    "watch",
 ]
 
 if TYPE_CHECKING:
-    from qkgeom.monitor.alerts import (
+    from qkgeom.alerts import (
         DEFAULT_RULES,
         Alert,
         AlertRule,
+        Alerts,
         GeometryWarning,
         entropy_collapse,
-        key_pr_collapse,
+        key_pr_drop,
+        logit_growth,
+        logit_jump,
+        replay,
     )
-    from qkgeom.monitor.closed_loop import EntropyControlCallback, EntropyController
+    from qkgeom.control.closed_loop import EntropyControlCallback, EntropyController
     from qkgeom.monitor.monitor import DEFAULT_EVERY, DEFAULT_METRICS, GeometryMonitor
     from qkgeom.monitor.report_to import ReportTo
     from qkgeom.monitor.watch import watch

@@ -48,7 +48,7 @@ def closed_loop(out: Path, *, target: float = 2.0, gain: float = 1.0, max_step: 
                 tolerance: float = 0.1, threads: int = 1) -> pd.DataFrame:
     """Train ``none`` and ``controlled``; per layer: target, entropy reached, baseline."""
     from qkgeom.config import make_config
-    from qkgeom.monitor.closed_loop import EntropyControlCallback, EntropyController
+    from qkgeom.control.closed_loop import EntropyControlCallback, EntropyController
     from qkgeom.training import train
 
     cfg = make_config("demo", {**DEMO_OVERRIDES, "threads": threads})

@@ -46,13 +46,13 @@ from typing import Any
 import pandas as pd
 from torch import nn
 
+from qkgeom.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.arch import QK_SITES, adapter_for
+from qkgeom.control.closed_loop import EntropyController
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import Measurement, measure, resolve_metrics
 from qkgeom.geometry.measure import PRECISIONS
 from qkgeom.io import write_json
-from qkgeom.monitor.alerts import Alert, AlertRule, Alerts, as_rules
-from qkgeom.monitor.closed_loop import EntropyController
 from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_batch
 from qkgeom.monitor.sinks import TensorBoardSink, WandbSink, active_wandb_run
 from qkgeom.runs import (
@@ -104,10 +104,11 @@ class GeometryMonitor:
         run_id: the ``run_id`` column (default: the folder name, or ``"monitor"``).
         total_steps: the run's length, if known (integrations read it from the trainer).
         tensorboard: a ``SummaryWriter`` or a log folder; ``"auto"`` (default) uses the
-            trainer's TensorBoard logger when an integration finds one; None: off.
-        wandb: ``"auto"`` logs to the active ``wandb.run`` when W&B is installed; False: off.
+            trainer's TensorBoard logger when an integration finds one; None or False: off.
+        wandb: ``"auto"`` logs to the active ``wandb.run`` when W&B is installed; None or
+            False: off.
         histograms: log per-layer histograms of the key spectrum (TensorBoard, W&B).
-        alerts: alert rules (default :data:`~qkgeom.monitor.alerts.DEFAULT_RULES`; ``()``
+        alerts: alert rules (default :data:`~qkgeom.alerts.DEFAULT_RULES`; ``()``
             for none); ``on_alert``: a hook called with each :class:`Alert`.
         control: an :class:`EntropyController` to close the loop (off by default: with it,
             training is of course no longer what it was unmonitored).
@@ -119,7 +120,7 @@ class GeometryMonitor:
                  special_tokens: bool = True, batch_size: int = 8, qk_site: str = "post-rotary",
                  precision: str = "float64", out: str | Path | None = None, run_id: str | None = None,
                  resume: bool = False, total_steps: int | None = None,
-                 tensorboard: Any = "auto", wandb: str | bool = "auto",
+                 tensorboard: Any = "auto", wandb: str | bool | None = "auto",
                  histograms: bool = True, alerts: Iterable[AlertRule] | None = None,
                  on_alert: Callable[[Alert], None] | None = None,
                  control: EntropyController | None = None) -> None:
@@ -152,9 +153,10 @@ class GeometryMonitor:
         if self._out is not None and writes:
             _check_folder(self._out, resume)  # fail now, before the user's training starts
         self._tb_auto = isinstance(tensorboard, str) and tensorboard == "auto"
-        self.tensorboard = (None if tensorboard is None or self._tb_auto or not writes
+        off = tensorboard is None or tensorboard is False
+        self.tensorboard = (None if off or self._tb_auto or not writes
                             else TensorBoardSink(tensorboard))
-        self._wandb_mode = wandb if writes else False
+        self._wandb_mode = wandb if writes and wandb is not None else False
         self._wandb: WandbSink | None = None
         self.probes: list[Measurement] = []
         self._alerts: list[dict[str, Any]] = []
@@ -242,9 +244,13 @@ class GeometryMonitor:
         """Measure now, log everywhere, check the alerts, update the controller."""
         spectra = self.histograms and (self.tensorboard is not None or self._wandb_sink()
                                        is not None)
+        previous = self.probes[-1] if self.probes else None
         probe = measure(self.model, self.ids, attention_mask=self.attention_mask,
                         metrics=self.metrics, batch_size=self.batch_size,
-                        qk_site=self.qk_site, precision=self.precision, spectra=spectra)
+                        qk_site=self.qk_site, precision=self.precision, spectra=spectra,
+                        previous=previous)
+        if previous is not None:
+            previous.logit_windows = {}  # only the newest probe's are needed (memory)
         probe.step = int(step)
         self.probe_seconds += probe.seconds
         fired = self.alerts.check(step, probe.frame)

@@ -7,8 +7,8 @@ their own panels instead of one long ``qkgeom/`` list:
 - ``pr/q_token/layer0``, ``pr/k_weight/layer0``, ``pr/qk_weight/layer0`` ... (``pr_*``);
 - ``contrast/token/layer0``, ``contrast/weight/layer0`` ... (``contrast_*``);
 - ``attention/entropy/layer0``, ``attention/entropy_norm``, ``attention/max``,
-  ``attention/entropy_scalefree``, ``attention/logit_std``, ``attention/logit_std_row``
-  (``attn_*``, ``logit_std*``);
+  ``attention/entropy_scalefree``, ``attention/logit_std``, ``attention/logit_std_row``,
+  ``attention/logit_max``, ``attention/logit_delta`` (``attn_*``, ``logit_*``);
 - ``control/<record>`` for flat records (layer −1: the closed loop's);
 - histograms of the key spectrum per layer: ``key_spectrum/sv_weight/layer<l>`` (singular
   values of W_K) and ``key_spectrum/eig_token/layer<l>`` (eigenvalues of the key
@@ -29,9 +29,9 @@ from typing import Any
 
 import pandas as pd
 
+from qkgeom.alerts import Alert
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import Measurement
-from qkgeom.monitor.alerts import Alert
 
 __all__ = ["FAMILIES", "STEP_AXIS", "TensorBoardSink", "WandbSink", "active_wandb_run",
            "scalars", "tag", "wandb_module"]
@@ -51,7 +51,7 @@ def tag(metric: str, layer: int = -1) -> str:
             family, name = section, metric[len(prefix):]
             break
     else:
-        if metric.startswith("logit_std"):
+        if metric.startswith("logit_"):
             family = "attention"
     return f"{family}/{name}" if layer < 0 else f"{family}/{name}/layer{layer}"
 

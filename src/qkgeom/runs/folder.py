@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from qkgeom.config import TrainConfig
 
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 CONFIG = "config.json"
 METRICS = "metrics.parquet"
 TRAIN_LOG = "train_log.parquet"

@@ -385,6 +385,9 @@ class Trainer:
                                    self.gens.data, device=self.device,
                                    prefetch=self.device.type == "cuda")
         self.step, self.resumed_at = 0, -1
+        # The previous probe's logit windows (logit_delta); checkpointed, so a resumed run
+        # records the same logit_delta at its first probe as an uninterrupted one.
+        self.probe_windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Step losses not yet read back, as device scalars, and the update they belong to.
         # On CPU a read-back costs nothing, so every loss is checked before its update (a
         # non-finite loss stops the run before it touches the weights); on an accelerator
@@ -413,6 +416,7 @@ class Trainer:
                                   f"({type(err).__name__}: {' '.join(str(err).split())[:160]}); "
                                   "train into a new --out") from None
         self.gens.data.set_state(state["data_rng"])
+        self.probe_windows = _windows(state.get("probe_windows"))
         torch.set_rng_state(state["torch_rng"])
         for cb, cb_state in zip(self.callbacks, state.get("callbacks", []), strict=False):
             cb.load_state_dict(cb_state)
@@ -445,8 +449,11 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.step = self.ctx.step = self.step + 1
-        for cb in self.callbacks:
-            cb.on_step_end(self.ctx)
+        try:
+            for cb in self.callbacks:
+                cb.on_step_end(self.ctx)
+        except NonFiniteError as err:  # a control met inf/NaN weights: update s diverged
+            self._diverge(self.step, f"{err} after update {self.step}")
         self.acc["tokens"] += cfg.batch_size * cfg.model.block_size
 
     def _read_losses(self) -> None:
@@ -505,7 +512,9 @@ class Trainer:
     def _probe(self, s: int) -> None:
         """Measure the probe set; callbacks may add flat records (layer −1, head −1)."""
         try:
-            frame = measure(self.model, self.probe_tokens, batch_size=self.cfg.probe_batch).frame
+            found = measure(self.model, self.probe_tokens, batch_size=self.cfg.probe_batch,
+                            previous=self.probe_windows)
+            frame, self.probe_windows = found.frame, found.logit_windows
         except NonFiniteError as err:
             # Update s left inf/NaN weights or activations while its own loss was finite (a
             # huge lr): every earlier loss was finite, so the run diverged at step s.
@@ -540,7 +549,17 @@ class Trainer:
             "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict(),
             "callbacks": [cb.state_dict() for cb in self.callbacks],
             "loss_acc": {"loss_sum": self.acc["loss_sum"], "loss_n": self.acc["loss_n"]},
+            "probe_windows": {layer: list(qk) for layer, qk in self.probe_windows.items()},
         }, keep=self.cfg.keep_checkpoints)
+
+
+def _windows(saved: object) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The probe windows a checkpoint recorded (none when it holds no well-formed ones)."""
+    if not isinstance(saved, dict):
+        return {}
+    return {int(layer): (qk[0], qk[1]) for layer, qk in saved.items()
+            if isinstance(layer, int) and isinstance(qk, list) and len(qk) == 2
+            and all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in qk)}
 
 
 def check_eval_fits(cfg: TrainConfig, val_tokens: int) -> None:

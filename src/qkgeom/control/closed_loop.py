@@ -158,7 +158,10 @@ class EntropyController:
 class EntropyControlCallback(Callback):
     """The closed loop inside ``qkgeom.train``: attaches to the fresh model, reshapes W_K
     after every step, and updates the setpoints from the trainer's own probes
-    (``on_probe``), whose rows (``ctl_*``) land in ``metrics.parquet``."""
+    (``on_probe``), whose rows (``ctl_*``) land in ``metrics.parquet``. Serves a config's
+    ``entropy_control`` section (:func:`qkgeom.launch.callbacks_for` builds it)."""
+
+    feature = "entropy_control"
 
     def __init__(self, controller: EntropyController) -> None:
         self.controller = controller

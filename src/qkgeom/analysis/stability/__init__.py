@@ -1,0 +1,1 @@
+"""Stability: attention-entropy collapse, its remedies, and the alerts (docs/stability.md)."""

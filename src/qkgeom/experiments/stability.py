@@ -1,0 +1,79 @@
+"""Stability: attention-entropy collapse at small scale, and the remedies on equal terms.
+
+Learning rates x seeds x remedies on the demo model, paired by seed (a remedy's run starts
+from the same initial weights and sees the same batches as the seed's ``none`` run); the
+protocol (collapse, claims, alert calibration) is docs/stability.md, fixed before any run.
+Remedies are arms: ``none``, ``qk_norm`` (LayerNorm of q and k), ``sigma_reparam``
+(σReparam of W_Q and W_K), ``hold`` (the key-spectrum control holding each layer's
+token-level PR_K at its step-0 value, the key spread left to training) and
+``entropy_target`` (the closed loop steering every layer's entropy toward 2 nats). Sizes:
+
+``smoke``      the smoke model, 40 steps, lr 3e-3 and 1e-1, seed 0 (a wiring check).
+``demo``       the demo model (4 layers x 128, 4 heads, context 64), batch 16, 200 steps
+               (warm-up 20), lr 3e-3 (the demo's) and 3e-2, seeds 0-4: 50 runs.
+``lab``        the same model, 500 steps (warm-up 50), lr 3e-3, 1e-2, 3e-2 and 1e-1, seeds
+               0-7: 160 runs.
+``calibrate``  the ``none`` runs the default alert thresholds are derived from: lr 3e-3
+               and 3e-2, seeds 100-102 (disjoint from every other size's seeds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from qkgeom.experiments.experiment import Experiment
+
+#: Remedy name -> the config keys its runs set (docs/stability.md#remedies).
+REMEDIES: dict[str, dict[str, Any]] = {
+    "none": {"key_control.mode": "none"},
+    "qk_norm": {"model.qk_norm": True},
+    "sigma_reparam": {"model.qk_reparam": "sigma"},
+    "hold": {"key_control.mode": "hold", "key_control.level": "token",
+             "key_control.scale": "data"},
+    "entropy_target": {"entropy_control.target": 2.0},
+}
+STABLE_LR = 3e-3  # the demo's learning rate: the runs every departure is measured from
+
+_DEMO_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "qk_init": "normal"}
+_DEMO_RUN: dict[str, Any] = {
+    "model": _DEMO_MODEL, "steps": 200, "batch_size": 16, "warmup_steps": 20,
+    "probe_every": 5, "eval_every": 10, "eval_batches": 4, "log_every": 10,
+    "checkpoint_every": 100,
+}
+_LAB_RUN: dict[str, Any] = {**_DEMO_RUN, "steps": 500, "warmup_steps": 50, "probe_every": 10,
+                            "eval_every": 10, "checkpoint_every": 250}
+_SMOKE_RUN: dict[str, Any] = {"steps": 40, "probe_every": 5, "eval_every": 5,
+                              "checkpoint_every": 20}
+
+
+@dataclass(frozen=True)
+class StabilityPreset:
+    """One size: the training preset, the overrides every run gets, the learning rates,
+    the seeds and the remedies."""
+
+    train_preset: str
+    overrides: dict[str, Any]
+    lrs: list[float]
+    seeds: list[int]
+    remedies: list[str]
+
+
+STABILITY_PRESETS: dict[str, StabilityPreset] = {
+    "smoke": StabilityPreset("smoke", _SMOKE_RUN, [STABLE_LR, 1e-1], [0], list(REMEDIES)),
+    "demo": StabilityPreset("demo", _DEMO_RUN, [STABLE_LR, 3e-2], list(range(5)),
+                            list(REMEDIES)),
+    "lab": StabilityPreset("demo", _LAB_RUN, [STABLE_LR, 1e-2, 3e-2, 1e-1], list(range(8)),
+                           list(REMEDIES)),
+    "calibrate": StabilityPreset("demo", _DEMO_RUN, [STABLE_LR, 3e-2], [100, 101, 102],
+                                 ["none"]),
+}
+
+
+class Stability(Experiment):
+    name = "stability"
+    presets = STABILITY_PRESETS
+
+    def grid_dict(self, spec: StabilityPreset) -> dict[str, Any]:
+        return {"axes": {"lr": list(spec.lrs), "seed": list(spec.seeds)},
+                "arms": [{"name": r, "set": dict(REMEDIES[r])} for r in spec.remedies]}
