@@ -20,9 +20,9 @@ from qkgeom.analysis.kit import (
     VERDICT_CELL,
     claims_markdown,
     descriptive_reason,
-    field,
     md_table,
     md_text,
+    show,
     summary_markdown,
     write_csvs,
     write_pages,
@@ -41,10 +41,10 @@ from qkgeom.analysis.stability.outcomes import (
     read_stability,
 )
 
-CELLS = (("lr", field("level")), ("quantity", field("quantity")), ("role", field("role")),
-         ("seeds with the sign", field("measured")), ("predicted", field("predicted")),
-         ("mean Δ [95 % t-interval]", field("estimate")), P_CELL,
-         ("beside", field("beside")), VERDICT_CELL)
+CELLS = (("lr", show("level")), ("quantity", show("quantity")), ("role", show("role")),
+         ("seeds with the sign", show("measured")), ("predicted", show("predicted")),
+         ("mean Δ [95 % t-interval]", show("estimate")), P_CELL,
+         ("beside", show("beside")), VERDICT_CELL)
 
 
 def outcomes_table(stab: StabilityRuns) -> pd.DataFrame:
