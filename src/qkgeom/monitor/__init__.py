@@ -38,8 +38,7 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_RULES", "Alert", "AlertRule", "Alerts",
     "EntropyControlCallback", "EntropyController", "GeometryMonitor", "GeometryWarning",
-    "ReportTo", "entropy_collapse", "key_pr_drop", "logit_growth", "logit_jump", "replay",
-    "watch",
+    "ReportTo", "entropy_collapse", "key_pr_drop", "logit_growth", "logit_jump", "replay", "watch"
 ]
 
 if TYPE_CHECKING:
