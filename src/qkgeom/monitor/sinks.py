@@ -29,9 +29,9 @@ from typing import Any
 
 import pandas as pd
 
+from qkgeom.alerts import Alert
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import Measurement
-from qkgeom.alerts import Alert
 
 __all__ = ["FAMILIES", "STEP_AXIS", "TensorBoardSink", "WandbSink", "active_wandb_run",
            "scalars", "tag", "wandb_module"]
