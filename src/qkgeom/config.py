@@ -520,7 +520,7 @@ def from_dict(d: dict[str, Any]) -> TrainConfig:
 
 
 #: A config or grid file is a few hundred bytes; these bound what a crafted one can cost
-#: before it is refused (a 450-byte YAML alias bomb expands to gigabytes).
+#: before it is refused (docs/faults.md#untrusted-files).
 MAX_YAML_BYTES = 1 * 2**20
 MAX_YAML_NODES = 20_000
 

@@ -202,9 +202,8 @@ class StreamingEntropy:
         torch.log_softmax(s, dim=-1, out=logp)
         if peak is not None:
             torch.sub(s[..., 0], logp[..., 0], out=peak)  # log Z, before the clamp below
-        # log p >= log(smallest normal) + 1: keeps p and p log p out of the subnormal range,
-        # where exp and mul run ~100x slower on x86; a weight below ~1e-37 (float32) then
-        # adds at most 3e-36 nats per key, far below round-off (masked keys included).
+        # log p >= log(smallest normal) + 1 keeps p and p log p out of the subnormal range,
+        # where exp and mul are far slower on x86; the nats lost are far below round-off.
         logp.clamp_(min=_LOG_TINY[s.dtype])
         p = torch.exp(logp, out=s)
         if top is not None:
