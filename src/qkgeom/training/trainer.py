@@ -271,7 +271,7 @@ class Trainer:
         return (f"out of memory at step {self.step} ({type(err).__name__}); the run needs about "
                 f"{gib(need)} by qkgeom's estimate (batch_size {cfg.batch_size} × block_size "
                 f"{cfg.model.block_size}); lower batch_size or block_size, then --resume; "
-                f"recorded in {self.out / 'status.json'}")
+                f"recorded in {self.out / STATUS}")
 
     def _interrupted(self, err: KeyboardInterrupt) -> Interrupted:
         """Record ``interrupted`` (the step reached, the signal, the newest checkpoint or
@@ -308,27 +308,27 @@ class Trainer:
         self._restore()
         for cb in self.callbacks:
             cb.on_train_start(self.ctx)
-        bar = None
+        self.bar: StepProgress | None = None
         if self.progress:
             from qkgeom.ui import step_progress
 
-            bar = step_progress("train", self.cfg.steps, self.step,
-                                self.progress_every or self.cfg.probe_every)
+            self.bar = step_progress("train", self.cfg.steps, self.step,
+                                     self.progress_every or self.cfg.probe_every)
         self.writer.status("running", self.step)
         self.model.train()
         try:
             while True:
                 last = self.step == self.cfg.steps
                 if self.step != self.resumed_at:  # a resumed step's records exist already
-                    self._boundary(self.step, last, bar)
+                    self._boundary(self.step, last)
                 if last:
                     break
                 self._train_step()
-                if bar is not None:
-                    bar.advance()
+                if self.bar is not None:
+                    self.bar.advance()
         finally:
-            if bar is not None:
-                bar.close()
+            if self.bar is not None:
+                self.bar.close()
         self.writer.status("done", self.step)  # compacted: at the last step, or on restore
         for cb in self.callbacks:
             cb.on_train_end(self.ctx)
@@ -434,11 +434,11 @@ class Trainer:
         """Record ``diverged`` at update ``bad`` (records so far kept) and stop the run."""
         self.writer.compact()
         self.writer.status("diverged", self.step, diverged_step=bad, message=message)
-        raise DivergedError(f"run diverged: {message}; recorded in {self.out / 'status.json'}")
+        raise DivergedError(f"run diverged: {message}; recorded in {self.out / STATUS}")
 
     # ------------------------------------------------------------------ records
 
-    def _boundary(self, s: int, last: bool, bar: StepProgress | None) -> None:
+    def _boundary(self, s: int, last: bool) -> None:
         """Records, logs and checkpoints due at step ``s`` (before update s + 1)."""
         cfg = self.cfg
         ckpt = last or is_checkpoint_step(s, cfg.checkpoint_every, cfg.checkpoint_schedule)
@@ -453,7 +453,7 @@ class Trainer:
         if s == 0 and not math.isnan(val_loss):
             self._add_log({"step": 0, "loss": math.nan, "val_loss": val_loss, "lr": 0.0})
         elif s > 0 and (s % cfg.log_every == 0 or not math.isnan(val_loss) or last):
-            self._log(s, val_loss, bar)
+            self._log(s, val_loss)
         if ckpt:
             # Compacted before the status says done: a finished run's tables hold every row.
             if last:
@@ -483,15 +483,15 @@ class Trainer:
                 frame = pd.concat([frame, rows], ignore_index=True)
         self.writer.add_metrics(frame, s)
 
-    def _log(self, s: int, val_loss: float, bar: StepProgress | None) -> None:
+    def _log(self, s: int, val_loss: float) -> None:
         acc, now = self.acc, time.perf_counter()
         row = {"step": s, "loss": acc["loss_sum"] / max(acc["loss_n"], 1), "val_loss": val_loss,
                "lr": self._lr(s - 1), "tokens_per_s": acc["tokens"] / max(now - acc["t"], 1e-9)}
         self._add_log(row)
         acc.update(loss_sum=0.0, loss_n=0, tokens=0, t=now)
-        if bar is not None:
-            bar.update(s, loss=row["loss"], val_loss=val_loss,
-                       tokens_per_s=row["tokens_per_s"])
+        if self.bar is not None:
+            self.bar.update(s, loss=row["loss"], val_loss=val_loss,
+                            tokens_per_s=row["tokens_per_s"])
 
     def _add_log(self, row: dict[str, float]) -> None:
         self.writer.add_log(row)
