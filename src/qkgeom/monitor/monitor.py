@@ -22,7 +22,7 @@ from qkgeom.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.arch import QK_SITES, adapter_for
 from qkgeom.control.closed_loop import EntropyController
 from qkgeom.errors import QKGeomError
-from qkgeom.geometry import Measurement, measure, resolve_metrics
+from qkgeom.geometry import LAYER, Measurement, measure, records_to_frame, resolve_metrics
 from qkgeom.geometry.measure import PRECISIONS
 from qkgeom.io import write_json
 from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_batch
@@ -130,12 +130,12 @@ class GeometryMonitor:
         controller, probe. The integrations call it at train start; in a plain loop
         ``start(0)`` probes the initialisation (else :meth:`step` starts the run and probes
         only when due)."""
-        return self._begin(step, total_steps, tensorboard, probe=True)
-
-    def _begin(self, step: int, total_steps: int | None, tensorboard: Any,
-               probe: bool) -> Measurement | None:
         if self._started:
             return None
+        self._begin(step, total_steps, tensorboard)
+        return self.probe(step)
+
+    def _begin(self, step: int, total_steps: int | None, tensorboard: Any) -> None:
         self._started = True
         self.total_steps = total_steps or self.total_steps
         if _rank() != 0:  # distributed, not rank 0: probe, write nothing
@@ -155,14 +155,13 @@ class GeometryMonitor:
             self.control.attach(self.model)
         self._write_config()
         self._last_step = step
-        return self.probe(step) if probe else None
 
     def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Measurement | None:
         """After an optimiser update: ``step`` = updates done so far. Applies the
         controller (if any), records ``loss``, probes when due. Returns the probe or None."""
         step = int(step)
         if not self._started:
-            self._begin(step, None, None, probe=False)
+            self._begin(step, None, None)
         elif step == self._last_step:  # gradient accumulation: one update, several calls
             return None
         self._last_step = step
@@ -197,9 +196,9 @@ class GeometryMonitor:
         fired = self.alerts.check(step, probe.frame)
         if self.control is not None:
             self.control.update(probe.layer_values("attn_entropy"))
-            extra = [(-1, -1, k, float(v)) for k, v in self.control.records().items()]
-            probe.frame = pd.concat([probe.frame, pd.DataFrame(
-                extra, columns=["layer", "head", "metric", "value"])], ignore_index=True)
+            extra = records_to_frame({LAYER: [(LAYER, k, float(v))
+                                              for k, v in self.control.records().items()]})
+            probe.frame = pd.concat([probe.frame, extra], ignore_index=True)
         self.probes.append(probe)
         if self.folder is not None:
             self.folder.add_metrics(probe.frame, step, replace=True)

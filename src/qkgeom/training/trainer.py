@@ -31,7 +31,7 @@ from qkgeom.config import TrainConfig, detect_device, with_vocab
 from qkgeom.data import load_data, probe_set, sample_batch
 from qkgeom.data.batches import BatchStream
 from qkgeom.errors import DivergedError, Interrupted, QKGeomError, signals_interrupt
-from qkgeom.geometry import NonFiniteError, measure
+from qkgeom.geometry import LAYER, NonFiniteError, measure, records_to_frame
 from qkgeom.model import GPT
 from qkgeom.runs import (
     STATUS,
@@ -478,8 +478,7 @@ class Trainer:
         for cb in self.callbacks:
             extra = cb.on_probe(self.ctx, frame)
             if extra:
-                rows = pd.DataFrame([{"layer": -1, "head": -1, "metric": k, "value": float(v)}
-                                     for k, v in extra.items()])
+                rows = records_to_frame({LAYER: [(LAYER, k, float(v)) for k, v in extra.items()]})
                 frame = pd.concat([frame, rows], ignore_index=True)
         self.writer.add_metrics(frame, s)
 
