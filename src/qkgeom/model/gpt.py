@@ -141,9 +141,6 @@ class GPT(nn.Module):
         attn = self.blocks[layer].attn
         return attn.q_proj.weight, attn.k_proj.weight
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
 
 class _Gain(nn.Module):
     """γ·W: σReparam's learned scale of the spectrally normalised weight."""
