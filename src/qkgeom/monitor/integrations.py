@@ -10,14 +10,25 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from qkgeom.errors import QKGeomError
 
-if TYPE_CHECKING:
-    from qkgeom.monitor.monitor import GeometryMonitor as Monitor
-
 __all__ = ["hf_callback", "lightning_callback"]
+
+
+class Monitor(Protocol):
+    """What a callback drives: :class:`~qkgeom.monitor.GeometryMonitor`, named by its
+    methods because importing it here would make an import cycle."""
+
+    def start(self, step: int = 0, *, total_steps: int | None = None,
+              tensorboard: Any = None) -> Any: ...
+
+    def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Any: ...
+
+    def log_loss(self, step: int, loss: Any, lr: float | None = None) -> None: ...
+
+    def close(self, state: str = "done", step: int | None = None) -> None: ...
 
 
 def _loss(outputs: Any) -> Any:
