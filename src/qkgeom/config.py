@@ -349,6 +349,17 @@ def _type_error(name: str, default: Any, value: Any) -> QKGeomError:
     return QKGeomError(f"config key {name!r} must be {what}, got {value!r}")
 
 
+def _coerce(value: Any, default: Any, name: str) -> Any:
+    """``value`` checked against its default's type (:func:`_of_type`), a number made a
+    float where a float is wanted and a whole float an int where an int is."""
+    if _of_type(value, default):
+        numeric = default is None or isinstance(default, float)
+        return float(value) if numeric and value is not None else value
+    if type(default) is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise _type_error(name, default, value)
+
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Seconds on a CPU: tests and acceptance checks (>= 3 probe steps).
     "smoke": dict(
@@ -461,27 +472,11 @@ _SYNONYMS = {"depth": "n_layer", "layers": "n_layer", "num_layers": "n_layer",
              "shrink_to": "dose", "expand_to": "dose"}
 
 
-def _coerce(value: Any, default: Any, name: str) -> Any:
-    """``value`` checked against its default's type (:func:`_of_type`), a number made a
-    float where a float is wanted and a whole float an int where an int is."""
-    if _of_type(value, default):
-        numeric = default is None or isinstance(default, float)
-        return float(value) if numeric and value is not None else value
-    if type(default) is int and isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise _type_error(name, default, value)
-
-
-def _nested(cls: type) -> dict[str, type]:
-    """The fields of ``cls`` that are themselves config dataclasses (``model``, ...)."""
-    return {f.name: f.default_factory for f in dataclasses.fields(cls)
-            if dataclasses.is_dataclass(f.default_factory)}
-
-
 def _build(cls: type, full: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> Any:
     """``cls(**full)`` with each scalar coerced to its default's type, recursing into the
     nested config dataclasses."""
-    nested = _nested(cls)
+    nested = {f.name: f.default_factory for f in dataclasses.fields(cls)
+              if dataclasses.is_dataclass(f.default_factory)}
     kw = {}
     for key, value in full.items():
         if key in nested:
