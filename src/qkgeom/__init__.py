@@ -1,13 +1,10 @@
 """qkgeom: geometry of attention queries and keys.
 
-Participation ratios of queries and keys (weights and tokens), the interaction spectrum of
-W_Q W_Kᵀ, attention entropy (:func:`measure`, for the project's GPT and supported Hugging
-Face models), a trainer for char-level GPTs that records them (:func:`train`), key-spectrum
-control, checkpoint-family analysis, a monitor for your own training, and the reports of
-the paper's experiments.
-
-The names below load on first use, so ``import qkgeom.analysis`` (pandas only) does not pay
-for importing torch.
+The participation ratios of queries and keys, the interaction spectrum of W_Q W_Kᵀ and
+attention entropy (:func:`measure`, for our GPT and supported Hugging Face models), a
+trainer that records them (:func:`train`), key-spectrum control, checkpoint families, a
+monitor for your own training and the paper's experiments (docs/api.md). The names load on
+first use, so ``import qkgeom.analysis`` does not pay for torch.
 """
 
 from __future__ import annotations

@@ -2,16 +2,11 @@
 already recorded (:func:`replay`), so a rule's precision and lead time can be measured on
 the runs it will watch.
 
-A rule watches one metric of each layer (head −1), or of every head, and fires when it
-crosses a threshold: absolute (``above=50``), or relative (``relative=True``: thresholds
-are multiples of the (layer, head)'s value at the first probe at or after ``from_step``).
-Probes before ``from_step`` are not checked. A rule fires once when its condition starts
-to hold for a (layer, head) and re-arms when it clears, so a collapsed layer warns once.
-Firing issues a :class:`GeometryWarning` (filter it, or escalate it with
-``warnings.simplefilter("error", GeometryWarning)``) and calls the user's hook.
-
-:data:`DEFAULT_RULES` were chosen on calibration runs and checked on others
-(docs/stability.md#alerts); torch-free, like the analysis that replays them.
+A rule watches one metric of each layer (or head), against an absolute threshold or one
+relative to the first probe at or after ``from_step``; it fires once when its condition
+starts to hold and re-arms when it clears, with a :class:`GeometryWarning` and the user's
+hook. How the defaults were chosen: docs/monitor.md#alerts, docs/stability.md#alerts.
+Torch-free, like the analysis that replays them.
 """
 
 from __future__ import annotations
@@ -108,10 +103,8 @@ def key_pr_drop(fraction: float, from_step: int, *, heads: bool = False) -> Aler
                      from_step=from_step)
 
 
-#: The calibration rule of docs/stability.md#alerts on the ``calibrate`` preset's runs (the
-#: demo model): 2 × the stable runs' largest layer logit_max and logit_delta, ½ × their
-#: smallest layer entropy; each warned every collapsed calibration run before its loss
-#: departed. Thresholds for that model: docs/monitor.md#alerts says how to set your own.
+#: From the ``calibrate`` preset's runs of the demo model (docs/stability.md#alerts): 2 × the
+#: stable runs' largest logit_max and logit_delta, ½ × their smallest layer entropy.
 DEFAULT_RULES = (logit_growth(74.0), logit_jump(8.8), entropy_collapse(0.59))
 
 

@@ -1,16 +1,15 @@
 """Frozen, typed run configuration: presets, overrides, validation, stable hash.
 
-A run is fully described by one :class:`TrainConfig` (which nests the :class:`GPTConfig`),
-so a sweep runner can build, hash and compare runs without touching globals. A config is
-validated once, when it is built (each dataclass checks itself in ``__post_init__``, also
-under ``dataclasses.replace``), so no reader checks it again: an unknown key or an
-impossible value is a :class:`~qkgeom.errors.QKGeomError` (exit code 2) before any work,
-never a crash an hour into training.
+A run is fully described by one :class:`TrainConfig`, so a sweep can build, hash and
+compare runs without globals. Each section validates itself in ``__post_init__`` (also
+under ``dataclasses.replace``), once: an unknown key or impossible value is a one-line
+:class:`~qkgeom.errors.QKGeomError` before any work, never a crash an hour into training.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -20,10 +19,8 @@ from typing import Any
 from qkgeom.errors import QKGeomError
 
 QK_INITS = ("normal", "orthogonal", "tied")
-# Reparametrisations of W_Q and W_K: none, or sigma (σReparam: γ·W/σ_max(W), docs/stability.md).
-QK_REPARAMS = ("none", "sigma")
+QK_REPARAMS = ("none", "sigma")  # sigma: σReparam, γ·W/σ_max(W) (docs/stability.md)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
-# auto = the best this machine has (detect_device): CUDA, then MPS, then CPU.
 DEVICE_HELP = "auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps"
 # every: each multiple of checkpoint_every; log: also step 0 and the powers of two below it
 CHECKPOINT_SCHEDULES = ("every", "log")
@@ -51,42 +48,30 @@ class GPTConfig:
     def __post_init__(self) -> None:
         _check_types(self, "model.")
         for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size"):
-            if getattr(self, name) <= 0:
-                raise QKGeomError(f"model.{name} must be a positive integer, got {getattr(self, name)}")
-        if self.block_size < 2:
-            raise QKGeomError(f"model.block_size must be at least 2 (attention over one "
-                              f"position has no entropy to measure), got {self.block_size}")
-        if self.n_embd % self.n_head:
-            raise QKGeomError(
-                f"model.n_embd ({self.n_embd}) must be divisible by model.n_head ({self.n_head})"
-            )
-        if not 0.0 <= self.dropout < 1.0:
-            raise QKGeomError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if self.qk_init not in QK_INITS:
-            raise QKGeomError(f"unknown qk_init {self.qk_init!r}; choose one of {', '.join(QK_INITS)}")
-        if self.qk_reparam not in QK_REPARAMS:
-            raise QKGeomError(f"unknown model.qk_reparam {self.qk_reparam!r}; choose one of "
-                              f"{', '.join(QK_REPARAMS)}")
+            _check(getattr(self, name) > 0,
+                   f"model.{name} must be a positive integer, got {getattr(self, name)}")
+        _check(self.block_size >= 2, "model.block_size must be at least 2 (attention over one "
+               f"position has no entropy to measure), got {self.block_size}")
+        _check(not self.n_embd % self.n_head, f"model.n_embd ({self.n_embd}) must be divisible "
+               f"by model.n_head ({self.n_head})")
+        _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
+        _one_of("qk_init", self.qk_init, QK_INITS)
+        _one_of("model.qk_reparam", self.qk_reparam, QK_REPARAMS)
 
 
 @dataclass(frozen=True)
 class KeyControlConfig:
     """Key-spectrum control during training (docs/definitions.md#key-spectrum-control).
 
-    The one definition of the control's settings: :mod:`qkgeom.control` reads its allowed
-    values from here, so the config stays torch-free and nothing is kept equal by hand.
-
-    ``dose`` None means "not given": for shrink, sham and expand it is replaced by the mode's
-    default (:attr:`DEFAULT_DOSE`) when the config is built, so an explicit default and an
-    omitted one are the same run (one config hash); none and hold take no dose.
-    """
+    The one definition of the control's settings (:mod:`qkgeom.control` reads its allowed
+    values here, so the config stays torch-free). ``dose`` None is replaced by the mode's
+    :attr:`DEFAULT_DOSE` when built, so an explicit default and an omitted one are one run."""
 
     MODES = ("none", "hold", "shrink", "sham", "expand")
     LEVELS = ("token", "weight")
     SCALES = ("data", "frobenius")
     SCOPES = ("layer", "head")
     HOWS = ("post_step", "parametrize")
-    # The dose of each mode that takes one, when none is given.
     DEFAULT_DOSE = {"shrink": 0.5, "sham": 1.0, "expand": 2.0}
     # Modes whose target is a cap relative to base(t): they may follow a reference run.
     CAPPED = ("shrink", "sham", "expand")
@@ -109,47 +94,36 @@ class KeyControlConfig:
         for name, allowed in (("mode", self.MODES), ("level", self.LEVELS),
                               ("scale", self.SCALES), ("scope", self.SCOPES),
                               ("how", self.HOWS)):
-            if getattr(self, name) not in allowed:
-                raise QKGeomError(f"unknown {prefix}{name} {getattr(self, name)!r}; choose one "
-                                  f"of {', '.join(allowed)}")
+            _one_of(prefix + name, getattr(self, name), allowed)
         mode, dose = self.mode, self.dose
         if mode in ("hold", "none"):
-            if dose is not None:
-                raise QKGeomError(f"{prefix}dose is not used by {mode}; got {dose} (leave it "
-                                  "unset)")
-        elif not math.isfinite(dose):
-            raise QKGeomError(f"{prefix}dose must be a finite number, got {dose}")
-        elif dose <= 0:
-            raise QKGeomError(f"{prefix}dose must be > 0, got {dose} (leave it unset for the "
-                              "mode's default)")
-        if mode == "shrink" and not 0.0 < dose <= 1.0:
-            raise QKGeomError(f"{prefix}dose must be in (0, 1] for shrink, got {dose}")
-        if mode == "expand" and dose < 1.0:
-            raise QKGeomError(f"{prefix}dose must be >= 1 for expand, got {dose}")
-        if mode == "sham" and dose != 1.0:
-            raise QKGeomError(f"{prefix}dose is fixed at 1 for sham; got {dose} (leave it "
-                              "unset)")
-        if self.reference and not (mode in self.CAPPED or (mode != "none"
-                                                           and self.scale == "data")):
-            raise QKGeomError(f"{prefix}reference is read by {', '.join(self.CAPPED)} (a cap "
-                              "relative to a reference run) and by the data scale rule (the "
-                              f"key spread matched to it); {mode} with the {self.scale} rule "
-                              "reads nothing from it")
-        if self.ramp_steps < -1:
-            raise QKGeomError(f"{prefix}ramp_steps must be -1 (= warmup_steps) or >= 0, got "
-                              f"{self.ramp_steps}")
+            _check(dose is None, f"{prefix}dose is not used by {mode}; got {dose} (leave it "
+                   "unset)")
+        else:
+            _check(math.isfinite(dose), f"{prefix}dose must be a finite number, got {dose}")
+            _check(dose > 0, f"{prefix}dose must be > 0, got {dose} (leave it unset for the "
+                   "mode's default)")
+        _check(mode != "shrink" or 0.0 < dose <= 1.0,
+               f"{prefix}dose must be in (0, 1] for shrink, got {dose}")
+        _check(mode != "expand" or dose >= 1.0, f"{prefix}dose must be >= 1 for expand, got {dose}")
+        _check(mode != "sham" or dose == 1.0, f"{prefix}dose is fixed at 1 for sham; got {dose} "
+               "(leave it unset)")
+        _check(not self.reference or mode in self.CAPPED or (mode != "none" and self.scale == "data"),
+               f"{prefix}reference is read by {', '.join(self.CAPPED)} (a cap relative to a "
+               "reference run) and by the data scale rule (the key spread matched to it); "
+               f"{mode} with the {self.scale} rule reads nothing from it")
+        _check(self.ramp_steps >= -1, f"{prefix}ramp_steps must be -1 (= warmup_steps) or >= 0, "
+               f"got {self.ramp_steps}")
 
     @property
     def active(self) -> bool:
         """Whether a callback must serve this section: a control, or only the recording."""
         return self.mode != "none" or self.record
 
-    # E3 arm names, both ways, in one place: ``none``, ``<mode>-<level>-<scale>`` (hold,
-    # sham), ``<mode>-<dose>-<level>-<scale>`` (shrink, expand), e.g. ``shrink-0.5-token-data``.
-
     @property
     def arm(self) -> str:
-        """The E3 arm this section is (docs/definitions.md#e3-arms)."""
+        """The E3 arm this section is: ``none``, ``hold-<level>-<scale>``,
+        ``shrink-<dose>-<level>-<scale>``, ... (docs/definitions.md#e3-arms)."""
         if self.mode == "none":
             return "none"
         if self.mode in ("hold", "sham"):
@@ -158,8 +132,8 @@ class KeyControlConfig:
 
     @classmethod
     def arm_settings(cls, name: str) -> dict[str, Any]:
-        """The ``key_control`` keys of the E3 arm called ``name`` (the inverse of
-        :attr:`arm`); a one-line QKGeomError for a name that is not an arm."""
+        """The ``key_control`` keys of the E3 arm ``name`` (the inverse of :attr:`arm`); a
+        one-line QKGeomError for a name that is not an arm."""
         parts = name.split("-")
         bad = QKGeomError(f"unknown E3 arm {name!r}; arms are none, sham-<level>-<scale>, "
                           "hold-<level>-<scale>, shrink-<dose>-<level>-<scale>, "
@@ -183,9 +157,9 @@ class KeyControlConfig:
 
 @dataclass(frozen=True)
 class EntropyControlConfig:
-    """The closed loop that steers each layer's attention entropy toward ``target`` nats
-    through its key spectrum (:class:`qkgeom.monitor.EntropyController`, updated at every
-    probe of the run); ``target`` None = off."""
+    """The closed loop steering each layer's attention entropy toward ``target`` nats
+    through its key spectrum (:class:`qkgeom.control.closed_loop.EntropyController`); None =
+    off."""
 
     target: float | None = None  # H* in nats for every layer; None = no closed loop
     gain: float = 1.0  # change of log PR* per nat of error per probe
@@ -193,12 +167,10 @@ class EntropyControlConfig:
 
     def __post_init__(self) -> None:
         _check_types(self, "entropy_control.")
-        if self.target is not None and not (math.isfinite(self.target) and self.target >= 0):
-            raise QKGeomError(f"entropy_control.target must be finite nats >= 0, got "
-                              f"{self.target}")
-        if not (self.gain > 0 and self.max_step > 0):
-            raise QKGeomError("entropy_control.gain and max_step must be positive, got "
-                              f"{self.gain} and {self.max_step}")
+        _check(self.target is None or (math.isfinite(self.target) and self.target >= 0),
+               f"entropy_control.target must be finite nats >= 0, got {self.target}")
+        _check(self.gain > 0 and self.max_step > 0, "entropy_control.gain and max_step must be "
+               f"positive, got {self.gain} and {self.max_step}")
 
     @property
     def active(self) -> bool:
@@ -207,9 +179,8 @@ class EntropyControlConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Everything that determines a run. ``seed`` fixes init and data order; the probe set
-    is fixed by ``probe_seed``-independent data (the start of the val split), so every run of
-    one experiment is probed on the same tokens."""
+    """Everything that determines a run. ``seed`` fixes init and data order; every run is
+    probed on the same tokens (the start of the val split)."""
 
     model: GPTConfig = field(default_factory=GPTConfig)
     data: str = "sample"  # "sample" (the embedded Wikipedia text, cached) or a prepared folder
@@ -230,27 +201,17 @@ class TrainConfig:
     eval_batches: int = 8
     log_every: int = 10
     checkpoint_every: int = 250
-    # "every": at each multiple of checkpoint_every (and the last step); "log": also at step
-    # 0 and at steps 1, 2, 4, ... below checkpoint_every (Pythia's shape, for E4 families).
-    checkpoint_schedule: str = "every"
+    checkpoint_schedule: str = "every"  # log: also step 0 and 1, 2, 4, ... below it (E4)
     keep_checkpoints: int = 2  # the newest N are kept; 0 = keep all
-    # The post-transient reference (docs/protocols.md): -1 = the first probe at or after 25 %
-    # of the run's steps; an explicit step >= 0 wins.
-    reference_step: int = -1
-    # auto = bf16 autocast on CUDA, fp32 elsewhere (see effective_precision); bf16 and fp16
-    # are opt-in anywhere. Weights and optimiser state stay fp32; probes run the fp32 model
-    # and compute in float64.
-    precision: str = "auto"
-    # auto = CUDA, then MPS, then CPU (detect_device); the trainer records what it resolved
-    # to. Not in the config hash: where a run computes is not what it computes.
-    device: str = "auto"
+    reference_step: int = -1  # -1 = 25 % of the steps (ref_step_of)
+    precision: str = "auto"  # the forward's autocast (effective_precision); probes: float64
+    device: str = "auto"  # not in the config hash: where a run computes is not what
     threads: int = 0  # 0 = leave torch's default
     compile: bool = False  # torch.compile the training forward/backward (probes stay eager)
     key_control: KeyControlConfig = field(default_factory=KeyControlConfig)
     entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
 
     def __post_init__(self) -> None:
-        # The nested sections validated themselves when they were built.
         for name, kind in (("model", GPTConfig), ("key_control", KeyControlConfig),
                            ("entropy_control", EntropyControlConfig)):
             if not isinstance(getattr(self, name), kind):
@@ -260,71 +221,55 @@ class TrainConfig:
         positive = ("steps", "batch_size", "probe_every", "probe_sequences", "probe_batch",
                     "eval_every", "eval_batches", "log_every", "checkpoint_every")
         for name in positive:
-            if getattr(self, name) <= 0:
-                raise QKGeomError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.keep_checkpoints < 0:
-            raise QKGeomError(f"keep_checkpoints must be >= 0 (0 = keep all), got "
-                              f"{self.keep_checkpoints}")
-        if self.checkpoint_schedule not in CHECKPOINT_SCHEDULES:
-            raise QKGeomError(f"unknown checkpoint_schedule {self.checkpoint_schedule!r}; "
-                              f"choose one of {', '.join(CHECKPOINT_SCHEDULES)}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise QKGeomError(f"lr must be a positive finite number, got {self.lr}")
-        if self.seed < 0:
-            raise QKGeomError(f"seed must be >= 0, got {self.seed}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise QKGeomError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.warmup_steps < 0 or self.warmup_steps > self.steps:
-            raise QKGeomError(
-                f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}"
-            )
-        if not all(math.isfinite(v) and v >= 0 for v in (self.weight_decay, self.grad_clip)):
-            raise QKGeomError("weight_decay and grad_clip must be finite and non-negative, got "
-                              f"{self.weight_decay} and {self.grad_clip}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise QKGeomError("beta1 and beta2 must be in [0, 1)")
-        if self.probe_every > self.steps:
-            raise QKGeomError(
-                f"probe_every ({self.probe_every}) is larger than steps ({self.steps}): "
-                "the run would only be probed at its ends"
-            )
-        if self.precision not in PRECISIONS:
-            raise QKGeomError(
-                f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}"
-            )
-        if not 0 <= self.threads <= 4096:
-            raise QKGeomError(f"threads must be in [0, 4096] (0 = torch's default), got "
-                              f"{self.threads}")
-        if self.reference_step < -1 or self.reference_step > self.steps:
-            raise QKGeomError(f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
-        if not (self.device in ("auto", "cpu") or self.device.startswith(("cuda", "mps"))):
-            raise QKGeomError(f"unknown device {self.device!r}; use {DEVICE_HELP}")
+            _check(getattr(self, name) > 0,
+                   f"{name} must be a positive integer, got {getattr(self, name)}")
+        _check(self.keep_checkpoints >= 0,
+               f"keep_checkpoints must be >= 0 (0 = keep all), got {self.keep_checkpoints}")
+        _one_of("checkpoint_schedule", self.checkpoint_schedule, CHECKPOINT_SCHEDULES)
+        _check(math.isfinite(self.lr) and self.lr > 0,
+               f"lr must be a positive finite number, got {self.lr}")
+        _check(self.seed >= 0, f"seed must be >= 0, got {self.seed}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0,
+               f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(0 <= self.warmup_steps <= self.steps,
+               f"warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+        _check(all(math.isfinite(v) and v >= 0 for v in (self.weight_decay, self.grad_clip)),
+               "weight_decay and grad_clip must be finite and non-negative, got "
+               f"{self.weight_decay} and {self.grad_clip}")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1 and beta2 must be in [0, 1)")
+        _check(self.probe_every <= self.steps, f"probe_every ({self.probe_every}) is larger "
+               f"than steps ({self.steps}): the run would only be probed at its ends")
+        _one_of("precision", self.precision, PRECISIONS)
+        _check(0 <= self.threads <= 4096,
+               f"threads must be in [0, 4096] (0 = torch's default), got {self.threads}")
+        _check(-1 <= self.reference_step <= self.steps,
+               f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
+        _check(self.device in ("auto", "cpu") or self.device.startswith(("cuda", "mps")),
+               f"unknown device {self.device!r}; use {DEVICE_HELP}")
         controls = [n for n in ("key_control", "entropy_control") if getattr(self, n).active
                     and (n == "entropy_control" or self.key_control.mode != "none")]
-        if self.model.qk_reparam != "none" and controls:
-            raise QKGeomError(f"{controls[0]} reshapes W_K, which model.qk_reparam "
-                              f"{self.model.qk_reparam!r} reparametrises; use one or the other")
-        if len(controls) == 2:
-            raise QKGeomError("key_control and entropy_control both reshape W_K; use one or "
-                              "the other")
+        _check(self.model.qk_reparam == "none" or not controls,
+               f"{controls[0] if controls else ''} reshapes W_K, which model.qk_reparam "
+               f"{self.model.qk_reparam!r} reparametrises; use one or the other")
+        _check(len(controls) < 2,
+               "key_control and entropy_control both reshape W_K; use one or the other")
 
     def active_features(self) -> list[str]:
-        """Config sections that ask for behaviour the trainer does not implement itself:
-        each must be served by a callback (built from the config by :mod:`qkgeom.launch`)."""
+        """Config sections each of which a callback must serve (:mod:`qkgeom.launch` builds
+        them)."""
         return [name for name in ("key_control", "entropy_control")
                 if getattr(self, name).active]  # key_control: a control or its record
 
     @property
     def resolved_device(self) -> str:
-        """The device a run of this config computes on here: ``auto`` resolved by
-        :func:`detect_device` (which imports torch), any other name as given."""
+        """The device a run computes on here (``auto``: :func:`detect_device`, which imports
+        torch)."""
         return detect_device() if self.device == "auto" else self.device
 
     @property
     def effective_precision(self) -> str:
-        """The precision a run trains in: ``auto`` resolves by device, bf16 on CUDA (every GPU
-        since Ampere computes bf16 natively; pass fp16 or fp32 on older ones) and fp32 on CPU
-        and MPS, where bf16 is opt-in (fast only with AMX / AVX512-BF16 and large matmuls)."""
+        """The precision a run trains in: ``auto`` is bf16 on CUDA (native since Ampere) and
+        fp32 on CPU and MPS, where bf16 is opt-in (docs/speed.md#settings)."""
         if self.precision != "auto":
             return self.precision
         return "bf16" if self.resolved_device.startswith("cuda") else "fp32"
@@ -337,22 +282,17 @@ class TrainConfig:
     @staticmethod
     def ref_step_of(steps: int, reference_step: int = -1) -> int:
         """The post-transient reference step of a run of ``steps``: ``reference_step`` when
-        >= 0, else 25 % of the run, rounded up (so the first probe at or after it is the first
-        at or after a quarter of the steps). Why 25 %, and not the end of warm-up or the PR
-        minimum: docs/protocols.md. A function of the two numbers, for recorded configs."""
+        >= 0, else 25 % of the run rounded up (why: docs/protocols.md). For recorded configs
+        too."""
         return math.ceil(steps / 4) if reference_step < 0 else reference_step
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def config_hash(self) -> str:
-        """Stable short hash of everything that changes the result.
-
-        Left out: ``device``, ``threads`` and ``compile`` (how fast, not what: a compiled
-        step computes the same maths, to rounding, and a run may be resumed with or without
-        it). In: the *effective* precision, since bf16 changes the numbers; ``auto`` hashes
-        as what it resolves to, so ``auto`` on CPU and an explicit ``fp32`` are one run.
-        """
+        """Stable short hash of everything that changes the result: not ``device``, ``threads`` or
+        ``compile`` (how fast, not what), and the *effective* precision (``auto`` on CPU and
+        ``fp32`` are one run)."""
         d = self.to_dict()
         for k in ("device", "threads", "compile"):
             d.pop(k)
@@ -362,9 +302,8 @@ class TrainConfig:
 
 
 def detect_device() -> str:
-    """What ``device: auto`` means on this machine: ``cuda`` when a CUDA device is
-    visible, else ``mps`` (Apple GPUs), else ``cpu``. Imports torch (only here, so the
-    config stays importable without it)."""
+    """What ``device: auto`` means here: ``cuda``, else ``mps``, else ``cpu`` (imports
+    torch)."""
     import torch
 
     if torch.cuda.is_available():
@@ -375,29 +314,54 @@ def detect_device() -> str:
     return "cpu"
 
 
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise QKGeomError(message)
+
+
+def _one_of(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    _check(value in allowed, f"unknown {name} {value!r}; choose one of {', '.join(allowed)}")
+
+
 def _check_types(cfg: Any, prefix: str) -> None:
     """Each scalar field has its default's type (an int where a float is wanted is fine):
     a config built in Python (``dataclasses.replace(cfg, steps="10")``) fails here, in one
     line, instead of as a TypeError deep in training."""
     for f in dataclasses.fields(cfg):
-        if f.default is dataclasses.MISSING:  # the nested model config: validated itself
-            continue
-        value, kind = getattr(cfg, f.name), type(f.default)
-        if f.default is None:  # an optional number: None = not given
-            ok = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
-        elif kind is float:
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, kind)
-        if not ok:
-            what = "a number or null" if f.default is None else kind.__name__
-            raise QKGeomError(f"config key {prefix + f.name!r} must be {what}, got {value!r}")
+        if f.default is not dataclasses.MISSING and not _of_type(getattr(cfg, f.name), f.default):
+            raise _type_error(prefix + f.name, f.default, getattr(cfg, f.name))
+
+
+def _of_type(value: Any, default: Any) -> bool:
+    """Whether ``value`` has ``default``'s type: an int is a float too, a bool never a
+    number, and a default of None means an optional number."""
+    if default is None:
+        return value is None or _of_type(value, 0.0)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if type(default) is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, type(default))
+
+
+def _type_error(name: str, default: Any, value: Any) -> QKGeomError:
+    what = "a number or null" if default is None else type(default).__name__
+    return QKGeomError(f"config key {name!r} must be {what}, got {value!r}")
+
+
+def _coerce(value: Any, default: Any, name: str) -> Any:
+    """``value`` checked against its default's type (:func:`_of_type`), a number made a
+    float where a float is wanted and a whole float an int where an int is."""
+    if _of_type(value, default):
+        numeric = default is None or isinstance(default, float)
+        return float(value) if numeric and value is not None else value
+    if type(default) is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise _type_error(name, default, value)
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    # Seconds on a laptop CPU: for tests and acceptance checks (>= 3 probe steps).
+    # Seconds on a CPU: tests and acceptance checks (>= 3 probe steps).
     "smoke": dict(
         model=dict(n_layer=2, n_head=2, n_embd=32, block_size=32),
         steps=40, batch_size=8, lr=3e-3, warmup_steps=5, probe_every=10, probe_sequences=4,
@@ -409,10 +373,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         steps=2000, batch_size=32, lr=3e-3, warmup_steps=100, probe_every=100,
         probe_sequences=16, eval_every=250, eval_batches=8, checkpoint_every=500,
     ),
-    # One GPU, WikiText-103 char level (depth comes from the grid; 6 is the middle one).
-    # 64 x 256 tokens x 20k steps = 328 M tokens, about 0.6 epochs of WikiText-103 train.
-    # Precision auto: bf16 on the GPU it is meant for (the same config hash as an explicit
-    # bf16 there), fp32 where it lands on a CPU.
+    # One GPU, WikiText-103 char level, bf16 there (docs/training.md: why this size).
     "paper": dict(
         model=dict(n_layer=6, n_head=6, n_embd=384, block_size=256, dropout=0.0),
         steps=20000, batch_size=64, lr=1e-3, warmup_steps=1000, probe_every=500,
@@ -426,9 +387,9 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def deep_merge(base: dict[str, Any], over: dict[str, Any], *, strict: bool = False,
                prefix: str = "") -> dict[str, Any]:
-    """``over`` on top of ``base``, recursing into nested mappings; neither is modified.
-    ``strict`` (config overrides on the full defaults): a key ``base`` lacks is a one-line
-    error with a "did you mean", and a section must stay a mapping."""
+    """``over`` on top of ``base``, recursing into mappings; neither is modified. ``strict``
+    (overrides on the full defaults): an unknown key is a one-line error with a "did you
+    mean", and a section must stay a mapping."""
     out = dict(base)
     for key, value in over.items():
         name = f"{prefix}{key}"
@@ -487,9 +448,8 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _did_you_mean(key: Any, base: dict[str, Any], prefix: str) -> str:
-    """``; did you mean 'model.n_layer'?`` for the closest keys, looking one level into
-    the nested sections too (``depth`` -> ``model.n_layer`` is too far; ``n_layer`` at the
-    top level finds it); ``""`` when nothing is close."""
+    """``; did you mean 'model.n_layer'?`` for the closest keys, one level into the sections
+    too; ``""`` when nothing is close."""
     import difflib
 
     names = {k: prefix + k for k in base}
@@ -504,8 +464,7 @@ def _did_you_mean(key: Any, base: dict[str, Any], prefix: str) -> str:
     return "; did you mean " + " or ".join(repr(names[c]) for c in close) + "?"
 
 
-# Names other tools (and the CLI's flags) use for config keys, for "did you mean"; and the
-# control's share before it was called dose.
+# Names other tools (and the CLI's flags) use for config keys, for "did you mean".
 _SYNONYMS = {"depth": "n_layer", "layers": "n_layer", "num_layers": "n_layer",
              "width": "n_embd", "d_model": "n_embd", "hidden_size": "n_embd",
              "heads": "n_head", "num_heads": "n_head", "context": "block_size",
@@ -513,41 +472,11 @@ _SYNONYMS = {"depth": "n_layer", "layers": "n_layer", "num_layers": "n_layer",
              "shrink_to": "dose", "expand_to": "dose"}
 
 
-def _coerce(value: Any, default: Any, name: str) -> Any:
-    """Type-check one value against its default's type (ints may become floats; a default
-    of None is an optional number)."""
-    kind = type(default)
-    if default is None:
-        if value is None:
-            return None
-        kind = float
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-    elif kind is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-    elif kind is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif kind is str and isinstance(value, str):
-        return value
-    what = "a number or null" if default is None else kind.__name__
-    raise QKGeomError(f"config key {name!r} must be {what}, got {value!r}")
-
-
-def _nested(cls: type) -> dict[str, type]:
-    """The fields of ``cls`` that are themselves config dataclasses (``model``, ...)."""
-    return {f.name: f.default_factory for f in dataclasses.fields(cls)
-            if dataclasses.is_dataclass(f.default_factory)}
-
-
 def _build(cls: type, full: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> Any:
     """``cls(**full)`` with each scalar coerced to its default's type, recursing into the
     nested config dataclasses."""
-    nested = _nested(cls)
+    nested = {f.name: f.default_factory for f in dataclasses.fields(cls)
+              if dataclasses.is_dataclass(f.default_factory)}
     kw = {}
     for key, value in full.items():
         if key in nested:
@@ -558,11 +487,9 @@ def _build(cls: type, full: dict[str, Any], defaults: dict[str, Any], prefix: st
 
 
 def check_config_types(d: dict[str, Any], prefix: str = "") -> None:
-    """QKGeomError unless every key of ``d`` that :class:`TrainConfig` knows holds a value of
-    its type (as :func:`from_dict` would coerce it); unknown keys and values a newer rule
-    would refuse are left alone. For readers of recorded configs (a report): a value of
-    the wrong type (``"warmup_steps": "five"``) is one line, while a run recorded under
-    older or newer rules still reads."""
+    """QKGeomError unless every key of ``d`` that :class:`TrainConfig` knows holds a value
+    of its type. For readers of recorded configs: unknown keys and values newer rules would
+    refuse are left alone, so a run recorded under other rules still reads."""
     defaults = TrainConfig().to_dict()
     node = defaults
     for part in filter(None, prefix.rstrip(".").split(".")):
@@ -588,19 +515,15 @@ def from_dict(d: dict[str, Any]) -> TrainConfig:
 
 
 #: A config or grid file is a few hundred bytes; these bound what a crafted one can cost
-#: before it is refused (a 450-byte YAML alias bomb expands to gigabytes).
+#: before it is refused (docs/faults.md#untrusted-files).
 MAX_YAML_BYTES = 1 * 2**20
 MAX_YAML_NODES = 20_000
 
 
+@functools.cache
 def _yaml_loader() -> type:
-    """The YAML loader of config and grid files: ``yaml.SafeLoader`` that refuses aliases
-    (``*name``: each one can multiply what follows, the "billion laughs"), counts nodes
-    (at most :data:`MAX_YAML_NODES`), reads ``1e-3`` as a float (YAML 1.2) and refuses a
-    key given twice in one mapping. Built on first use, so the config imports no YAML."""
-    global _LOADER
-    if _LOADER is not None:
-        return _LOADER
+    """``yaml.SafeLoader`` that refuses aliases (each can multiply what follows) and a key given
+    twice, counts nodes and reads ``1e-3`` as a float (YAML 1.2); docs/faults.md#bad-input."""
     import re
 
     import yaml
@@ -644,16 +567,12 @@ def _yaml_loader() -> type:
                         |\.(?:nan|NaN|NAN))$""", re.X),
         list("-+0123456789."),
     )
-    _LOADER = Loader
     return Loader
 
 
-_LOADER: type | None = None
-
-
 def load_yaml_file(path: Any, what: str = "config file") -> Any:
-    """A YAML (or JSON) config or grid file, parsed with :func:`_yaml_loader`'s limits; a
-    missing, unreadable, oversized or invalid file is a one-line QKGeomError naming it."""
+    """A YAML (or JSON) config or grid file within :func:`_yaml_loader`'s limits; a missing,
+    unreadable, oversized or invalid file is a one-line QKGeomError naming it."""
     from pathlib import Path
 
     import yaml

@@ -1,23 +1,10 @@
 """Closed loop (research-grade): steer attention entropy through the key spectrum.
 
-E3 finds that shrinking the key spectrum sharpens attention and holding it at
-its initial dispersion softens it. This module turns that into a controller: a
-:class:`~qkgeom.control.KeySpectrumControl` in ``hold`` mode whose PR target is not fixed
-but moved, at every probe, toward a target attention entropy:
-
-    error_l = H*_l − H_l                               (nats, layer-mean attn_entropy)
-    log PR*_l ← log PR*_l + clip(gain · error_l, ±max_step)
-
-a proportional law on the *change* of the setpoint (velocity form), so a constant error
-keeps moving the target until the entropy is reached. Entropy too low (attention too
-peaked) raises the key PR target, too high lowers it. The control itself reshapes W_K
-after every optimiser step, keeping ‖W_K‖_F.
-
-Research-grade: nothing guarantees the entropy responds monotonically or fast enough to the
-key PR (other parameters -- W_Q, the logit scale, LayerNorm gains -- move attention too),
-the gain is untuned beyond the demo, and the loop acts only at probe steps. Use it as an
-experiment, not as a training stabiliser. ``docs/monitor.md`` reports what it did on the
-demo preset.
+A ``hold`` key control whose per-layer PR target moves at every probe toward a target
+entropy, ``log PR*_l ← log PR*_l + clip(gain · (H*_l − H_l), ±max_step)``: entropy too low
+raises the key PR, too high lowers it. Nothing guarantees the entropy follows (W_Q, the
+logit scale and LayerNorm gains move attention too); the law, its use and what it did on the
+demo: docs/monitor.md#closed-loop-research-grade.
 """
 
 from __future__ import annotations
@@ -54,15 +41,9 @@ class SteeredKeyControl(KeySpectrumControl):
 class EntropyController:
     """Proportional controller of the key-PR setpoint toward a target attention entropy.
 
-    Args:
-        target: H* in nats, one value for every controlled layer or one per layer.
-        gain: change of log PR* per nat of error per probe.
-        max_step: bound on |Δ log PR*| per probe (rate limit).
-        layers: layers to control (default all).
-        scale: what the reshape keeps (``data``: the mean squared key norm on the
-            training batches, so the logit scale is not moved by the control;
-            ``frobenius``: ‖W_K‖_F, needs no forward pass). docs/definitions.md#scale-rule.
-    """
+    ``target``: H* in nats, one for every controlled layer or one per layer; ``gain``: change
+    of log PR* per nat of error per probe; ``max_step``: bound on |Δ log PR*| per probe;
+    ``layers``: default all; ``scale``: what the reshape keeps (docs/definitions.md#scale-rule)."""
 
     def __init__(self, target: float | Sequence[float], *, gain: float = 1.0,
                  max_step: float = 0.25, layers: Sequence[int] | None = None,
@@ -114,9 +95,9 @@ class EntropyController:
         self._ctl().step(step)
 
     def update(self, entropy: Mapping[int, float]) -> dict[str, float]:
-        """One proportional update from the layer-mean entropies ``{layer: nats}`` of a
-        probe; returns flat records (``ctl_entropy_target_l0``, ``ctl_entropy_l0``,
-        ``ctl_setpoint_l0``, ...) for the metrics table."""
+        """One proportional update from a probe's layer-mean entropies ``{layer: nats}``;
+        returns flat records (``ctl_entropy_target_l0``, ``ctl_entropy_l0``,
+        ``ctl_setpoint_l0``, ...)."""
         ctl = self._ctl()
         setpoint = ctl.setpoint.clone()  # (N,) one unit per layer
         rec: dict[str, float] = {}
@@ -156,10 +137,9 @@ class EntropyController:
 
 
 class EntropyControlCallback(Callback):
-    """The closed loop inside ``qkgeom.train``: attaches to the fresh model, reshapes W_K
-    after every step, and updates the setpoints from the trainer's own probes
-    (``on_probe``), whose rows (``ctl_*``) land in ``metrics.parquet``. Serves a config's
-    ``entropy_control`` section (:func:`qkgeom.launch.callbacks_for` builds it)."""
+    """The closed loop inside ``qkgeom.train``, serving a config's ``entropy_control``: attach to
+    the fresh model, reshape W_K after every step, update from the trainer's own probes (the
+    ``ctl_*`` rows land in ``metrics.parquet``)."""
 
     feature = "entropy_control"
 

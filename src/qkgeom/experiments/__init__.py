@@ -1,13 +1,11 @@
 """Experiments: sweep grids, the sweep runner (local processes or Ray), the paper's
 experiments.
 
-``load_grid`` / ``Grid.from_dict`` read a grid; ``Grid.expand`` gives its runs with stable
-ids; ``run_sweep`` trains them into a resumable sweep folder (every run through
-``run_one``, in persistent local worker processes or Ray tasks, packed ``runs_per_gpu`` to a
-GPU on CUDA grids); ``sweep_status`` tabulates a sweep folder. The paper's experiments are
-one :class:`Experiment` each (``e1``: E1 and E2, ``e3``, ``e4``; ``stability``, the
-attention-entropy collapse and its remedies), found by
-:func:`experiment`; :func:`reproduce` runs one end to end.
+``load_grid`` / ``Grid.from_dict`` read a grid, ``Grid.expand`` gives its runs,
+``run_sweep`` trains them into a resumable sweep folder (each through ``run_one``) and
+``sweep_status`` tabulates it. Each experiment (``e1``: E1 and E2, ``e3``, ``e4``,
+``stability``) is one :class:`Experiment`, found by :func:`experiment`; :func:`reproduce`
+runs one end to end.
 """
 
 from __future__ import annotations
@@ -30,8 +28,8 @@ EXPERIMENTS: dict[str, Experiment] = {e.name: e for e in (E1(), E3(), E4(), Stab
 
 
 def experiment(name: str) -> Experiment:
-    """The experiment called ``name``; a one-line error otherwise (E2 has no grid of its
-    own: its claims are measured on E1's runs, so ``e2`` is pointed at ``e1``)."""
+    """The experiment called ``name``; a one-line error otherwise (``e2`` points at ``e1``,
+    whose runs E2's claims are measured on)."""
     if name in EXPERIMENTS:
         return EXPERIMENTS[name]
     hint = ("E2 is part of e1 (`qkgeom reproduce e1` runs E1 and E2 on one grid); "
@@ -43,9 +41,8 @@ def experiment(name: str) -> Experiment:
 def reproduce(name: str, preset: str, out_dir: str | Path | None = None, data: str = "",
               *, overrides: dict[str, Any] | None = None, **options: Any) -> Any:
     """Run the experiment ``name`` at size ``preset`` into ``out_dir`` (default
-    ``sweeps/<name>-<preset>``), resumable. E1/E3: ``options`` are :func:`run_sweep`'s
-    (``workers``, ``backend``, ...), returns the :class:`SweepSummary`; E4: those of
-    :meth:`E4.run` (``model``, ``revisions``, ...), returns the folder it reported."""
+    ``sweeps/<name>-<preset>``), resumable. E4: ``options`` are :meth:`E4.run`'s, returns
+    the folder it reported; the others: :func:`run_sweep`'s, returns the SweepSummary."""
     exp = experiment(name)
     if isinstance(exp, E4):
         return exp.run(preset, out_dir, data=data, overrides=overrides, **options)

@@ -1,16 +1,8 @@
 """E1 and E2: depths x Q/K inits x replicates, every run with its own seed.
 
-``distinct_seeds``: runs that shared a seed would share their data order and, within a
-depth, every initial weight but W_Q/W_K, so they would not be independent units. Every run
-sees the same probe set (probes come from the start of the val split). E2's claims are
-measured on the same runs. Sizes (docs/definitions.md#presets):
-
-``smoke``  depths {1, 2} x 3 inits x 1: a wiring check of the ``smoke`` training preset.
-``demo``   depths {4, 6, 8} x 3 inits x 2 = 18 runs of the demo model (4 heads, width 128,
-           context 64) on the embedded Wikipedia sample, 400 steps of 16 x 64 tokens.
-``lab``    the demo's grid x 3 replicates, 2 000 steps each: the regime after the early
-           transient.
-``paper``  depths {4, 6, 8} x 3 inits x 4 of the ``paper`` training preset on WikiText-103.
+``distinct_seeds``: runs sharing a seed would share their data order and, within a depth,
+every initial weight but W_Q/W_K, so they would not be independent units. E2's claims are
+measured on the same runs. Sizes: docs/definitions.md#e1-and-e2.
 """
 
 from __future__ import annotations
@@ -26,8 +18,7 @@ PAPER_DEPTHS = [4, 6, 8]
 
 @dataclass(frozen=True)
 class E1Preset:
-    """One size of E1: the training preset, the overrides every run gets, the depths and
-    the replicates."""
+    """One size of E1: training preset, overrides of every run, depths, replicates."""
 
     train_preset: str
     overrides: dict[str, Any]

@@ -1,21 +1,10 @@
 """E3: seeds x named key-control arms, paired by seed.
 
-Arms (:attr:`qkgeom.config.KeyControlConfig.arm`, the one home of arm names both ways):
-``none`` (no control; records its per-step PR_K and key spread, the reference),
-``sham-<level>-<scale>``, ``hold-<level>-<scale>`` and ``shrink-<dose>-<level>-<scale>``.
-A controlled arm that reads the ``none`` run of its seed (a cap relative to its PR_K, or
-the data rule's matched key spread) depends on it, so the runner trains that run first.
-The seed is the outer axis and ``none`` the first arm, so a sweep finishes whole seeds
-first and a partial sweep already has complete pairs. Sizes (seed counts from the power
-calculation of docs/protocols.md#e3):
-
-``smoke``  2 seeds x the four core arms (none, sham, hold, shrink-0.5; token level, data rule).
-``demo``   20 seeds x the core arms on the E1 demo's 4-layer model (normal init), probed every
-           25 steps.
-``lab``    8 seeds x the core arms, 2 000 steps (fewer seeds than the power calculation asks
-           for, said in its report).
-``paper``  20 seeds x 8 arms (the core arms; shrink at doses 0.75 and 0.25; hold and
-           shrink-0.5 at the weight level with the Frobenius rule) on WikiText-103.
+Arm names both ways live in :attr:`qkgeom.config.KeyControlConfig.arm`. A controlled arm
+that reads the ``none`` run of its seed depends on it, so the runner trains that first; the
+seed is the outer axis and ``none`` the first arm, so a partial sweep already has complete
+pairs. Sizes and arms: docs/definitions.md#e3-arms (seed counts:
+docs/protocols.md#power-and-seeds).
 """
 
 from __future__ import annotations
@@ -34,8 +23,7 @@ _FOUR_LAYERS = {"model": {"n_layer": 4, "qk_init": "normal"}}
 
 @dataclass(frozen=True)
 class E3Preset:
-    """One size of E3: the training preset, the overrides every run gets, the seeds and
-    the arms."""
+    """One size of E3: training preset, overrides of every run, seeds, arms."""
 
     train_preset: str
     overrides: dict[str, Any]
@@ -55,8 +43,8 @@ E3_PRESETS: dict[str, E3Preset] = {
 
 
 def e3_arm(name: str) -> dict[str, Any]:
-    """The E3 arm called ``name`` as a grid arm (docs/definitions.md#e3-arms): the settings
-    its name gives, and ``reference: none`` when it reads the ``none`` run of its seed."""
+    """The E3 arm ``name`` as a grid arm: the settings its name gives, and ``reference:
+    none`` when it reads the ``none`` run of its seed."""
     settings = KeyControlConfig.arm_settings(name)
     if name == "none":
         return {"name": name, "set": {"key_control.mode": "none", "key_control.record": True}}

@@ -1,20 +1,10 @@
 """E4: how Q/K geometry changes across a family of checkpoints.
 
-Offline: runs of our GPT, one per seed, trained with the ``log`` checkpoint schedule (step
-0, the powers of two below ``checkpoint_every``, then its multiples: the shape of Pythia's
-suite); each run's checkpoints are analysed as a family on held-out text and the report
-takes the seed as the unit. With a hub family (``--model`` and ``--revisions``, e.g.
-EleutherAI/pythia-160m at step0, step512, ...) nothing is trained: the family is analysed as
-it is, one model, whose layers describe it. The folder ``OUT`` (layout:
-:mod:`qkgeom.runs.family`) holds ``e4.json``, ``train/`` (the sweep of the runs),
-``analysis/seed-<s>/`` and ``report/``. Sizes (docs/checkpoints.md#e4):
-
-``smoke``  the ``smoke`` training preset, 40 steps, seeds 0 and 1, 2 048 tokens.
-``demo``   the demo model (4 layers x 128, context 64, normal init), batch 32, 1 024 steps,
-           23 checkpoints (15 after the LR warm-up), seeds 0-4 (with n independent units the
-           sign-flip p is at least 2^-n, so fewer than five seeds never reach p < 0.05),
-           32 768 tokens of the sample's held-out text.
-``paper``  no training run: pass a hub family; 200 000 tokens.
+Offline: one run of our GPT per seed, trained with the ``log`` checkpoint schedule, each
+run's checkpoints analysed as a family, the report over seeds (the seed is the unit). With a
+hub family (``model``, ``revisions``) nothing is trained. The folder layout
+(:mod:`qkgeom.runs.family`) and sizes (five demo seeds: the least that can reach p < 0.05):
+docs/checkpoints.md#reproducing-e4-offline-qkgeom-reproduce-e4.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ E4_ANALYSIS = "analysis"  # OUT/analysis: the family (--model) or a folder per s
 @dataclass(frozen=True)
 class E4Preset:
     """One size of E4: the training runs (``train_preset`` None: a hub family is required),
-    the seeds, and the analysis."""
+    the seeds and the analysis."""
 
     train_preset: str | None
     overrides: dict[str, Any]
@@ -64,9 +54,9 @@ E4_PRESETS: dict[str, E4Preset] = {
 
 @contextmanager
 def _one_thread_on_cpu(device: str | None) -> Iterator[None]:
-    """torch on one thread while the runs' checkpoints are analysed here on a CPU: the runs
-    trained in single-threaded workers, and a thread per core stalls on a shared machine
-    (docs/checkpoints.md has the times)."""
+    """torch on one thread while the runs' checkpoints are analysed on a CPU: the runs
+    trained single-threaded, and a thread per core stalls on a shared machine
+    (docs/checkpoints.md)."""
     import torch
 
     from qkgeom.training import resolve_device
@@ -103,9 +93,8 @@ class E4(Experiment):
 
     def train(self, grid: Grid, out_dir: str | Path, *, progress: bool = True
               ) -> dict[int, Path]:
-        """Train the runs of ``grid`` (:meth:`grid`) into ``out_dir/train`` (one
-        single-threaded run per CPU on a CPU) and return ``{seed: run folder}``; resumable
-        like every sweep."""
+        """Train the runs of ``grid`` into ``out_dir/train`` (one single-threaded run per
+        CPU on a CPU), resumable; returns ``{seed: run folder}``."""
         specs = grid.expand()
         out = Path(out_dir) / E4_TRAIN
         on_cpu = not on_this_machine(specs[0]).config.device.startswith("cuda")
@@ -124,14 +113,11 @@ class E4(Experiment):
             overrides: dict[str, Any] | None = None, progress: bool = True) -> Path:
         """E4 end to end; returns the folder whose report was written.
 
-        Without ``model``: train the preset's runs (:meth:`train`), analyse each run's
-        checkpoints into ``OUT/analysis/seed-<s>`` (its own report beside), mark ``OUT`` as
-        an E4 set (``e4.json``) and report over seeds into ``OUT/report``; returns ``OUT``.
-        With ``model`` and ``revisions``: analyse that family into ``OUT/analysis`` and report
-        it; returns that folder. ``OUT`` defaults to ``sweeps/e4-<preset>``
-        (``sweeps/e4-<model>`` for a family). Rerunning trains nothing twice and reuses every
-        analysed checkpoint. ``device`` (default ``auto``) is where runs train and families
-        are measured."""
+        Without ``model``: train the preset's runs, analyse each into ``OUT/analysis/seed-<s>``,
+        mark ``OUT`` an E4 set (``e4.json``) and report over seeds into ``OUT/report``; returns
+        ``OUT`` (default ``sweeps/e4-<preset>``). With ``model`` and ``revisions``: analyse that
+        family into ``OUT/analysis`` and report it. Reruns train nothing twice and reuse every
+        analysed checkpoint; ``device`` is where runs train and families are measured."""
         from qkgeom.checkpoints.family import analyze_checkpoints
         from qkgeom.training import resolve_device
 
@@ -180,8 +166,7 @@ class E4(Experiment):
 
     def _mark_set(self, out: Path, preset: str, seeds: list[int], units: dict[str, str],
                   warmup_steps: int) -> None:
-        """``OUT/e4.json``: the folder is an E4 set of these seeds (and their warm-up, which
-        the report shows but does not test)."""
+        """``OUT/e4.json``: an E4 set of these seeds and their warm-up (shown, not tested)."""
         from qkgeom.io import write_json
         from qkgeom.runs.family import SET_KIND, SET_MARKER
 

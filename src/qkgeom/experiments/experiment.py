@@ -1,11 +1,9 @@
-"""One type for the paper's experiments: each owns its sizes (presets), its grid, how it
-runs and how it is reported, so nothing re-decides them at a boundary.
+"""One type for the paper's experiments: each owns its presets, its grid, how it runs and
+how it is reported, so nothing re-decides them at a boundary.
 
-``qkgeom reproduce NAME`` and the Python API both go through :func:`experiment`: ``grid``
-builds the experiment's sweep once, ``run`` trains it (resumable), ``report`` writes the
-report. The grid records the experiment's name (``sweep.json``), and the report reads it
-back instead of guessing. Adding an experiment is one module with one :class:`Experiment`
-subclass registered in :data:`EXPERIMENTS` (``qkgeom.experiments``).
+``qkgeom reproduce NAME`` and the Python API both go through :func:`experiment`. The grid
+records the experiment's name in ``sweep.json`` and the report reads it back. Adding an
+experiment: one module with one subclass in :data:`EXPERIMENTS` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -20,9 +18,8 @@ from qkgeom.experiments.runner import SweepSummary, available_cpus, on_this_mach
 
 
 class Experiment:
-    """An experiment of the paper. Subclasses set :attr:`name` and :attr:`presets` (each
-    preset has ``train_preset`` and ``overrides``) and give the rest of their grid in
-    :meth:`grid_dict`."""
+    """An experiment of the paper: :attr:`name`, :attr:`presets` (each with ``train_preset``
+    and ``overrides``) and the rest of its grid in :meth:`grid_dict`."""
 
     name: str = ""
     presets: dict[str, Any] = {}
@@ -39,10 +36,9 @@ class Experiment:
         raise NotImplementedError
 
     def grid(self, preset: str, data: str = "", overrides: dict[str, Any] | None = None) -> Grid:
-        """The experiment's grid at size ``preset`` on the prepared corpus ``data`` (``""``:
-        the embedded sample; the paper size needs a real corpus). ``overrides`` (nested or
-        dotted keys, e.g. ``{"device": "cuda"}``) apply to every run; a key an arm sets is
-        the arm's. The grid records them, so the sweep folder does too."""
+        """The grid at size ``preset`` on the prepared corpus ``data`` (``""``: the embedded
+        sample; the paper size needs a real corpus). ``overrides`` (nested or dotted keys)
+        apply to every run unless an arm sets the key; the grid records them."""
         spec = self.preset(preset)
         if preset == "paper" and not data:
             raise QKGeomError(f"the paper {self.name.upper()} grid trains on WikiText-103: pass "
@@ -61,11 +57,10 @@ class Experiment:
 
     def run(self, grid: Grid, out_dir: str | Path, *, workers: int | None = None,
             threads_per_run: int | None = None, **options: Any) -> SweepSummary:
-        """Train ``grid`` into ``out_dir`` (resumable: :func:`run_sweep`; ``options`` are its
-        keywords). ``workers=None`` picks the layout measured fastest (docs/speed.md): on a
-        CPU one single-threaded run per core (small models do not scale across threads),
-        except a ``paper``-preset grid, which gets every thread for one run; on CUDA the
-        runner's ``runs_per_gpu``."""
+        """Train ``grid`` into ``out_dir``, resumable (``options``: :func:`run_sweep`'s).
+        ``workers=None`` picks the layout measured fastest (docs/speed.md): on a CPU one
+        single-threaded run per core, except a ``paper`` grid (every thread for one run); on
+        CUDA the runner's ``runs_per_gpu``."""
         specs = grid.expand()
         on_cpu = not on_this_machine(specs[0]).config.device.startswith("cuda")
         if workers is None and grid.preset != "paper":

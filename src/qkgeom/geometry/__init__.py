@@ -1,11 +1,8 @@
 """Q/K geometry: pure metrics, the one streaming measurement engine, and ``measure``.
 
-Layers, from the bottom: :mod:`.spectra` (participation ratios and the spectra they are taken
-of: tensors in, numbers out), :mod:`.covariance` and :mod:`.entropy` (streaming float64
-covariances, online-softmax attention entropy), :mod:`.tokens` (:class:`LayerGeometry`, the
-one accumulator of a layer's token metrics), :mod:`.records` (metric names, weight metrics,
-the long ``layer, head, metric, value`` table), and :mod:`.measure` (:func:`measure`: any
-supported model on token windows). Definitions: docs/definitions.md.
+From the bottom: :mod:`.spectra` (PRs of spectra), :mod:`.covariance` and :mod:`.entropy`
+(the streamed sums), :mod:`.tokens` (a layer's token metrics), :mod:`.records` (the long
+table), :mod:`.measure` (any supported model on token windows). docs/definitions.md.
 """
 
 from qkgeom.geometry.covariance import StreamingCovariance, centred_scatter, head_blocks

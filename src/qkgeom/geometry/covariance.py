@@ -1,16 +1,9 @@
-"""Streaming per-group covariances of token activations, in float64.
+"""Streaming covariances of token activations, float64, with Chan et al.'s pairwise merge.
 
-Why streamed: the token PR needs the covariance of q (or k) over every token of a
-probe set or a corpus, which never fits in memory at once; only ``count``, the mean and the
-centred scatter matrix are kept, O(G·dim²) however many tokens pass.
-
-Numerics: batches are merged with Chan et al.'s pairwise update (the parallel form of
-Welford's algorithm): each batch is centred on its own mean, then
-``M2 = M2_a + M2_b + δδᵀ·n_a·n_b/n`` with ``δ = mean_b − mean_a``. Unlike the textbook
-``Σxxᵀ/n − μμᵀ`` this never subtracts two large numbers, so activations with a large
-common offset (|mean| ≫ std, e.g. a bias of 1e4 on unit noise, where the textbook form
-loses ~8 of float64's ~16 digits) and runs over billions of tokens stay accurate to float64
-round-off of the centred quantities.
+Why streamed: a token PR needs the covariance over every token of a probe set or corpus,
+which never fits in memory; only the count, mean and centred scatter are kept. Why Chan's
+update: it never subtracts two large numbers, so activations with a large common offset
+stay accurate (docs/definitions.md#how-the-metrics-are-computed).
 """
 
 from __future__ import annotations
@@ -31,18 +24,9 @@ _MAX_CHUNK_ELEMENTS = 2**22
 
 
 class StreamingCovariance:
-    """Running mean and centred scatter of ``n_groups`` independent ``dim``-vectors.
-
-    One group per head (per-head token covariance) or a single group for a whole layer.
-    All groups see the same number of samples per update, so ``count`` is shared.
-
-    Example::
-
-        acc = StreamingCovariance(n_groups=H, dim=hd)
-        for q in batches:                      # q: (H, N, hd)
-            acc.update(q)
-        acc.pr()                               # (H,) float64 token PR per head
-    """
+    """Running mean and centred scatter of ``n_groups`` independent ``dim``-vectors (one group
+    per head, or one for a whole layer); every group sees the same samples, so ``count`` is
+    shared."""
 
     def __init__(self, n_groups: int, dim: int, max_chunk_elements: int = _MAX_CHUNK_ELEMENTS):
         if n_groups < 1 or dim < 1:
@@ -55,12 +39,8 @@ class StreamingCovariance:
         self._m2 = torch.zeros(n_groups, dim, dim, dtype=torch.float64)  # (G, dim, dim)
 
     def update(self, x: Tensor) -> None:
-        """Add N samples per group; ``x`` is (G, N, dim) in any float dtype and device.
-
-        The running state moves to ``x``'s device; results come back on that device.
-
-        A 2-D (N, dim) input is accepted when ``n_groups == 1``.
-        """
+        """Add N samples per group: ``x`` (G, N, dim), or (N, dim) with one group, any float
+        dtype; the state follows ``x``'s device (a GPU does float64 matmuls far faster)."""
         if x.ndim == 2 and self.n_groups == 1:
             x = x.unsqueeze(0)  # (1, N, dim)
         if x.ndim != 3 or x.shape[0] != self.n_groups or x.shape[2] != self.dim:
@@ -69,8 +49,6 @@ class StreamingCovariance:
             )
         x = x.detach()
         if self._mean.device != x.device:
-            # State lives where the activations are (a GPU does float64 matmuls far faster
-            # than the CPU); it follows the data if the caller switches device.
             self._mean = self._mean.to(x.device)
             self._m2 = self._m2.to(x.device)
         rows = max(1, self.max_chunk_elements // (self.n_groups * self.dim))
@@ -95,9 +73,8 @@ class StreamingCovariance:
         self.count = n
 
     def add_moments(self, count: int, mean: Tensor, m2: Tensor) -> None:
-        """Fold in a batch given as its sample count, (G, dim) mean and (G, dim, dim)
-        centred scatter, computed by the caller (e.g. a float32 product of the batch
-        centred on its own mean); merged by Chan's update, the totals stay float64."""
+        """Fold in a batch given as its count, (G, dim) mean and (G, dim, dim) centred scatter
+        (e.g. a float32 product, :func:`centred_scatter`); the totals stay float64."""
         if mean.shape != self._mean.shape or m2.shape != self._m2.shape:
             raise ValueError(f"expected mean {tuple(self._mean.shape)} and scatter "
                              f"{tuple(self._m2.shape)}, got {tuple(mean.shape)}, {tuple(m2.shape)}")
@@ -121,26 +98,19 @@ class StreamingCovariance:
         return self._mean.clone()
 
     def covariance(self, ddof: int = 1) -> Tensor:
-        """(G, dim, dim) float64 centred covariance ``M2 / (count - ddof)``.
-
-        ``ddof=1`` (the unbiased estimator) matches ``torch.cov`` and ``numpy.cov``
-        defaults; PR is scale invariant, so the choice never changes a reported metric.
-        """
+        """(G, dim, dim) float64 ``M2 / (count - ddof)`` (``ddof=1`` as ``torch.cov``; a PR does
+        not depend on it)."""
         self._require(ddof + 1)
         return self._m2 / (self.count - ddof)
 
     def scatter(self) -> Tensor:
-        """(G, dim, dim) float64 centred scatter ``M2`` (the covariance times count − 1);
-        defined from one sample on (zero), which is all a PR needs: PR is scale free."""
+        """(G, dim, dim) float64 centred scatter ``M2``, defined from one sample on (a PR is scale
+        free)."""
         self._require(1)
         return self._m2.clone()
 
     def pr(self) -> Tensor:
-        """(G,) float64 participation ratio of each group's covariance.
-
-        0.0 for a group with zero variance (e.g. a single sample), per the zero-spectrum
-        convention of :mod:`qkgeom.geometry.spectra`.
-        """
+        """(G,) float64 PR of each group's covariance (0.0 for zero variance)."""
         self._require(1)
         return pr_from_covariance(self._m2)
 
@@ -158,18 +128,13 @@ def head_blocks(cov: Tensor, n_head: int) -> Tensor:
 
 def centred_scatter(x: Tensor, workspace: Workspace | None = None, name: str = "scatter",
                     feature_dims: int = 1) -> tuple[Tensor, Tensor]:
-    """Float64 mean (D,) and centred scatter (D, D) of the vectors ``x`` (..., D), or of
-    the last ``feature_dims`` dims flattened (e.g. (B, T, H, hd) with 2: D = H·hd).
+    """Float64 mean (D,) and centred scatter (D, D) of the vectors ``x`` (..., D), or of its
+    last ``feature_dims`` dims flattened.
 
-    Why float32: the scatter is one (D × N)(N × D) product per batch, the largest cost of
-    the covariances. The batch is centred on its (pairwise-summed) float32 mean c, so a
-    large common offset costs no precision: only deviations are multiplied; the product
-    runs in float32 (float64 for float64 input). With δ the residual mean of the centred
-    rows (a sum of deviations, accurate in float32), the scatter about the batch mean is
-    ``S − n·δδᵀ`` and the mean ``c + δ`` (in float64). The caller merges both into float64 running totals
-    (:meth:`~qkgeom.geometry.StreamingCovariance.add_moments`, Chan's update), so the
-    accumulation over batches is float64 throughout.
-    """
+    Why float32 products: the scatter is the largest cost of the covariances. The batch is
+    centred on its float32 mean c first, so only deviations are multiplied; with δ the
+    residual mean of the centred rows, the scatter about the mean is ``S − n·δδᵀ`` and the
+    mean ``c + δ``, both merged by the caller into float64 totals (:meth:`add_moments`)."""
     features = tuple(x.shape[x.ndim - feature_dims:])
     D = math.prod(features)
     n = x.numel() // D

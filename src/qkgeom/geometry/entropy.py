@@ -1,15 +1,11 @@
 """Attention entropy, the logit scales and the largest logit, streamed from captured q/k.
 
-Why from q/k: training uses fused ``scaled_dot_product_attention``, which returns no
-weights. Why streamed: long contexts over many batches never form the (B, H, T, T)
-pattern. Scores come in blocks of query rows × key columns (at most ``max_block_elements``
-at once; causally a block never meets the keys after it). Whole rows get an explicit log
-softmax; longer rows an online softmax over key chunks, each row keeping m = max s,
-Z = Σ e^(s−m), A = Σ e^(s−m)(s − m) (rescaled by e^(m−m′) when the maximum grows; then
-H = log Z − A/Z, max p = 1/Z: A relative to m avoids cancellation in peaked rows). Each
-row is centred on its mean before the softmax (which ignores the shift), so its variance
-has no cancellation. GQA: query head h reads key head h // (H / H_kv), never copied.
-Definitions of every metric: docs/definitions.md#attention-entropy and #logit-scale.
+Why from q/k: training's fused ``scaled_dot_product_attention`` returns no weights. Why
+streamed: long contexts never form the (B, H, T, T) pattern; scores come in blocks, whole
+rows get an explicit log softmax, longer rows an online one over key chunks (running m, Z
+and A = Σ e^(s−m)(s − m), so H = log Z − A/Z without cancellation). Rows are centred first
+(the softmax ignores the shift). The recurrence and every metric:
+docs/definitions.md#how-the-metrics-are-computed, #attention-entropy and #logit-scale.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ from torch import Tensor
 from qkgeom.geometry.workspace import Workspace
 from qkgeom.metrics import ATTENTION_METRICS
 
-__all__ = ["ATTENTION_METRICS", "StreamingEntropy", "logit_std_from_moments",
-           "visible_pairs"]
+__all__ = ["ATTENTION_METRICS", "StreamingEntropy", "logit_std_from_moments", "visible_pairs"]
 
 
 _MAX_BLOCK_ELEMENTS = 2**22  # scores per block: 16 MiB in float32
@@ -72,14 +67,9 @@ def visible_pairs(T: int, causal: bool) -> int:
 
 
 class StreamingEntropy:
-    """Per-head attention entropy / max weight and logit moments, accumulated over batches.
-
-    Args:
-        n_head: query heads H.
-        n_kv_head: key heads H_kv (H divisible by it); default H.
-        causal: decoder (True) or bidirectional encoder (False) attention.
-        max_block_elements: bound on the scores of one query × key block (all B·H).
-    """
+    """Per-head attention entropy, max weight and logit moments over batches: ``n_head``
+    query heads, ``n_kv_head`` key heads (default the same), ``causal`` or bidirectional, at
+    most ``max_block_elements`` scores (all B·H) per block."""
 
     def __init__(self, n_head: int, n_kv_head: int | None = None, causal: bool = True,
                  max_block_elements: int = _MAX_BLOCK_ELEMENTS) -> None:
@@ -95,13 +85,9 @@ class StreamingEntropy:
         self.n_pairs = 0  # visible (query, key) pairs per head
 
     def blocks(self, B: int, T: int) -> tuple[int, int]:
-        """(query rows, key columns) per block.
-
-        Whole key rows when at least 16 query rows fit the bound (no rescaling needed):
-        causally about T/4 rows (at least 16), so that skipping the keys after each block
-        saves ~3/8 of the scores; bidirectionally as many rows as fit. Otherwise 16 rows
-        and key chunks that fit (the online-softmax path).
-        """
+        """(query rows, key columns) per block: whole key rows when 16 query rows fit the
+        bound (causally about T/4 rows, so skipping each block's later keys saves ~3/8 of
+        the scores), else 16 rows and key chunks that fit (the online path)."""
         per_row = max(1, self.max_block_elements // max(1, B * self.n_head))  # scores/row-set
         fit = per_row // T  # query rows whose whole key row fits the bound
         if fit >= 16:
@@ -110,10 +96,10 @@ class StreamingEntropy:
 
     def prepare(self, q: Tensor, k: Tensor, scale: float | None = None,
                 workspace: Workspace | None = None) -> tuple[Tensor, Tensor]:
-        """The layouts :meth:`add_prepared` works on, in the softmax dtype (float64 for
-        float64 input, else float32): queries times ``scale`` (default 1/√hd) as
-        ``(B·H_kv, T, R, hd)`` and keys as ``(B·H_kv, T, hd)``, both contiguous, so that a
-        block of query positions of every query head of a key head is one bmm operand."""
+        """The layouts of :meth:`add_prepared`, in the softmax dtype (float64 for float64
+        input, else float32): queries times ``scale`` (default 1/√hd) as (B·H_kv, T, R, hd),
+        keys as (B·H_kv, T, hd), so one block of every query head of a key head is one bmm
+        operand."""
         B, H, T, hd = q.shape
         if self.n_head != H or k.shape != (B, self.n_kv_head, T, hd):
             raise ValueError(f"expected q (B, {self.n_head}, T, hd) and k (B, {self.n_kv_head}, "
@@ -132,12 +118,8 @@ class StreamingEntropy:
     def update(self, q: Tensor, k: Tensor, scale: float | None = None,
                blocks: tuple[int, int] | None = None,
                workspace: Workspace | None = None) -> None:
-        """Add a batch: ``q`` (B, H, T, hd), ``k`` (B, H_kv, T, hd), no padding.
-
-        The softmax runs in float64 for float64 input, else float32; ``scale`` defaults
-        to 1/√hd. ``blocks`` = (query rows, key columns) per block overrides the default.
-        Nothing is copied to the host (no device sync).
-        """
+        """Add an unpadded batch ``q`` (B, H, T, hd), ``k`` (B, H_kv, T, hd); ``blocks``
+        overrides :meth:`blocks`. No host copy (no device sync)."""
         ws = workspace or Workspace()
         qg, kk = self.prepare(q, k, scale, ws)
         self.add_prepared(qg, kk, q.shape[0], blocks, ws)
@@ -153,13 +135,11 @@ class StreamingEntropy:
     def batch_sums(self, qg: Tensor, kk: Tensor, B: int,
                    blocks: tuple[int, int] | None = None,
                    workspace: Workspace | None = None) -> Tensor:
-        """The (8, H) float64 sums of one batch (layouts of :meth:`prepare`), not yet added:
-        Σ H_t, Σ H_t / log n_t, Σ max p, Σ s and Σ s² over the visible scores s, Σ σ_t and
-        Σ H_t of the scale-free softmax (see the module docstring), and the largest s.
+        """The (8, H) float64 sums of one batch, not yet added: Σ H_t, Σ H_t / log n_t, Σ
+        max p, Σ s, Σ s², Σ σ_t, Σ H_t of the scale-free softmax, and the largest s.
 
-        Why separate from :meth:`add_sums`: a caller keeping several totals (all tokens and
-        the current token block, :class:`~qkgeom.geometry.tokens.LayerGeometry`) computes
-        a batch once and adds it to each."""
+        Apart from :meth:`add_sums` so that a caller keeping several totals (all tokens and
+        a token block) computes a batch once."""
         ws = workspace or Workspace()
         BHk, T, R, hd = qg.shape
         Hk, H = BHk // B, BHk // B * R
@@ -222,9 +202,8 @@ class StreamingEntropy:
         torch.log_softmax(s, dim=-1, out=logp)
         if peak is not None:
             torch.sub(s[..., 0], logp[..., 0], out=peak)  # log Z, before the clamp below
-        # log p >= log(smallest normal) + 1: keeps p and p log p out of the subnormal range,
-        # where exp and mul run ~100x slower on x86; a weight below ~1e-37 (float32) then
-        # adds at most 3e-36 nats per key, far below round-off (masked keys included).
+        # log p >= log(smallest normal) + 1 keeps p and p log p out of the subnormal range,
+        # where exp and mul are far slower on x86; the nats lost are far below round-off.
         logp.clamp_(min=_LOG_TINY[s.dtype])
         p = torch.exp(logp, out=s)
         if top is not None:
@@ -235,10 +214,9 @@ class StreamingEntropy:
 
     def _whole_rows(self, qb: Tensor, kb: Tensor, t0: int, n: int, R: int, n_vis: Tensor,
                     out: Tensor, moments: Tensor, ws: Workspace) -> None:
-        """Rows whose visible keys ``kb`` (B·Hk, nk, hd) fit one block: the row moments
-        (then the row is centred in place), an explicit log softmax of the row and of the
-        row divided by its σ_t; ``out`` (_ROWS, B·Hk, n·R) gets the per-row values and
-        ``moments`` the pooled Σ s, Σ s²."""
+        """Rows whose visible keys ``kb`` fit one block: the row moments (then the row is centred
+        in place) and explicit log softmaxes of the row and of the row divided by σ_t, into
+        ``out`` (per row) and ``moments`` (pooled Σ s, Σ s²)."""
         shape = (qb.shape[0], qb.shape[1], kb.shape[1])  # (B·Hk, n·R, nk)
         s = torch.bmm(qb, kb.mT, out=ws.get("entropy.s", shape, qb.dtype, qb.device))
         grid = s.view(-1, n, R, shape[2])  # (B·Hk, n, R, nk)
@@ -272,10 +250,10 @@ class StreamingEntropy:
 
     def _online_rows(self, qb: Tensor, kk: Tensor, t0: int, n: int, R: int, nk: int, kc: int,
                      n_vis: Tensor, out: Tensor, moments: Tensor) -> None:
-        """Rows longer than a block, in two passes over key chunks: the row moments
-        (shifted by each row's score of key 0, against cancellation), then the online
-        softmax (the recurrence of the module docstring) of the rows and of the rows
-        divided by σ_t; ``out`` and ``moments`` as in :meth:`_whole_rows`."""
+        """Rows longer than a block, in two passes over key chunks: the row moments (shifted
+        by the score of key 0, against cancellation), then the online softmax of the rows
+        and of the rows divided by σ_t; ``out`` and ``moments`` as in
+        :meth:`_whole_rows`."""
         qpos = torch.arange(t0, t0 + n, device=qb.device)[:, None, None]  # (n, 1, 1)
 
         def chunks():
@@ -314,8 +292,7 @@ class StreamingEntropy:
 
     def result(self) -> dict[str, Tensor]:
         """``{name: (H,) float64}`` means for the ``ATTENTION_METRICS``."""
-        if self.n_queries == 0:
-            raise ValueError("StreamingEntropy has no query positions; call update() first")
+        self._require()
         sums = self._sums.cpu()  # (7, H)
         nan = torch.full((self.n_head,), float("nan"), dtype=torch.float64)
         per_row = self.n_queries_norm
@@ -324,17 +301,19 @@ class StreamingEntropy:
                          sums[2] / self.n_queries, sums[6] / self.n_queries,
                          sums[5] / per_row if per_row else nan), strict=True))
 
-    def logit_moments(self) -> tuple[Tensor, Tensor, int]:
-        """(Σ s (H,), Σ s² (H,), visible pairs per head) of the scaled logits, float64."""
+    def _require(self) -> None:
         if self.n_queries == 0:
             raise ValueError("StreamingEntropy has no query positions; call update() first")
+
+    def logit_moments(self) -> tuple[Tensor, Tensor, int]:
+        """(Σ s (H,), Σ s² (H,), visible pairs per head) of the scaled logits, float64."""
+        self._require()
         sums = self._sums.cpu()
         return sums[3].clone(), sums[4].clone(), self.n_pairs
 
     def logit_max(self) -> Tensor:
         """(H,) float64 largest visible scaled logit of each head (``logit_max``)."""
-        if self.n_queries == 0:
-            raise ValueError("StreamingEntropy has no query positions; call update() first")
+        self._require()
         return self._max.cpu().clone()
 
     def logit_std(self) -> Tensor:

@@ -1,35 +1,14 @@
 """``measure(model, input_ids)``: every Q/K geometry metric of a model, per layer and head.
 
-The one measurement path of qkgeom: the trainer's probes, the monitor and checkpoint
-analysis all call :func:`measure` / :func:`measure_batches`, so a number means the same
-thing whichever produced it. Read top to bottom: :func:`measure_batches` asks
-:func:`~qkgeom.arch.adapter_for` where q/k live (the project's GPT and the supported
-Hugging Face families); :class:`_TokenPasses` runs the forward passes, the adapter's
-capture hands each layer's q/k to :meth:`_TokenPasses.on_qk`, and one
-:class:`~qkgeom.geometry.tokens.LayerGeometry` per layer streams them into the token
-metrics; :func:`_frame_of` adds the weight metrics
-(:func:`~qkgeom.geometry.records.weight_records`) and builds the long frame. The forward
-runs on the adapter's ``net`` (our GPT whole, LM head included; an HF model's base model,
-without its task head), in eval mode, without gradients or autocast, inside
-:func:`~qkgeom.geometry.state.frozen_training_state`: training computes exactly what it
-would without the measurement.
-
-Input: token ids of windows (n_seq, T) -- a probe set, or batches of a corpus -- unpadded,
-or padded with an ``attention_mask`` (1 = real token, 0 = padding; left or right padding):
-only real tokens then count, each sequence measured as it would be alone
-(:mod:`qkgeom.geometry.padding`: real tokens moved to the front, the mask handed to
-encoders, :meth:`~qkgeom.geometry.tokens.LayerGeometry.update` told each length). A mask
-of all ones is no padding: the unpadded path, bit for bit.
-
-``precision="float64"`` (default) runs every product of the accumulation in float64
-(probe-sized inputs: exact); ``"float32"`` runs them in float32 with float64 running
-totals (long corpora: faster, within float32 round-off; docs/checkpoints.md).
-
-Token blocks (``blocked=True``, for the bootstrap of docs/checkpoints.md): every metric over
-all tokens (``block = -1``, exactly an unblocked measurement's) and over each block.
-
-``previous=`` the last :class:`Measurement` of the same probe set (the trainer's and the
-monitor's previous probe), or its ``logit_windows``: ``logit_delta`` is recorded against them.
+The one measurement path: the trainer's probes, the monitor and checkpoint analysis all
+call :func:`measure` / :func:`measure_batches`, so a number means the same thing whichever
+produced it. Read top to bottom: :func:`~qkgeom.arch.adapter_for` says where q/k live;
+:class:`_TokenPasses` runs the forward passes (the adapter's ``net``: our GPT whole, LM
+head included; an HF model's base model) in eval mode without gradients or autocast,
+inside :func:`~qkgeom.geometry.state.frozen_training_state`, and streams each layer's q/k
+into a :class:`~qkgeom.geometry.tokens.LayerGeometry`; :func:`_frame_of` adds the weight
+metrics and builds the long frame. Padding, precision, token blocks and ``previous``:
+docs/definitions.md#how-the-metrics-are-computed, #probe-set, #token-blocks, #logit-growth.
 """
 
 from __future__ import annotations
@@ -86,16 +65,12 @@ def resolve_metrics(metrics: str | Iterable[str]) -> tuple[str, ...]:
 class Measurement:
     """What one measurement found.
 
-    ``frame``: long ``layer, head, metric, value`` rows (head −1 = layer) of the requested
-    metrics, with any constant columns in front. ``key_sv_weight`` / ``key_eig_token``: per
-    layer, the singular values of W_K and the eigenvalues of the key covariance (descending)
-    -- the two key spectra, empty unless asked for. ``step``: the training step, where the
-    caller (trainer, monitor) sets it. ``tokens``: query positions measured (the real
-    tokens of padded batches); ``sequences``; ``seconds``: wall time; ``adapter``: the
-    model as qkgeom saw it; ``block_tokens``: token positions per token block (blocked
-    measurements only); ``logit_windows``: per layer, the scaled q/k of the first window,
-    which the next measurement's ``logit_delta`` compares with.
-    """
+    ``frame``: long ``layer, head, metric, value`` rows (head −1 = layer), constant columns
+    in front. ``key_sv_weight`` / ``key_eig_token``: per layer, the singular values of W_K
+    and the eigenvalues of the key covariance, descending (with ``spectra=True``). ``step``:
+    set by the caller. ``tokens``: real query positions measured. ``block_tokens``: per
+    token block. ``logit_windows``: per layer, the scaled q/k of the first window, which the
+    next measurement's ``logit_delta`` compares with."""
 
     frame: pd.DataFrame
     adapter: ModelAdapter
@@ -130,8 +105,8 @@ def measure(model: nn.Module, input_ids: Tensor, *, attention_mask: Tensor | Non
             qk_site: str = "post-rotary", precision: str = "float64", spectra: bool = False,
             previous: Previous = None, **columns: Any) -> Measurement:
     """Measure ``model`` on the token windows ``input_ids`` (n_seq, T), ``batch_size`` at a
-    time; ``attention_mask`` (n_seq, T), 0 on padding, measures real tokens only (module
-    docstring). See :func:`measure_batches` for the rest."""
+    time; ``attention_mask`` (n_seq, T), 0 on padding, measures real tokens only. The rest:
+    :func:`measure_batches`."""
     ids = torch.as_tensor(input_ids)
     if ids.ndim == 1:
         ids = ids[None]
@@ -154,36 +129,21 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
                     progress: Callable[[int], None] | None = None,
                     blocked: bool = False, previous: Previous = None,
                     **columns: Any) -> Measurement:
-    """Every requested metric of ``model`` over token-id batches (B, T) read in turn.
+    """Every requested metric of ``model`` (our GPT or a supported HF model) over token-id
+    batches read in turn.
 
-    Args:
-        model: the project's GPT or a supported HF model (task heads are looked through).
-        batches: one per forward pass: token ids, a (B, T) LongTensor (T may differ
-            between batches), or a mapping with ``input_ids`` and an ``attention_mask``
-            (an HF tokenizer's padded batch: real tokens only, module docstring); with
-            ``blocked``, ``(block, batch)`` pairs.
-        metrics: names of ``METRIC_NAMES``, ``"contrast"`` or ``"all"``.
-        qk_site: ``post-rotary`` (default: what attention uses) or ``pre-rotary`` q/k for
-            the token PRs; attention statistics, ``logit_std`` and ``pr_qk_token`` always
-            use what the attention computes with. On a rotary model ``pre-rotary`` also
-            records the PRs of the post-rotary q/k (``pr_*_token_post``).
-        precision: ``float64`` or ``float32`` products (see the module docstring).
-        spectra: also return the key spectra (singular values of W_K, eigenvalues of the
-            key covariance; all tokens).
-        progress: called with the number of (real) tokens of each finished batch.
-        blocked: batches come with the index of their token block (0, 1, ... in order,
-            each block contiguous); the frame gets a ``block`` column (last): −1 for all
-            tokens, k for block k, every metric for each (the weight metrics repeated).
-            Memory: the accumulators of all tokens plus those of one block.
-        previous: the previous measurement of the same probe set, or its
-            ``logit_windows`` (``logit_delta`` is recorded against them).
-        **columns: constant columns put in front of the frame (``run_id=..., step=...``).
+    ``batches``: (B, T) ids (T may vary), or mappings with ``input_ids`` and an
+    ``attention_mask``; with ``blocked``, ``(block, batch)`` pairs in block order, and the
+    frame gets a ``block`` column (−1 = all tokens). ``metrics``: names of ``METRIC_NAMES``,
+    ``"contrast"`` or ``"all"``. ``qk_site``: ``post-rotary`` (what attention uses) or
+    ``pre-rotary`` q/k for the token PRs (then also the ``_post`` PRs on a rotary model).
+    ``precision``: ``float64`` or ``float32`` products. ``spectra``: also the key spectra.
+    ``progress``: called with each batch's real tokens. ``previous``: the previous
+    :class:`Measurement` of the same probe set, or its ``logit_windows``. ``columns``:
+    constant columns in front (``run_id=..., step=...``).
 
-    Raises:
-        QKGeomError: bad arguments, an unsupported architecture, or an attention
-            implementation that bypasses the capture. NonFiniteError: non-finite weights or
-            activations (a diverged model has no geometry).
-    """
+    Raises QKGeomError (bad arguments, an unsupported architecture, an attention that
+    bypasses the capture) or NonFiniteError (a diverged model has no geometry)."""
     t0 = time.perf_counter()
     wanted = resolve_metrics(metrics)
     if precision not in PRECISIONS:
@@ -212,9 +172,8 @@ def measure_batches(model: nn.Module, batches: Iterable[Any], *,
 
 
 class _TokenPasses:
-    """The forward passes of a measurement: the adapter's capture hands each layer's q/k
-    to :meth:`on_qk`, which streams them into that layer's
-    :class:`~qkgeom.geometry.tokens.LayerGeometry` (and the token block in hand)."""
+    """The forward passes of a measurement: the adapter's capture hands each layer's q/k to
+    :meth:`on_qk`, which streams them into that layer's ``LayerGeometry`` (and open block)."""
 
     def __init__(self, adapter: ModelAdapter, dtype: torch.dtype, qk_site: str,
                  previous: Mapping[int, tuple[Tensor, Tensor]]) -> None:

@@ -1,16 +1,9 @@
 """Padded batches: an ``attention_mask`` turned into right-padded windows and their lengths.
 
-Why: padded, masked batches are the normal input of BERT-style and most fine-tuning work,
-but every token metric is defined per sequence, on its real tokens alone (a padded
-sequence must give the numbers it gives unpadded). So each row's real tokens are moved
-to the front (left padding becomes right padding: every sequence starts at position 0, as
-it would alone), and the measurement is told each row's number of real tokens
-(:meth:`~qkgeom.geometry.tokens.LayerGeometry.update` ``lengths=``). After that move a
-causal model needs no mask at all (a real token never sees the padding after it); an
-encoder gets the moved mask, so its real tokens never attend to padding.
-
-A row's real tokens must be one contiguous run (left or right padding); a mask of all ones
-is no padding, and the caller then takes the unpadded path unchanged.
+Why: every token metric is defined per sequence on its real tokens, so a padded sequence must
+give the numbers it gives alone. Each row's real tokens (one contiguous run) are moved to the
+front and the measurement is told each length; a causal model then needs no mask
+(docs/definitions.md#probe-set, "Padded probe batches").
 """
 
 from __future__ import annotations
@@ -27,11 +20,8 @@ __all__ = ["Padded", "check_mask", "right_padded"]
 
 @dataclass(frozen=True)
 class Padded:
-    """A padded batch moved to right padding.
-
-    ``ids`` (B, T): each row's real tokens first; ``mask`` (B, T) bool: ``True`` on the
-    real tokens (positions ``0 .. lengths[b]−1``); ``lengths`` (B,) int64, and its list.
-    """
+    """A batch moved to right padding: ``ids`` (B, T) real tokens first, ``mask`` (B, T) bool,
+    ``lengths`` (B,) int64 and the same as ``sizes``."""
 
     ids: Tensor
     mask: Tensor
@@ -45,12 +35,9 @@ class Padded:
 
 
 def check_mask(ids: Tensor, mask: object) -> Tensor | None:
-    """``mask`` as a (B, T) bool tensor, or None when it pads nothing (None or all ones).
-
-    Raises a one-line :class:`QKGeomError` unless it has the shape of ``ids``, holds only
-    0/1, gives every row at least one real token and each row's real tokens in one
-    contiguous run (left or right padding).
-    """
+    """``mask`` as a (B, T) bool tensor, or None when it pads nothing; a one-line QKGeomError
+    unless it is shaped like ``ids``, holds only 0/1 and gives every row one run of real
+    tokens."""
     if mask is None:
         return None
     try:

@@ -1,13 +1,8 @@
 """Leave training exactly as it was: train/eval flags and every random generator.
 
-Why: a probe must not change what training computes. A forward pass in eval mode draws
-no random numbers in the models we support, but a user's model might (a custom layer, a
-stochastic depth that ignores ``eval()``), and a probe that calls ``model.eval()`` /
-``model.train()`` on the root would flip submodules the user froze in eval mode. So the
-probe snapshots the per-module ``training`` flags and the torch (CPU and every
-initialised CUDA device), Python ``random`` and NumPy global generators, and puts them
-back whatever happens. With that, a monitored run and an unmonitored run are bit-identical
-(tested on CPU).
+Why: a probe must not change what training computes, even for a model that draws random numbers
+in eval mode or has submodules frozen in eval. With this, a monitored and an unmonitored run
+are bit-identical on CPU (docs/monitor.md#training-is-unchanged).
 """
 
 from __future__ import annotations

@@ -1,44 +1,12 @@
-"""The one streaming accumulator of a layer's token-level metrics: :class:`LayerGeometry`.
+"""The one streaming accumulator of a layer's token metrics: :class:`LayerGeometry`.
 
-Every token metric of qkgeom -- the trainer's probes, the monitor, checkpoint analysis --
-goes through this class, so a number means the same thing whichever path produced it.
-Per batch of captured q/k (q (B, H, T, hd), k (B, H_kv, T, hd); windows unpadded, or
-right-padded with each sequence's number of real tokens, ``lengths=`` of
-:meth:`LayerGeometry.update`: only real tokens count):
-
-- q and k covariances, float64 running totals (:class:`~qkgeom.geometry.StreamingCovariance`,
-  Chan's update) of the layer's heads concatenated; each head's covariance is a diagonal
-  block of the layer's (:func:`~qkgeom.geometry.covariance.head_blocks`), so per-head PRs
-  cost no second pass. Memory O((H·hd)²) for any token count. When the q/k of the token
-  PRs are not those the attention computes with (pre-rotary q/k of a rotary model), the
-  covariances of the post-rotary q/k are kept too (``pr_*_token_post``).
-- ``pr_qk_token``: PR of the squared singular values of each sequence's logit matrix
-  ``Q_h K_hᵀ·scale``, mean over sequences (:func:`logit_pr`: two hd × hd Gram matrices, no
-  SVD; equal to :func:`~qkgeom.geometry.spectra.logit_singular_values`' route).
-- ``attn_*``, ``logit_std`` and ``logit_max``: :class:`~qkgeom.geometry.entropy.StreamingEntropy`
-  (online softmax; the logit moments and maxima come from the same score blocks).
-- ``logit_delta``: how far the logits moved since the previous measurement of the same
-  probe set (:func:`logit_delta`), on its first window, whose scaled q/k each measurement
-  keeps (:attr:`LayerGeometry.window`) for the next one.
-
-Token blocks (the bootstrap of docs/checkpoints.md): between :meth:`LayerGeometry.begin_block`
-and :meth:`LayerGeometry.end_block` each batch is computed once and added both to the
-totals of all tokens and to those of the current block, so the all-token numbers are
-exactly those of an unblocked measurement and memory is at most twice the unblocked one.
-
-Precision: the products of a batch (scatter, Grams, scores) run in the input's float type
--- float64 input gives float64 throughout (what probes use: exact, small inputs); float32
-(or half) input gives float32 products merged into float64 totals (long corpora, fast).
-Products that could overflow float32 (scores or their squares: |q|·|k|·hd·scale beyond
-1e15; activations beyond 1e14) are computed in float64. Non-finite
-activations, or entries beyond 1e140 (their float64 scatter would overflow), raise
-:class:`~qkgeom.geometry.spectra.NonFiniteError` before anything is accumulated.
-
-GQA: per query head h, ``pr_k_token`` is the PR of key head ``h // R`` (R = H / H_kv) and
-the contrast pairs the two; the layer's ``pr_k_token`` is the PR of the H_kv distinct key
-heads concatenated (equal to that of the keys repeated as the attention uses them: same
-non-zero spectrum, scaled by R), and ``contrast_token_heads`` the mean of the per-head
-contrasts (the layer contrast that compares equal dimensions).
+Every token metric (trainer probes, monitor, checkpoint analysis) goes through it, so a
+number means the same thing whichever path produced it. Per batch of captured q (B, H, T,
+hd) and k (B, H_kv, T, hd) it folds in the q/k covariances of the heads concatenated (each
+head's is a diagonal block), each sequence's logit PR, the streamed softmax sums
+(:class:`~qkgeom.geometry.entropy.StreamingEntropy`) and keeps the first window for the next
+measurement's ``logit_delta``. Token blocks, precision, the overflow bounds and GQA:
+docs/definitions.md#how-the-metrics-are-computed and #grouped-query-attention.
 """
 
 from __future__ import annotations
@@ -66,20 +34,13 @@ _FLOAT32_SCATTER_SAFE = 1e14  # |activation| above which a float32 scatter could
 
 
 def logit_pr(q: Tensor, k: Tensor) -> Tensor:
-    """PR of the squared singular values of each sequence's logit matrix ``Q_h K_hᵀ``.
+    """(B, H) float64 PR of the squared singular values of each sequence's ``Q_h K_hᵀ`` (q
+    (B, H, T, hd), k (B, H_kv, T, hd), head h paired with key head h // R); 0.0 for a zero
+    matrix.
 
-    Why not an SVD: with ``G_q = Q_hᵀQ_h`` and ``G_k = K_hᵀK_h`` (hd × hd), the
-    squared singular values of ``Q_h K_hᵀ`` are the eigenvalues of ``M = G_q G_k``, so
-    ``Σσ² = tr M`` and ``Σσ⁴ = tr M² = Σ_ij M_ij M_ji``: the PR costs two Gram matrices
-    and one hd × hd product per sequence and head, no LAPACK call
-    (:func:`~qkgeom.geometry.spectra.gram_product_pr`). Equal to
-    ``participation_ratio(logit_singular_values(q, k)**2)`` (tested); scale-free.
-
-    Args:
-        q: (B, H, T, hd); k: (B, H_kv, T, hd), query head h paired with key head h // R.
-    Returns:
-        (B, H) float64; 0.0 for an all-zero logit matrix.
-    """
+    Why no SVD: they are the eigenvalues of ``G_q G_k`` (hd × hd Gram matrices), so two
+    traces give the PR (:func:`~qkgeom.geometry.spectra.gram_product_pr`; equal to the SVD,
+    tested)."""
     B, H, T, hd = q.shape
     Hk = k.shape[1]
     # Gram matrices in the activations' precision (at least float32: T-term sums of
@@ -113,12 +74,9 @@ def _logit_pr_prepared(qg: Tensor, kk: Tensor, B: int) -> Tensor:
 
 def logit_delta(before: tuple[Tensor, Tensor], now: tuple[Tensor, Tensor],
                 causal: bool) -> Tensor:
-    """RMS change of the row-centred logits of one window, per query head: (H,) float64.
-
-    ``before`` and ``now`` are (scaled q (1, H, T, hd), k (1, H_kv, T, hd)) of the same
-    tokens at two times. Each query row of ``Q Kᵀ`` is centred over its visible keys (the
-    softmax ignores a shift of a row), and the change is the root mean square over the
-    visible (query, key) pairs, in logit units; not divided by the steps in between."""
+    """(H,) float64 RMS change, over the visible pairs, of one window's row-centred logits
+    between ``before`` and ``now`` (each: scaled q (1, H, T, hd), k (1, H_kv, T, hd)); a row
+    is centred because the softmax ignores its shift (docs/definitions.md#logit-growth)."""
     (q0, k0), (q1, k1) = before, now
     H, Hk, T = q1.shape[1], k1.shape[1], q1.shape[2]
     visible = (torch.ones(T, T, dtype=torch.bool, device=q1.device).tril() if causal
@@ -135,11 +93,8 @@ def logit_delta(before: tuple[Tensor, Tensor], now: tuple[Tensor, Tensor],
 
 
 def _peaks(tensors: tuple[Tensor, ...]) -> tuple[dict[int, float], float]:
-    """``({id(t): max |t|}, overall max)`` of the distinct tensors in one host sync.
-
-    Raises:
-        NonFiniteError: an entry is non-finite or beyond 1e140.
-    """
+    """``({id(t): max |t|}, overall max)`` of the distinct tensors in one host sync;
+    NonFiniteError for an entry that is non-finite or beyond 1e140."""
     distinct = {id(t): t for t in tensors}  # site = attn: once
     amax = dict(zip(distinct, torch.stack([torch.stack(t.detach().aminmax()).abs().amax()
                                            .double() for t in distinct.values()]).tolist(),
@@ -205,21 +160,12 @@ class _Totals:
 
 
 class LayerGeometry:
-    """Streams one layer's q/k into the token metrics (see the module docstring).
+    """Streams one layer's q/k into the token metrics (module docstring).
 
-    Args:
-        n_head, n_kv_head, head_dim: query heads, key heads, head size.
-        causal: decoder (True) or encoder (False) attention.
-        with_logit_spectrum: compute ``pr_qk_token`` (two hd × hd Gram matrices per
-            sequence and head); when False the metric is left out of :meth:`records`.
-        workspace: scratch buffers reused across batches, shared by all layers of one
-            measurement (default: fresh temporaries per batch).
-        with_post: also keep the covariances of ``q_attn``/``k_attn`` (the post-rotary
-            q/k) and record ``pr_q_token_post``, ``pr_k_token_post``,
-            ``contrast_token_post``; for a site whose q/k differ from the attention's.
-        previous: the :attr:`window` of the previous measurement of the same probe set:
-            ``logit_delta`` is recorded against it.
-    """
+    ``with_logit_spectrum``: compute ``pr_qk_token`` (else left out). ``workspace``: scratch
+    buffers shared by all layers of one measurement. ``with_post``: also keep the covariances
+    of the attention's (post-rotary) q/k, for a site whose q/k differ from them.
+    ``previous``: the :attr:`window` of the previous measurement, for ``logit_delta``."""
 
     def __init__(self, n_head: int, n_kv_head: int, head_dim: int, causal: bool = True,
                  with_logit_spectrum: bool = True, workspace: Workspace | None = None,
@@ -252,24 +198,14 @@ class LayerGeometry:
     def update(self, q_site: Tensor, k_site: Tensor, q_attn: Tensor | None = None,
                k_attn: Tensor | None = None, scale: float | None = None,
                lengths: Sequence[int] | Tensor | None = None) -> None:
-        """Add a batch: covariances from ``q_site``/``k_site``, logit spectrum, logit
-        moments and entropy from ``q_attn``/``k_attn`` (what the attention computes with;
-        default the same tensors; with ``with_post`` their covariances too). q (B, H, T,
-        hd), k (B, H_kv, T, hd); ``scale`` defaults to 1/√hd.
+        """Add a batch: covariances from ``q_site``/``k_site``; logit spectrum, moments and
+        entropy from ``q_attn``/``k_attn`` (what the attention computes with, default the same).
+        ``scale`` defaults to 1/√hd.
 
-        ``lengths`` (B,): a right-padded batch, sequence b's real tokens at positions
-        ``0 .. lengths[b]−1`` (:mod:`qkgeom.geometry.padding`). Only real tokens then count,
-        as if each sequence had been measured alone: the sequences of each length are
-        added as one unpadded batch cut to that length (covariances of their real tokens,
-        each logit matrix restricted to its real rows and columns, entropies over real
-        queries and keys). Why cut rather than mask: every statistic of the unpadded path
-        then holds for padded input with no masked variant of its own. ``None``, or every
-        length equal to T, is the unpadded path itself.
-
-        Raises:
-            NonFiniteError: non-finite q/k, or entries beyond 1e140 (checked first, so the
-                accumulator stays usable).
-        """
+        ``lengths`` (B,): a right-padded batch (:mod:`qkgeom.geometry.padding`). The sequences
+        of each length are added as one unpadded batch cut to it, so every statistic of the
+        unpadded path holds for padded input with no masked variant. Every part is checked
+        finite before any is added, so the accumulator stays usable after a NonFiniteError."""
         q_attn = q_site if q_attn is None else q_attn
         k_attn = k_site if k_attn is None else k_attn
         B, H, T, hd = q_attn.shape

@@ -1,11 +1,8 @@
-"""Reusable scratch buffers for the streaming analysis.
+"""Reusable scratch buffers for the streaming measurement.
 
-Why: every batch of a checkpoint analysis needs the same few multi-MB temporaries per
-layer (centred activations, scaled queries, one block of attention scores). Fresh tensors
-of that size are page-faulted in on every allocation on a CPU (glibc hands large blocks
-back to the OS), which made allocation, not arithmetic, a large share of the analysis.
-One :class:`Workspace` is shared by all layers of an analysis (they run one after
-another); it holds the largest size asked for under each name, nothing more.
+Why: on a CPU, fresh multi-MB temporaries are page-faulted in on every batch, which made
+allocation, not arithmetic, a large share of an analysis. One :class:`Workspace` is shared by
+all layers of a measurement; it keeps the largest size asked for under each name.
 """
 
 from __future__ import annotations
@@ -19,11 +16,8 @@ __all__ = ["Workspace"]
 
 
 class Workspace:
-    """Named flat buffers, grown on demand and handed out as views of the right shape.
-
-    A buffer is valid until the next :meth:`get` of the same name; callers use distinct
-    names for tensors that must coexist.
-    """
+    """Named flat buffers handed out as views; one is valid until the next :meth:`get` of its
+    name."""
 
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}

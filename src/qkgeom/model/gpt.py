@@ -1,17 +1,10 @@
 """A decoder-only GPT you can read in one sitting, with W_Q and W_K kept apart.
 
-Pre-LayerNorm blocks, learned positions, GELU MLP x4, tied input/output embeddings
-(docs/definitions.md#model). Queries, keys and values have their own ``nn.Linear`` per layer (no fused
-``c_attn``) so that probes and the key-spectrum control address W_Q and W_K of every head
-directly. Training attention uses ``scaled_dot_product_attention``; probes read q and k
-through each attention layer's ``tap``, which :mod:`qkgeom.arch.gpt` sets only while it
-captures, and compute the explicit softmax themselves.
-
-Two remedies against attention-logit growth are model options (docs/stability.md):
-``qk_norm`` (a LayerNorm over each head's q and k before the logits; the tap sees the
-normalised q/k) and ``qk_reparam="sigma"`` (σReparam: W_Q and W_K trained as γ·W/σ_max(W),
-the spectral norm by one power iteration per training forward, γ a learned scalar that
-starts at σ_max(W₀) so the initial model is the unreparametrised one).
+Queries, keys and values have their own ``nn.Linear`` per layer (no fused ``c_attn``), so
+probes and the key control address W_Q and W_K of every head directly; probes read q/k
+through each attention's ``tap``, set only while :mod:`qkgeom.arch.gpt` captures. The
+architecture: docs/definitions.md#model; the remedies ``qk_norm`` and ``qk_reparam``:
+docs/stability.md#remedies.
 """
 
 from __future__ import annotations
@@ -113,8 +106,8 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """GPT-2 init (N(0, 0.02); residual projections scaled by 1/sqrt(2L)), then the
-        configured Q/K init on top."""
+        """GPT-2 init (N(0, 0.02), residual projections scaled by 1/sqrt(2L)), then the Q/K
+        init."""
         std = 0.02
         for name, p in self.named_parameters():
             if p.dim() < 2:
@@ -148,9 +141,6 @@ class GPT(nn.Module):
         attn = self.blocks[layer].attn
         return attn.q_proj.weight, attn.k_proj.weight
 
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
-
 
 class _Gain(nn.Module):
     """γ·W: σReparam's learned scale of the spectrally normalised weight."""
@@ -165,12 +155,10 @@ class _Gain(nn.Module):
 
 @torch.no_grad()
 def sigma_reparam(linear: nn.Linear) -> None:
-    """σReparam (Zhai et al., 2023) of ``linear.weight``: W/σ_max(W) by torch's
-    ``spectral_norm`` (one power iteration per training forward), times a learned scalar γ.
-    γ starts at the power iteration's estimate of σ_max(W₀), so the effective weight at
-    step 0 is W₀ (to rounding) and a run differs from its unreparametrised twin only in how
-    it trains. The spectral norm's start vector is drawn from torch's global generator,
-    which the trainer seeds."""
+    """σReparam (Zhai et al., 2023) of ``linear.weight``: ``spectral_norm``'s W/σ_max(W)
+    (one power iteration per training forward) times a learned γ that starts at its estimate
+    of σ_max(W₀), so step 0 is W₀ to rounding. The start vector comes from torch's global
+    generator, which the trainer seeds."""
     w0 = linear.weight.detach().clone()
     spectral_norm(linear)
     sigma = torch.linalg.vector_norm(w0) / torch.linalg.vector_norm(linear.weight)
@@ -180,13 +168,10 @@ def sigma_reparam(linear: nn.Linear) -> None:
 @torch.no_grad()
 def init_qk(w_q: Tensor, w_k: Tensor, mode: str, *, std: float = 0.02,
             generator: torch.Generator | None = None) -> None:
-    """Initialise one layer's W_Q and W_K in place (docs/definitions.md).
-
-    ``normal``: N(0, std) each. ``orthogonal``: orthogonal matrices with every singular
-    value equal to ``std * sqrt(d_model)``, so ||W||_F matches the expected Frobenius norm of
-    the normal init and the initial logit scale is the same. ``tied``: W_K := W_Q (normal),
-    the symmetric start; the two are trained separately afterwards.
-    """
+    """Initialise one layer's W_Q and W_K in place: ``normal`` N(0, std) each;
+    ``orthogonal`` with every singular value ``std * sqrt(d_model)`` (the normal init's
+    Frobenius norm and logit scale); ``tied`` W_K := W_Q, trained apart afterwards
+    (docs/definitions.md)."""
     if mode == "normal":
         nn.init.normal_(w_q, 0.0, std, generator=generator)
         nn.init.normal_(w_k, 0.0, std, generator=generator)
@@ -202,9 +187,8 @@ def init_qk(w_q: Tensor, w_k: Tensor, mode: str, *, std: float = 0.02,
 
 
 def flops_per_token(cfg: GPTConfig) -> float:
-    """Training FLOPs per token (forward + backward) of the model, the PaLM / nanoGPT
-    estimate: 6 x the matmul parameters (the 12 L d^2 of the blocks and the d x V of the
-    tied output head; the embedding lookups cost nothing) + 12 L T d for attention scores
-    and mixing (not halved for the causal mask). For MFU and run sizing (docs/speed.md)."""
+    """Training FLOPs per token (forward + backward), the PaLM / nanoGPT estimate: 6 × the
+    matmul parameters (12 L d² and the tied d × V head) + 12 L T d for attention (not halved
+    for the causal mask). For MFU and run sizing (docs/speed.md)."""
     n_matmul = 12 * cfg.n_layer * cfg.n_embd**2 + cfg.n_embd * cfg.vocab_size
     return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.block_size * cfg.n_embd

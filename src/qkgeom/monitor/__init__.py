@@ -8,14 +8,9 @@
     lightning.Trainer(callbacks=[mon.lightning_callback()])            # Lightning
     for step, batch in enumerate(loader): ...; mon.step(step + 1)      # plain loop
 
-Modules: ``monitor`` (:class:`GeometryMonitor`; each probe is :func:`qkgeom.geometry.measure`,
-its run folder :mod:`qkgeom.runs`'s), ``probe_input`` (the fixed probe set), the alert
-rules of :mod:`qkgeom.alerts` (rules, warnings, hooks) and the closed loop of
-:mod:`qkgeom.control.closed_loop` (entropy-targeting key control, research-grade),
-``sinks`` (TensorBoard, W&B), ``report_to`` (``qkgeom train --report-to``: the trainer's
-own probes to those sinks), ``integrations`` (HF / Lightning callbacks), ``watch`` (the
-``qkgeom watch`` view).
-Names load on first use, so ``qkgeom watch`` never imports torch.
+The alert rules live in :mod:`qkgeom.alerts` and the closed loop in
+:mod:`qkgeom.control.closed_loop`; the names load on first use, so ``qkgeom watch`` never
+imports torch (docs/monitor.md).
 """
 
 from __future__ import annotations
@@ -38,8 +33,7 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_RULES", "Alert", "AlertRule", "Alerts",
     "EntropyControlCallback", "EntropyController", "GeometryMonitor", "GeometryWarning",
-    "ReportTo", "entropy_collapse", "key_pr_drop", "logit_growth", "logit_jump", "replay",
-    "watch",
+    "ReportTo", "entropy_collapse", "key_pr_drop", "logit_growth", "logit_jump", "replay", "watch"
 ]
 
 if TYPE_CHECKING:

@@ -1,20 +1,12 @@
-"""The monitor's demo: a monitored GPT-2 run, the closed loop on the demo preset, a figure.
+"""The monitor's demo: a monitored GPT-2 run, the closed loop on the demo GPT, a figure.
 
 ::
 
     python -m qkgeom.monitor.demo --out runs/monitor-demo --figure docs/figures/monitor-demo.png
 
-1. *Monitor your own training*: an HF ``GPT2LMHeadModel`` (character level, the E1 demo's
-   shape: 4 layers × 128, 4 heads, context 64) trained by a plain PyTorch loop on the
-   embedded Wikipedia text, with a :class:`GeometryMonitor` writing ``<out>/gpt2``.
-2. *Closed loop* (research-grade): the project's demo-size GPT (the E1/E3 demo: 4 layers ×
-   128, 4 heads, context 64, batch 16, 300 steps, seed 0) trained by ``qkgeom.train``
-   twice from the same init and batches: uncontrolled (``<out>/none``) and with an
-   :class:`EntropyControlCallback` steering every layer's attention entropy toward one
-   target (``<out>/controlled``). A layer "reaches" the target when its entropy at the last
-   probe is within ``tolerance`` nats of it.
-
-Prints the per-layer closed-loop table and writes the figure.
+An HF GPT-2 trained by a plain loop under a :class:`GeometryMonitor` (``<out>/gpt2``), and
+the demo GPT trained twice from one init, uncontrolled and with the entropy closed loop
+(``<out>/closed-loop``); docs/monitor.md shows and explains the figure.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Trainer callbacks that drive a :class:`~qkgeom.monitor.GeometryMonitor`.
 
-The classes are built on first use, subclassing the trainer's own base class, so
-``qkgeom.monitor`` imports neither transformers nor Lightning.
-
-- Hugging Face ``transformers.Trainer``: probe at ``on_train_begin`` (step
-  ``state.global_step``), after optimiser updates (``on_step_end``), at ``on_train_end``;
-  losses from ``on_log``. With ``tensorboard="auto"`` and ``"tensorboard"`` in
-  ``args.report_to``, the monitor writes into the Trainer's own TensorBoard run: through
-  the ``SummaryWriter`` of its ``TensorBoardCallback`` (found among the callbacks of the
-  ``CallbackHandler`` that calls ours), so the geometry sits beside ``train/loss`` in one
-  run; failing that, in ``$TENSORBOARD_LOGGING_DIR`` or ``<output_dir>/runs/qkgeom``.
-- Lightning (``lightning.pytorch`` or ``pytorch_lightning``): ``on_train_start``,
-  ``on_train_batch_end`` (``trainer.global_step``; gradient accumulation batches that do not
-  step the optimiser are skipped), ``on_train_end``, ``on_exception``; with
-  ``tensorboard="auto"`` the trainer's ``TensorBoardLogger`` writer is used.
+Built on first use, subclassing the trainer's own base class, so ``qkgeom.monitor``
+imports neither transformers nor Lightning. Which events probe and where
+``tensorboard="auto"`` writes: docs/monitor.md#where-the-results-go.
 """
 
 from __future__ import annotations
@@ -29,13 +18,13 @@ __all__ = ["hf_callback", "lightning_callback"]
 
 
 class Monitor(Protocol):
-    """What a trainer callback drives (:class:`~qkgeom.monitor.GeometryMonitor`)."""
+    """What a callback drives: :class:`~qkgeom.monitor.GeometryMonitor`, named by its
+    methods because importing it here would make an import cycle."""
 
     def start(self, step: int = 0, *, total_steps: int | None = None,
               tensorboard: Any = None) -> Any: ...
 
-    def step(self, step: int, *, loss: float | None = None,
-             lr: float | None = None) -> Any: ...
+    def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Any: ...
 
     def log_loss(self, step: int, loss: Any, lr: float | None = None) -> None: ...
 
@@ -60,8 +49,7 @@ def _hf_trainer_writer(handler: Any) -> Any:
 
 def _calling_handler(depth: int = 4) -> Any:
     """The ``transformers`` ``CallbackHandler`` whose ``call_event`` called our callback
-    (within ``depth`` frames up), or None. HF hands callbacks the model and optimiser but
-    not the other callbacks; the handler that calls them holds the list, and its
+    (within ``depth`` frames), or None: HF hands callbacks no list of the others, and its
     TensorBoardCallback's writer is the Trainer's run."""
     from transformers.trainer_callback import CallbackHandler
 

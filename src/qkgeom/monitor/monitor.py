@@ -1,37 +1,9 @@
 """``GeometryMonitor``: the Q/K geometry of a model while someone else trains it.
 
-::
-
-    mon = GeometryMonitor(model, probe_batch, every=200, out="runs/mine",
-                          tensorboard="tb/mine")
-    trainer = transformers.Trainer(..., callbacks=[mon.hf_callback()])      # HF Trainer
-    lightning.Trainer(callbacks=[mon.lightning_callback()])                 # Lightning
-    for step, batch in enumerate(loader): ...; mon.step(step + 1)           # plain loop
-
-Cadence: a probe at every step that is a multiple of ``every`` (or in ``every``, when it is
-a list of steps), plus the step :meth:`~GeometryMonitor.start` is called at (the
-integrations call it at train start, step 0 of a fresh run) and the last step
-(:meth:`~GeometryMonitor.close`). ``step`` is the number of optimiser updates done (the
-integrations pass ``global_step``); calling :meth:`step` twice with one value does nothing
-the second time (gradient accumulation). In a plain loop without ``start``, the first
-:meth:`~GeometryMonitor.step` call starts the run and probes only if its step is due: the
-weights then are already past step 0, so probing them would not be the initialisation.
-
-Each probe is :func:`qkgeom.geometry.measure` on the fixed probe set: eval mode, no
-gradients, train flags and RNG states restored, so training computes exactly what it would
-unmonitored, and the numbers are those the trainer's own probes give. Results go to the
-run folder (``out=``), TensorBoard
-(``tensorboard=`` a writer or folder; the integrations also find the trainer's own), W&B
-(``wandb="auto"``: the active ``wandb.run`` if any), the alert rules, and
-:attr:`history`.
-
-Writing (docs/faults.md): only one process writes a run. Under ``torch.distributed`` (DDP,
-an HF Trainer or Lightning on several GPUs) only rank 0 opens the run folder and the
-TensorBoard/W&B sinks; the other ranks still probe (the numbers are in their
-:attr:`history`) but write nothing. The folder is opened when the run starts
-(:meth:`GeometryMonitor.start`), under the run's lock (:class:`~qkgeom.runs.RunLock` on
-:data:`MONITOR_LOCK` inside the folder, held until :meth:`~GeometryMonitor.close`), and only if it is new, empty, or (``resume=True``)
-a qkgeom run folder with nothing foreign in it.
+Each probe is :func:`qkgeom.geometry.measure` on a fixed probe set, so training computes
+exactly what it would unmonitored and the numbers are the trainer's. Cadence, sinks, the run
+folder (rank 0 only, under its lock :data:`MONITOR_LOCK`) and what the integrations call:
+docs/monitor.md.
 """
 
 from __future__ import annotations
@@ -50,7 +22,7 @@ from qkgeom.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.arch import QK_SITES, adapter_for
 from qkgeom.control.closed_loop import EntropyController
 from qkgeom.errors import QKGeomError
-from qkgeom.geometry import Measurement, measure, resolve_metrics
+from qkgeom.geometry import LAYER, Measurement, measure, records_to_frame, resolve_metrics
 from qkgeom.geometry.measure import PRECISIONS
 from qkgeom.io import write_json
 from qkgeom.monitor.probe_input import DEFAULT_PROBE_SEQUENCES, probe_batch
@@ -69,50 +41,27 @@ from qkgeom.runs import (
 __all__ = ["DEFAULT_EVERY", "DEFAULT_METRICS", "GeometryMonitor", "train_config_mapping"]
 
 DEFAULT_EVERY = 200
-#: The monitor's lock file, inside its run folder (a trained run's lock sits beside its
-#: folder, :func:`qkgeom.runs.lock_path`; the monitor's out= is often inside a folder
-#: another tool owns, such as a Trainer's output_dir, where it writes nothing).
+#: The monitor's lock file, inside its run folder: out= is often inside a folder another
+#: tool owns (a Trainer's output_dir), where the monitor writes nothing beside it.
 MONITOR_LOCK = ".qkgeom-monitor.lock"
-# The paired token-level PRs and their contrast, the interaction PR of the weights, and
-# attention entropy (what the closed loop and the alerts read).
 DEFAULT_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight", "attn_entropy")
 
 
 class GeometryMonitor:
     """Probe Q/K geometry of ``model`` during training and log it where you already look.
 
-    Args:
-        model: any model :func:`qkgeom.arch.adapter_for` supports (HF GPT-2,
-            GPT-NeoX/Pythia, Llama-style with GQA, BERT-style, the project's GPT).
-        probe: the fixed probe set: token ids ``(n_seq, T)``, a batch with ``input_ids``
-            (and an ``attention_mask``: padded batches measure their real tokens only),
-            or text with ``tokenizer=`` (see :mod:`qkgeom.monitor.probe_input`).
-        every: probe cadence in optimiser steps, or an explicit list of steps.
-        metrics: metric names to record (``"contrast"`` = ``contrast_token``; ``"all"``).
-            Metrics the alert rules or the controller read are measured too.
-        tokenizer, seq_len, n_seq: for a text probe set (``n_seq`` windows of ``seq_len``
-            text tokens).
-        special_tokens: text probe sets of encoders (BERT-style): frame each window with
-            the tokenizer's ``[CLS]`` … ``[SEP]`` (default True, as the model saw them in
-            training and as ``qkgeom analyze`` does); False: text tokens only. Decoders'
-            windows are text tokens either way; a batch probe's ids are used as given.
-        batch_size: probe sequences per forward pass.
-        qk_site: ``post-rotary`` (default) or ``pre-rotary`` q/k for the token PRs.
-        precision: ``float64`` (default, the trainer's probes) or ``float32`` products.
-        out: run folder to write (docs/definitions.md#run-folder; rank 0 only under
-            ``torch.distributed``); ``resume=True`` appends to an existing one.
-        run_id: the ``run_id`` column (default: the folder name, or ``"monitor"``).
-        total_steps: the run's length, if known (integrations read it from the trainer).
-        tensorboard: a ``SummaryWriter`` or a log folder; ``"auto"`` (default) uses the
-            trainer's TensorBoard logger when an integration finds one; None or False: off.
-        wandb: ``"auto"`` logs to the active ``wandb.run`` when W&B is installed; None or
-            False: off.
-        histograms: log per-layer histograms of the key spectrum (TensorBoard, W&B).
-        alerts: alert rules (default :data:`~qkgeom.alerts.DEFAULT_RULES`; ``()``
-            for none); ``on_alert``: a hook called with each :class:`Alert`.
-        control: an :class:`EntropyController` to close the loop (off by default: with it,
-            training is of course no longer what it was unmonitored).
-    """
+    ``model``: anything :func:`qkgeom.arch.adapter_for` supports. ``probe``: token ids
+    (n_seq, T), a batch with ``input_ids`` (and an ``attention_mask``), or text with
+    ``tokenizer=`` (:mod:`qkgeom.monitor.probe_input`; ``seq_len``, ``n_seq`` and, for
+    encoders, ``special_tokens`` shape its windows). ``every``: a cadence in optimiser steps
+    or a list of steps. ``metrics``: names, ``"contrast"`` or ``"all"`` (those the alerts or
+    the controller read are added). ``batch_size``, ``qk_site``, ``precision``: as
+    :func:`~qkgeom.geometry.measure`. ``out`` (``resume``, ``run_id``): a run folder.
+    ``total_steps``: the run's length if known. ``tensorboard``: a writer, a folder,
+    ``"auto"`` (the trainer's own, found by an integration) or off; ``wandb``: ``"auto"``
+    (the active run) or off; ``histograms``: the key spectra too. ``alerts``: rules
+    (default :data:`~qkgeom.alerts.DEFAULT_RULES`), ``on_alert`` a hook. ``control``: an
+    :class:`EntropyController` closing the loop (then training changes, on purpose)."""
 
     def __init__(self, model: nn.Module, probe: Any, *, every: int | Iterable[int] = DEFAULT_EVERY,
                  metrics: str | Iterable[str] = DEFAULT_METRICS, tokenizer: Any = None,
@@ -177,19 +126,16 @@ class GeometryMonitor:
 
     def start(self, step: int = 0, *, total_steps: int | None = None,
               tensorboard: Any = None) -> Measurement | None:
-        """Begin a run at ``step``: write the config, attach the controller, probe.
-
-        Called by the integrations at train start (with the trainer's TensorBoard writer
-        when ``tensorboard="auto"``); call ``start(0)`` before the first update of a plain
-        loop to probe the initialisation (:meth:`step` otherwise starts the run itself and
-        probes only when due).
-        """
-        return self._begin(step, total_steps, tensorboard, probe=True)
-
-    def _begin(self, step: int, total_steps: int | None, tensorboard: Any,
-               probe: bool) -> Measurement | None:
+        """Begin a run at ``step``: open the folder, write the config, attach the
+        controller, probe. The integrations call it at train start; in a plain loop
+        ``start(0)`` probes the initialisation (else :meth:`step` starts the run and probes
+        only when due)."""
         if self._started:
             return None
+        self._begin(step, total_steps, tensorboard)
+        return self.probe(step)
+
+    def _begin(self, step: int, total_steps: int | None, tensorboard: Any) -> None:
         self._started = True
         self.total_steps = total_steps or self.total_steps
         if _rank() != 0:  # distributed, not rank 0: probe, write nothing
@@ -209,20 +155,14 @@ class GeometryMonitor:
             self.control.attach(self.model)
         self._write_config()
         self._last_step = step
-        return self.probe(step) if probe else None
 
     def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Measurement | None:
         """After an optimiser update: ``step`` = updates done so far. Applies the
         controller (if any), records ``loss``, probes when due. Returns the probe or None."""
         step = int(step)
         if not self._started:
-            self._begin(step, None, None, probe=False)
-            if self.control is not None:
-                self.control.after_step(step)
-            if loss is not None:
-                self.log_loss(step, loss, lr)
-            return self.probe(step) if self.due(step) else None
-        if step == self._last_step:
+            self._begin(step, None, None)
+        elif step == self._last_step:  # gradient accumulation: one update, several calls
             return None
         self._last_step = step
         if self.control is not None:
@@ -256,9 +196,9 @@ class GeometryMonitor:
         fired = self.alerts.check(step, probe.frame)
         if self.control is not None:
             self.control.update(probe.layer_values("attn_entropy"))
-            extra = [(-1, -1, k, float(v)) for k, v in self.control.records().items()]
-            probe.frame = pd.concat([probe.frame, pd.DataFrame(
-                extra, columns=["layer", "head", "metric", "value"])], ignore_index=True)
+            extra = records_to_frame({LAYER: [(LAYER, k, float(v))
+                                              for k, v in self.control.records().items()]})
+            probe.frame = pd.concat([probe.frame, extra], ignore_index=True)
         self.probes.append(probe)
         if self.folder is not None:
             self.folder.add_metrics(probe.frame, step, replace=True)
@@ -450,12 +390,10 @@ def _open_folder(out: Path, run_id: str, resume: bool) -> RunWriter:
 
 
 def train_config_mapping(facts: dict[str, Any]) -> Any:
-    """The :class:`~qkgeom.config.TrainConfig` that ``facts`` describe, or None when they
-    do not make a valid one (keys it cannot know keep their defaults), so that ``qkgeom
-    show`` and collation read a monitored run like a trained one.
-
-    ``facts``: ``n_layer, n_head, n_embd, block_size, vocab_size, steps, probe_every,
-    probe_sequences, seed`` (None = unknown)."""
+    """The :class:`~qkgeom.config.TrainConfig` that ``facts`` (``n_layer``, ``n_head``,
+    ``n_embd``, ``block_size``, ``vocab_size``, ``steps``, ``probe_every``,
+    ``probe_sequences``, ``seed``; None = unknown) describe, or None when they make no valid
+    one, so that ``qkgeom show`` and collation read a monitored run like a trained one."""
     from qkgeom.config import from_dict
 
     model = {k: facts[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")

@@ -1,20 +1,9 @@
-"""The monitor's fixed probe set: token ids ``(n_seq, T)`` (and a padding mask) from
-whatever the user has.
+"""The monitor's fixed probe set, from whatever the user has: token ids ``(n_seq, T)`` and,
+for a padded batch, its ``attention_mask``.
 
-The probe set is a fixed slice of held-out tokens, the same at every probe step, so
-the monitor turns its input into one LongTensor (plus, for a padded batch, its
-``attention_mask``) once, at construction:
-
-- a tensor / array of token ids ``(n_seq, T)`` (or ``(T,)``, one sequence);
-- a batch mapping with ``input_ids`` and optionally an ``attention_mask`` (an HF
-  tokenizer's padded batch, left or right padding): only the real tokens are measured,
-  each sequence as it would be alone (:mod:`qkgeom.geometry.padding`); the ids are used
-  as given, special tokens included;
-- text (a string or a list of strings) plus ``tokenizer=`` (an HF tokenizer, a
-  :class:`~qkgeom.data.CharVocab` or anything with ``encode``), cut into ``n_seq``
-  windows of ``seq_len`` text tokens by :func:`qkgeom.data.text.token_windows`; with
-  ``special_tokens`` each window is framed by the tokenizer's ``[CLS]`` / ``[SEP]``
-  (what the monitor does for encoders by default, as ``qkgeom analyze`` does).
+Made once, at construction, so every probe measures the same tokens: ids or a batch
+mapping as given, or text (with ``tokenizer=``) cut into windows by
+:func:`qkgeom.data.text.token_windows` (docs/monitor.md, "Probe set").
 """
 
 from __future__ import annotations
@@ -38,13 +27,10 @@ _DEFAULT_SEQ_LEN = 128  # text input: window length when neither seq_len nor the
 def probe_batch(probe: Any, *, tokenizer: Any = None, seq_len: int | None = None,
                 n_seq: int = DEFAULT_PROBE_SEQUENCES, max_positions: int | None = None,
                 special_tokens: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Token ids ``(n_seq, T)`` (int64, CPU) of the probe set and its attention mask
-    ``(n_seq, T)`` (bool, CPU; None when nothing is padded); see the module docstring.
-
-    ``seq_len`` (text only): text tokens per window, default min(model context, 128)
-    less the special tokens. ``special_tokens`` (text only): frame each window with the
-    tokenizer's [CLS]/[SEP]. Raises :class:`QKGeomError` for input it cannot use.
-    """
+    """Token ids ``(n_seq, T)`` (int64, CPU) of the probe set and its bool mask (None when
+    nothing is padded); a QKGeomError for input it cannot use. Text only: ``seq_len`` text
+    tokens per window (default min(context, 128) less the special tokens), framed with the
+    tokenizer's [CLS]/[SEP] when ``special_tokens``."""
     mask = None
     if isinstance(probe, Mapping):
         if "input_ids" not in probe:

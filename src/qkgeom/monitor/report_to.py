@@ -1,15 +1,9 @@
-"""``qkgeom train --report-to tensorboard|wandb``: the trainer's own probes and training
-log, sent to the loggers the monitor writes to (:mod:`qkgeom.monitor.sinks`).
+"""``qkgeom train --report-to tensorboard|wandb``: the trainer's own probes and training log,
+sent to the monitor's sinks (:mod:`qkgeom.monitor.sinks`).
 
-The trainer knows only callbacks; :class:`ReportTo` is one. It logs what the trainer
-measures anyway (the probe every ``probe_every`` steps, the training-log rows every
-``log_every`` steps), so it adds no measurement and changes nothing the run computes.
-
-- ``tensorboard``: event files in ``RUN/tensorboard/`` (``tensorboard --logdir runs``
-  shows each run folder as a run), sections as in :mod:`qkgeom.monitor.sinks`;
-- ``wandb``: the active ``wandb.run`` if there is one, else a new run
-  (``wandb.init(project=$WANDB_PROJECT or "qkgeom", name=<run id>, config=<the config>)``)
-  that is finished when training ends.
+A callback that logs only what the trainer measures anyway, so the run computes nothing
+else. TensorBoard: event files in ``RUN/tensorboard/``; W&B: the active run, else a new one
+in ``$WANDB_PROJECT`` (default ``qkgeom``), finished when training ends.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """Where probe results go besides the run folder: TensorBoard and Weights & Biases.
 
-Tag names (both loggers): ``<family>/<name>/layer<l>``, one section per family of metrics
-(:func:`tag`), so TensorBoard and W&B show PRs, contrasts and attention side by side in
-their own panels instead of one long ``qkgeom/`` list:
-
-- ``pr/q_token/layer0``, ``pr/k_weight/layer0``, ``pr/qk_weight/layer0`` ... (``pr_*``);
-- ``contrast/token/layer0``, ``contrast/weight/layer0`` ... (``contrast_*``);
-- ``attention/entropy/layer0``, ``attention/entropy_norm``, ``attention/max``,
-  ``attention/entropy_scalefree``, ``attention/logit_std``, ``attention/logit_std_row``,
-  ``attention/logit_max``, ``attention/logit_delta`` (``attn_*``, ``logit_*``);
-- ``control/<record>`` for flat records (layer −1: the closed loop's);
-- histograms of the key spectrum per layer: ``key_spectrum/sv_weight/layer<l>`` (singular
-  values of W_K) and ``key_spectrum/eig_token/layer<l>`` (eigenvalues of the key
-  covariance on the probe set); ``alerts`` for alert texts;
-- the training log, where the trainer reports it (``qkgeom train --report-to``):
-  ``train/loss``, ``train/val_loss``, ``train/lr``, ``train/tokens_per_s``.
-
-W&B puts them on their own step axis, ``qkgeom/step``.
+Both get the same tags, ``<family>/<name>/layer<l>`` (:func:`tag`), so each family of
+metrics has its own panel; W&B puts them on their own step axis ``qkgeom/step``. The tags:
+docs/monitor.md#where-the-results-go.
 """
 
 from __future__ import annotations
@@ -85,10 +71,8 @@ def _train_scalars(row: dict[str, float]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Scalars and key-spectrum histograms into a ``SummaryWriter`` (ours or the user's).
-
-    ``target``: a writer (anything with ``add_scalar``; left open, it is the user's) or a
-    log folder (a ``torch.utils.tensorboard.SummaryWriter`` is made there and closed by
+    """Scalars and key-spectrum histograms into a ``SummaryWriter``: ``target`` is the
+    user's writer (left open) or a log folder (a writer of ours, closed by
     :meth:`close`)."""
 
     def __init__(self, target: Any) -> None:

@@ -1,15 +1,8 @@
 """``qkgeom watch RUN_DIR``: a live terminal view of a run's latest probe (rich).
 
-Reads only ``metrics.parquet`` and ``status.json`` (no torch), so it works on any run
-folder -- a monitored run, ``qkgeom train``'s, a sweep's run -- while it trains: the table
-is re-read whenever ``metrics.parquet`` changes and the view ends when the status says the
-run is over (done, failed, diverged), when nobody writes the run any more (its status says
-it started but no process holds its lock: interrupted or killed; exit 1 with one line), or
-on Ctrl-C.
-
-Per layer (head −1): PR_Q, PR_K and their contrast at the token level (the weight level
-when the run has no token metrics), attention entropy, and the change of each since the
-first probe.
+Reads only ``metrics.parquet`` and ``status.json`` (no torch), so it works on any run folder
+while it trains; it ends when the run is over, when nobody writes it any more (exit 1 with
+one line), or on Ctrl-C (docs/monitor.md#where-the-results-go).
 """
 
 from __future__ import annotations
@@ -80,7 +73,7 @@ def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> A
     if metrics is None or metrics.empty:
         return plain(f"{run} — {where}: waiting for the first probe …")
     step, table = latest_layers(metrics)
-    alerts = _alert_count(run)
+    alerts = len(read_alerts(run))  # a bad alerts.json: one line naming it
     title = (f"{run} — probe at step {step} ({where}; {table.attrs['level']} level; "
              f"Δ = change since step {table.attrs['first_step']}"
              + (f"; {alerts} alert(s), see alerts.json" if alerts else "") + ")")
@@ -88,10 +81,6 @@ def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> A
     heading = plain(title)
     heading.stylize("bold")
     return Group(heading, out)  # the title on its own line, unwrapped
-
-
-def _alert_count(run: Path) -> int:
-    return len(read_alerts(run))  # a bad alerts.json: one line naming it
 
 
 def _abandoned(run: Path) -> str | None:

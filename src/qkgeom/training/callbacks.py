@@ -1,18 +1,14 @@
-"""Trainer events: behaviour (key control, entropy control, your own) plugs in here
-instead of growing flags. The trainer calls, in order:
+"""Trainer events: behaviour (key control, entropy control, your own) plugs in here instead
+of growing flags. The trainer calls, in order:
 
-- ``on_model_built(ctx)``: the model exists (fresh weights), nothing is loaded yet and there
-  is no optimiser: the place to register parametrisations, which rename ``state_dict`` keys
-  a resumed checkpoint must then match;
-- ``load_state_dict(state)``: only when resuming, with what ``state_dict`` returned;
-- ``on_train_start(ctx)``; then per update ``on_step_end(ctx)``; at every probe
-  ``on_probe(ctx, metrics)``; at every row of the training log ``on_log(ctx, row)``
-  (step, loss, val_loss, lr, tokens_per_s: what ``train_log.parquet`` gets);
-  finally ``on_train_end(ctx)``.
+- ``on_model_built(ctx)``: fresh weights, nothing loaded, no optimiser yet (the place for
+  parametrisations, which rename the ``state_dict`` keys a checkpoint must match);
+- ``load_state_dict(state)`` when resuming; ``on_train_start(ctx)``;
+- per update ``on_step_end(ctx)``, per probe ``on_probe(ctx, metrics)``, per training-log
+  row ``on_log(ctx, row)``; finally ``on_train_end(ctx)``.
 
-A callback that serves a config section (e.g. ``key_control``) says so in ``feature``: the
-trainer refuses a config that enables a feature no callback serves (build the callbacks
-from the config with :func:`qkgeom.launch.callbacks_for`).
+A callback that serves a config section names it in ``feature``; the trainer refuses a
+config enabling a feature no callback serves (:func:`qkgeom.launch.callbacks_for`).
 """
 
 from __future__ import annotations

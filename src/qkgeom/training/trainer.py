@@ -1,38 +1,14 @@
 """The training loop: AdamW + warm-up/cosine, eval, probes, atomic checkpoints, resume.
 
-Step ``s`` means ``s`` optimiser updates are done. At every step that is a multiple of
-``probe_every`` (and at 0 and the last step) the probe set is measured
-(:func:`qkgeom.geometry.measure`); at multiples of ``eval_every`` the val loss; at the
-steps of the checkpoint schedule (multiples of ``checkpoint_every``; with ``log`` also step
-0 and the powers of two below it: :func:`~qkgeom.training.checkpoint.is_checkpoint_step`)
-and the last step a checkpoint is written *after* that step's records, so a
-resumed run keeps every record up to its checkpoint and recomputes nothing differently: on
-CPU the same seed gives the same metrics bit for bit, interrupted or not.
+Step ``s`` means ``s`` updates are done. At each step its probe, eval and log records come
+first and its checkpoint after them, so a resumed run keeps every record up to its
+checkpoint and recomputes nothing differently: on CPU the same seed gives the same metrics
+bit for bit, interrupted or not. The trainer knows no feature: key control, entropy control
+and your own behaviour are :class:`~qkgeom.training.callbacks.Callback` objects
+(:mod:`qkgeom.launch` builds those a config asks for).
 
-The trainer knows no feature: key control, entropy control and your own behaviour are
-:class:`~qkgeom.training.callbacks.Callback` objects passed in (:mod:`qkgeom.launch` builds
-those a config asks for).
-
-Trust (docs/faults.md): the trainer holds the run's lock (:class:`~qkgeom.runs.RunLock`)
-from before it writes anything until the run ends, so a second ``train`` or ``--resume`` of
-the same folder stops in one line naming the holder; it refuses, before any write, a run
-whose memory or probe-time estimate cannot fit (:mod:`.resources`), and a resume whose
-checkpoint or tables are not this run's or not well formed
-(:func:`~qkgeom.training.checkpoint.check_checkpoint`, the run folder's schemas); and a run
-that stops on an error (out of memory included) is recorded ``failed`` with the reason,
-never left ``running``. SIGINT or SIGTERM records ``interrupted`` with the step and the
-newest checkpoint (or that there is none yet) and raises
-:class:`~qkgeom.errors.Interrupted` with the line saying how to resume; a kill leaves
-``running``. Both are resumable.
-
-Speed (docs/speed.md): ``precision`` autocasts the forward pass (bf16 by default on CUDA,
-opt-in on CPU; weights and AdamW state stay fp32, probes always run in float64 on the
-eager model); ``compile`` wraps the model in ``torch.compile`` for the training step only
-(the wrapper shares the module's parameters, so probes, eval, callbacks and checkpoints see
-the same weights without going through the compiled graph); AdamW is fused on CPU and
-CUDA. On CUDA the hot loop never waits for the device: step losses stay on the GPU and are
-read back once per ``log_every`` steps (or when a record is due), and the next batch is
-gathered from the memmap and copied from pinned memory while the current step runs.
+Trust (the run's lock, refusals before any write, ``failed`` and ``interrupted``):
+docs/faults.md. Speed (autocast, ``compile``, no host sync on CUDA): docs/speed.md.
 """
 
 from __future__ import annotations
@@ -55,7 +31,7 @@ from qkgeom.config import TrainConfig, detect_device, with_vocab
 from qkgeom.data import load_data, probe_set, sample_batch
 from qkgeom.data.batches import BatchStream
 from qkgeom.errors import DivergedError, Interrupted, QKGeomError, signals_interrupt
-from qkgeom.geometry import NonFiniteError, measure
+from qkgeom.geometry import LAYER, NonFiniteError, measure, records_to_frame
 from qkgeom.model import GPT
 from qkgeom.runs import (
     STATUS,
@@ -105,10 +81,8 @@ class RunResult:
 
 
 def make_optimizer(model: GPT, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices only (``p.dim() >= 2``, robust to parametrisations).
-
-    The betas go in as floats: a config built in Python may hold an int (``beta1=0``, valid),
-    and torch refuses a pair of mixed types."""
+    """AdamW, fused on CPU and CUDA; weight decay on matrices only (``p.dim() >= 2``, robust
+    to parametrisations). The betas are cast to float: torch refuses a mixed pair."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -124,12 +98,11 @@ def resolve_device(name: str) -> torch.device:
     a one-line QKGeomError for one this machine does not have."""
     if name == "auto":
         name = detect_device()
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise QKGeomError(f"device {name!r} requested but CUDA is not available; use --device "
-                          "auto or cpu")
-    if name.startswith("mps") and not torch.backends.mps.is_available():
-        raise QKGeomError(f"device {name!r} requested but MPS is not available; use --device "
-                          "auto or cpu")
+    for kind, available in (("cuda", torch.cuda.is_available),
+                            ("mps", torch.backends.mps.is_available)):
+        if name.startswith(kind) and not available():
+            raise QKGeomError(f"device {name!r} requested but {kind.upper()} is not available; "
+                              "use --device auto or cpu")
     try:
         device = torch.device(name)
     except RuntimeError as err:  # "cuda:x" and the like
@@ -142,8 +115,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def device_facts(device: torch.device, cfg: TrainConfig) -> dict[str, str]:
-    """What a run computes on, for its record: the device and precision asked for and what
-    they resolved to here, and the hardware's name (the GPU's, or the CPU's platform)."""
+    """What a run computes on, for its record: the device and precision asked for, what they
+    resolved to, and the hardware's name."""
     import platform
 
     if device.type == "cuda":
@@ -156,8 +129,8 @@ def device_facts(device: torch.device, cfg: TrainConfig) -> dict[str, str]:
 
 
 def _autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """Mixed precision for the forward pass: matmuls in bf16/fp16, parameters (and so the
-    optimiser's master weights and state) stay fp32; the loss is computed in fp32."""
+    """Mixed precision for the forward pass; parameters (so the optimiser's state) stay
+    fp32."""
     if precision == "fp32":
         return contextlib.nullcontext()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
@@ -183,12 +156,10 @@ def evaluate(model: GPT, data: np.ndarray, cfg: TrainConfig, device: torch.devic
 class Trainer:
     """One run into one folder: ``Trainer(cfg, out).run()``.
 
-    Everything is checked in the constructor, before any work (the config checked itself
-    when it was built): the features it enables against the callbacks given, the device, the data, the memory and probe-time
-    estimates, the run's lock and the run folder (a fresh run needs an empty folder; a
-    resume needs a qkgeom run folder with the same config, vocabulary and corpus). The
-    lock is held until :meth:`run` ends (or :meth:`close`).
-    """
+    Everything is checked in the constructor, before any work: the features against the
+    callbacks, the device, the data, the memory and probe-time estimates, the lock and the
+    run folder (fresh: empty; resume: a qkgeom run folder of this config, vocabulary and
+    corpus). The lock is held until :meth:`run` ends (or :meth:`close`)."""
 
     def __init__(self, cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
                  callbacks: list[Callback] | None = None, progress: bool = False,
@@ -227,8 +198,7 @@ class Trainer:
         # reentrant: a sweep worker calls the trainer inside its own hold of the run's lock
         self.lock = RunLock(self.out).require("train or resume", reentrant=True)
         try:
-            # Everything a resume reads is checked before anything is written: the folder,
-            # the checkpoint it continues from and the tables it takes up.
+            # Everything a resume reads is checked before anything is written.
             check_run_dir(self.out, record, resume)
             self._state = load_latest_checkpoint(self.out, cfg) if resume else None
             self.writer = RunWriter(self.out, self.run_id, steps=cfg.steps, resume=resume,
@@ -245,9 +215,8 @@ class Trainer:
         self._warn_restart()
 
     def _warn_thread_change(self) -> None:
-        """One line when a resume runs with another torch thread count than the attempt
-        before: CPU results are bit-exact only with the same count (reductions split
-        differently)."""
+        """One line when a resume runs with another torch thread count than before: CPU
+        results are bit-exact only with the same count."""
         before = self.writer.previous.get("threads") if self.resume else None
         now = torch.get_num_threads()
         if isinstance(before, int) and before != now:
@@ -258,7 +227,7 @@ class Trainer:
 
     def _warn_restart(self) -> None:
         """One line when a resume finds no checkpoint although an earlier attempt got
-        somewhere: the run starts over from step 0 (said, never silent)."""
+        somewhere: the run starts over from step 0."""
         before = self.writer.previous.get("step", 0) if self.resume else 0
         if self._state is None and before > 0:
             warnings.warn(f"{self.out}: no checkpoint yet (the earlier attempt stopped at step "
@@ -272,11 +241,9 @@ class Trainer:
     # ------------------------------------------------------------------ the run
 
     def run(self) -> RunResult:
-        """Train to ``cfg.steps`` (continuing from the newest checkpoint when resuming).
-
-        Holds the run's lock throughout and releases it at the end, however the run ends.
-        An error is recorded in status.json as ``failed`` with its reason before it is
-        raised; running out of memory becomes a one-line QKGeomError saying so."""
+        """Train to ``cfg.steps`` (from the newest checkpoint when resuming), releasing the
+        lock however it ends. An error is recorded ``failed`` with its reason before it is
+        raised; out of memory becomes a one-line QKGeomError."""
         self.step, self._tables_taken = 0, not self.resume
         try:
             with signals_interrupt():
@@ -304,7 +271,7 @@ class Trainer:
         return (f"out of memory at step {self.step} ({type(err).__name__}); the run needs about "
                 f"{gib(need)} by qkgeom's estimate (batch_size {cfg.batch_size} × block_size "
                 f"{cfg.model.block_size}); lower batch_size or block_size, then --resume; "
-                f"recorded in {self.out / 'status.json'}")
+                f"recorded in {self.out / STATUS}")
 
     def _interrupted(self, err: KeyboardInterrupt) -> Interrupted:
         """Record ``interrupted`` (the step reached, the signal, the newest checkpoint or
@@ -341,27 +308,27 @@ class Trainer:
         self._restore()
         for cb in self.callbacks:
             cb.on_train_start(self.ctx)
-        bar = None
+        self.bar: StepProgress | None = None
         if self.progress:
             from qkgeom.ui import step_progress
 
-            bar = step_progress("train", self.cfg.steps, self.step,
-                                self.progress_every or self.cfg.probe_every)
+            self.bar = step_progress("train", self.cfg.steps, self.step,
+                                     self.progress_every or self.cfg.probe_every)
         self.writer.status("running", self.step)
         self.model.train()
         try:
             while True:
                 last = self.step == self.cfg.steps
                 if self.step != self.resumed_at:  # a resumed step's records exist already
-                    self._boundary(self.step, last, bar)
+                    self._boundary(self.step, last)
                 if last:
                     break
                 self._train_step()
-                if bar is not None:
-                    bar.advance()
+                if self.bar is not None:
+                    self.bar.advance()
         finally:
-            if bar is not None:
-                bar.close()
+            if self.bar is not None:
+                self.bar.close()
         self.writer.status("done", self.step)  # compacted: at the last step, or on restore
         for cb in self.callbacks:
             cb.on_train_end(self.ctx)
@@ -377,29 +344,24 @@ class Trainer:
         for cb in self.callbacks:  # before the optimiser and any checkpoint load
             cb.on_model_built(self.ctx)
         self.optimizer = self.ctx.optimizer = make_optimizer(self.model, cfg, self.device)
-        # The compiled wrapper shares every parameter with ``model``; only the training step
-        # calls it. Probes, eval, callbacks and checkpoints use ``model`` itself.
+        # Shares every parameter with ``model``; only the training step calls it.
         self.step_model = torch.compile(self.model) if cfg.compile else self.model
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
         self.batches = BatchStream(self.data.train, cfg.batch_size, cfg.model.block_size,
                                    self.gens.data, device=self.device,
                                    prefetch=self.device.type == "cuda")
         self.step, self.resumed_at = 0, -1
-        # The previous probe's logit windows (logit_delta); checkpointed, so a resumed run
-        # records the same logit_delta at its first probe as an uninterrupted one.
+        # The previous probe's logit windows (logit_delta), checkpointed for a resume.
         self.probe_windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        # Step losses not yet read back, as device scalars, and the update they belong to.
-        # On CPU a read-back costs nothing, so every loss is checked before its update (a
-        # non-finite loss stops the run before it touches the weights); on an accelerator
-        # they are read once per log interval, and a non-finite one still names its step.
+        # Step losses not yet read back, with their update: on CPU each is checked before its
+        # update touches the weights; on an accelerator once per log interval.
         self.pending: list[tuple[int, torch.Tensor]] = []
         self.acc: dict[str, float] = {"loss_sum": 0.0, "loss_n": 0, "tokens": 0,
                                       "t": time.perf_counter()}
 
     def _restore(self) -> None:
-        """Continue from the newest readable checkpoint (read and checked when the trainer
-        was built), when resuming and there is one (with none, records an earlier attempt
-        left are dropped: the run starts over)."""
+        """Continue from the checkpoint read when the trainer was built; a resume without
+        one drops the records an earlier attempt left (the run starts over)."""
         state, self._state = self._state, None
         if state is None:
             if self.resume:
@@ -430,8 +392,7 @@ class Trainer:
 
     def _train_step(self) -> None:
         cfg = self.cfg
-        lr = lr_at(self.step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
-                   min_lr_ratio=cfg.min_lr_ratio)
+        lr = self._lr(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         x, y = self.batches.next()  # (B, T), (B, T)
@@ -473,11 +434,11 @@ class Trainer:
         """Record ``diverged`` at update ``bad`` (records so far kept) and stop the run."""
         self.writer.compact()
         self.writer.status("diverged", self.step, diverged_step=bad, message=message)
-        raise DivergedError(f"run diverged: {message}; recorded in {self.out / 'status.json'}")
+        raise DivergedError(f"run diverged: {message}; recorded in {self.out / STATUS}")
 
     # ------------------------------------------------------------------ records
 
-    def _boundary(self, s: int, last: bool, bar: StepProgress | None) -> None:
+    def _boundary(self, s: int, last: bool) -> None:
         """Records, logs and checkpoints due at step ``s`` (before update s + 1)."""
         cfg = self.cfg
         ckpt = last or is_checkpoint_step(s, cfg.checkpoint_every, cfg.checkpoint_schedule)
@@ -490,15 +451,11 @@ class Trainer:
         if s % cfg.eval_every == 0 or last:
             val_loss = evaluate(self.model, self.data.val, cfg, self.device)
         if s == 0 and not math.isnan(val_loss):
-            row = {"step": 0, "loss": math.nan, "val_loss": val_loss, "lr": 0.0}
-            self.writer.add_log(row)
-            for cb in self.callbacks:
-                cb.on_log(self.ctx, row)
+            self._add_log({"step": 0, "loss": math.nan, "val_loss": val_loss, "lr": 0.0})
         elif s > 0 and (s % cfg.log_every == 0 or not math.isnan(val_loss) or last):
-            self._log(s, val_loss, bar)
+            self._log(s, val_loss)
         if ckpt:
-            # At the end the tables are compacted before the status says done: a finished
-            # run's metrics.parquet / train_log.parquet hold every row, whenever it is killed.
+            # Compacted before the status says done: a finished run's tables hold every row.
             if last:
                 self.writer.compact()
             else:
@@ -516,31 +473,35 @@ class Trainer:
                             previous=self.probe_windows)
             frame, self.probe_windows = found.frame, found.logit_windows
         except NonFiniteError as err:
-            # Update s left inf/NaN weights or activations while its own loss was finite (a
-            # huge lr): every earlier loss was finite, so the run diverged at step s.
+            # Update s left inf/NaN weights while its loss was finite: it diverged at step s.
             self._diverge(s, f"{err} at the probe of step {s}")
         for cb in self.callbacks:
             extra = cb.on_probe(self.ctx, frame)
             if extra:
-                rows = pd.DataFrame([{"layer": -1, "head": -1, "metric": k, "value": float(v)}
-                                     for k, v in extra.items()])
+                rows = records_to_frame({LAYER: [(LAYER, k, float(v)) for k, v in extra.items()]})
                 frame = pd.concat([frame, rows], ignore_index=True)
         self.writer.add_metrics(frame, s)
 
-    def _log(self, s: int, val_loss: float, bar: StepProgress | None) -> None:
-        cfg, acc = self.cfg, self.acc
-        now = time.perf_counter()
+    def _log(self, s: int, val_loss: float) -> None:
+        acc, now = self.acc, time.perf_counter()
         row = {"step": s, "loss": acc["loss_sum"] / max(acc["loss_n"], 1), "val_loss": val_loss,
-               "lr": lr_at(s - 1, lr=cfg.lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
-                           min_lr_ratio=cfg.min_lr_ratio),
-               "tokens_per_s": acc["tokens"] / max(now - acc["t"], 1e-9)}
+               "lr": self._lr(s - 1), "tokens_per_s": acc["tokens"] / max(now - acc["t"], 1e-9)}
+        self._add_log(row)
+        acc.update(loss_sum=0.0, loss_n=0, tokens=0, t=now)
+        if self.bar is not None:
+            self.bar.update(s, loss=row["loss"], val_loss=val_loss,
+                            tokens_per_s=row["tokens_per_s"])
+
+    def _add_log(self, row: dict[str, float]) -> None:
         self.writer.add_log(row)
         for cb in self.callbacks:
             cb.on_log(self.ctx, row)
-        acc.update(loss_sum=0.0, loss_n=0, tokens=0, t=now)
-        if bar is not None:
-            bar.update(s, loss=row["loss"], val_loss=val_loss,
-                       tokens_per_s=row["tokens_per_s"])
+
+    def _lr(self, step: int) -> float:
+        """The learning rate of update ``step + 1``."""
+        cfg = self.cfg
+        return lr_at(step, lr=cfg.lr, warmup_steps=cfg.warmup_steps, steps=cfg.steps,
+                     min_lr_ratio=cfg.min_lr_ratio)
 
     def _checkpoint(self, s: int) -> None:
         save_checkpoint(self.out, s, {
@@ -563,9 +524,8 @@ def _windows(saved: object) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
 
 
 def check_eval_fits(cfg: TrainConfig, val_tokens: int) -> None:
-    """Refuse an eval that asks for more windows than the val split has positions
-    (``eval_batches × batch_size`` random windows of ``block_size``): more cannot measure
-    anything new, and a huge count (``eval_batches=1e9``) would hang the step-0 eval."""
+    """Refuse more eval windows (``eval_batches × batch_size``) than the val split has
+    positions: they measure nothing new, and a huge count would hang the step-0 eval."""
     windows = cfg.eval_batches * cfg.batch_size
     positions = max(val_tokens - cfg.model.block_size, 1)
     if windows > positions:
@@ -578,13 +538,7 @@ def check_eval_fits(cfg: TrainConfig, val_tokens: int) -> None:
 def train(cfg: TrainConfig, out_dir: str | Path, *, resume: bool = False,
           callbacks: list[Callback] | None = None, progress: bool = False,
           run_id: str | None = None, progress_every: int | None = None) -> RunResult:
-    """Train one run into ``out_dir`` with exactly the ``callbacks`` given (see
-    :class:`Trainer`); :func:`qkgeom.train` adds those the config asks for.
-
-    ``progress``: a progress bar on a terminal, else a plain line every
-    ``progress_every`` steps (default ``probe_every``) with step, loss, tokens/s and ETA.
-    Raises :class:`QKGeomError` for bad input before any work, and
-    :class:`DivergedError` (after recording ``status: diverged``) on a non-finite loss.
-    """
+    """Train one run into ``out_dir`` with exactly the ``callbacks`` given (:class:`Trainer`);
+    :func:`qkgeom.train` adds those the config asks for."""
     return Trainer(cfg, out_dir, resume=resume, callbacks=callbacks, progress=progress,
                    run_id=run_id, progress_every=progress_every).run()
