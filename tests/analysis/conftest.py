@@ -10,6 +10,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from qkgeom.runs import FORMAT_VERSION
+
 STEPS = list(range(0, 101, 10))  # probes at 0, 10, ..., 100
 WARMUP = 20  # -> reference probe = step 20
 LEVEL_METRICS = ("pr_q", "pr_k", "contrast", "pr_qk")
@@ -47,11 +49,11 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
               lr: float = 3e-3, extra_cfg: dict | None = None,
               val_loss: Callable[[int], float] | None = None,
               records: Callable[[int], dict[str, float]] | None = None,
-              format_version: int = 4) -> Path:
+              format_version: int = FORMAT_VERSION) -> Path:
     """One run folder: config.json, metrics.parquet, train_log.parquet, status.json.
     ``records(step)`` adds flat records (layer −1, head −1) the way a callback's
     ``on_probe`` does (``ctl_dose_l0``, ...); ``format_version`` is the run folder
-    format config.json says it is written in (another than 4 is refused)."""
+    format config.json says it is written in (another than the current one is refused)."""
     out = root / "runs" / run_id
     out.mkdir(parents=True)
     cfg = {
@@ -59,7 +61,7 @@ def write_run(root: Path, run_id: str, depth: int, qk_init: str, seed: int, valu
                   "vocab_size": 50, "qk_init": qk_init, "bias": False, "dropout": 0.0},
         "seed": seed, "steps": steps[-1], "batch_size": 4, "lr": lr, "warmup_steps": warmup,
         "reference_step": reference_step, "probe_every": 10, "probe_sequences": 2,
-        "device": "cpu", "threads": 0, "data": "", **(extra_cfg or {}),
+        "device": "cpu", "threads": 0, "data": "sample", **(extra_cfg or {}),
     }
     (out / "config.json").write_text(json.dumps({
         "run_id": run_id, "config": cfg, "config_hash": f"h{seed}", "data_dir": "/x",
