@@ -116,23 +116,19 @@ def test_not_a_sweep_is_a_clear_error(tmp_path):
         collate(tmp_path)
 
 
-def test_sweep_json_string_entries_and_custom_dirs(tmp_path):
-    root = tmp_path / "custom"
+@pytest.mark.parametrize("runs", [
+    [{"run_id": "a", "dir": "elsewhere"}],  # a run naming its own folder
+    ["a"],  # bare ids
+    {"a": {"model.n_layer": 2}},  # runs as a mapping
+])
+def test_an_older_sweep_json_shape_is_refused_in_one_line(tmp_path, runs):
+    """One sweep.json shape: an older one is a one-line error saying what to do, and no run
+    folder it names is read."""
+    root = tmp_path / "old"
     write_run(root, "a", 2, "normal", 0, monotone_values())
-    (root / "runs" / "a").rename(root / "elsewhere")
-    (root / "runs").rmdir()
-    (root / "sweep.json").write_text(json.dumps({"runs": [{"run_id": "a", "dir": "elsewhere"}]}))
-    assert set(collate(root).metrics["run_id"]) == {"a"}
-    (root / "sweep.json").write_text(json.dumps({"runs": ["a"]}))  # runs/a is gone
-    data = collate(root)
-    assert data.metrics.empty and data.excluded["run_id"].tolist() == ["a"]
-
-
-def test_sweep_json_runs_as_mapping(tmp_path):
-    root = tmp_path / "map"
-    write_run(root, "a", 2, "normal", 0, monotone_values())
-    (root / "sweep.json").write_text(json.dumps({"runs": {"a": {"model.n_layer": 2}}}))
-    assert set(collate(root).metrics["run_id"]) == {"a"}
+    (root / "sweep.json").write_text(json.dumps({"grid": {}, "runs": runs}))
+    with pytest.raises(QKGeomError, match="not a sweep record of this qkgeom"):
+        collate(root)
 
 
 def test_failed_run_reason_carries_the_runner_error(tmp_path):

@@ -75,46 +75,23 @@ def is_single_run(folder: str | Path) -> bool:
     return is_run_folder(folder) and not (folder / "sweep.json").exists()
 
 
-def _refused(sweep_dir: Path, where: str, folder: Path) -> str:
-    """Why a run folder ``sweep.json`` lists is not read ("" when it is): outside the sweep
-    folder (absolute, ``..``, or a link out), or a symbolic link."""
-    rel = Path(where) if where else None
-    if rel is not None and (rel.is_absolute() or ".." in rel.parts
-                            or not folder.resolve().is_relative_to(sweep_dir.resolve())):
-        return (f"unreadable run: {sweep_dir / 'sweep.json'} places it at {where[:80]!r}, "
-                "outside the sweep folder; not read")
-    if folder.is_symlink():
-        return f"unreadable run: {folder} is a symbolic link; not read"
-    return ""
-
-
 def _sweep_entries(sweep_dir: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
     """The runs of a folder, each ``{run_id, dir, axes[, refused]}``: those ``sweep.json``
-    lists (a folder it names is relative to the sweep folder), then any ``runs/*/`` it
-    does not list; a linked-in run folder is never read."""
+    lists (its one shape, checked when read: every run in ``runs/<run_id>/``), then any
+    ``runs/*/`` it does not list; a run folder that is a symbolic link is never read."""
     if is_single_run(sweep_dir):
         return [{"run_id": sweep_dir.resolve().name, "dir": sweep_dir, "axes": {}}]
-    entries = []
-    for run in spec.get("runs") or []:  # entries, bare ids, or (older) a mapping's ids
-        run = {"run_id": run} if isinstance(run, str) else run
-        rid = run.get("run_id") if isinstance(run, dict) else None
-        if not rid:
-            continue
-        where = str(run.get("dir") or "")
-        folder = sweep_dir / where if where else sweep_dir / "runs" / rid
-        axes = run.get("axes")
-        entries.append({"run_id": rid, "dir": folder, "axes": axes if isinstance(axes, dict)
-                        else {}, "refused": _refused(sweep_dir, where, folder)})
-    listed = {e["dir"].resolve() for e in entries}
+    listed = {r["run_id"]: r.get("axes") or {} for r in spec.get("runs") or []}
     runs_dir = sweep_dir / "runs"
-    found = sorted(p for p in runs_dir.iterdir() if (p / "config.json").exists()) \
+    found = sorted(p.name for p in runs_dir.iterdir() if (p / "config.json").exists()) \
         if runs_dir.is_dir() else []
-    for folder in found:
-        if folder.is_symlink() and all(e["dir"] != folder for e in entries):
-            entries.append({"run_id": folder.name, "dir": folder, "axes": {},
-                            "refused": _refused(sweep_dir, "", folder)})
-        elif not folder.is_symlink() and folder.resolve() not in listed:
-            entries.append({"run_id": folder.name, "dir": folder, "axes": {}})
+    entries = []
+    for rid in [*listed, *(r for r in found if r not in listed)]:
+        folder = runs_dir / rid
+        refused = (f"unreadable run: {folder} is a symbolic link; not read"
+                   if folder.is_symlink() else "")
+        entries.append({"run_id": rid, "dir": folder, "axes": listed.get(rid, {}),
+                        "refused": refused})
     return entries
 
 
