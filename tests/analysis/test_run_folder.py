@@ -97,8 +97,9 @@ def test_report_of_a_monitored_run_folder_with_some_metrics(monitored: Path) -> 
     record = json.loads((monitored / "config.json").read_text())
     assert record["source"] == "qkgeom.monitor"
     recorded = set(pd.read_parquet(monitored / "metrics.parquet")["metric"])
+    # the monitor's default metrics, and those its default alert rules read
     assert recorded == {"pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight",
-                        "attn_entropy"}
+                        "attn_entropy", "logit_max", "logit_delta"}
     md = write_report(monitored)
     text = md.read_text(encoding="utf-8")
     assert len(_claim_rows(md)) == 22
