@@ -100,7 +100,7 @@ def test_depth_data_sample_and_n_layer(sample_cache: Path, tmp_path: Path) -> No
     assert a.exit_code == 0, (a.output, a.exception)
     record = json.loads((tmp_path / "a" / "config.json").read_text())
     assert record["config"]["model"]["n_layer"] == 1
-    assert record["config"]["data"] == ""  # the sample, hashed as before
+    assert record["config"]["data"] == "sample"  # what the config's default names
     assert record["data_dir"] == str(sample_cache / "data" / "sample")
     b = invoke("train", "--preset", "smoke", "--data", "sample", "--n-layer", "1",
                "--out", str(tmp_path / "b"), *short)
