@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qkgeom.geometry import LayerGeometry, StreamingEntropy
-from qkgeom.geometry.tokens import logit_delta
+from qkgeom.geometry.tokens import DELTA_POSITIONS, logit_delta
 
 
 def explicit_max(q, k, causal, scale):
@@ -148,3 +148,7 @@ def test_a_padded_batch_keeps_the_real_tokens_of_its_window() -> None:
     geo = LayerGeometry(2, 2, 4)
     geo.update(q, k, lengths=[4, 6])
     assert geo.window[0].shape == (1, 2, 4, 4)
+    long = LayerGeometry(1, 1, 2)  # a long context: its first DELTA_POSITIONS positions
+    long.update(torch.randn(1, 1, DELTA_POSITIONS + 40, 2, dtype=torch.float64),
+                torch.randn(1, 1, DELTA_POSITIONS + 40, 2, dtype=torch.float64))
+    assert [t.shape[2] for t in long.window] == [DELTA_POSITIONS] * 2

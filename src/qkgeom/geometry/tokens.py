@@ -72,24 +72,28 @@ def _logit_pr_prepared(qg: Tensor, kk: Tensor, B: int) -> Tensor:
     return torch.where(s2 > 0, s1 * s1 / s2, 0.0).flatten(1)  # (B, H)
 
 
+#: ``logit_delta`` reads the pairs among the first window's first positions: a bounded
+#: cost at any context (benchmarks/logit_metrics_cost.py).
+DELTA_POSITIONS = 128
+
+
 def logit_delta(before: tuple[Tensor, Tensor], now: tuple[Tensor, Tensor],
                 causal: bool) -> Tensor:
     """(H,) float64 RMS change, over the visible pairs, of one window's row-centred logits
     between ``before`` and ``now`` (each: scaled q (1, H, T, hd), k (1, H_kv, T, hd)); a row
-    is centred because the softmax ignores its shift (docs/definitions.md#logit-growth)."""
+    is centred because the softmax ignores its shift (docs/definitions.md#logit-growth).
+    Centring is linear, so the change is centred once: per row Σ c² = Σ d² − (Σ d)²/n."""
     (q0, k0), (q1, k1) = before, now
-    H, Hk, T = q1.shape[1], k1.shape[1], q1.shape[2]
-    visible = (torch.ones(T, T, dtype=torch.bool, device=q1.device).tril() if causal
-               else torch.ones(T, T, dtype=torch.bool, device=q1.device))  # (T, T)
-    n_vis = visible.sum(dim=-1, keepdim=True)  # (T, 1) keys each query sees
-
-    def centred(q: Tensor, k: Tensor) -> Tensor:
-        s = q[0].double() @ k[0].double().repeat_interleave(H // Hk, dim=0).mT  # (H, T, T)
-        s = s.masked_fill(~visible, 0.0)
-        return (s - s.sum(dim=-1, keepdim=True) / n_vis).masked_fill(~visible, 0.0)
-
-    d = centred(q1, k1) - centred(q0, k0)  # (H, T, T)
-    return (d.square().sum(dim=(-2, -1)) / visible.sum()).sqrt().cpu()
+    R, T = q1.shape[1] // k1.shape[1], q1.shape[2]
+    k0, k1 = (k[0].double().repeat_interleave(R, dim=0) for k in (k0, k1))  # (H, T, hd)
+    d = torch.baddbmm(q1[0].double() @ k1.mT, q0[0].double(), k0.mT, alpha=-1)  # (H, T, T)
+    if causal:
+        d.mul_(torch.ones(T, T, dtype=d.dtype, device=d.device).tril_())
+    n = (torch.arange(1, T + 1, dtype=d.dtype, device=d.device) if causal
+         else torch.full((T,), float(T), dtype=d.dtype, device=d.device))  # (T,) visible keys
+    rows = d.sum(dim=-1)  # (H, T)
+    ss = d.square_().sum(dim=-1) - rows.square_() / n  # (H, T) Σ c² per row
+    return (ss.sum(dim=-1).clamp_min_(0.0) / n.sum()).sqrt_().cpu()
 
 
 def _peaks(tensors: tuple[Tensor, ...]) -> tuple[dict[int, float], float]:
@@ -176,7 +180,8 @@ class LayerGeometry:
         self.with_logit_spectrum = with_logit_spectrum
         self.workspace = workspace
         self.previous = previous
-        #: scaled q (1, H, T, hd) and k (1, H_kv, T, hd) of the first window, float64
+        #: scaled q (1, H, n, hd) and k (1, H_kv, n, hd) of the first window's first
+        #: n = min(T, DELTA_POSITIONS) positions, float64
         self.window: tuple[Tensor, Tensor] | None = None
         self._all = self._new_totals()
         self._block: _Totals | None = None
@@ -243,8 +248,9 @@ class LayerGeometry:
         moments = {name: centred_scatter(x.transpose(1, 2), ws, f"cov.{name}", 2)
                    for name, x in sources.items()}  # rows (B, T), heads·hd
         if self.window is None:  # the first window, for the next measurement's logit_delta
-            self.window = ((q_attn[:1] * scale).detach().double().clone(),
-                           k_attn[:1].detach().double().clone())
+            n = DELTA_POSITIONS  # its first positions: a bounded cost at any context
+            self.window = ((q_attn[:1, :, :n] * scale).detach().double().clone(),
+                           k_attn[:1, :, :n].detach().double().clone())
         qg, kk = self._all.entropy.prepare(q_attn, k_attn, scale, ws)  # (B·Hk, T, R, hd), (B·Hk, T, hd)
         pr_qk = _logit_pr_prepared(qg, kk, B).sum(dim=0) if self.with_logit_spectrum else None
         sums = self._all.entropy.batch_sums(qg, kk, B, workspace=ws)  # (8, H)
