@@ -32,10 +32,10 @@ demo: $(DEMO_STAMP)  ## E1 + E2 at demo size on the embedded Wikipedia sample: s
 
 test: $(STAMP)  ## lint + the whole test suite (slow tests included; a skip fails unless it needs a GPU)
 	$(BIN)/ruff check src tests benchmarks
-	QKGEOM_REQUIRE_EXTRAS=1 $(BIN)/pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests" >&2; exit 1; fi; exit $$rc
+	QKGEOM_REQUIRE_EXTRAS=1 $(BIN)/pytest -q -n auto --dist loadfile; rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest ran no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
-	$(BIN)/pytest -q -m "not slow"
+	$(BIN)/pytest -q -n auto --dist loadfile -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests benchmarks

@@ -132,7 +132,7 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
     claim), and the secondary rows, always Holm-adjusted together; a row not evaluated (a
     ``reason``, or no unit) is in none. The verdict: :func:`qkgeom.analysis.stats.verdict`."""
     out = claims.copy()
-    reason = out["reason"].fillna("").astype(str)
+    reason = out["reason"].astype(object).fillna("").astype(str)
     out["reason"] = reason
     for col in ("p_adj", "p_opposite_adj", "p_equiv_adj"):
         out[col] = np.nan
@@ -236,7 +236,7 @@ def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CE
     columns ``cells``. A descriptive table (:func:`descriptive_reason`) has no verdict
     column; a row's reason stands in a ``note`` column then, when any row has one."""
     if descriptive_reason(claims):
-        has_note = "reason" in claims and claims["reason"].fillna("").astype(str).str.len().any()
+        has_note = "reason" in claims and claims["reason"].astype(object).fillna("").astype(str).str.len().any()
         cells = (*(c for c in cells if c[0] != VERDICT_CELL[0]), *([NOTE_CELL] if has_note
                                                                    else []))
     header = [f"claim / {cells[0][0]}", *(h for h, _ in cells[1:])]

@@ -131,7 +131,7 @@ def _not_recorded(claims: pd.DataFrame) -> str:
 
     if "reason" not in claims:
         return ""
-    reasons = claims["reason"].fillna("").astype(str)
+    reasons = claims["reason"].astype(object).fillna("").astype(str)
     rows = reasons.str.startswith("not recorded")
     if not rows.any():
         return ""
