@@ -42,7 +42,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         elif key == "qkgeom_tally":
             name, *counts = value
             total = COUNTED.setdefault(name, [0, 0, 0])
-            total[:] = [a + b for a, b in zip(total, counts)]
+            total[:] = [a + b for a, b in zip(total, counts, strict=True)]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
