@@ -6,6 +6,10 @@ environment, a test that skips fails instead, unless it is marked ``gpu`` (only 
 without a CUDA device may leave tests out). Why: the test extras (``pip install -e
 '.[test]'``) install offline, so a skip there means a missing install step, and a suite that
 quietly runs fewer tests passes CI all the same.
+
+The fault-injection figures (``tests/faults/conftest.py``) are summarised here, in the
+process that prints the run's summary: under pytest-xdist that is the controller, which
+loads this conftest but not those of the subfolders.
 """
 
 from __future__ import annotations
@@ -50,6 +54,43 @@ def pytest_make_collect_report(collector: pytest.Collector):
     report = outcome.get_result()
     if report.skipped and skips_are_failures():  # a module-level importorskip: the run
         _as_failure(report, collector.nodeid)  # stops at collection, naming what is missing
+
+
+FAULTS_FAILED: list[str] = []
+FIGURES_SHOWN: list[str] = []
+FUZZ_COUNTED: dict[str, list[int]] = {}  # attack -> [tried, handled cleanly, ran]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Collect the fault figures and fuzz counts a test's teardown report carries; a fault
+    test that failed is named in a last ``FIGURE failed`` line (its group's figure counts
+    only the attacks that ran to the end), never left out silently."""
+    if report.failed and "tests/faults/" in report.nodeid.replace("\\", "/"):
+        FAULTS_FAILED.append(report.nodeid.rsplit("/", 1)[-1])
+    if report.when != "teardown":
+        return
+    for key, value in report.user_properties:
+        if key == "qkgeom_figure":
+            FIGURES_SHOWN.append(value)
+        elif key == "qkgeom_tally":
+            name, *counts = value
+            total = FUZZ_COUNTED.setdefault(name, [0, 0, 0])
+            total[:] = [a + b for a, b in zip(total, counts, strict=True)]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    lines = list(FIGURES_SHOWN)
+    if FUZZ_COUNTED:
+        lines.append("FIGURE fuzzing: inputs handled cleanly " + ", ".join(
+            f"{name} {clean}/{tried}" + (f" ({ran} accepted and trained)" if ran else "")
+            for name, (tried, clean, ran) in sorted(FUZZ_COUNTED.items())))
+    if FAULTS_FAILED:
+        lines.append(f"FIGURE failed: {len(FAULTS_FAILED)} fault test(s), not in the counts "
+                     f"above ({'; '.join(FAULTS_FAILED)})")
+    if lines:
+        terminalreporter.section("fault-injection figures")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
