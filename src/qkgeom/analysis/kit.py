@@ -236,7 +236,8 @@ def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CE
     columns ``cells``. A descriptive table (:func:`descriptive_reason`) has no verdict
     column; a row's reason stands in a ``note`` column then, when any row has one."""
     if descriptive_reason(claims):
-        has_note = "reason" in claims and claims["reason"].astype(object).fillna("").astype(str).str.len().any()
+        has_note = "reason" in claims and bool(
+            claims["reason"].astype(object).fillna("").astype(str).str.len().any())
         cells = (*(c for c in cells if c[0] != VERDICT_CELL[0]), *([NOTE_CELL] if has_note
                                                                    else []))
     header = [f"claim / {cells[0][0]}", *(h for h, _ in cells[1:])]
