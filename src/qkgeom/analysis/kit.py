@@ -124,6 +124,12 @@ def claim_row(claim_id: str, claim: str, level: str, u: dict[str, Any], *, role:
             "universal_ok": universal_ok, **extra}
 
 
+def reasons(claims: pd.DataFrame) -> pd.Series:
+    """Each row's ``reason`` as text, "" where it has none (a column of only missing
+    reasons reads back from CSV as float NaN)."""
+    return claims["reason"].astype(object).fillna("").astype(str)
+
+
 def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
     """The adjusted p's and the verdict of every row of :func:`claim_row` rows.
 
@@ -132,8 +138,7 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
     claim), and the secondary rows, always Holm-adjusted together; a row not evaluated (a
     ``reason``, or no unit) is in none. The verdict: :func:`qkgeom.analysis.stats.verdict`."""
     out = claims.copy()
-    reason = out["reason"].astype(object).fillna("").astype(str)
-    out["reason"] = reason
+    reason = out["reason"] = reasons(out)
     for col in ("p_adj", "p_opposite_adj", "p_equiv_adj"):
         out[col] = np.nan
     out["family"] = 0
@@ -236,8 +241,7 @@ def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CE
     columns ``cells``. A descriptive table (:func:`descriptive_reason`) has no verdict
     column; a row's reason stands in a ``note`` column then, when any row has one."""
     if descriptive_reason(claims):
-        has_note = "reason" in claims and bool(
-            claims["reason"].astype(object).fillna("").astype(str).str.len().any())
+        has_note = "reason" in claims and bool(reasons(claims).str.len().any())
         cells = (*(c for c in cells if c[0] != VERDICT_CELL[0]), *([NOTE_CELL] if has_note
                                                                    else []))
     header = [f"claim / {cells[0][0]}", *(h for h, _ in cells[1:])]

@@ -127,15 +127,15 @@ def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
 def _not_recorded(claims: pd.DataFrame) -> str:
     """One line for the rows that measured nothing because their metrics were not
     recorded, naming the setting that records them ("" when there are none)."""
-    from qkgeom.analysis.kit import RECORD_ALL
+    from qkgeom.analysis.kit import RECORD_ALL, reasons
 
     if "reason" not in claims:
         return ""
-    reasons = claims["reason"].astype(object).fillna("").astype(str)
-    rows = reasons.str.startswith("not recorded")
+    reason = reasons(claims)
+    rows = reason.str.startswith("not recorded")
     if not rows.any():
         return ""
-    names = sorted({m.strip() for r in reasons[rows]
+    names = sorted({m.strip() for r in reason[rows]
                     for m in r.removeprefix("not recorded:").split("(")[0].split(",")})
     return (f"{int(rows.sum())} claim row(s) measured nothing: the run(s) did not record "
             f"{', '.join(names)}; {RECORD_ALL} records every metric")
