@@ -92,7 +92,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     render_frame(shown, "claims (measured only: too few units for a verdict; see report.md)"
                  if descriptive else "claims (verdicts computed from the numbers; see "
                  "report.md)",
-                 [f"{SIGN_HEADER} = units with the predicted sign / units (a unit is a run, "
+                 [f"{TERMINAL_CLAIMS['measured']} = units with the predicted sign / units (a unit is a run, "
                   "or a seed: docs/protocols.md)", p_note,
                   *(["role: the primary row decides the claim, secondary rows are "
                      "descriptive"] if "role" in shown else [])],
@@ -109,7 +109,6 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
 TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "role": "role", "level": "level",
                    "from": "from", "measured": "sign k/n", "p_adj": "p (Holm)",
                    "p_value": "p (sign-flip)", "verdict": "verdict"}
-SIGN_HEADER = TERMINAL_CLAIMS["measured"]
 
 
 def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
@@ -139,13 +138,6 @@ def _not_recorded(claims: pd.DataFrame) -> str:
                     for m in r.removeprefix("not recorded:").split("(")[0].split(",")})
     return (f"{int(rows.sum())} claim row(s) measured nothing: the run(s) did not record "
             f"{', '.join(names)}; {RECORD_ALL} records every metric")
-
-
-def _status_table(status: pd.DataFrame) -> pd.DataFrame:
-    """The sweep status for people: the run id carries the axes (those and the config hash
-    are in --format json/csv); the error column only when a run has one."""
-    return status[["run_id", "state", "step", "steps",
-                   *(["error"] if status["error"].notna().any() else [])]]
 
 
 def unfinished(out: Path, runs: list[Any]) -> list[Any]:
@@ -211,9 +203,11 @@ def sweep_status_cmd(sweep: Annotated[Path, typer.Argument(help="Sweep folder.")
     elif fmt == "csv":
         write_csv(status)
     else:
-        counts = status["state"].value_counts()
-        render_frame(_status_table(status), f"{sweep} — runs",
-                     [f"{n} {state}" for state, n in counts.items()])
+        # for people the run id carries the axes; the error column only when a run has one
+        shown = status[["run_id", "state", "step", "steps",
+                        *(["error"] if status["error"].notna().any() else [])]]
+        render_frame(shown, f"{sweep} — runs",
+                     [f"{n} {state}" for state, n in status["state"].value_counts().items()])
 
 
 def report_cmd(

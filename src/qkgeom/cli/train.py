@@ -46,17 +46,6 @@ def read_config_file(path: Path) -> dict[str, Any]:
     return loaded
 
 
-def show_run(run: Path, step: int | None, fmt: str = "table") -> None:
-    """Print the per-layer table of a run folder at ``step`` (default: its last probe)."""
-    from qkgeom.runs import CONFIG, METRICS, load_config, read_metrics
-
-    metrics = read_metrics(run)
-    if metrics is None:
-        raise QKGeomError(f"{run / METRICS}: not found; is {run} a qkgeom run folder?")
-    ref = load_config(run).ref_step if (run / CONFIG).exists() else None
-    _show_metrics(run, metrics, step, ref, fmt)
-
-
 def _show_metrics(run: Path, metrics: Any, step: int | None, ref: int | None,
                   fmt: str = "table") -> None:
     """The per-layer table of ``metrics`` (a run's) at ``step``, changes since ``ref``."""
@@ -168,7 +157,14 @@ def show(
     fmt: Format = "table",
 ) -> None:
     """Per-layer PR_Q, PR_K, contrast, pr_qk and attention entropy at one probe step."""
-    show_run(run, step, check_format(fmt))
+    from qkgeom.runs import CONFIG, METRICS, load_config, read_metrics
+
+    check_format(fmt)
+    metrics = read_metrics(run)
+    if metrics is None:
+        raise QKGeomError(f"{run / METRICS}: not found; is {run} a qkgeom run folder?")
+    ref = load_config(run).ref_step if (run / CONFIG).exists() else None
+    _show_metrics(run, metrics, step, ref, fmt)
 
 
 def register(app: typer.Typer) -> None:
