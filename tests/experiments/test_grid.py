@@ -305,3 +305,27 @@ def test_reproduce_runs_the_experiments_grid_and_records_its_name(sample_data: P
     record = json.loads((tmp_path / "e3" / "sweep.json").read_text())
     assert record["grid"]["experiment"] == "e3"
     assert claims_table(tmp_path / "e3")["claim_id"].iloc[0] == "E3.1"
+
+
+@pytest.mark.parametrize("device, workers, threads", [("cuda", None, None), ("cpu", 3, 1)])
+def test_experiment_run_leaves_cuda_workers_to_the_runner(monkeypatch: pytest.MonkeyPatch,
+                                                          device: str, workers: int | None,
+                                                          threads: int | None) -> None:
+    """``Experiment.run`` with ``workers=None``: on a CPU one single-threaded run per core
+    (here 3 cores), on CUDA nothing decided, so the runner's ``runs_per_gpu`` applies."""
+    import importlib
+
+    import qkgeom.config
+    import qkgeom.experiments.runner as runner
+
+    # the package's experiment() function hides the module of the same name
+    experiment_module = importlib.import_module("qkgeom.experiments.experiment")
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(qkgeom.config, "detect_device", lambda: device)
+    monkeypatch.setattr(runner, "available_cpus", lambda: 3)
+    monkeypatch.setattr(experiment_module, "available_cpus", lambda: 3)
+    monkeypatch.setattr(experiment_module, "run_sweep",
+                        lambda grid, out, **kwargs: seen.update(kwargs))
+    experiment("e1").run(e1_grid("smoke"), "unused", progress=False)
+    assert (seen["workers"], seen["threads_per_run"]) == (workers, threads)

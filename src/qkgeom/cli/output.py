@@ -31,6 +31,12 @@ def format_option(data: str) -> Any:
                          f"only {data}).")]
 
 
+def unset(kind: Any, help: str, *names: str) -> Any:
+    """An option that is None unless given (the command then decides); ``help`` says what
+    None means, so no default is shown."""
+    return Annotated[kind | None, typer.Option(*names, help=help, show_default=False)]
+
+
 #: ``--format`` of the per-layer tables (``show``).
 Format = format_option("the per-layer table, with metric names as keys")
 #: ``--format`` of ``report`` and ``reproduce``'s claims.

@@ -13,24 +13,21 @@ from qkgeom.cli.output import (
     check_format,
     info,
     records,
+    unset,
     write_csv,
     write_json,
 )
-from qkgeom.cli.train import data_spec
 from qkgeom.config import DEVICE_HELP
 from qkgeom.errors import QKGeomError
 
 if TYPE_CHECKING:
     import pandas as pd
 
-Workers = Annotated[int | None, typer.Option(
-    help="Runs trained at once (default: one single-threaded run per CPU on CPU grids, "
-         "--runs-per-gpu per GPU on CUDA grids).", show_default=False)]
+Workers = unset(int, "Runs trained at once (default: one single-threaded run per CPU on CPU "
+                     "grids, --runs-per-gpu per GPU on CUDA grids).")
 Backend = Annotated[str, typer.Option(help="local (processes here) | ray (a Ray cluster).")]
-Address = Annotated[str | None, typer.Option(
-    help="Ray cluster address: auto or host:port (backend ray).", show_default=False)]
-Threads = Annotated[int | None, typer.Option(
-    help="torch threads per run (default: CPUs / workers).", show_default=False)]
+Address = unset(str, "Ray cluster address: auto or host:port (backend ray).")
+Threads = unset(int, "torch threads per run (default: CPUs / workers).")
 Retries = Annotated[int, typer.Option(
     help="Backend ray: start a run again, up to N times, when its worker dies (it resumes "
          "from its checkpoint).")]
@@ -43,8 +40,7 @@ Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a 
 Data = Annotated[str, typer.Option(
     help="sample (the embedded Wikipedia text) or a prepared data folder (default: "
          "sample).", show_default=False)]
-Device = Annotated[str | None, typer.Option(
-    help=f"{DEVICE_HELP}, for every run (default: auto).", show_default=False)]
+Device = unset(str, f"{DEVICE_HELP}, for every run (default: auto).")
 Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress view.")]
 ResultFolder = Annotated[Path, typer.Argument(
     help="A sweep folder (E1/E2, E3), a checkpoint analysis folder from `qkgeom analyze` "
@@ -52,9 +48,13 @@ ResultFolder = Annotated[Path, typer.Argument(
          "folder (trained or monitored).")]
 
 
-def _finish_sweep(summary: Any, out: Path, report_after: bool = False) -> None:
-    """Print the sweep's summary (then its report); exit 1 when a run failed (a diverged
-    run is a result, not a failure)."""
+def _sweep(train: Any, grid: Any, out: Path, device: str | None, report_after: bool = False,
+           **options: Any) -> None:
+    """``train(grid, out, **options)`` after :func:`warn_long_sweep`, then print the sweep's
+    summary (then its report); exit 1 when a run failed (a diverged run is a result, not a
+    failure)."""
+    warn_long_sweep([r.config for r in unfinished(out, grid.expand())], device)
+    summary = train(grid, out, **options)
     typer.echo(f"{summary}")
     typer.echo(f"sweep folder: {out}")
     if report_after:
@@ -92,7 +92,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     render_frame(shown, "claims (measured only: too few units for a verdict; see report.md)"
                  if descriptive else "claims (verdicts computed from the numbers; see "
                  "report.md)",
-                 [f"{SIGN_HEADER} = units with the predicted sign / units (a unit is a run, "
+                 [f"{TERMINAL_CLAIMS['measured']} = units with the predicted sign / units (a unit is a run, "
                   "or a seed: docs/protocols.md)", p_note,
                   *(["role: the primary row decides the claim, secondary rows are "
                      "descriptive"] if "role" in shown else [])],
@@ -109,7 +109,6 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
 TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "role": "role", "level": "level",
                    "from": "from", "measured": "sign k/n", "p_adj": "p (Holm)",
                    "p_value": "p (sign-flip)", "verdict": "verdict"}
-SIGN_HEADER = TERMINAL_CLAIMS["measured"]
 
 
 def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
@@ -141,13 +140,6 @@ def _not_recorded(claims: pd.DataFrame) -> str:
             f"{', '.join(names)}; {RECORD_ALL} records every metric")
 
 
-def _status_table(status: pd.DataFrame) -> pd.DataFrame:
-    """The sweep status for people: the run id carries the axes (those and the config hash
-    are in --format json/csv); the error column only when a run has one."""
-    return status[["run_id", "state", "step", "steps",
-                   *(["error"] if status["error"].notna().any() else [])]]
-
-
 def unfinished(out: Path, runs: list[Any]) -> list[Any]:
     """The runs of a sweep (``RunSpec``s) that ``out`` does not hold finished yet: what a
     ``sweep run`` or ``reproduce`` into ``out`` would still train."""
@@ -177,122 +169,102 @@ def warn_long_sweep(configs: list[Any], device: str | None) -> None:
                       stacklevel=2)
 
 
-def register(app: typer.Typer) -> None:
-    sweep_app = typer.Typer(no_args_is_help=True, help="Run and inspect grids of training runs.")
-    app.add_typer(sweep_app, name="sweep")
+def sweep_run(
+    grid: Annotated[Path, typer.Argument(help="Grid file (YAML): preset, base, axes.")],
+    out: unset(Path, "Sweep folder (default: sweeps/<name>).") = None,
+    workers: Workers = None,
+    backend: Backend = "local",
+    address: Address = None,
+    threads: Threads = None,
+    retry_failed: Annotated[bool, typer.Option(
+        "--retry-failed", help="Train failed runs again.")] = False,
+    retries: Retries = 0,
+    runs_per_gpu: RunsPerGpu = "1",
+    quiet: Quiet = False,
+) -> None:
+    """Train every run of a grid (resumable: done runs are skipped, interrupted ones resume)."""
+    from qkgeom.experiments import load_grid, run_sweep
 
-    @sweep_app.command("run")
-    def sweep_run(
-        grid: Annotated[Path, typer.Argument(help="Grid file (YAML): preset, base, axes.")],
-        out: Annotated[Path | None, typer.Option(
-            help="Sweep folder (default: sweeps/<name>).", show_default=False)] = None,
-        workers: Workers = None,
-        backend: Backend = "local",
-        address: Address = None,
-        threads: Threads = None,
-        retry_failed: Annotated[bool, typer.Option(
-            "--retry-failed", help="Train failed runs again.")] = False,
-        retries: Retries = 0,
-        runs_per_gpu: RunsPerGpu = "1",
-        quiet: Quiet = False,
-    ) -> None:
-        """Train every run of a grid (resumable: done runs are skipped, interrupted ones resume)."""
-        from qkgeom.experiments import load_grid, run_sweep
+    spec = load_grid(grid)
+    _sweep(run_sweep, spec, out or Path("sweeps") / spec.folder_name, None, workers=workers,
+           backend=backend, address=address, threads_per_run=threads, progress=not quiet,
+           retry_failed=retry_failed, retries=retries, runs_per_gpu=runs_per_gpu)
 
-        spec = load_grid(grid)
-        out = out or Path("sweeps") / spec.folder_name
-        warn_long_sweep([r.config for r in unfinished(out, spec.expand())], None)
-        summary = run_sweep(spec, out, workers=workers, backend=backend, address=address,
-                            threads_per_run=threads, progress=not quiet,
-                            retry_failed=retry_failed, retries=retries,
-                            runs_per_gpu=runs_per_gpu)
-        _finish_sweep(summary, out)
 
-    @sweep_app.command("status")
-    def sweep_status_cmd(sweep: Annotated[Path, typer.Argument(help="Sweep folder.")],
-                         fmt: StatusFormat = "table") -> None:
-        """done / running / interrupted / failed / diverged / pending per run."""
-        from qkgeom.experiments import sweep_status
-        from qkgeom.ui import render_frame
+def sweep_status_cmd(sweep: Annotated[Path, typer.Argument(help="Sweep folder.")],
+                     fmt: StatusFormat = "table") -> None:
+    """done / running / interrupted / failed / diverged / pending per run."""
+    from qkgeom.experiments import sweep_status
+    from qkgeom.ui import render_frame
 
-        status = sweep_status(sweep)
-        if check_format(fmt) == "json":
-            write_json({"sweep": str(sweep), "runs": records(status)})
-        elif fmt == "csv":
-            write_csv(status)
-        else:
-            counts = status["state"].value_counts()
-            render_frame(_status_table(status), f"{sweep} — runs",
-                         [f"{n} {state}" for state, n in counts.items()])
+    status = sweep_status(sweep)
+    if check_format(fmt) == "json":
+        write_json({"sweep": str(sweep), "runs": records(status)})
+    elif fmt == "csv":
+        write_csv(status)
+    else:
+        # for people the run id carries the axes; the error column only when a run has one
+        shown = status[["run_id", "state", "step", "steps",
+                        *(["error"] if status["error"].notna().any() else [])]]
+        render_frame(shown, f"{sweep} — runs",
+                     [f"{n} {state}" for state, n in status["state"].value_counts().items()])
 
-    @app.command("report")
-    def report_cmd(
-        folder: ResultFolder,
-        out: Annotated[Path | None, typer.Option(
-            help="Report folder (default: FOLDER/report).", show_default=False)] = None,
-        fmt: ClaimsFormat = "table",
-    ) -> None:
-        """Figures + report.md/report.html of a sweep, analysis or run folder, opening with
-        the claims table (verdicts computed from the numbers)."""
-        report(folder, out, check_format(fmt))
 
-    @app.command("reproduce")
-    def reproduce_cmd(
-        experiment: Annotated[str, typer.Argument(
-            help="e1 (E1 and E2, one grid: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: "
-                 "seeds x key-control arms, paired by seed) | e4 (E4: runs with log-spaced "
-                 "checkpoints, one per seed, or --model, analysed as checkpoint families)")],
-        preset: Preset = "demo",
-        data: Data = "",
-        out: Annotated[Path | None, typer.Option(
-            help="Sweep folder (default: sweeps/<experiment>-<preset>).",
-            show_default=False)] = None,
-        workers: Workers = None,
-        backend: Backend = "local",
-        address: Address = None,
-        threads: Threads = None,
-        device: Device = None,
-        set_: Annotated[list[str] | None, typer.Option(
-            "--set", help="Dotted config override for every run, repeatable: "
-                          "--set key_control.scope=head", show_default=False)] = None,
-        model: Annotated[str | None, typer.Option(
-            help="e4: a hub id or local HF folders analysed instead of training a run.",
-            show_default=False)] = None,
-        revisions: Annotated[str | None, typer.Option(
-            help="e4 with --model: comma-separated revisions (step0,step512,...).",
-            show_default=False)] = None,
-        text: Annotated[str | None, typer.Option(
-            help="e4: the text analysed (default: sample, its held-out split first).",
-            show_default=False)] = None,
-        tokens: Annotated[int | None, typer.Option(
-            help="e4: text tokens analysed per checkpoint (default: the preset's).",
-            show_default=False)] = None,
-        retries: Retries = 0,
-        runs_per_gpu: RunsPerGpu = "1",
-        quiet: Quiet = False,
-    ) -> None:
-        """One of the paper's experiments end to end (resumable), then the report."""
-        from qkgeom.config import deep_merge, parse_dotted
-        from qkgeom.experiments import E4
-        from qkgeom.experiments import experiment as find
+def report_cmd(
+    folder: ResultFolder,
+    out: unset(Path, "Report folder (default: FOLDER/report).") = None,
+    fmt: ClaimsFormat = "table",
+) -> None:
+    """Figures + report.md/report.html of a sweep, analysis or run folder, opening with
+    the claims table (verdicts computed from the numbers)."""
+    report(folder, out, check_format(fmt))
 
-        exp = find(experiment)
-        data = data_spec(data) or ""
-        sets = parse_dotted(set_ or [])
-        if isinstance(exp, E4):
-            _reproduce_e4(exp, preset, out, data, device, sets, model, revisions, text,
-                          tokens, quiet)
-            return
-        if any(v is not None for v in (model, revisions, text, tokens)):
-            raise QKGeomError("--model, --revisions, --text and --tokens are for e4")
-        grid = exp.grid(preset, data, deep_merge({"device": device} if device else {}, sets)
-                        or None)
-        out = out or exp.default_out(preset)
-        warn_long_sweep([r.config for r in unfinished(out, grid.expand())], device)
-        summary = exp.run(grid, out, workers=workers, backend=backend, address=address,
-                          threads_per_run=threads, progress=not quiet, retries=retries,
-                          runs_per_gpu=runs_per_gpu)
-        _finish_sweep(summary, out, report_after=True)
+
+def reproduce_cmd(
+    experiment: Annotated[str, typer.Argument(
+        help="e1 (E1 and E2, one grid: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: "
+             "seeds x key-control arms, paired by seed) | e4 (E4: runs with log-spaced "
+             "checkpoints, one per seed, or --model, analysed as checkpoint families)")],
+    preset: Preset = "demo",
+    data: Data = "",
+    out: unset(Path, "Sweep folder (default: sweeps/<experiment>-<preset>).") = None,
+    workers: Workers = None,
+    backend: Backend = "local",
+    address: Address = None,
+    threads: Threads = None,
+    device: Device = None,
+    set_: unset(list[str], "Dotted config override for every run, repeatable: --set "
+                           "key_control.scope=head", "--set") = None,
+    model: unset(str, "e4: a hub id or local HF folders analysed instead of training a run.")
+        = None,
+    revisions: unset(str, "e4 with --model: comma-separated revisions (step0,step512,...).")
+        = None,
+    text: unset(str, "e4: the text analysed (default: sample, its held-out split first).")
+        = None,
+    tokens: unset(int, "e4: text tokens analysed per checkpoint (default: the preset's).")
+        = None,
+    retries: Retries = 0,
+    runs_per_gpu: RunsPerGpu = "1",
+    quiet: Quiet = False,
+) -> None:
+    """One of the paper's experiments end to end (resumable), then the report."""
+    from qkgeom.config import deep_merge, parse_dotted
+    from qkgeom.experiments import E4
+    from qkgeom.experiments import experiment as find
+
+    exp = find(experiment)
+    sets = parse_dotted(set_ or [])
+    if isinstance(exp, E4):
+        _reproduce_e4(exp, preset, out, data, device, sets, model, revisions, text,
+                      tokens, quiet)
+        return
+    if any(v is not None for v in (model, revisions, text, tokens)):
+        raise QKGeomError("--model, --revisions, --text and --tokens are for e4")
+    grid = exp.grid(preset, data, deep_merge({"device": device} if device else {}, sets)
+                    or None)
+    _sweep(exp.run, grid, out or exp.default_out(preset), device, report_after=True,
+           workers=workers, backend=backend, address=address, threads_per_run=threads,
+           progress=not quiet, retries=retries, runs_per_gpu=runs_per_gpu)
 
 
 def _reproduce_e4(exp: Any, preset: str, out: Path | None, data: str, device: str | None,
@@ -310,3 +282,12 @@ def _reproduce_e4(exp: Any, preset: str, out: Path | None, data: str, device: st
     summarise_set(folder) if is_e4_set(folder) else summarise(folder)
     report(folder, None)
 
+
+def register(app: typer.Typer) -> None:
+    """Add ``sweep run|status``, ``report`` and ``reproduce`` to the ``qkgeom`` app."""
+    sweep_app = typer.Typer(no_args_is_help=True, help="Run and inspect grids of training runs.")
+    app.add_typer(sweep_app, name="sweep")
+    sweep_app.command("run")(sweep_run)
+    sweep_app.command("status")(sweep_status_cmd)
+    app.command("report")(report_cmd)
+    app.command("reproduce")(reproduce_cmd)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 import typer
 
-from qkgeom.cli.output import Format, check_format, info, show_layers
+from qkgeom.cli.output import Format, check_format, info, show_layers, unset
 from qkgeom.config import DEVICE_HELP, PRESETS, TrainConfig, deep_merge, flatten, nest_keys
 from qkgeom.errors import QKGeomError
 
@@ -18,9 +18,6 @@ _FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth i
               "key_control": "key_control.mode", "dose": "key_control.dose",
               "key_control_scope": "key_control.scope",
               "key_control_level": "key_control.level"}
-#: The word that names the embedded Wikipedia sample (config ``data: sample``), as in
-#: ``qkgeom analyze --text sample``.
-SAMPLE = "sample"
 
 
 def _preset_help(text: str, key: str) -> str:
@@ -30,12 +27,6 @@ def _preset_help(text: str, key: str) -> str:
     values = " · ".join(f"{name} {flatten(deep_merge(defaults, preset))[key]}"
                         for name, preset in PRESETS.items())
     return f"{text.rstrip('.')} (presets: {values})."
-
-
-def data_spec(value: str | None) -> str | None:
-    """``--data``: ``sample`` is the embedded Wikipedia sample; anything else a prepared
-    data folder (``./sample`` names a folder called sample)."""
-    return value
 
 
 def train_overrides(**flags: Any) -> dict[str, Any]:
@@ -53,17 +44,6 @@ def read_config_file(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise QKGeomError(f"{path}: a config file must be a mapping of keys to values")
     return loaded
-
-
-def show_run(run: Path, step: int | None, fmt: str = "table") -> None:
-    """Print the per-layer table of a run folder at ``step`` (default: its last probe)."""
-    from qkgeom.runs import CONFIG, METRICS, load_config, read_metrics
-
-    metrics = read_metrics(run)
-    if metrics is None:
-        raise QKGeomError(f"{run / METRICS}: not found; is {run} a qkgeom run folder?")
-    ref = load_config(run).ref_step if (run / CONFIG).exists() else None
-    _show_metrics(run, metrics, step, ref, fmt)
 
 
 def _show_metrics(run: Path, metrics: Any, step: int | None, ref: int | None,
@@ -91,120 +71,103 @@ def _report_callbacks(report_to: list[str] | None, out: Path) -> list[Any]:
     return [ReportTo(targets, out)]
 
 
+def train_cmd(
+    preset: Annotated[str, typer.Option(
+        help="smoke | demo | paper: the model and run size; the flags below override "
+             "it (README, table of presets).")] = "demo",
+    out: unset(Path, "Run folder (default: runs/<preset>-s<seed>).") = None,
+    data: unset(str, "sample (the embedded Wikipedia text) or a folder from `qkgeom data "
+                      "prepare` (default: sample).") = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue the run in --out from its newest checkpoint "
+                         "(same settings).")] = False,
+    config: unset(Path, "YAML/JSON file of config overrides (applied before the flags).")
+        = None,
+    seed: unset(int, "Seed of init and data order (default: 0).") = None,
+    steps: unset(int, _preset_help("Optimiser updates.", "steps")) = None,
+    n_layer: unset(int, _preset_help("Number of layers (--depth is the same).",
+                                      "model.n_layer"), "--n-layer", "--depth") = None,
+    n_embd: unset(int, _preset_help("Model width.", "model.n_embd")) = None,
+    n_head: unset(int, _preset_help("Attention heads per layer.", "model.n_head")) = None,
+    block_size: unset(int, _preset_help("Context length (characters).", "model.block_size"))
+        = None,
+    batch_size: unset(int, _preset_help("Sequences per step.", "batch_size")) = None,
+    lr: unset(float, _preset_help("Peak learning rate (warm-up, then cosine to 10 %).", "lr"))
+        = None,
+    qk_init: unset(str, "Init of W_Q, W_K: normal | orthogonal | tied (default: normal).")
+        = None,
+    probe_every: unset(int, _preset_help("Steps between probes (geometry measured on the "
+                                          "probe set).", "probe_every")) = None,
+    precision: unset(str, "auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16 "
+                           "(default: auto).") = None,
+    compile_: unset(bool, "torch.compile the training step (probes stay eager) (default: "
+                           "no).", "--compile/--no-compile") = None,
+    device: unset(str, f"{DEVICE_HELP} (default: auto).") = None,
+    threads: unset(int, "torch CPU threads (default: torch's).") = None,
+    key_control: unset(str, "Key-spectrum control: none | hold | shrink | sham | expand "
+                             "(default: none).") = None,
+    dose: unset(float, "shrink: cap PR_K at this share of the reference (the paired --set "
+                        "key_control.reference run, else PR_K at step 0); expand: a multiple "
+                        "(>= 1) (default: shrink 0.5, expand 2).", "--dose") = None,
+    key_control_scope: unset(str, "Key control per layer | head (default: layer).") = None,
+    key_control_level: unset(str, "Key control of the keys' spectrum on the layer's inputs "
+                                   "(token) or of W_K's (weight) (default: token).") = None,
+    set_: unset(list[str], "Any config key, dotted, repeatable (applied last): --set "
+                            "model.dropout=0.1 --set eval_every=50.", "--set") = None,
+    report_to: unset(list[str], "Also log probes and losses to tensorboard "
+                                 "(RUN/tensorboard/) and/or wandb; repeatable or "
+                                 "comma-separated.") = None,
+    progress_every: unset(int, "Output not a terminal (nohup, SLURM, CI): a progress line "
+                                "every N steps (default: probe_every).") = None,
+    quiet: Annotated[bool, typer.Option(
+        "--quiet", "-q", help="Print nothing but warnings and errors.")] = False,
+) -> None:
+    """Train a char-level GPT and record Q/K geometry along the way."""
+    from qkgeom.config import make_config, parse_dotted
+    from qkgeom.launch import train
+
+    if progress_every is not None and progress_every < 1:
+        raise QKGeomError(f"--progress-every must be >= 1, got {progress_every}")
+    flags = train_overrides(
+        data=data, seed=seed, steps=steps, n_layer=n_layer, n_embd=n_embd, n_head=n_head,
+        block_size=block_size, batch_size=batch_size, lr=lr, qk_init=qk_init,
+        probe_every=probe_every, precision=precision, compile=compile_, device=device,
+        threads=threads, key_control=key_control, dose=dose,
+        key_control_scope=key_control_scope, key_control_level=key_control_level)
+    overrides = read_config_file(config) if config is not None else {}
+    for layer in (flags, parse_dotted(set_ or [])):  # file, then flags, then --set
+        overrides = deep_merge(overrides, layer)
+    cfg = make_config(preset, overrides)
+    out = out or Path("runs") / f"{preset}-s{cfg.seed}"
+    result = train(cfg, out, resume=resume, progress=not quiet,
+                   callbacks=_report_callbacks(report_to, out), progress_every=progress_every)
+    if quiet:
+        return
+    _show_metrics(result.out_dir, result.metrics, None, cfg.ref_step)
+    final = result.log.dropna(subset=["val_loss"]).tail(1)
+    if len(final):
+        info(f"val loss {final['val_loss'].iloc[0]:.4f} at step {result.step}")
+    info(f"run folder: {result.out_dir}")
+
+
+def show(
+    run: Annotated[Path, typer.Argument(help="Run folder (trained, swept or monitored).")],
+    step: Annotated[int | None, typer.Option(
+        help="Probe step (default: the last).", show_default=False)] = None,
+    fmt: Format = "table",
+) -> None:
+    """Per-layer PR_Q, PR_K, contrast, pr_qk and attention entropy at one probe step."""
+    from qkgeom.runs import CONFIG, METRICS, load_config, read_metrics
+
+    check_format(fmt)
+    metrics = read_metrics(run)
+    if metrics is None:
+        raise QKGeomError(f"{run / METRICS}: not found; is {run} a qkgeom run folder?")
+    ref = load_config(run).ref_step if (run / CONFIG).exists() else None
+    _show_metrics(run, metrics, step, ref, fmt)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("train")
-    def train_cmd(
-        preset: Annotated[str, typer.Option(
-            help="smoke | demo | paper: the model and run size; the flags below override "
-                 "it (README, table of presets).")] = "demo",
-        out: Annotated[Path | None, typer.Option(
-            help="Run folder (default: runs/<preset>-s<seed>).", show_default=False)] = None,
-        data: Annotated[str | None, typer.Option(
-            help="sample (the embedded Wikipedia text) or a folder from `qkgeom data "
-                 "prepare` (default: sample).", show_default=False)] = None,
-        resume: Annotated[bool, typer.Option(
-            "--resume", help="Continue the run in --out from its newest checkpoint "
-                             "(same settings).")] = False,
-        config: Annotated[Path | None, typer.Option(
-            help="YAML/JSON file of config overrides (applied before the flags).",
-            show_default=False)] = None,
-        seed: Annotated[int | None, typer.Option(
-            help="Seed of init and data order (default: 0).", show_default=False)] = None,
-        steps: Annotated[int | None, typer.Option(
-            help=_preset_help("Optimiser updates.", "steps"), show_default=False)] = None,
-        n_layer: Annotated[int | None, typer.Option(
-            "--n-layer", "--depth", help=_preset_help("Number of layers (--depth is the same).",
-                                                      "model.n_layer"),
-            show_default=False)] = None,
-        n_embd: Annotated[int | None, typer.Option(
-            help=_preset_help("Model width.", "model.n_embd"), show_default=False)] = None,
-        n_head: Annotated[int | None, typer.Option(
-            help=_preset_help("Attention heads per layer.", "model.n_head"),
-            show_default=False)] = None,
-        block_size: Annotated[int | None, typer.Option(
-            help=_preset_help("Context length (characters).", "model.block_size"),
-            show_default=False)] = None,
-        batch_size: Annotated[int | None, typer.Option(
-            help=_preset_help("Sequences per step.", "batch_size"), show_default=False)]
-            = None,
-        lr: Annotated[float | None, typer.Option(
-            help=_preset_help("Peak learning rate (warm-up, then cosine to 10 %).", "lr"),
-            show_default=False)] = None,
-        qk_init: Annotated[str | None, typer.Option(
-            help="Init of W_Q, W_K: normal | orthogonal | tied (default: normal).",
-            show_default=False)] = None,
-        probe_every: Annotated[int | None, typer.Option(
-            help=_preset_help("Steps between probes (geometry measured on the probe set).",
-                              "probe_every"), show_default=False)] = None,
-        precision: Annotated[str | None, typer.Option(
-            help="auto (bf16 on CUDA, fp32 elsewhere) | fp32 | bf16 | fp16 (default: auto).",
-            show_default=False)] = None,
-        compile_: Annotated[bool | None, typer.Option(
-            "--compile/--no-compile", help="torch.compile the training step (probes stay "
-            "eager) (default: no).", show_default=False)] = None,
-        device: Annotated[str | None, typer.Option(
-            help=f"{DEVICE_HELP} (default: auto).", show_default=False)] = None,
-        threads: Annotated[int | None, typer.Option(
-            help="torch CPU threads (default: torch's).", show_default=False)] = None,
-        key_control: Annotated[str | None, typer.Option(
-            help="Key-spectrum control: none | hold | shrink | sham | expand "
-                 "(default: none).", show_default=False)] = None,
-        dose: Annotated[float | None, typer.Option(
-            "--dose", help="shrink: cap PR_K at this share of the reference "
-            "(the paired --set key_control.reference run, else PR_K at step 0); expand: a "
-            "multiple (>= 1) (default: shrink 0.5, expand 2).", show_default=False)] = None,
-        key_control_scope: Annotated[str | None, typer.Option(
-            help="Key control per layer | head (default: layer).", show_default=False)]
-            = None,
-        key_control_level: Annotated[str | None, typer.Option(
-            help="Key control of the keys' spectrum on the layer's inputs (token) or of "
-                 "W_K's (weight) (default: token).", show_default=False)] = None,
-        set_: Annotated[list[str] | None, typer.Option(
-            "--set", help="Any config key, dotted, repeatable (applied last): --set "
-                          "model.dropout=0.1 --set eval_every=50.", show_default=False)] = None,
-        report_to: Annotated[list[str] | None, typer.Option(
-            help="Also log probes and losses to tensorboard (RUN/tensorboard/) and/or "
-                 "wandb; repeatable or comma-separated.", show_default=False)] = None,
-        progress_every: Annotated[int | None, typer.Option(
-            help="Output not a terminal (nohup, SLURM, CI): a progress line every N steps "
-                 "(default: probe_every).", show_default=False)] = None,
-        quiet: Annotated[bool, typer.Option(
-            "--quiet", "-q", help="Print nothing but warnings and errors.")] = False,
-    ) -> None:
-        """Train a char-level GPT and record Q/K geometry along the way."""
-        from qkgeom.config import make_config, parse_dotted
-        from qkgeom.launch import train
-
-        if progress_every is not None and progress_every < 1:
-            raise QKGeomError(f"--progress-every must be >= 1, got {progress_every}")
-        flags = train_overrides(
-            data=data_spec(data), seed=seed, steps=steps, n_layer=n_layer, n_embd=n_embd,
-            n_head=n_head, block_size=block_size, batch_size=batch_size, lr=lr,
-            qk_init=qk_init, probe_every=probe_every, precision=precision, compile=compile_,
-            device=device, threads=threads, key_control=key_control, dose=dose,
-            key_control_scope=key_control_scope, key_control_level=key_control_level)
-        overrides = read_config_file(config) if config is not None else {}
-        for layer in (flags, parse_dotted(set_ or [])):  # file, then flags, then --set
-            overrides = deep_merge(overrides, layer)
-        cfg = make_config(preset, overrides)
-        out = out or Path("runs") / f"{preset}-s{cfg.seed}"
-        callbacks = _report_callbacks(report_to, out)
-        result = train(cfg, out, resume=resume, progress=not quiet, callbacks=callbacks,
-                       progress_every=progress_every)
-        if quiet:
-            return
-        _show_metrics(result.out_dir, result.metrics, None, cfg.ref_step)
-        final = result.log.dropna(subset=["val_loss"]).tail(1)
-        if len(final):
-            info(f"val loss {final['val_loss'].iloc[0]:.4f} at step {result.step}")
-        info(f"run folder: {result.out_dir}")
-
-    @app.command("show")
-    def show(
-        run: Annotated[Path, typer.Argument(help="Run folder (trained, swept or monitored).")],
-        step: Annotated[int | None, typer.Option(
-            help="Probe step (default: the last).", show_default=False)] = None,
-        fmt: Format = "table",
-    ) -> None:
-        """Per-layer PR_Q, PR_K, contrast, pr_qk and attention entropy at one probe step."""
-        show_run(run, step, check_format(fmt))
+    """Add ``train`` and ``show`` to the ``qkgeom`` app."""
+    app.command("train")(train_cmd)
+    app.command("show")(show)

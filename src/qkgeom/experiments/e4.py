@@ -18,7 +18,6 @@ from typing import Any
 from qkgeom.errors import QKGeomError
 from qkgeom.experiments.experiment import Experiment
 from qkgeom.experiments.grid import Grid
-from qkgeom.experiments.runner import available_cpus, on_this_machine, run_sweep
 from qkgeom.runs.sweep import run_dir
 
 E4_TRAIN = "train"  # OUT/train: the sweep folder of the offline E4's runs (one per seed)
@@ -95,17 +94,13 @@ class E4(Experiment):
               ) -> dict[int, Path]:
         """Train the runs of ``grid`` into ``out_dir/train`` (one single-threaded run per
         CPU on a CPU), resumable; returns ``{seed: run folder}``."""
-        specs = grid.expand()
         out = Path(out_dir) / E4_TRAIN
-        on_cpu = not on_this_machine(specs[0]).config.device.startswith("cuda")
-        summary = run_sweep(grid, out, workers=max(1, min(available_cpus(), len(specs)))
-                            if on_cpu else None, threads_per_run=1 if on_cpu else None,
-                            progress=progress)
+        summary = super().run(grid, out, progress=progress)  # E4 grids are never ``paper``
         if not summary.complete or summary.counts["diverged"]:
             bad = {k: v for k, v in summary.states.items() if v != "done"}
             raise QKGeomError(f"the E4 runs in {out} did not all finish ({bad}); run the same "
                               "command again to resume (`qkgeom sweep status` shows why)")
-        return {int(s.axes["seed"]): run_dir(out, s.run_id) for s in specs}
+        return {int(s.axes["seed"]): run_dir(out, s.run_id) for s in grid.expand()}
 
     def run(self, preset: str, out: str | Path | None = None, *, data: str = "",  # type: ignore[override]
             model: str | None = None, revisions: list[str] | None = None,

@@ -63,7 +63,7 @@ class Experiment:
         CUDA the runner's ``runs_per_gpu``."""
         specs = grid.expand()
         on_cpu = not on_this_machine(specs[0]).config.device.startswith("cuda")
-        if workers is None and grid.preset != "paper":
+        if workers is None and on_cpu and grid.preset != "paper":
             workers = max(1, min(available_cpus(), len(specs)))
             threads_per_run = 1 if threads_per_run is None else threads_per_run
         elif workers is None and on_cpu:

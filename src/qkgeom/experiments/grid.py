@@ -137,15 +137,11 @@ class Grid:
 
     def to_dict(self) -> dict[str, Any]:
         """The normalised grid (JSON-able); equal dicts mean the same sweep."""
-        out = {"name": self.name, "preset": self.preset, "base": self.base,
-               "axes": {k: list(v) for k, v in self.axes.items()}}
-        if self.arms:
-            out["arms"] = [arm.to_dict() for arm in self.arms]
-        if self.distinct_seeds:
-            out["distinct_seeds"] = True
-        if self.experiment:
-            out["experiment"] = self.experiment
-        return out
+        return {"name": self.name, "preset": self.preset, "base": self.base,
+                "axes": {k: list(v) for k, v in self.axes.items()},
+                **({"arms": [arm.to_dict() for arm in self.arms]} if self.arms else {}),
+                **({"distinct_seeds": True} if self.distinct_seeds else {}),
+                **({"experiment": self.experiment} if self.experiment else {})}
 
     def expand(self) -> list[RunSpec]:
         """Every run of the grid, in product order (axes, then arms), with validated configs,

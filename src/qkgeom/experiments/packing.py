@@ -73,10 +73,6 @@ class PackingResult:
     def per_run(self) -> float:
         return self.tokens_per_s / self.runs
 
-    def runs_per_hour(self, tokens_per_run: float) -> float:
-        """Whole runs of ``tokens_per_run`` tokens this layout finishes per hour."""
-        return 3600.0 * self.tokens_per_s / tokens_per_run
-
 
 def window_throughput(traces: list[list[tuple[float, int]]], tokens_per_step: int) -> float:
     """Summed tokens/s of processes timed at once. ``traces``: per process, ``(wall time,

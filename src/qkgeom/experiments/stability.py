@@ -6,15 +6,10 @@ protocol (collapse, claims, alert calibration) is docs/stability.md, fixed befor
 Remedies are arms: ``none``, ``qk_norm`` (LayerNorm of q and k), ``sigma_reparam``
 (σReparam of W_Q and W_K), ``hold`` (the key-spectrum control holding each layer's
 token-level PR_K at its step-0 value, the key spread left to training) and
-``entropy_target`` (the closed loop steering every layer's entropy toward 2 nats). Sizes:
-
-``smoke``      the smoke model, 40 steps, lr 3e-3 and 1e-1, seed 0 (a wiring check).
-``demo``       the demo model (4 layers x 128, 4 heads, context 64), batch 16, 200 steps
-               (warm-up 20), lr 3e-3 (the demo's) and 3e-2, seeds 0-4: 50 runs.
-``lab``        the same model, 500 steps (warm-up 50), lr 3e-3, 1e-2, 3e-2 and 1e-1, seeds
-               0-7: 160 runs.
-``calibrate``  the ``none`` runs the default alert thresholds are derived from: lr 3e-3
-               and 3e-2, seeds 100-102 (disjoint from every other size's seeds).
+``entropy_target`` (the closed loop steering every layer's entropy toward 2 nats). Sizes
+(docs/stability.md): ``smoke`` a wiring check, ``demo`` and ``lab`` the demo model at two
+lengths and learning-rate ranges, ``calibrate`` the ``none`` runs the default alert
+thresholds are derived from (seeds disjoint from every other size's).
 """
 
 from __future__ import annotations
