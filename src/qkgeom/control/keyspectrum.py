@@ -210,8 +210,7 @@ class KeySpectrumControl:
         if ctl.needs_moments:
             ctl.moments = InputMoments(sites)
         if record_initial:
-            with torch.no_grad():
-                ctl._w0 = [ctl._units(site, site.key_effective()) for site in sites]
+            ctl._w0 = ctl._stored_units()
             if level == "weight":
                 ctl.pr0 = torch.cat([weight_pr(u).cpu() for u in ctl._w0])
             ctl._last = ctl._initial_record()
@@ -500,13 +499,9 @@ class KeySpectrumControl:
         for j in group:
             site, sl = self.sites[j], self._slices[j]
             view = site.k_heads(site.key_stored())  # (H_kv, hd, d) view, in place
-            for g in range(sl.start, sl.stop):
-                if g in pos:
-                    k = pos[g]
-                    if self.scope == "head":
-                        view[g - sl.start].copy_(new[k])
-                    else:
-                        view.copy_(new[k].view(view.shape))
+            for g in pos.keys() & range(sl.start, sl.stop):
+                unit = view[g - sl.start] if self.scope == "head" else view
+                unit.copy_(new[pos[g]].view(unit.shape))
 
     def _raw_units(self, site: AttentionSite) -> Tensor:
         """A copy of the stored W_K of a site as units, in the stored dtype."""
