@@ -52,6 +52,13 @@ def _quad_trace(a: Tensor, s: Tensor | None) -> Tensor:
     return (a * a if s is None else (a @ s) * a).sum(dim=(-2, -1))
 
 
+def _keep_scale(spread: Tensor, a: Tensor, new: Tensor, s: Tensor | None) -> Tensor:
+    """(U,) factors c giving the reshaped units ``new`` the key spread ``spread`` where it
+    is finite, else that of the units ``a`` before the reshape (both (U, m, d) float64)."""
+    kept = torch.where(torch.isfinite(spread), spread, _quad_trace(a, s))
+    return torch.sqrt(kept / _quad_trace(new, s).clamp_min(1e-300))
+
+
 def _level_gram(a: Tensor, s_eps: Tensor | None) -> tuple[Tensor, bool]:
     """(C, left): the matrix whose eigenvalues are the controlled spectrum of units ``a``
     (U, m, d) float64, and whether the reshape acts from the left (C is m × m).
@@ -107,9 +114,7 @@ class KeySpectrumParametrization(nn.Module):
         data = self.scale == "data" and self.moment is not None
         if data or (self.scale == "frobenius" and self.level == "token"):  # it kept ‖W Σ^½‖
             s = self.moment.expand(k.shape[0], -1, -1) if data else None
-            kept = torch.where(torch.isfinite(self.spread), self.spread,  # NaN: keep it
-                               _quad_trace(k.to(torch.float64), s))
-            c = torch.sqrt(kept / _quad_trace(k_new.to(torch.float64), s).clamp_min(1e-300))
+            c = _keep_scale(self.spread, k.to(torch.float64), k_new.to(torch.float64), s)
             k_new = k_new * c.to(k_new.dtype)[:, None, None]
         self.last_gamma, self.last_clamped = gamma.detach(), clamped.detach()
         if self.site.k_module is not self.site.q_module:  # W_K alone in its weight
@@ -442,9 +447,7 @@ class KeySpectrumControl:
         if bool(act.any()):
             sel = torch.nonzero(act).flatten().to(dev)
             s_sel = None if s_keep is None else s_keep[sel]
-            kept = torch.where(matched[act].to(dev), spread_target[idx][act].to(dev),
-                               _quad_trace(a[sel], s_sel))
-            c = torch.sqrt(kept / _quad_trace(new[sel], s_sel).clamp_min(1e-300))
+            c = _keep_scale(spread_target[idx][act].to(dev), a[sel], new[sel], s_sel)
             stored = (new[sel] * c[:, None, None]).to(a_stored.dtype)
             self._write(group, torch.nonzero(act).flatten().tolist(), stored, idx)
             self.reshapes += int(act.sum())
