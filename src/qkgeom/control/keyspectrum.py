@@ -260,10 +260,6 @@ class KeySpectrumControl:
     def _units(self, site: AttentionSite, w: Tensor) -> Tensor:
         return self._as_units(site, w).to(torch.float64)
 
-    def _sigma(self, j: int, regularised: bool) -> Tensor:
-        """Σ (or Σ_ε) of site ``j``, float64, on the weights' device."""
-        return self.moments.regularised(j) if regularised else self.moments.covariance(j)
-
     def measure(self, units: list[Tensor]) -> dict[str, Tensor]:
         """``pr`` (weight level), ``pr_token`` and ``spread`` of every unit from each site's
         units (U, m, d) float64; NaN for the last two while Σ is unknown."""
@@ -272,8 +268,8 @@ class KeySpectrumControl:
         for j, a in enumerate(units):
             out["pr"].append(weight_pr(a).cpu())
             if ready:
-                s = self._sigma(j, False).to(a.device)
-                gram, _ = _level_gram(a, self._sigma(j, True).to(a.device))
+                s = self.moments.covariance(j).to(a.device)
+                gram, _ = _level_gram(a, self.moments.regularised(j).to(a.device))
                 out["pr_token"].append(pr_from_covariance(gram).cpu())
                 out["spread"].append(_quad_trace(a, s.expand(a.shape[0], -1, -1)).cpu())
             else:
@@ -394,14 +390,11 @@ class KeySpectrumControl:
             groups.setdefault((self._rows(site), site.d_model, w.dtype, w.device), []).append(j)
         return list(groups.values())
 
-    def _stack_sigma(self, group: list[int], regularised: bool, device: torch.device
-                     ) -> Tensor | None:
-        """Σ (or Σ_ε) of each unit of the group's sites, (U, d, d); None without moments."""
-        if self.moments is None:
-            return None
-        mats = [self._sigma(j, regularised).to(device)
-                for j in group for _ in range(self._slices[j].stop - self._slices[j].start)]
-        return torch.stack(mats)
+    def _stack_sigma(self, group: list[int], regularised: bool, device: torch.device) -> Tensor:
+        """Σ (or Σ_ε, float64) of each unit of the group's sites, (U, d, d)."""
+        sigma = self.moments.regularised if regularised else self.moments.covariance
+        return torch.stack([sigma(j).to(device) for j in group
+                            for _ in range(self._slices[j].stop - self._slices[j].start)])
 
     def _empty_record(self) -> dict[str, Tensor]:
         n = len(self.names)
@@ -519,7 +512,7 @@ class KeySpectrumControl:
                                                   strict=True)):
                 idx = torch.arange(sl.start, sl.stop)
                 dev = site.key_stored().device
-                s_eps = self._sigma(j, True).to(dev) if self.level == "token" else None
+                s_eps = self.moments.regularised(j).to(dev) if self.level == "token" else None
                 s_units = None if s_eps is None else s_eps.expand(len(idx), -1, -1)
                 original = self._units(site, site.key_stored())  # unconstrained
                 pr_before = pr_from_covariance(_level_gram(original, s_units)[0]).cpu()
@@ -529,7 +522,7 @@ class KeySpectrumControl:
                 p.identity.copy_(identity)
                 p.spread.copy_(spread_target[idx])
                 if self.moments is not None:
-                    p.moment = self._sigma(j, False).to(dev)
+                    p.moment = self.moments.covariance(j).to(dev)
                 if s_eps is not None:
                     p.root, p.iroot = _sqrt_pair(s_eps)
                 effective = self._units(site, site.key_effective())  # runs the reshape
