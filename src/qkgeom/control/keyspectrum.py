@@ -290,12 +290,6 @@ class KeySpectrumControl:
         m = self.measure(self._stored_units())
         return m["pr_token" if self.level == "token" else "pr"]
 
-    def base_at(self, step: int) -> Tensor:
-        """base(t): the reference run's PR_K at ``step`` at this level, or PR0."""
-        if self.reference is None:
-            return self.pr0
-        return self._reference_at("pr_token" if self.level == "token" else "pr", step)
-
     def _reference_at(self, field: str, step: int) -> Tensor:
         table = self.reference[field]
         if not 0 <= step < table.shape[0]:
@@ -326,7 +320,9 @@ class KeySpectrumControl:
             level = self.hold_level()[idx]
             return {"target": level, "sched": level, "base": level,
                     "bound": torch.ones_like(level, dtype=torch.bool), "dose": 1.0}
-        base = self.base_at(t)[idx]
+        # base(t): the reference run's PR_K at this step and level, or PR0
+        base = (self.pr0 if self.reference is None else self._reference_at(
+            "pr_token" if self.level == "token" else "pr", t))[idx]
         r = dose_at(t, self.dose, self.ramp_steps)
         sched = r * base
         if self.mode == "sham":  # a placebo: never a cap

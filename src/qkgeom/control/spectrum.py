@@ -21,7 +21,6 @@ __all__ = ["GAMMA_MAX", "SpectrumFit", "apply_target", "default_rtol", "fit_spec
            "reshape_spectrum", "spectral_reshape"]
 
 GAMMA_MAX = 2.0**40  # largest finite γ tried; beyond it only the γ = inf limit is used
-_EPS = torch.finfo(torch.float64).eps
 _GAMMA_RTOL = 1e-13  # search stop: relative size of the last step (or bracket) on γ
 _SAME_RTOL = 1e-12  # a target this close to the current PR means "leave it" (γ = 1)
 
