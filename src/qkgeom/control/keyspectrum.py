@@ -273,9 +273,8 @@ class KeySpectrumControl:
                 out["pr_token"].append(pr_from_covariance(gram).cpu())
                 out["spread"].append(_quad_trace(a, s.expand(a.shape[0], -1, -1)).cpu())
             else:
-                nan = torch.full((a.shape[0],), math.nan, dtype=torch.float64)
-                out["pr_token"].append(nan)
-                out["spread"].append(nan.clone())
+                for f in ("pr_token", "spread"):
+                    out[f].append(torch.full((a.shape[0],), math.nan, dtype=torch.float64))
         return {f: torch.cat(v) for f, v in out.items()}
 
     def _stored_units(self) -> list[Tensor]:
@@ -303,9 +302,8 @@ class KeySpectrumControl:
 
     def spread_target(self, step: int) -> Tensor:
         """The key spread to match at ``step`` (the data rule's reference), else NaN."""
-        n = len(self.names)
         if self.scale != "data" or self.reference is None or self.mode == "none":
-            return torch.full((n,), math.nan, dtype=torch.float64)
+            return torch.full((len(self.names),), math.nan, dtype=torch.float64)
         return self._reference_at("spread", step)
 
     def hold_level(self) -> Tensor:
