@@ -15,6 +15,3 @@ TOKEN_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "contrast_token_h
 METRIC_NAMES = WEIGHT_METRICS + TOKEN_METRICS
 #: Metrics with a layer row (head −1) only: they describe the layer as a whole.
 LAYER_ONLY_METRICS = ("pr_qk_weight_full", "contrast_token_heads")
-#: Metrics whose layer row is the largest of its heads' (the others: their mean, or a
-#: pooled value: docs/definitions.md#metrics).
-LAYER_MAX_METRICS = ("logit_max",)

@@ -69,27 +69,25 @@ def to_gpt2(model: GPT) -> nn.Module:
         b = getattr(lin, "bias", None)
         return b.detach().clone() if b is not None else torch.zeros(n)
 
+    def copy(dst: nn.Module, src: nn.Module) -> None:
+        """A LayerNorm as it is; a linear layer into a ``Conv1D`` (its weight transposed)."""
+        w = src.weight
+        dst.weight.copy_(w.T if w.dim() == 2 else w)
+        dst.bias.copy_(bias(src, dst.bias.numel()))
+
     with torch.no_grad():
         tr = hf.transformer
         tr.wte.weight.copy_(model.wte.weight)
         tr.wpe.weight.copy_(model.wpe.weight)
         for blk, h in zip(model.blocks, tr.h, strict=True):
             a = blk.attn
-            h.ln_1.weight.copy_(blk.ln_1.weight)
-            h.ln_1.bias.copy_(bias(blk.ln_1, d))
             weight, b = fuse_qkv((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
                                  (bias(a.q_proj, d), bias(a.k_proj, d), bias(a.v_proj, d)))
             h.attn.c_attn.weight.copy_(weight)
             h.attn.c_attn.bias.copy_(b)
-            h.attn.c_proj.weight.copy_(a.c_proj.weight.T)
-            h.attn.c_proj.bias.copy_(bias(a.c_proj, d))
-            h.ln_2.weight.copy_(blk.ln_2.weight)
-            h.ln_2.bias.copy_(bias(blk.ln_2, d))
-            h.mlp.c_fc.weight.copy_(blk.mlp.c_fc.weight.T)  # (d, 4d)
-            h.mlp.c_fc.bias.copy_(bias(blk.mlp.c_fc, 4 * d))
-            h.mlp.c_proj.weight.copy_(blk.mlp.c_proj.weight.T)  # (4d, d)
-            h.mlp.c_proj.bias.copy_(bias(blk.mlp.c_proj, d))
-        tr.ln_f.weight.copy_(model.ln_f.weight)
-        tr.ln_f.bias.copy_(bias(model.ln_f, d))
+            for dst, src in ((h.ln_1, blk.ln_1), (h.attn.c_proj, a.c_proj), (h.ln_2, blk.ln_2),
+                             (h.mlp.c_fc, blk.mlp.c_fc), (h.mlp.c_proj, blk.mlp.c_proj)):
+                copy(dst, src)
+        copy(tr.ln_f, model.ln_f)
     hf.tie_weights()
     return hf

@@ -18,19 +18,18 @@ _PART = {"q": 0, "k": 1, "v": 2}
 class FusedConv1DSite(AttentionSite):
     """q, k and v side by side in the columns of one ``Conv1D`` weight."""
 
-    def heads(self, w: Tensor, which: str) -> Tensor:
+    def _columns(self, which: str) -> slice:
         d_out = self.n_head * self.head_dim
-        start = _PART[which] * d_out
-        return w[:, start:start + d_out].T.unflatten(0, (self.n_head, self.head_dim))
+        return slice(_PART[which] * d_out, (_PART[which] + 1) * d_out)
+
+    def heads(self, w: Tensor, which: str) -> Tensor:
+        return w[:, self._columns(which)].T.unflatten(0, (self.n_head, self.head_dim))
 
     def bias_heads(self, b: Tensor, which: str) -> Tensor:
         return b.view(3, self.n_head, self.head_dim)[_PART[which]]
 
     def split(self, out: Tensor, which: str) -> Tensor:
-        B, T = out.shape[0], out.shape[1]
-        d_out = self.n_head * self.head_dim
-        part = out[..., _PART[which] * d_out:(_PART[which] + 1) * d_out]
-        return part.reshape(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        return super().split(out[..., self._columns(which)], which)
 
 
 def fuse_qkv(weights: tuple[Tensor, Tensor, Tensor],

@@ -52,6 +52,13 @@ def _quad_trace(a: Tensor, s: Tensor | None) -> Tensor:
     return (a * a if s is None else (a @ s) * a).sum(dim=(-2, -1))
 
 
+def _keep_scale(spread: Tensor, a: Tensor, new: Tensor, s: Tensor | None) -> Tensor:
+    """(U,) factors c giving the reshaped units ``new`` the key spread ``spread`` where it
+    is finite, else that of the units ``a`` before the reshape (both (U, m, d) float64)."""
+    kept = torch.where(torch.isfinite(spread), spread, _quad_trace(a, s))
+    return torch.sqrt(kept / _quad_trace(new, s).clamp_min(1e-300))
+
+
 def _level_gram(a: Tensor, s_eps: Tensor | None) -> tuple[Tensor, bool]:
     """(C, left): the matrix whose eigenvalues are the controlled spectrum of units ``a``
     (U, m, d) float64, and whether the reshape acts from the left (C is m × m).
@@ -107,9 +114,7 @@ class KeySpectrumParametrization(nn.Module):
         data = self.scale == "data" and self.moment is not None
         if data or (self.scale == "frobenius" and self.level == "token"):  # it kept ‖W Σ^½‖
             s = self.moment.expand(k.shape[0], -1, -1) if data else None
-            kept = torch.where(torch.isfinite(self.spread), self.spread,  # NaN: keep it
-                               _quad_trace(k.to(torch.float64), s))
-            c = torch.sqrt(kept / _quad_trace(k_new.to(torch.float64), s).clamp_min(1e-300))
+            c = _keep_scale(self.spread, k.to(torch.float64), k_new.to(torch.float64), s)
             k_new = k_new * c.to(k_new.dtype)[:, None, None]
         self.last_gamma, self.last_clamped = gamma.detach(), clamped.detach()
         if self.site.k_module is not self.site.q_module:  # W_K alone in its weight
@@ -210,8 +215,7 @@ class KeySpectrumControl:
         if ctl.needs_moments:
             ctl.moments = InputMoments(sites)
         if record_initial:
-            with torch.no_grad():
-                ctl._w0 = [ctl._units(site, site.key_effective()) for site in sites]
+            ctl._w0 = ctl._stored_units()
             if level == "weight":
                 ctl.pr0 = torch.cat([weight_pr(u).cpu() for u in ctl._w0])
             ctl._last = ctl._initial_record()
@@ -256,10 +260,6 @@ class KeySpectrumControl:
     def _units(self, site: AttentionSite, w: Tensor) -> Tensor:
         return self._as_units(site, w).to(torch.float64)
 
-    def _sigma(self, j: int, regularised: bool) -> Tensor:
-        """Σ (or Σ_ε) of site ``j``, float64, on the weights' device."""
-        return self.moments.regularised(j) if regularised else self.moments.covariance(j)
-
     def measure(self, units: list[Tensor]) -> dict[str, Tensor]:
         """``pr`` (weight level), ``pr_token`` and ``spread`` of every unit from each site's
         units (U, m, d) float64; NaN for the last two while Σ is unknown."""
@@ -268,14 +268,13 @@ class KeySpectrumControl:
         for j, a in enumerate(units):
             out["pr"].append(weight_pr(a).cpu())
             if ready:
-                s = self._sigma(j, False).to(a.device)
-                gram, _ = _level_gram(a, self._sigma(j, True).to(a.device))
+                s = self.moments.covariance(j).to(a.device)
+                gram, _ = _level_gram(a, self.moments.regularised(j).to(a.device))
                 out["pr_token"].append(pr_from_covariance(gram).cpu())
                 out["spread"].append(_quad_trace(a, s.expand(a.shape[0], -1, -1)).cpu())
             else:
-                nan = torch.full((a.shape[0],), math.nan, dtype=torch.float64)
-                out["pr_token"].append(nan)
-                out["spread"].append(nan.clone())
+                for f in ("pr_token", "spread"):
+                    out[f].append(torch.full((a.shape[0],), math.nan, dtype=torch.float64))
         return {f: torch.cat(v) for f, v in out.items()}
 
     def _stored_units(self) -> list[Tensor]:
@@ -290,12 +289,6 @@ class KeySpectrumControl:
         m = self.measure(self._stored_units())
         return m["pr_token" if self.level == "token" else "pr"]
 
-    def base_at(self, step: int) -> Tensor:
-        """base(t): the reference run's PR_K at ``step`` at this level, or PR0."""
-        if self.reference is None:
-            return self.pr0
-        return self._reference_at("pr_token" if self.level == "token" else "pr", step)
-
     def _reference_at(self, field: str, step: int) -> Tensor:
         table = self.reference[field]
         if not 0 <= step < table.shape[0]:
@@ -309,9 +302,8 @@ class KeySpectrumControl:
 
     def spread_target(self, step: int) -> Tensor:
         """The key spread to match at ``step`` (the data rule's reference), else NaN."""
-        n = len(self.names)
         if self.scale != "data" or self.reference is None or self.mode == "none":
-            return torch.full((n,), math.nan, dtype=torch.float64)
+            return torch.full((len(self.names),), math.nan, dtype=torch.float64)
         return self._reference_at("spread", step)
 
     def hold_level(self) -> Tensor:
@@ -326,7 +318,9 @@ class KeySpectrumControl:
             level = self.hold_level()[idx]
             return {"target": level, "sched": level, "base": level,
                     "bound": torch.ones_like(level, dtype=torch.bool), "dose": 1.0}
-        base = self.base_at(t)[idx]
+        # base(t): the reference run's PR_K at this step and level, or PR0
+        base = (self.pr0 if self.reference is None else self._reference_at(
+            "pr_token" if self.level == "token" else "pr", t))[idx]
         r = dose_at(t, self.dose, self.ramp_steps)
         sched = r * base
         if self.mode == "sham":  # a placebo: never a cap
@@ -390,14 +384,11 @@ class KeySpectrumControl:
             groups.setdefault((self._rows(site), site.d_model, w.dtype, w.device), []).append(j)
         return list(groups.values())
 
-    def _stack_sigma(self, group: list[int], regularised: bool, device: torch.device
-                     ) -> Tensor | None:
-        """Σ (or Σ_ε) of each unit of the group's sites, (U, d, d); None without moments."""
-        if self.moments is None:
-            return None
-        mats = [self._sigma(j, regularised).to(device)
-                for j in group for _ in range(self._slices[j].stop - self._slices[j].start)]
-        return torch.stack(mats)
+    def _stack_sigma(self, group: list[int], regularised: bool, device: torch.device) -> Tensor:
+        """Σ (or Σ_ε, float64) of each unit of the group's sites, (U, d, d)."""
+        sigma = self.moments.regularised if regularised else self.moments.covariance
+        return torch.stack([sigma(j).to(device) for j in group
+                            for _ in range(self._slices[j].stop - self._slices[j].start)])
 
     def _empty_record(self) -> dict[str, Tensor]:
         n = len(self.names)
@@ -443,9 +434,7 @@ class KeySpectrumControl:
         if bool(act.any()):
             sel = torch.nonzero(act).flatten().to(dev)
             s_sel = None if s_keep is None else s_keep[sel]
-            kept = torch.where(matched[act].to(dev), spread_target[idx][act].to(dev),
-                               _quad_trace(a[sel], s_sel))
-            c = torch.sqrt(kept / _quad_trace(new[sel], s_sel).clamp_min(1e-300))
+            c = _keep_scale(spread_target[idx][act].to(dev), a[sel], new[sel], s_sel)
             stored = (new[sel] * c[:, None, None]).to(a_stored.dtype)
             self._write(group, torch.nonzero(act).flatten().tolist(), stored, idx)
             self.reshapes += int(act.sum())
@@ -500,13 +489,9 @@ class KeySpectrumControl:
         for j in group:
             site, sl = self.sites[j], self._slices[j]
             view = site.k_heads(site.key_stored())  # (H_kv, hd, d) view, in place
-            for g in range(sl.start, sl.stop):
-                if g in pos:
-                    k = pos[g]
-                    if self.scope == "head":
-                        view[g - sl.start].copy_(new[k])
-                    else:
-                        view.copy_(new[k].view(view.shape))
+            for g in pos.keys() & range(sl.start, sl.stop):
+                unit = view[g - sl.start] if self.scope == "head" else view
+                unit.copy_(new[pos[g]].view(unit.shape))
 
     def _raw_units(self, site: AttentionSite) -> Tensor:
         """A copy of the stored W_K of a site as units, in the stored dtype."""
@@ -521,7 +506,7 @@ class KeySpectrumControl:
                                                   strict=True)):
                 idx = torch.arange(sl.start, sl.stop)
                 dev = site.key_stored().device
-                s_eps = self._sigma(j, True).to(dev) if self.level == "token" else None
+                s_eps = self.moments.regularised(j).to(dev) if self.level == "token" else None
                 s_units = None if s_eps is None else s_eps.expand(len(idx), -1, -1)
                 original = self._units(site, site.key_stored())  # unconstrained
                 pr_before = pr_from_covariance(_level_gram(original, s_units)[0]).cpu()
@@ -531,7 +516,7 @@ class KeySpectrumControl:
                 p.identity.copy_(identity)
                 p.spread.copy_(spread_target[idx])
                 if self.moments is not None:
-                    p.moment = self._sigma(j, False).to(dev)
+                    p.moment = self.moments.covariance(j).to(dev)
                 if s_eps is not None:
                     p.root, p.iroot = _sqrt_pair(s_eps)
                 effective = self._units(site, site.key_effective())  # runs the reshape

@@ -21,7 +21,6 @@ __all__ = ["GAMMA_MAX", "SpectrumFit", "apply_target", "default_rtol", "fit_spec
            "reshape_spectrum", "spectral_reshape"]
 
 GAMMA_MAX = 2.0**40  # largest finite γ tried; beyond it only the γ = inf limit is used
-_EPS = torch.finfo(torch.float64).eps
 _GAMMA_RTOL = 1e-13  # search stop: relative size of the last step (or bracket) on γ
 _SAME_RTOL = 1e-12  # a target this close to the current PR means "leave it" (γ = 1)
 
@@ -219,7 +218,7 @@ def apply_target(w: Tensor, target_pr: Tensor | float) -> tuple[Tensor, dict[str
 
 
 def _psi_live(s: Tensor, gamma0: Tensor, target: Tensor, nz: Tensor, top: Tensor,
-              implicit: Tensor, const_gamma: Tensor, limit: Tensor, ghat_diag: Tensor) -> Tensor:
+              implicit: Tensor, limit: Tensor, ghat_diag: Tensor) -> Tensor:
     """``Σⱼ Ĝⱼⱼ·ψⱼ`` (ψⱼ = c(s)·sⱼ^γ(s)) with the explicit sⱼ frozen and only c(s) and γ(s)
     live: γ follows the target by the implicit function theorem where ``implicit`` (one
     Newton correction around the solved γ₀), else it is held; ``limit`` rows (γ = inf) use
@@ -244,8 +243,7 @@ def _psi_live(s: Tensor, gamma0: Tensor, target: Tensor, nz: Tensor, top: Tensor
         dpr = torch.where(use_imp, dpr, torch.ones_like(dpr))
     pr_live = torch.exp(2 * lse(2 * g0, l_live) - lse(4 * g0, l_live))  # PR(s, γ₀), live in s
     g_imp = g0 - (pr_live - target) / dpr
-    gamma = torch.where(use_imp, g_imp, g0)
-    gamma = torch.where(const_gamma, g0, gamma)  # (B,)
+    gamma = torch.where(use_imp, g_imp, g0)  # (B,)
     log_norm2 = torch.logsumexp(torch.where(nz, 2 * l_live, neg_inf), dim=-1)  # log Σx²
     log_c = 0.5 * (log_norm2 - lse(2 * gamma, l_live))  # (B,)
     psi = torch.where(nz, torch.exp(log_c.unsqueeze(-1) + gamma.unsqueeze(-1) * l_frozen),
@@ -303,9 +301,7 @@ class _SpectralReshape(torch.autograd.Function):
         # c(s) and γ(s) depend on all singular values: dL/dsᵢ through them, then U·diag·Vᵀ.
         with torch.enable_grad():
             s_live = s.detach().clone().requires_grad_(True)
-            implicit = ~(clamped | limit)
-            const_gamma = clamped | limit
-            f = _psi_live(s_live, gamma, target, nz, top, implicit, const_gamma, limit,
+            f = _psi_live(s_live, gamma, target, nz, top, ~(clamped | limit), limit,
                           torch.diagonal(ghat, dim1=-2, dim2=-1).detach())
             (gs,) = torch.autograd.grad(f, s_live)
         gs = torch.where(nz, gs, torch.zeros_like(gs))

@@ -48,21 +48,20 @@ class StreamingCovariance:
                 f"expected (G={self.n_groups}, N, dim={self.dim}), got {tuple(x.shape)}"
             )
         x = x.detach()
-        if self._mean.device != x.device:
-            self._mean = self._mean.to(x.device)
-            self._m2 = self._m2.to(x.device)
+        self._follow(x.device)
         rows = max(1, self.max_chunk_elements // (self.n_groups * self.dim))
         for start in range(0, x.shape[1], rows):
             self._merge_batch(x[:, start : start + rows].to(torch.float64))  # (G, n, dim)
 
+    def _follow(self, device: torch.device) -> None:
+        """Move the state to ``device`` (a no-op when it is there)."""
+        self._mean, self._m2 = self._mean.to(device), self._m2.to(device)
+
     def _merge_batch(self, xb: Tensor) -> None:
-        n_b = xb.shape[1]
-        if n_b == 0:
-            return
+        """Fold in a non-empty chunk ``xb`` (G, n, dim), float64."""
         mean_b = xb.mean(dim=1)  # (G, dim)
-        xc = xb - mean_b[:, None, :]  # (G, n_b, dim)
-        m2_b = xc.mT @ xc  # (G, dim, dim)
-        self._merge(n_b, mean_b, m2_b)
+        xc = xb - mean_b[:, None, :]  # (G, n, dim)
+        self._merge(xb.shape[1], mean_b, xc.mT @ xc)  # scatter (G, dim, dim)
 
     def _merge(self, n_b: int, mean_b: Tensor, m2_b: Tensor) -> None:
         n_a = self.count
@@ -79,9 +78,7 @@ class StreamingCovariance:
             raise ValueError(f"expected mean {tuple(self._mean.shape)} and scatter "
                              f"{tuple(self._m2.shape)}, got {tuple(mean.shape)}, {tuple(m2.shape)}")
         if count:
-            dev = mean.device
-            if self._mean.device != dev:
-                self._mean, self._m2 = self._mean.to(dev), self._m2.to(dev)
+            self._follow(mean.device)
             self._merge(count, mean.to(torch.float64), m2.to(torch.float64))
 
     def merge(self, other: StreamingCovariance) -> None:

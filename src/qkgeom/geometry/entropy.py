@@ -96,7 +96,7 @@ class StreamingEntropy:
 
     def prepare(self, q: Tensor, k: Tensor, scale: float | None = None,
                 workspace: Workspace | None = None) -> tuple[Tensor, Tensor]:
-        """The layouts of :meth:`add_prepared`, in the softmax dtype (float64 for float64
+        """The layouts of :meth:`batch_sums`, in the softmax dtype (float64 for float64
         input, else float32): queries times ``scale`` (default 1/√hd) as (B·H_kv, T, R, hd),
         keys as (B·H_kv, T, hd), so one block of every query head of a key head is one bmm
         operand."""
@@ -122,14 +122,7 @@ class StreamingEntropy:
         overrides :meth:`blocks`. No host copy (no device sync)."""
         ws = workspace or Workspace()
         qg, kk = self.prepare(q, k, scale, ws)
-        self.add_prepared(qg, kk, q.shape[0], blocks, ws)
-
-    @torch.no_grad()
-    def add_prepared(self, qg: Tensor, kk: Tensor, B: int,
-                     blocks: tuple[int, int] | None = None,
-                     workspace: Workspace | None = None) -> None:
-        """Add a batch given in the layouts of :meth:`prepare` (``B`` sequences)."""
-        self.add_sums(self.batch_sums(qg, kk, B, blocks, workspace), B, qg.shape[1])
+        self.add_sums(self.batch_sums(qg, kk, q.shape[0], blocks, ws), q.shape[0], q.shape[2])
 
     @torch.no_grad()
     def batch_sums(self, qg: Tensor, kk: Tensor, B: int,

@@ -92,19 +92,10 @@ def records_to_frame(records_by_layer: Mapping[int, Sequence[Record]], **columns
     for name in columns:
         if name in ("layer", "head", "metric", "value"):
             raise ValueError(f"constant column {name!r} clashes with a record column")
-    rows = [
-        (layer, head, metric, value)
-        for layer, recs in records_by_layer.items()
-        for head, metric, value in recs
-    ]
-    frame = pd.DataFrame(
-        {
-            "layer": pd.Series([r[0] for r in rows], dtype="int64"),
-            "head": pd.Series([r[1] for r in rows], dtype="int64"),
-            "metric": pd.Series([r[2] for r in rows], dtype=str),
-            "value": pd.Series([float(r[3]) for r in rows], dtype="float64"),
-        }
-    )
+    rows = [(layer, head, metric, value) for layer, recs in records_by_layer.items()
+            for head, metric, value in recs]
+    frame = pd.DataFrame(rows, columns=["layer", "head", "metric", "value"]).astype(
+        {"layer": "int64", "head": "int64", "metric": str, "value": "float64"})
     for i, (name, value) in enumerate(columns.items()):
         frame.insert(i, name, [value] * len(frame))
     return frame

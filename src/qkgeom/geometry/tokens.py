@@ -310,9 +310,8 @@ class LayerGeometry:
     def _delta(self) -> Tensor | None:
         """``logit_delta`` per head against :attr:`previous`, or None without one (or when
         its window is not this measurement's shape)."""
-        if self.previous is None or self.window is None:
-            return None
-        if any(a.shape != b.shape for a, b in zip(self.previous, self.window, strict=True)):
+        if self.previous is None or self.window is None or any(
+                a.shape != b.shape for a, b in zip(self.previous, self.window, strict=True)):
             return None
         before = tuple(t.to(self.window[0].device) for t in self.previous)
         return logit_delta(before, self.window, self.causal)

@@ -112,10 +112,6 @@ def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int) 
     return path
 
 
-def _rng_size() -> int:
-    return int(torch.Generator().get_state().numel())
-
-
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
@@ -154,7 +150,7 @@ def check_checkpoint(state: dict[str, Any], path: Path, cfg: TrainConfig) -> Non
             refuse(f"no {key} state")
     if not all(isinstance(v, torch.Tensor) for v in state["model"].values()):
         refuse("its model weights are not all tensors")
-    size = _rng_size()
+    size = torch.Generator().get_state().numel()
     for key in ("data_rng", "torch_rng"):
         rng = state.get(key)
         if not (isinstance(rng, torch.Tensor) and rng.dtype == torch.uint8 and rng.dim() == 1

@@ -456,10 +456,7 @@ class Trainer:
             self._log(s, val_loss)
         if ckpt:
             # Compacted before the status says done: a finished run's tables hold every row.
-            if last:
-                self.writer.compact()
-            else:
-                self.writer.flush()
+            (self.writer.compact if last else self.writer.flush)()
             self._checkpoint(s)
             self.writer.status("done" if last else "running", s)
         elif s % cfg.probe_every == 0:
