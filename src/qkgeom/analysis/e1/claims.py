@@ -10,6 +10,7 @@ E1.3 is read four ways (:func:`contrast_readings`); why (c): docs/protocols.md#e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -77,16 +78,14 @@ def _origin_label(sel: pd.DataFrame, origin: str) -> str:
     return span if origin == "step0" else f"reference, {span}"
 
 
-class _ByOrigin:
-    """A statistics frame split once by (level, origin): claims read it 22 times."""
-
-    def __init__(self, frame: pd.DataFrame):
-        self.empty = frame.iloc[0:0]
-        self.parts = ({} if frame.empty else
-                      {key: g for key, g in frame.groupby(["level", "origin"], sort=False)})
-
-    def __call__(self, level: str, origin: str) -> pd.DataFrame:
-        return self.parts.get((level, origin), self.empty)
+def _selector(per_layer_runs: pd.DataFrame, traj: pd.DataFrame
+              ) -> Callable[[str, str], list[pd.DataFrame]]:
+    """The run, cell and trajectory statistics split once by (level, origin), as claims
+    read them 22 times: a function of (level, origin) giving the three frames."""
+    runs = run_stats(per_layer_runs)
+    parts = [({} if f.empty else dict(tuple(f.groupby(["level", "origin"], sort=False))),
+              f.iloc[0:0]) for f in (runs, cell_stats(runs), traj)]
+    return lambda level, origin: [groups.get((level, origin), empty) for groups, empty in parts]
 
 
 def _values(frame: pd.DataFrame, statistic: str) -> pd.Series:
@@ -94,18 +93,12 @@ def _values(frame: pd.DataFrame, statistic: str) -> pd.Series:
 
 
 def _three_units(statistic: str, sign: int, runs: pd.DataFrame, cells: pd.DataFrame,
-                 traj: pd.DataFrame) -> dict[str, dict]:
+                 traj: pd.DataFrame) -> tuple[dict, dict, dict]:
     """The run test (the verdict's), the cell test and the trajectory count of one
     statistic on already-selected rows."""
-    return {"runs": stats.unit_test(_values(runs, statistic), sign),
-            "cells": stats.unit_test(_values(cells, statistic), sign),
-            "traj": stats.count_test(_values(traj, statistic), sign)}
-
-
-def _beside(u: dict[str, dict]) -> str:
-    cells, traj = u["cells"], u["traj"]
-    return (f"cells {cells['k']}/{cells['n']} (p {fmt_p(cells['p_value'])}); layer "
-            f"trajectories {traj['k']}/{traj['n']}")
+    return (stats.unit_test(_values(runs, statistic), sign),
+            stats.unit_test(_values(cells, statistic), sign),
+            stats.count_test(_values(traj, statistic), sign))
 
 
 def evaluate_claims(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.DataFrame:
@@ -114,20 +107,19 @@ def evaluate_claims(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.Data
 
     One row per claim × level × origin (E2.3, measured at the last checkpoint only: one row
     per level, origin ``last``), in :data:`qkgeom.analysis.kit.CLAIM_COLUMNS`."""
-    runs = run_stats(per_layer_runs)
-    frames = [_ByOrigin(f) for f in (runs, cell_stats(runs), traj)]
+    select = _selector(per_layer_runs, traj)
     rows = []
     for claim in CLAIMS:
         for level in LEVELS:
             for origin in ORIGINS if claim.per_origin else ("step0",):
-                r_sel, c_sel, t_sel = (f(level, origin) for f in frames)
-                u = _three_units(claim.statistic, claim.sign, r_sel, c_sel, t_sel)
-                ru = u["runs"]
-                beside = _beside(u)
+                r_sel, c_sel, t_sel = select(level, origin)
+                ru, cu, tu = _three_units(claim.statistic, claim.sign, r_sel, c_sel, t_sel)
+                beside = (f"cells {cu['k']}/{cu['n']} (p {fmt_p(cu['p_value'])}); layer "
+                          f"trajectories {tu['k']}/{tu['n']}")
                 if claim.secondary:
                     sc = stats.count_test(_values(r_sel, claim.secondary), claim.sign)
                     beside += f"; {claim.secondary_criterion}: {sc['k']}/{sc['n']} runs"
-                universal_ok = (u["traj"]["k"] == u["traj"]["n"]) if claim.universal else None
+                universal_ok = (tu["k"] == tu["n"]) if claim.universal else None
                 estimate = f"{claim.mean_label} {with_ci(ru['mean'], ru['ci_low'], ru['ci_high'])}"
                 primary = level == PRIMARY[0] and (origin == PRIMARY[1] or not claim.per_origin)
                 rows.append(claim_row(
@@ -149,14 +141,12 @@ def contrast_readings(per_layer_runs: pd.DataFrame, traj: pd.DataFrame) -> pd.Da
     test (``k, n, mean, ci_low, ci_high, p_value, p_sign``), the cell test (``cells_k,
     cells_n, cells_p``), the layer-trajectory count (``traj_k, traj_n``), ``primary`` and
     the verdict the reading would get as a universal claim."""
-    runs = run_stats(per_layer_runs)
-    frames = [_ByOrigin(f) for f in (runs, cell_stats(runs), traj)]
+    select = _selector(per_layer_runs, traj)
     rows = []
     for label, statistic, text in READINGS:
         for level in LEVELS:
             for origin in ORIGINS:
-                u = _three_units(statistic, +1, *(f(level, origin) for f in frames))
-                ru, cu, tu = u["runs"], u["cells"], u["traj"]
+                ru, cu, tu = _three_units(statistic, +1, *select(level, origin))
                 rows.append({
                     "reading": label, "statistic": statistic, "criterion": text,
                     "primary": label == PRIMARY_READING, "level": level, "origin": origin,

@@ -62,15 +62,11 @@ CAPTIONS = {
 }
 
 
-#: The metrics (stems; ``_<level>`` appended, entropy has one level) each claim needs:
-#: a row none of whose runs recorded one of them says which, and the setting that does.
+#: The metric stems (:func:`~qkgeom.analysis.e1.trajectories.level_metrics`) each claim
+#: needs: a row none of whose runs recorded one of them says which, and the setting that does.
 CLAIM_METRICS = {"E1.1": ("pr_q",), "E1.2": ("pr_k",), "E1.3": ("contrast",),
                  "E2.1": ("pr_k", "pr_qk"), "E2.2": ("pr_qk", "attn_entropy"),
                  "E2.3": ("pr_qk", "attn_entropy")}
-
-
-def _needed(claim_id: str, level: str) -> list[str]:
-    return [m if m == "attn_entropy" else f"{m}_{level}" for m in CLAIM_METRICS.get(claim_id, ())]
 
 
 def name_missing_metrics(claims: pd.DataFrame, table: pd.DataFrame) -> pd.DataFrame:
@@ -85,7 +81,9 @@ def name_missing_metrics(claims: pd.DataFrame, table: pd.DataFrame) -> pd.DataFr
         if int(r["n"]) or (isinstance(r["reason"], str) and r["reason"]):
             continue
         rows = heads if r["claim_id"] == "E2.3" else table  # E2.3 is measured per head
-        missing = missing_metrics(rows, _needed(str(r["claim_id"]), str(r["level"])))
+        names = level_metrics(str(r["level"]))
+        needed = [names[m] for m in CLAIM_METRICS.get(r["claim_id"], ())]
+        missing = missing_metrics(rows, needed)
         if missing:
             claims.at[i, "reason"] = not_recorded_reason(missing)
     return claims
@@ -171,11 +169,6 @@ def readings_markdown(readings: pd.DataFrame, descriptive: bool = False) -> str:
                       *([] if descriptive else ["verdict as a universal claim"])], rows)])
 
 
-def _claim_metrics() -> list[str]:
-    """Every metric the E1/E2 claims use, at both levels."""
-    return list(dict.fromkeys(m for level in LEVELS for m in level_metrics(level).values()))
-
-
 def _figure_name(key: str) -> str:
     kind, level = key.rsplit("_", 1)
     return f"{FIGURE_TITLES[kind]} — {level} level"
@@ -229,7 +222,8 @@ def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figs: Drawn) ->
     if descriptive:
         parts += [f"**{descriptive}**", ""]
     parts += [claims_markdown(e1["claims"]), "", _rules_text(), ""]
-    note = metrics_note(missing_metrics(table, _claim_metrics()) if len(table) else [],
+    used = dict.fromkeys(m for level in LEVELS for m in level_metrics(level).values())
+    note = metrics_note(missing_metrics(table, used) if len(table) else [],
                         "The claim rows that need them measure no run (0/0)" +
                         ("." if descriptive else " and read *not evaluated*."))
     if note:
