@@ -63,14 +63,18 @@ def _index(eff: pd.DataFrame) -> Effects:
     return {tuple(r[k] for k in _KEY): r for r in eff.to_dict("records")}
 
 
-def _row(cid: str, text: str, level: str, window: str, where: str, criterion: str,
-         u: dict, beside: str, reason: str, rel: str, role: str, delta: float) -> dict:
-    """One E3 claims row (:func:`qkgeom.analysis.kit.claim_row`), seeds as the unit."""
+def _row(cid: str, text: str, level: str, window: str, criterion: str, u: dict, *,
+         rel: str, role: str, beside: str = "", reason: str = "", delta: float = np.nan
+         ) -> dict:
+    """One E3 claims row (:func:`qkgeom.analysis.kit.claim_row`), seeds as the unit; its
+    steps are those of the effect ``u`` where it has them."""
     ci = (u.get(k, np.nan) for k in ("mean", "ci_low", "ci_high"))
+    where = window_label(u.get("first_step", np.nan), u.get("last_step", np.nan), window)
     return claim_row(cid, text, level, u, role=role, unit=UNIT,
                      measured=f"{u['k']}/{u['n']} {UNIT} ({rel})",
-                     estimate=f"mean Δ {with_ci(*ci)}", test=stats.TEST_FLIP, beside=beside, reason=reason, origin=window,
-                     criterion=criterion, delta=delta, **{"from": where})
+                     estimate=f"mean Δ {with_ci(*ci)}", test=stats.TEST_FLIP, beside=beside,
+                     reason=reason, origin=window, criterion=criterion, delta=delta,
+                     **{"from": where})
 
 
 def _beside(eff: Effects, arm: str, quantity: str, window: str) -> str:
@@ -113,27 +117,24 @@ def _claim_rows(claim: E3Claim, arms: list[str], by_key: Effects,
     if primary[0] not in arms:
         level, label = QUANTITIES[primary[1]]
         rows.append(_row(claim.id, f"{claim.text} ({primary[0]})", level, PRIMARY_WINDOW,
-                         window_label(np.nan, np.nan, PRIMARY_WINDOW),
-                         f"{primary[0]} − none: {label} {rel}", _NO_UNIT, "",
-                         f"the sweep has no {primary[0]} arm paired with a none run", rel,
-                         "primary", DELTA.get(primary[1], np.nan)))
+                         f"{primary[0]} − none: {label} {rel}", _NO_UNIT, rel=rel,
+                         role="primary", delta=DELTA.get(primary[1], np.nan),
+                         reason=f"the sweep has no {primary[0]} arm paired with a none run"))
     for arm in arms:
         for quantity in claim.quantities:
             level, label = QUANTITIES[quantity]
             for window in _WINDOWS:
                 e = by_key.get((arm, BASELINE, quantity, window))
-                where = window_label(e["first_step"], e["last_step"], window) \
-                    if e is not None else window_label(np.nan, np.nan, window)
                 reason = gate.get((arm, window), "")
                 if e is None and not reason:
                     reason = f"no {label} recorded in the window"
                 rows.append(_row(
-                    claim.id, f"{claim.text} ({arm})", level, window, where,
+                    claim.id, f"{claim.text} ({arm})", level, window,
                     f"{arm} − none: {label} {rel} (seed's mean paired difference over the "
-                    "window)", _NO_UNIT if e is None else {**e, "n": e["n_seeds"]},
-                    _beside(by_key, arm, quantity, window), reason, rel,
-                    "primary" if (arm, quantity, window) == primary else "secondary",
-                    DELTA.get(quantity, np.nan)))
+                    "window)", _NO_UNIT if e is None else {**e, "n": e["n_seeds"]}, rel=rel,
+                    role="primary" if (arm, quantity, window) == primary else "secondary",
+                    beside=_beside(by_key, arm, quantity, window), reason=reason,
+                    delta=DELTA.get(quantity, np.nan)))
     return rows
 
 
@@ -172,10 +173,9 @@ def _dose_rows(windows: pd.DataFrame, gate: dict[tuple[str, str], str]) -> list[
         families = set(zip(shrink["level"], shrink["scale"], strict=True))
         if PRIMARY_DOSES not in families and quantity == PRIMARY_ENTROPY:
             rows.append(_row(cid, f"{text} ({'-'.join(PRIMARY_DOSES)})", "token",
-                             PRIMARY_WINDOW, window_label(np.nan, np.nan, PRIMARY_WINDOW),
-                             criterion, _NO_UNIT, "", "no shrink arm at the token level with "
-                             "the data rule paired with a none run", "ρ > 0", "primary",
-                             np.nan))
+                             PRIMARY_WINDOW, criterion, _NO_UNIT, rel="ρ > 0", role="primary",
+                             reason="no shrink arm at the token level with the data rule "
+                                    "paired with a none run"))
         for (level, scale), fam in effects.groupby(["level", "scale"], sort=True):
             if (level, scale) in families:
                 rows += [_dose_row(fam[fam["window"] == window], gate, level, scale, window,
@@ -203,9 +203,8 @@ def _dose_row(sel: pd.DataFrame, gate: dict[tuple[str, str], str], level: str, s
               + ", ".join(signed(means[d]) for d in doses))
     role = ("primary" if (level, scale) == PRIMARY_DOSES and window == PRIMARY_WINDOW
             and quantity == PRIMARY_ENTROPY else "secondary")
-    return _row(cid, f"{text} ({level}-{scale})", "token", window,
-                window_label(np.nan, np.nan, window), criterion, u, beside, reason, "ρ > 0",
-                role, np.nan)
+    return _row(cid, f"{text} ({level}-{scale})", "token", window, criterion, u,
+                rel="ρ > 0", role=role, beside=beside, reason=reason)
 
 
 MEDIATION_QUANTITIES = ("attn_entropy", "attn_entropy_scalefree", "logit_std_row",

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis.e3.arms import BASELINE
-from qkgeom.analysis.e3.paired import in_windows, pairs_of
+from qkgeom.analysis.e3.paired import UNIT_QUANTITIES, in_windows, pairs_of
 
 GATED = ("shrink", "hold")
 EXEMPT = 0.05  # |intended − 1| below this: no change to check
@@ -22,10 +22,6 @@ COLUMNS = [*KEYS, "window", "unit", "n_probes", "achieved", "achieved_weight", "
            "intended", "threshold", "bound_share", "passed"]
 SUMMARY_COLUMNS = [*KEYS, "window", "units", "checked", "units_passed", "achieved",
                    "achieved_weight", "qk_ratio", "intended", "bound_share", "passed"]
-
-
-_PROBED = ("pr_k_token", "pr_k_weight", "pr_qk_token")
-_RECORDED = ("ctl_dose", "ctl_bound_share")
 
 
 def manipulation_units(units: pd.DataFrame, members: pd.DataFrame,
@@ -39,11 +35,11 @@ def manipulation_units(units: pd.DataFrame, members: pd.DataFrame,
         return pd.DataFrame(columns=COLUMNS)
     wide = units.pivot_table(index=["run_id", "step", "unit"], columns="quantity",
                              values="value", aggfunc="mean")
-    wide = wide.reindex(columns=[*_PROBED, *_RECORDED]).reset_index()
+    wide = wide.reindex(columns=[*UNIT_QUANTITIES, "ctl_dose", "ctl_bound_share"]).reset_index()
     wide.columns.name = None
     arm = pairs[["run_id", "base_run", *KEYS]].merge(wide, on="run_id")
-    base = wide[["run_id", "step", "unit", *_PROBED]].rename(
-        columns={"run_id": "base_run", **{q: f"{q}_base" for q in _PROBED}})
+    base = wide[["run_id", "step", "unit", *UNIT_QUANTITIES]].rename(
+        columns={"run_id": "base_run", **{q: f"{q}_base" for q in UNIT_QUANTITIES}})
     frame = arm.merge(base, on=["base_run", "step", "unit"])
     frame = frame[frame["pr_k_token"].notna()]
     if frame.empty:

@@ -1,14 +1,7 @@
-"""The E3 report: the manipulation check first, then the claims, the power of the primary
-rows, the mediation table, every paired effect, the runs left out of the pairs, setup,
-excluded runs, figures.
-
-Written by :func:`qkgeom.analysis.report.write_report` when the sweep is an E3 sweep
-(:func:`qkgeom.analysis.e3.arms.is_e3`). Files: ``report.md``/``report.html``,
-``claims.csv``, ``e3_manipulation.csv`` (the check per seed, arm and window),
-``e3_manipulation_units.csv`` (per seed, arm, window and controlled unit),
-``e3_effects.csv`` (every arm × baseline × quantity × window), ``e3_mediation.csv``,
-``e3_windows.csv`` (each seed's window means), ``e3_paired.csv`` (paired differences at
-every probe), ``e3_arms.csv`` and the two E3 figures.
+"""The E3 report (:func:`qkgeom.analysis.e3.arms.is_e3` sweeps): the manipulation check
+first, then the claims, the power of the primary rows, the mediation table, every paired
+effect, the runs left out of the pairs, setup, excluded runs, figures. Files:
+docs/report.md.
 """
 
 from __future__ import annotations
@@ -218,8 +211,8 @@ def _rules_text() -> str:
 
 
 def e3_report_markdown(data: Collated, analysis: dict[str, pd.DataFrame], figs: Drawn) -> str:
-    """The E3 ``report.md``, opening with the one-line summary; ``spread`` says how the
-    figures show the seeds; ``drawn=False`` when figures were not asked for."""
+    """The E3 ``report.md`` from :func:`~qkgeom.analysis.e3.evaluate.e3_analysis`'s tables
+    and the figures drawn."""
     name = data.name
     members = analysis["members"]
     per_arm = members.groupby("arm")["seed"].nunique().to_dict() if len(members) else {}
