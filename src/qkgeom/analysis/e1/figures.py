@@ -1,11 +1,7 @@
-"""Figures of E1/E2 from a collated sweep (matplotlib; PNG 150 dpi + SVG).
-
-One panel per depth × Q/K init (a monitored run's column is its model), every figure at
-the weight and the token level: ``pr`` (PR_Q solid and PR_K dashed, sharing axes: E1.3 is
-about their gap), ``contrast``, ``qk_entropy`` and ``heads`` (every head at its run's last
-probe, where E2.3 is measured, each panel printing its ρ). A figure whose metrics are not
-recorded, or a trajectory of one probe step, is not drawn; the report says why. Style:
-:mod:`qkgeom.analysis.figstyle`; what each shows: docs/report.md#figures.
+"""Figures of E1/E2 from a collated sweep, one panel per depth × Q/K init (a monitored
+run's column is its model), at the weight and the token level. PR_Q and PR_K share axes
+because E1.3 is about their gap. Style: :mod:`qkgeom.analysis.figstyle`; what each shows:
+docs/report.md#figures.
 """
 
 from __future__ import annotations
@@ -50,15 +46,6 @@ def seeds_per_panel(table: pd.DataFrame) -> list[int]:
     return [int(n) for n in table.groupby(GROUP)["run_id"].nunique()]
 
 
-def _group_ref(refs: dict[str, int], panel: pd.DataFrame) -> int | None:
-    """The reference probe of one depth × init panel (rows of :func:`_panels`; ``refs``:
-    each run's configured reference step): the first probed step ≥ its ref_step."""
-    known = [refs[r] for r in panel["unit"].unique() if r in refs]
-    if not known or panel.empty:
-        return None
-    return reference_probe(panel["step"].unique(), min(known))
-
-
 def _log_y(ax: Axes) -> None:
     """A log y axis labelled at 1, 2, 3, 5 × 10^k (two labels or more in any range over
     1.7×), no minor ticks."""
@@ -92,6 +79,28 @@ def _panels(table: pd.DataFrame, metrics: set[str]) -> dict[tuple[int, str, str]
     return {(int(d), str(i), str(v)): g for (d, i, v), g in rows.groupby(GROUP, sort=False)}
 
 
+def _draw_panel(ax: Axes, panel: pd.DataFrame, lines: tuple[tuple[str, str, str], ...],
+                refs: dict[str, int], zero: bool) -> list[int]:
+    """One panel of :func:`_trajectory_rows` (``panel``: its rows of :func:`_panels`): each
+    layer's line of every metric of ``lines``, 0 when ``zero``, and the reference probe
+    (the first probed step ≥ its runs' ``refs``, when known); returns its layers."""
+    series = dict(tuple(panel.groupby(["metric", "layer"], sort=True)))
+    layers = sorted(int(x) for x in panel["layer"].unique())
+    colors = figstyle.layer_colors(len(layers))
+    for metric, style, _ in lines:
+        for color, layer in zip(colors, layers, strict=True):
+            if (metric, layer) in series:
+                figstyle.draw_spread(ax, series[(metric, layer)], color, linestyle=style)
+    if zero:
+        ax.axhline(0.0, **figstyle.ZERO_LINE)
+    known = [refs[r] for r in panel["unit"].unique() if r in refs]
+    if known:
+        ax.axvline(reference_probe(panel["step"].unique(), min(known)), **figstyle.REF_LINE)
+    figstyle.step_axis(ax, float(panel["step"].max()))
+    ax.margins(x=0.01)
+    return layers
+
+
 def _trajectory_rows(table: pd.DataFrame, level: str, refs: dict[str, int] | None,
                      rows: list[tuple[tuple[tuple[str, str, str], ...], str, bool]],
                      title: str, zero: bool = False) -> Figure:
@@ -108,7 +117,7 @@ def _trajectory_rows(table: pd.DataFrame, level: str, refs: dict[str, int] | Non
         for di, depth in enumerate(depths):
             for r, (lines, ylabel, log) in enumerate(rows):
                 row = di * len(rows) + r
-                drawn, layers = [], []
+                layers: list[int] = []  # the legend's: the panel with the most
                 for c, (init, variant) in enumerate(cols):
                     ax = axes[row, c]
                     if r == 0:  # the rows of one depth share their panels' titles
@@ -121,26 +130,10 @@ def _trajectory_rows(table: pd.DataFrame, level: str, refs: dict[str, int] | Non
                     if panel is None:
                         figstyle.blank_panel(ax, "no runs")  # e.g. every seed of it diverged
                         continue
-                    series = dict(tuple(panel.groupby(["metric", "layer"], sort=True)))
-                    panel_layers = sorted(int(x) for x in panel["layer"].unique())
-                    colors = figstyle.layer_colors(len(panel_layers))
-                    for metric, style, _ in lines:
-                        for color, layer in zip(colors, panel_layers, strict=True):
-                            if (metric, layer) in series:
-                                figstyle.draw_spread(ax, series[(metric, layer)], color,
-                                                     linestyle=style)
-                    if zero:
-                        ax.axhline(0.0, **figstyle.ZERO_LINE)
-                    ref = _group_ref(refs, panel)
-                    if ref is not None:
-                        ax.axvline(ref, **figstyle.REF_LINE)
-                    figstyle.step_axis(ax, float(panel["step"].max()))
-                    ax.margins(x=0.01)
-                    drawn.append(ax)
-                    layers = panel_layers if len(panel_layers) > len(layers) else layers
+                    layers = max(layers, _draw_panel(ax, panel, lines, refs, zero), key=len)
                 if log:
                     _log_y(axes[row, 0])  # shared: the whole row
-                if drawn and r == 0:
+                if layers and r == 0:
                     styles = tuple((s, lab) for _, s, lab in lines) if len(lines) > 1 else ()
                     _legend(axes[row, -1], layers, styles)
         figstyle.suptitle(fig, f"{title} — {LEVEL_TITLE[level]}; "

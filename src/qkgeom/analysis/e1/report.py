@@ -132,14 +132,14 @@ def _rules_text() -> str:
 
 def _caveats(per_layer: pd.DataFrame) -> list[str]:
     out = []
-    if len(per_layer) and (per_layer["n_heads"] < 3).any():
+    if not len(per_layer):
+        return out
+    if (per_layer["n_heads"] < 3).any():
         out.append("- Layers with fewer than 3 heads make the across-head Spearman ρ (E2.3) "
                    "±1 by construction; read E2.3 as a sign only.")
-    if len(per_layer):
-        short = per_layer[(per_layer["origin"] == "reference") & (per_layer["n_steps"] < 3)]
-        if len(short):
-            out.append("- From the reference step some trajectories have fewer than 3 probes; "
-                       "their correlations are n/a.")
+    if ((per_layer["origin"] == "reference") & (per_layer["n_steps"] < 3)).any():
+        out.append("- From the reference step some trajectories have fewer than 3 probes; "
+                   "their correlations are n/a.")
     return out
 
 
