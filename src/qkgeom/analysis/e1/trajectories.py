@@ -164,12 +164,12 @@ def _cells(data: Collated, level: str) -> list[_Cell]:
         lay = g[g["head"] == -1]
         layers = np.sort(lay["layer"].unique())
         steps_all = np.sort(lay["step"].unique())
-        present = [m for m in wanted if (lay["metric"] == m).any()]
+        recorded = set(lay["metric"].unique())
+        present = [i for i, m in enumerate(wanted) if m in recorded]
         dense = _dense(lay, [("metric", wanted), ("run_id", runs), ("layer", layers),
                              ("step", steps_all)])  # (metric, run, layer, step)
-        ok = np.ones(len(steps_all), dtype=bool)
-        for m in present:
-            ok &= np.isfinite(dense[wanted.index(m)]).all(axis=(0, 1))
+        # the steps at which every recorded metric of every run and layer is finite
+        ok = np.isfinite(dense[present]).all(axis=(0, 1, 2))
         steps = steps_all[ok]
         if len(steps) == 0:
             continue

@@ -15,6 +15,6 @@ from qkgeom.analysis.e3.manipulation import (
 )
 from qkgeom.analysis.e3.paired import paired_differences
 
-__all__ = ["E3_CLAIMS", "e3_analysis", "evaluate_e3_claims", "is_e3",
-           "manipulation_gate", "manipulation_summary", "manipulation_units", "mediation_table", "pair_groups",
+__all__ = ["E3_CLAIMS", "e3_analysis", "evaluate_e3_claims", "is_e3", "manipulation_gate",
+           "manipulation_summary", "manipulation_units", "mediation_table", "pair_groups",
            "paired_differences", "run_arms"]
