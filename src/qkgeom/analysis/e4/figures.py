@@ -37,6 +37,8 @@ __all__ = ["degenerate_figures", "fig_seeds", "make_e4_figures", "make_e4_set_fi
 
 _Z_CRIT = float(sst.norm.isf(0.05))
 _MAX_PANELS = 12
+
+
 def _xscale(ax: Axes, steps: np.ndarray, names: dict[float, str] | None,
             label: str = "step") -> None:
     if names is not None:

@@ -11,7 +11,7 @@ seed and shared by every row; the work is vectorised over rows in chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 from scipy import stats as sst
@@ -100,9 +100,8 @@ class Regime:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every per-row array (not the null distributions), by name."""
-        return {k: getattr(self, k) for k in ("peak", "gain", "drop", "p_rise", "p_fall",
-                                              "z_rise", "z_fall", "call", "share_lost",
-                                              "token_sd", "jitter_sd")}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if not f.name.startswith("null_")}
 
     def row(self, i: int) -> dict:
         """Row ``i`` as a dict of scalars."""
