@@ -112,8 +112,6 @@ def _last_rho(heads: pd.DataFrame, level: str) -> pd.Series:
     if heads.empty:
         return pd.Series(dtype=float)
     h = heads[(heads["level"] == level) & (heads["layer"] >= 0)]
-    if h.empty:
-        return pd.Series(dtype=float)
     return h.loc[h["step"] == h["step"].max(), "rho"].dropna()
 
 
@@ -267,9 +265,8 @@ def seed_claims(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]]) -> pd.DataF
                 alone = sum(scores[s][p_key] < stats.ALPHA for s in names)
                 beside += f"; seeds significant on their own: {alone}/{len(names)}"
             else:
-                lost = [scores[s]["share_lost"] for s in names]
-                lost = [v for v in lost if np.isfinite(v)]
-                if lost:
+                lost = stats.finite(scores[s]["share_lost"] for s in names)
+                if len(lost):
                     beside += (f"; share of the gain lost (layers that rise then fall), mean "
                                f"over seeds {np.mean(lost):.2f}")
             rows.append(_row(cid, level, "seed", f"{u['k']}/{u['n']} seeds with score > 0",

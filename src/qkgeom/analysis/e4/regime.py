@@ -171,6 +171,7 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
     jitter = np.where(ok, jitter, np.nan)
     null_gain = np.full((rows, n_surrogates), np.nan)
     null_drop = np.full((rows, n_surrogates), np.nan)
+    p_rise, p_fall, z_rise, z_fall = (np.full(rows, np.nan) for _ in range(4))
     todo = np.flatnonzero(ok)
     if len(todo):
         rng = np.random.default_rng(seed)  # the jitter's normals, then the blocks' draws
@@ -186,8 +187,6 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
             v = roughness(eps)
             null_gain[idx] = np.sort(studentize(g, v), axis=1)
             null_drop[idx] = np.sort(studentize(d, v), axis=1)
-    p_rise, p_fall, z_rise, z_fall = (np.full(rows, np.nan) for _ in range(4))
-    if len(todo):
         v = roughness(x[todo])
         pr, mr = upper_p(null_gain[todo], studentize(gain[todo], v)[:, None])
         pf, mf = upper_p(null_drop[todo], studentize(drop[todo], v)[:, None])

@@ -115,8 +115,7 @@ def e4_claims_table(folder: str | Path, n_boot: int = N_BOOT) -> pd.DataFrame:
     """The E4 claims of an analysis folder or a set of them, one per seed (see
     :mod:`qkgeom.analysis.e4.claims`)."""
     if is_e4_set(folder):
-        units = load_set(folder)
-        return seed_claims({u: (a["trends"], a["heads"]) for u, a in units.items()})
+        return seed_claims({u: (a["trends"], a["heads"]) for u, a in load_set(folder).items()})
     a = load_analysis(folder)
     return e4_claims(a["trends"], a["heads"], bootstrap(a, n_boot)[0])
 
