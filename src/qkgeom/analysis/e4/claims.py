@@ -62,16 +62,9 @@ def _probit(p: float) -> float:
     return float(sst.norm.isf(p)) if np.isfinite(p) else float("nan")
 
 
-def _model_p(t: pd.DataFrame) -> dict[str, float]:
-    """The model's p of a fall (E4.1) and of a rise then fall (E4.2): Šidák over its
-    layers of the calls' p's (``p_fall``, ``p_regime``), and the same from the mid-p's
-    (Φ(−z)) for the scores (``s1``, ``s2``: continuous, about N(0, 1) without the
-    effect)."""
-    pf, pr = t["p_fall"].to_numpy(float), t["p_rise"].to_numpy(float)
-    zf, zr = t["z_fall"].to_numpy(float), t["z_rise"].to_numpy(float)
-    return {"p_fall": _sidak(pf), "p_regime": _sidak(np.maximum(pf, pr)),
-            "s1": _probit(_sidak(sst.norm.sf(zf))),
-            "s2": _probit(_sidak(sst.norm.sf(np.minimum(zf, zr))))}
+def _z_regime(t: pd.DataFrame) -> np.ndarray:
+    """Each layer's rise-and-fall score min(z_rise, z_fall)."""
+    return np.minimum(t["z_rise"].to_numpy(float), t["z_fall"].to_numpy(float))
 
 
 def _layers(trends: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -89,18 +82,29 @@ def model_scores(trends: pd.DataFrame, heads: pd.DataFrame, metric: str = PRIMAR
     rise-and-fall score), ``s4`` (E4.4, token level) and ``s4_weight``; and the counts
     ``layers``, ``falls``, ``regimes``, ``rises`` and the mean ``share_lost`` of the
     layers that rise then fall."""
-    t = _layers(trends, metric)
-    z_reg = np.minimum(t["z_rise"].to_numpy(float), t["z_fall"].to_numpy(float))
-    lost = t.loc[t["call"] == RISE_FALL, "share_lost"].dropna()
-    out = {"layers": len(t), "falls": int(t["call"].isin([RISE_FALL, FALL]).sum()),
-           "regimes": int((t["call"] == RISE_FALL).sum()),
-           "rises": int(t["call"].isin([RISE_FALL, MONOTONE]).sum()), **_model_p(t),
-           "s3": float(z_reg.mean()) if len(z_reg) else np.nan,
-           "share_lost": float(lost.mean()) if len(lost) else np.nan}
+    out = _layer_scores(_layers(trends, metric))
     for level, key in (("token", "s4"), ("weight", "s4_weight")):
         last = _last_rho(heads, level)
         out[key] = float(last.mean()) if len(last) else np.nan
     return out
+
+
+def _layer_scores(t: pd.DataFrame) -> dict[str, float]:
+    """:func:`model_scores` but E4.4, from the layers :func:`_layers` keeps. The model's p
+    of a fall (E4.1) and of a rise then fall (E4.2) is Šidák over its layers of the calls'
+    p's; its scores ``s1``, ``s2`` the same from the mid-p's (Φ(−z): continuous, about
+    N(0, 1) without the effect)."""
+    z_reg = _z_regime(t)
+    lost = t.loc[t["call"] == RISE_FALL, "share_lost"].dropna()
+    pf, pr = t["p_fall"].to_numpy(float), t["p_rise"].to_numpy(float)
+    return {"layers": len(t), "falls": int(t["call"].isin([RISE_FALL, FALL]).sum()),
+            "regimes": int((t["call"] == RISE_FALL).sum()),
+            "rises": int(t["call"].isin([RISE_FALL, MONOTONE]).sum()),
+            "p_fall": _sidak(pf), "p_regime": _sidak(np.maximum(pf, pr)),
+            "s1": _probit(_sidak(sst.norm.sf(t["z_fall"].to_numpy(float)))),
+            "s2": _probit(_sidak(sst.norm.sf(z_reg))),
+            "s3": float(z_reg.mean()) if len(z_reg) else np.nan,
+            "share_lost": float(lost.mean()) if len(lost) else np.nan}
 
 
 def _last_rho(heads: pd.DataFrame, level: str) -> pd.Series:
@@ -108,8 +112,6 @@ def _last_rho(heads: pd.DataFrame, level: str) -> pd.Series:
     if heads.empty:
         return pd.Series(dtype=float)
     h = heads[(heads["level"] == level) & (heads["layer"] >= 0)]
-    if h.empty:
-        return pd.Series(dtype=float)
     return h.loc[h["step"] == h["step"].max(), "rho"].dropna()
 
 
@@ -144,23 +146,19 @@ def _model_rows(t: pd.DataFrame, level: str, boot: pd.DataFrame | None,
                                       "warm-up")
     calls = f"calls: {_calls_text(t)}" if n else "n/a"
     rows = []
-    model = _model_p(t)
+    s = _layer_scores(t)
     for cid, p, score, k, what, boot_calls, boot_what in (
-            ("E4.1", model["p_fall"], model["s1"], int(t["call"].isin([RISE_FALL, FALL]).sum()),
-             "fall", (), "some layer falls"),
-            ("E4.2", model["p_regime"], model["s2"], int((t["call"] == RISE_FALL).sum()),
-             "rise then fall", (RISE_FALL,), "rise then fall")):
+            ("E4.1", s["p_fall"], s["s1"], s["falls"], "fall", (), "some layer falls"),
+            ("E4.2", s["p_regime"], s["s2"], s["regimes"], "rise then fall", (RISE_FALL,),
+             "rise then fall")):
         # the unit is the model: one unit, leaning to the claim when its score is > 0
         u = {"k": int(score > 0) if n else 0, "n": 1 if n else 0, "p_value": p}
         rows.append(_row(cid, level, "model", f"{k}/{n} layers {what}", u, calls, _MODEL_P,
                          _RULE + _boot_text(boot, boot_calls, boot_what), reason))
-    z_reg = np.minimum(t["z_rise"].to_numpy(float), t["z_fall"].to_numpy(float)) if n \
-        else np.array([])
-    u = stats.unit_test(z_reg, +1)
-    lost = t.loc[t["call"] == RISE_FALL, "share_lost"].dropna() if n else pd.Series([])
+    u = stats.unit_test(_z_regime(t), +1)
     est = f"mean score {u['mean']:+.2f}" if np.isfinite(u["mean"]) else "n/a"
-    if len(lost):
-        est += f"; share of the gain lost (rise then fall) {lost.mean():.2f}"
+    if not np.isnan(s["share_lost"]):
+        est += f"; share of the gain lost (rise then fall) {s['share_lost']:.2f}"
     rows.append(_row("E4.3", level, "layer", f"{u['k']}/{u['n']} layers with a rise-and-fall "
                      "score > 0", u, est, _LAYER_FLIP,
                      "score = min(z_rise, z_fall), about N(0, 1) without the effect"
@@ -267,9 +265,8 @@ def seed_claims(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]]) -> pd.DataF
                 alone = sum(scores[s][p_key] < stats.ALPHA for s in names)
                 beside += f"; seeds significant on their own: {alone}/{len(names)}"
             else:
-                lost = [scores[s]["share_lost"] for s in names]
-                lost = [v for v in lost if np.isfinite(v)]
-                if lost:
+                lost = stats.finite(scores[s]["share_lost"] for s in names)
+                if len(lost):
                     beside += (f"; share of the gain lost (layers that rise then fall), mean "
                                f"over seeds {np.mean(lost):.2f}")
             rows.append(_row(cid, level, "seed", f"{u['k']}/{u['n']} seeds with score > 0",

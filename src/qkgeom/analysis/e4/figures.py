@@ -37,6 +37,8 @@ __all__ = ["degenerate_figures", "fig_seeds", "make_e4_figures", "make_e4_set_fi
 
 _Z_CRIT = float(sst.norm.isf(0.05))
 _MAX_PANELS = 12
+
+
 def _xscale(ax: Axes, steps: np.ndarray, names: dict[float, str] | None,
             label: str = "step") -> None:
     if names is not None:
@@ -62,7 +64,7 @@ def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame
                  names: dict[float, str] | None = None, warmup: int | None = None) -> Figure:
     layer = metrics[metrics["head"] == -1]
     layers = sorted(layer["layer"].unique())
-    colors = layer_colors(len(layers))[: len(layers)]
+    colors = layer_colors(len(layers))
     present = [m for m in TREND_METRICS if (layer["metric"] == m).any()] or ["contrast_token"]
     fig = new_figure(PANEL_W * len(present) + LEGEND_W, PANEL_H + 0.5)
     axes = np.atleast_1d(fig.subplots(1, len(present)))
@@ -102,7 +104,7 @@ def fig_prefix(prefix: pd.DataFrame, trends: pd.DataFrame,
         else "token"
     sel = prefix[prefix["level"] == level]
     layers = sorted(sel["layer"].unique())
-    for c, lay in zip(layer_colors(len(layers))[: len(layers)], layers, strict=True):
+    for c, lay in zip(layer_colors(len(layers)), layers, strict=True):
         s = sel[sel["layer"] == lay].sort_values("k")
         ax.plot(s["end_step"], s["mk_z"], "-o", ms=2.5, color=c, label=f"L{lay}")
         t = trends[(trends["level"] == level) & (trends["layer"] == lay) & trends["has_regime"]]
@@ -225,7 +227,7 @@ def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int |
     rows = (len(layers) + cols - 1) // cols or 1
     fig = new_figure(2.6 * cols + 0.3, 2.1 * rows + 0.3)
     axes = fig.subplots(rows, cols, squeeze=False)
-    colors = layer_colors(len(units))[: len(units)]
+    colors = layer_colors(len(units))
     for ax in axes.flat[len(layers):]:
         ax.axis("off")
     for ax, lay in zip(axes.flat, layers, strict=False):

@@ -11,7 +11,7 @@ seed and shared by every row; the work is vectorised over rows in chunks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 from scipy import stats as sst
@@ -100,9 +100,8 @@ class Regime:
 
     def arrays(self) -> dict[str, np.ndarray]:
         """Every per-row array (not the null distributions), by name."""
-        return {k: getattr(self, k) for k in ("peak", "gain", "drop", "p_rise", "p_fall",
-                                              "z_rise", "z_fall", "call", "share_lost",
-                                              "token_sd", "jitter_sd")}
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if not f.name.startswith("null_")}
 
     def row(self, i: int) -> dict:
         """Row ``i`` as a dict of scalars."""
@@ -172,6 +171,7 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
     jitter = np.where(ok, jitter, np.nan)
     null_gain = np.full((rows, n_surrogates), np.nan)
     null_drop = np.full((rows, n_surrogates), np.nan)
+    p_rise, p_fall, z_rise, z_fall = (np.full(rows, np.nan) for _ in range(4))
     todo = np.flatnonzero(ok)
     if len(todo):
         rng = np.random.default_rng(seed)  # the jitter's normals, then the blocks' draws
@@ -187,8 +187,6 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
             v = roughness(eps)
             null_gain[idx] = np.sort(studentize(g, v), axis=1)
             null_drop[idx] = np.sort(studentize(d, v), axis=1)
-    p_rise, p_fall, z_rise, z_fall = (np.full(rows, np.nan) for _ in range(4))
-    if len(todo):
         v = roughness(x[todo])
         pr, mr = upper_p(null_gain[todo], studentize(gain[todo], v)[:, None])
         pf, mf = upper_p(null_drop[todo], studentize(drop[todo], v)[:, None])

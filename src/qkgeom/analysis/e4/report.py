@@ -115,8 +115,7 @@ def e4_claims_table(folder: str | Path, n_boot: int = N_BOOT) -> pd.DataFrame:
     """The E4 claims of an analysis folder or a set of them, one per seed (see
     :mod:`qkgeom.analysis.e4.claims`)."""
     if is_e4_set(folder):
-        units = load_set(folder)
-        return seed_claims({u: (a["trends"], a["heads"]) for u, a in units.items()})
+        return seed_claims({u: (a["trends"], a["heads"]) for u, a in load_set(folder).items()})
     a = load_analysis(folder)
     return e4_claims(a["trends"], a["heads"], bootstrap(a, n_boot)[0])
 
@@ -189,16 +188,16 @@ def _setup(meta: dict, ckpts: pd.DataFrame, warmup: int | None = None) -> str:
 def _boot_cells(r: Any, boot: pd.DataFrame, names: dict[float, str] | None
                 ) -> tuple[str, str, str]:
     """(peak @ step [interval], share lost [interval], share of resamples with this call)."""
+    peak, lost = _at(r.peak_step, names), _f(r.share_lost, "{:.2f}")
     b = boot[boot["layer"] == r.layer] if len(boot) and r.metric == PRIMARY else boot.iloc[0:0]
-    same = b[f"share_{r.call.replace(' ', '_')}"].iloc[0] if len(b) else np.nan
-    lost = _f(r.share_lost, "{:.2f}") + (
-        f" [{_f(b['share_lost_low'].iloc[0], '{:.2f}')}, "
-        f"{_f(b['share_lost_high'].iloc[0], '{:.2f}')}]"
-        if len(b) and np.isfinite(r.share_lost) else "")
-    peak = _at(r.peak_step, names) + (f" [{_at(b['peak_step_low'].iloc[0], names)}, "
-                                      f"{_at(b['peak_step_high'].iloc[0], names)}]"
-                                      if len(b) and np.isfinite(b["peak_step_low"].iloc[0])
-                                      else "")
+    if not len(b):
+        return peak, lost, "n/a"
+    b = b.iloc[0]
+    if np.isfinite(r.share_lost):
+        lost += f" [{_f(b['share_lost_low'], '{:.2f}')}, {_f(b['share_lost_high'], '{:.2f}')}]"
+    if np.isfinite(b["peak_step_low"]):
+        peak += f" [{_at(b['peak_step_low'], names)}, {_at(b['peak_step_high'], names)}]"
+    same = b[f"share_{r.call.replace(' ', '_')}"]
     return peak, lost, f"{same:.0%}" if np.isfinite(same) else "n/a"
 
 
@@ -343,6 +342,7 @@ def _figure_parts(figs: Drawn) -> list[str]:
 
 
 def _with_unit(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The frames of every seed stacked, led by a ``unit`` column."""
     parts = [f.assign(unit=u) for u, f in frames.items() if len(f)]
     if not parts:
         return pd.DataFrame()

@@ -41,13 +41,10 @@ def calibrate(stab: StabilityRuns) -> dict[str, float]:
     ``logit_delta``, E = ½ × their smallest layer ``attn_entropy`` after step 0."""
     ids = set(_stable_none(stab)["run_id"])
     lay = stab.layers[stab.layers["run_id"].isin(ids)]
-
-    def of(metric: str) -> pd.Series:
-        return lay.loc[lay["metric"] == metric, "value"]
-
+    top = lay.groupby("metric")["value"].max()
     ent = lay[(lay["metric"] == "attn_entropy") & (lay["step"] > 0)]["value"]
-    return {"logit_max": 2 * float(of("logit_max").max()),
-            "logit_delta": 2 * float(of("logit_delta").max()),
+    return {"logit_max": 2 * float(top.get("logit_max", np.nan)),
+            "logit_delta": 2 * float(top.get("logit_delta", np.nan)),
             "attn_entropy": 0.5 * float(ent.min())}
 
 

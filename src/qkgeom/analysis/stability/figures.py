@@ -18,11 +18,6 @@ ROWS = (("attn_entropy", "min", "min over layers of\nattention entropy (nats)", 
         ("logit_max", "max", "max over layers of\nmax scaled logit", True))
 
 
-def _per_run(stab: StabilityRuns, metric: str, how: str) -> pd.DataFrame:
-    t = layer_table(stab, metric)
-    return t.groupby(["run_id", "step"])["value"].agg(how).reset_index()
-
-
 def draw(stab: StabilityRuns, out: Path) -> Path:
     """Draw and save the figure; returns its PNG."""
     arms = list(dict.fromkeys(stab.runs["arm"]))
@@ -30,7 +25,8 @@ def draw(stab: StabilityRuns, out: Path) -> Path:
     colors = figstyle.layer_colors(len(lrs))
     fig, axes = figstyle.grid(len(ROWS), len(arms), sharex=True, sharey="row")
     for i, (metric, how, label, log) in enumerate(ROWS):
-        per_run = _per_run(stab, metric, how)
+        t = layer_table(stab, metric)
+        per_run = t.groupby(["run_id", "step"])["value"].agg(how).reset_index()
         for j, arm in enumerate(arms):
             ax = axes[i, j]
             for lr, color in zip(lrs, colors, strict=True):

@@ -131,10 +131,7 @@ def _departures(stab: StabilityRuns, runs: pd.DataFrame) -> pd.Series:
         mine = stab.val[stab.val["run_id"] == run_id].set_index("step")["val_loss"]
         excess = (mine - ref[r["seed"]]).dropna()
         over = excess.index[(excess > DEPARTURE_NATS) | ~np.isfinite(excess)]
-        step = float(over.min()) if len(over) else np.nan
-        if np.isfinite(r["diverged_step"]):
-            step = min(step, r["diverged_step"]) if np.isfinite(step) else r["diverged_step"]
-        out[run_id] = step
+        out[run_id] = np.fmin(float(over.min()) if len(over) else np.nan, r["diverged_step"])
     return out
 
 

@@ -164,26 +164,19 @@ def stability_markdown(stab: StabilityRuns, claims: pd.DataFrame, outcomes: pd.D
     return "\n".join(parts).rstrip() + "\n"
 
 
-def stability_analysis(folder: str | Path) -> dict:
-    """Everything the report shows, computed once."""
-    stab = read_stability(folder)
-    thresholds = calibrate(stab)
-    return {"stab": stab, "claims": stability_claims(stab), "outcomes": outcomes_table(stab),
-            "alerts": evaluate(stab), "thresholds": thresholds,
-            "candidates": choose_defaults(stab, thresholds)}
-
-
 def write_stability_report(folder: Path, out: Path, figures: bool = True) -> Path:
     """The stability report of the sweep ``folder`` into ``out``; returns ``report.md``."""
-    a = stability_analysis(folder)
-    write_csvs(out, (("claims", a["claims"]), ("stability_runs", a["stab"].runs),
-                     ("stability_outcomes", a["outcomes"]), ("stability_alerts", a["alerts"]),
-                     ("stability_calibration", a["candidates"])))
+    stab = read_stability(folder)
+    thresholds = calibrate(stab)
+    claims, outcomes, alerts = stability_claims(stab), outcomes_table(stab), evaluate(stab)
+    candidates = choose_defaults(stab, thresholds)
+    write_csvs(out, (("claims", claims), ("stability_runs", stab.runs),
+                     ("stability_outcomes", outcomes), ("stability_alerts", alerts),
+                     ("stability_calibration", candidates)))
     figure = None
     if figures:
         from qkgeom.analysis.stability.figures import draw
 
-        figure = draw(a["stab"], out)
-    text = stability_markdown(a["stab"], a["claims"], a["outcomes"], a["alerts"],
-                              a["thresholds"], a["candidates"], figure)
-    return write_pages(out, text, f"qkgeom report: {a['stab'].name}")
+        figure = draw(stab, out)
+    text = stability_markdown(stab, claims, outcomes, alerts, thresholds, candidates, figure)
+    return write_pages(out, text, f"qkgeom report: {stab.name}")
