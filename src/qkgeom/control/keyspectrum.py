@@ -91,16 +91,15 @@ class KeySpectrumParametrization(nn.Module):
     reshapes W Σ_ε^½ and maps back by Σ_ε^−½), differentiably. Its buffers -- ``target``,
     ``identity`` (units passed through), ``moment`` (Σ of the data rule), ``root``/``iroot``
     (Σ_ε^±½) and ``spread`` (to match; NaN: keep) -- are set by :class:`KeySpectrumControl`
-    after each step."""
+    after each step; until then every unit passes through."""
 
-    def __init__(self, site: AttentionSite, scope: str, level: str, scale: str,
-                 target: Tensor) -> None:
+    def __init__(self, site: AttentionSite, scope: str, level: str, scale: str) -> None:
         super().__init__()
         self.site, self.scope, self.level, self.scale = site, scope, level, scale
         n_units = site.n_kv_head if scope == "head" else 1
-        self.register_buffer("target", torch.as_tensor(target, dtype=torch.float64)
-                             .reshape(n_units).clone(), persistent=False)
-        self.register_buffer("identity", torch.zeros(n_units, dtype=torch.bool),
+        self.register_buffer("target", torch.ones(n_units, dtype=torch.float64),
+                             persistent=False)
+        self.register_buffer("identity", torch.ones(n_units, dtype=torch.bool),
                              persistent=False)
         self.register_buffer("spread", torch.full((n_units,), math.nan, dtype=torch.float64),
                              persistent=False)
@@ -232,10 +231,8 @@ class KeySpectrumControl:
 
     def _register_parametrizations(self) -> None:
         """W_K becomes a function of the stored weight, the identity until the first step."""
-        for site, sl in zip(self.sites, self._slices, strict=True):
-            p = KeySpectrumParametrization(site, self.scope, self.level, self.scale,
-                                           torch.ones(sl.stop - sl.start))
-            p.identity.fill_(True)
+        for site in self.sites:
+            p = KeySpectrumParametrization(site, self.scope, self.level, self.scale)
             p.to(site.key_stored().device)
             parametrize.register_parametrization(site.k_module, "weight", p)
             self._params.append(p)
@@ -345,7 +342,7 @@ class KeySpectrumControl:
         self.step_count = self.step_count + 1 if step is None else int(step)
         if self.moments is not None:
             self.moments.fold()
-            if self.needs_moments and not self.moments.ready:
+            if not self.moments.ready:
                 self.moments.covariance(0)  # raises: no training forward was seen
         if self._w0 is not None and (self.moments is None or self.moments.ready):
             self._settle_step_zero()
