@@ -72,6 +72,13 @@ def _level_gram(a: Tensor, s_eps: Tensor | None) -> tuple[Tensor, bool]:
     return (a @ a.mT if wide else a.mT @ a), wide
 
 
+def _units_of(site: AttentionSite, scope: str, w: Tensor) -> Tensor:
+    """``w`` (laid out like the site's key weight) as the controlled units (U, m, d): each
+    key head (``scope`` head) or the whole W_K."""
+    heads = site.k_heads(w)  # (H_kv, hd, d)
+    return heads if scope == "head" else heads.reshape(1, -1, site.d_model)
+
+
 def _sqrt_pair(s_eps: Tensor) -> tuple[Tensor, Tensor]:
     """(Σ_ε^½, Σ_ε^−½) of a symmetric positive definite (d, d) matrix, float64."""
     lam, vec = torch.linalg.eigh(s_eps)
@@ -84,16 +91,15 @@ class KeySpectrumParametrization(nn.Module):
     reshapes W Σ_ε^½ and maps back by Σ_ε^−½), differentiably. Its buffers -- ``target``,
     ``identity`` (units passed through), ``moment`` (Σ of the data rule), ``root``/``iroot``
     (Σ_ε^±½) and ``spread`` (to match; NaN: keep) -- are set by :class:`KeySpectrumControl`
-    after each step."""
+    after each step; until then every unit passes through."""
 
-    def __init__(self, site: AttentionSite, scope: str, level: str, scale: str,
-                 target: Tensor) -> None:
+    def __init__(self, site: AttentionSite, scope: str, level: str, scale: str) -> None:
         super().__init__()
         self.site, self.scope, self.level, self.scale = site, scope, level, scale
         n_units = site.n_kv_head if scope == "head" else 1
-        self.register_buffer("target", torch.as_tensor(target, dtype=torch.float64)
-                             .reshape(n_units).clone(), persistent=False)
-        self.register_buffer("identity", torch.zeros(n_units, dtype=torch.bool),
+        self.register_buffer("target", torch.ones(n_units, dtype=torch.float64),
+                             persistent=False)
+        self.register_buffer("identity", torch.ones(n_units, dtype=torch.bool),
                              persistent=False)
         self.register_buffer("spread", torch.full((n_units,), math.nan, dtype=torch.float64),
                              persistent=False)
@@ -103,8 +109,7 @@ class KeySpectrumParametrization(nn.Module):
         self.last_clamped: Tensor | None = None
 
     def forward(self, w: Tensor) -> Tensor:
-        heads = self.site.k_heads(w)  # (H_kv, hd, d)
-        k = heads if self.scope == "head" else heads.reshape(1, -1, self.site.d_model)  # (U, m, d)
+        k = _units_of(self.site, self.scope, w)  # (U, m, d)
         if self.level == "token" and self.root is not None:
             root = self.root.to(k.dtype)
             m_new, gamma, _, clamped = spectral_reshape(k @ root, self.target, self.identity)
@@ -120,7 +125,8 @@ class KeySpectrumParametrization(nn.Module):
         if self.site.k_module is not self.site.q_module:  # W_K alone in its weight
             return k_new.reshape(w.shape)
         out = w.clone()  # fused q/k/v: only the key slice changes
-        self.site.k_heads(out).copy_(k_new.reshape(heads.shape))
+        key = self.site.k_heads(out)  # (H_kv, hd, d) view
+        key.copy_(k_new.reshape(key.shape))
         return out
 
     def right_inverse(self, w: Tensor) -> Tensor:
@@ -225,10 +231,8 @@ class KeySpectrumControl:
 
     def _register_parametrizations(self) -> None:
         """W_K becomes a function of the stored weight, the identity until the first step."""
-        for site, sl in zip(self.sites, self._slices, strict=True):
-            p = KeySpectrumParametrization(site, self.scope, self.level, self.scale,
-                                           torch.ones(sl.stop - sl.start))
-            p.identity.fill_(True)
+        for site in self.sites:
+            p = KeySpectrumParametrization(site, self.scope, self.level, self.scale)
             p.to(site.key_stored().device)
             parametrize.register_parametrization(site.k_module, "weight", p)
             self._params.append(p)
@@ -252,13 +256,9 @@ class KeySpectrumControl:
     def _rows(self, site: AttentionSite) -> int:
         return site.head_dim if self.scope == "head" else site.n_kv_head * site.head_dim
 
-    def _as_units(self, site: AttentionSite, w: Tensor) -> Tensor:
-        """``w`` (laid out like the site's key weight) as units (U, m, d), detached."""
-        heads = site.k_heads(w.detach())  # (H_kv, hd, d)
-        return heads if self.scope == "head" else heads.reshape(1, -1, site.d_model)
-
     def _units(self, site: AttentionSite, w: Tensor) -> Tensor:
-        return self._as_units(site, w).to(torch.float64)
+        """``w`` as units (U, m, d), detached, float64."""
+        return _units_of(site, self.scope, w.detach()).to(torch.float64)
 
     def measure(self, units: list[Tensor]) -> dict[str, Tensor]:
         """``pr`` (weight level), ``pr_token`` and ``spread`` of every unit from each site's
@@ -342,7 +342,7 @@ class KeySpectrumControl:
         self.step_count = self.step_count + 1 if step is None else int(step)
         if self.moments is not None:
             self.moments.fold()
-            if self.needs_moments and not self.moments.ready:
+            if not self.moments.ready:
                 self.moments.covariance(0)  # raises: no training forward was seen
         if self._w0 is not None and (self.moments is None or self.moments.ready):
             self._settle_step_zero()
@@ -461,8 +461,8 @@ class KeySpectrumControl:
         of ``gram``, W″ = U·diag(s′/s)·Uᵀ·W (``left``) or W·U·diag(s′/s)·Uᵀ, unscaled;
         ``moved``: γ ≠ 1 or sham, never flat; ``keep``: target = current PR, so γ = 1
         exactly. Values below 2·rtol·s_max are floored, never deleted (a sham step must be
-        a round trip); the eigh runs in float32 above 32 × 32 (half the cost on CPU, no
-        slow float64 solver on CUDA), enough for the float64 re-measured invariants."""
+        a round trip); the eigh runs in float32 above 32 × 32 (cheaper, and CUDA has no fast
+        float64 solver), enough for the float64 re-measured invariants."""
         r = gram.shape[-1]
         g = gram.to(torch.float64 if r <= 32 else torch.float32)
         norm = torch.diagonal(g, dim1=-2, dim2=-1).amax(-1).clamp_min(1e-30)  # (U,)
@@ -495,7 +495,7 @@ class KeySpectrumControl:
 
     def _raw_units(self, site: AttentionSite) -> Tensor:
         """A copy of the stored W_K of a site as units, in the stored dtype."""
-        return self._as_units(site, site.key_stored()).clone()
+        return _units_of(site, self.scope, site.key_stored().detach()).clone()
 
     def _set_param_targets(self) -> dict[str, Tensor]:
         """parametrize: set each parametrisation's targets for the coming forward passes."""

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from qkgeom.geometry.spectra import NonFiniteError
+from qkgeom.geometry.spectra import NonFiniteError, pr_of_sums
 
 __all__ = ["GAMMA_MAX", "SpectrumFit", "apply_target", "default_rtol", "fit_spectrum",
            "reshape_spectrum", "spectral_reshape"]
@@ -39,9 +39,7 @@ class SpectrumFit(NamedTuple):
 
 def _pr_rows(p: Tensor) -> Tensor:
     """PR of non-negative rows whose max is 1 (so no overflow); 0.0 for an all-zero row."""
-    s1 = p.sum(dim=-1)  # (...,)
-    s2 = (p * p).sum(dim=-1)  # (...,)
-    return torch.where(s2 > 0, s1 * s1 / torch.where(s2 > 0, s2, torch.ones_like(s2)), s1 * 0)
+    return pr_of_sums(p.sum(dim=-1), (p * p).sum(dim=-1))
 
 
 def _powers(logx: Tensor, nz: Tensor, gamma: Tensor) -> Tensor:

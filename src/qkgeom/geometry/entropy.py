@@ -116,11 +116,10 @@ class StreamingEntropy:
 
     @torch.no_grad()
     def update(self, q: Tensor, k: Tensor, scale: float | None = None,
-               blocks: tuple[int, int] | None = None,
-               workspace: Workspace | None = None) -> None:
+               blocks: tuple[int, int] | None = None) -> None:
         """Add an unpadded batch ``q`` (B, H, T, hd), ``k`` (B, H_kv, T, hd); ``blocks``
         overrides :meth:`blocks`. No host copy (no device sync)."""
-        ws = workspace or Workspace()
+        ws = Workspace()
         qg, kk = self.prepare(q, k, scale, ws)
         self.add_sums(self.batch_sums(qg, kk, q.shape[0], blocks, ws), q.shape[0], q.shape[2])
 

@@ -38,6 +38,11 @@ def _max_over_last(x: Tensor, n_dims: int) -> Tensor:
     return m.reshape(m.shape + (1,) * n_dims)
 
 
+def pr_of_sums(s1: Tensor, s2: Tensor) -> Tensor:
+    """The PR ``s1² / s2`` of ``s1 = Σλ``, ``s2 = Σλ²``; 0.0 where ``s2`` is 0."""
+    return torch.where(s2 > 0, s1 * s1 / torch.where(s2 > 0, s2, torch.ones_like(s2)), s1 * 0)
+
+
 def participation_ratio(spectrum: Tensor | object) -> Tensor:
     """``(Σλ)² / Σλ²`` over the last dim of a non-negative spectrum, float64, batched.
 
@@ -54,9 +59,7 @@ def participation_ratio(spectrum: Tensor | object) -> Tensor:
             f"participation_ratio needs a non-negative spectrum; min = {lam.min().item():.3g}"
         )
     lam = lam / _max_over_last(lam, 1)  # (..., n), max entry 1 (or all zero)
-    s1 = lam.sum(dim=-1)  # (...,)
-    s2 = (lam * lam).sum(dim=-1)  # (...,)
-    return torch.where(s2 > 0, s1 * s1 / torch.where(s2 > 0, s2, torch.ones_like(s2)), s1 * 0)
+    return pr_of_sums(lam.sum(dim=-1), (lam * lam).sum(dim=-1))
 
 
 def pr_from_covariance(cov: Tensor) -> Tensor:
@@ -68,10 +71,7 @@ def pr_from_covariance(cov: Tensor) -> Tensor:
         raise ValueError(f"pr_from_covariance needs (..., n, n) with n > 0, got {tuple(c.shape)}")
     c = c / _max_over_last(c, 2)  # (..., n, n), max |entry| 1
     tr = torch.diagonal(c, dim1=-2, dim2=-1).sum(dim=-1)  # (...,)
-    fro2 = (c * c).sum(dim=(-2, -1))  # (...,)
-    return torch.where(
-        fro2 > 0, tr * tr / torch.where(fro2 > 0, fro2, torch.ones_like(fro2)), tr * 0
-    )
+    return pr_of_sums(tr, (c * c).sum(dim=(-2, -1)))  # tr² / ‖C‖_F²
 
 
 def weight_pr(w: Tensor) -> Tensor:
@@ -149,8 +149,7 @@ def gram_product_pr(g_a: Tensor, g_b: Tensor) -> Tensor:
     top_b = torch.diagonal(g_b, dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)  # (...,)
     m = (g_a / top_a[..., None, None]) @ (g_b / top_b[..., None, None])  # (..., r, r)
     s1 = torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)  # (...,) Σσ² (rescaled)
-    s2 = (m * m.mT).sum(dim=(-2, -1))  # (...,) Σσ⁴ (rescaled)
-    return torch.where(s2 > 0, s1 * s1 / torch.where(s2 > 0, s2, torch.ones_like(s2)), s1 * 0)
+    return pr_of_sums(s1, (m * m.mT).sum(dim=(-2, -1)))  # Σσ⁴ (rescaled)
 
 
 def product_pr(a: Tensor, b: Tensor) -> Tensor:

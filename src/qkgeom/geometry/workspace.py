@@ -32,7 +32,3 @@ class Workspace:
                 buf = torch.empty(n, dtype=dtype, device=device)
             self._buffers[name] = buf
         return buf[:n].view(shape)
-
-    def clear(self) -> None:
-        """Drop every buffer."""
-        self._buffers.clear()

@@ -110,8 +110,7 @@ class GPT(nn.Module):
         init."""
         std = 0.02
         for name, p in self.named_parameters():
-            if p.dim() < 2:
-                # LayerNorm weight=1, every bias 0.
+            if p.dim() < 2:  # LayerNorm gains 1, every bias 0
                 p.fill_(1.0 if name.endswith(_NORM_GAINS) else 0.0)
             elif name.endswith("c_proj.weight"):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer), generator=generator)

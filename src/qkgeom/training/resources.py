@@ -142,15 +142,14 @@ def duration(seconds: float) -> str:
     return f"{seconds / 86400:.1f} days"
 
 
-def warn_if_long_on_cpu(cfg: TrainConfig, device: torch.device, runs: int = 1) -> float:
-    """One warning when ``runs`` runs of ``cfg`` on a CPU would take longer than
-    :data:`LONG_CPU_S`; returns the estimate (seconds, all runs; 0 on an accelerator)."""
+def warn_if_long_on_cpu(cfg: TrainConfig, device: torch.device) -> float:
+    """One warning when training ``cfg`` on a CPU would take longer than :data:`LONG_CPU_S`;
+    returns the estimate (seconds; 0 on an accelerator)."""
     if device.type != "cpu":
         return 0.0
-    total = cpu_seconds(cfg) * runs
+    total = cpu_seconds(cfg)
     if total > LONG_CPU_S:
-        what = f"{runs} runs of this size" if runs > 1 else "this run"
-        warnings.warn(f"{what} will take at least {duration(total)} on this CPU "
+        warnings.warn(f"this run will take at least {duration(total)} on this CPU "
                       f"({cfg.steps:,} steps × {cfg.batch_size} × {cfg.model.block_size} "
                       "tokens); train on a GPU (--device auto finds one), or choose a smaller "
                       "--preset or --steps", stacklevel=3)

@@ -211,27 +211,23 @@ class Trainer:
         except BaseException:
             self.lock.release()
             raise
-        self._warn_thread_change()
-        self._warn_restart()
+        if resume:
+            self._warn_on_resume(self.writer.previous)
 
-    def _warn_thread_change(self) -> None:
-        """One line when a resume runs with another torch thread count than before: CPU
-        results are bit-exact only with the same count."""
-        before = self.writer.previous.get("threads") if self.resume else None
-        now = torch.get_num_threads()
+    def _warn_on_resume(self, previous: dict) -> None:
+        """One line each when a resume runs with another torch thread count than before (CPU
+        results are bit-exact only with the same count), or finds no checkpoint although an
+        earlier attempt got somewhere (the run starts over from step 0)."""
+        before, now = previous.get("threads"), torch.get_num_threads()
         if isinstance(before, int) and before != now:
             warnings.warn(f"{self.out}: resuming with {now} torch threads, the run so far used "
                           f"{before}; the results may differ from an uninterrupted run in the "
                           f"last bits (pass --threads {before} for a bit-exact resume)",
                           stacklevel=3)
-
-    def _warn_restart(self) -> None:
-        """One line when a resume finds no checkpoint although an earlier attempt got
-        somewhere: the run starts over from step 0."""
-        before = self.writer.previous.get("step", 0) if self.resume else 0
-        if self._state is None and before > 0:
+        reached = previous.get("step", 0)
+        if self._state is None and reached > 0:
             warnings.warn(f"{self.out}: no checkpoint yet (the earlier attempt stopped at step "
-                          f"{before}, before its first checkpoint); the run starts over from "
+                          f"{reached}, before its first checkpoint); the run starts over from "
                           "step 0", stacklevel=3)
 
     def close(self) -> None:
