@@ -1,6 +1,6 @@
 """A checkpoint family analysed in one process with all threads vs spread over workers.
 
-The family: the checkpoints of one short run of the demo model (4 x 128, context 64),
+The family: the checkpoints of one short run of the small preset's model (4 x 128, context 64),
 trained here for ``--checkpoints`` steps with a checkpoint after each, analysed on the
 embedded sample text (``--tokens`` tokens per checkpoint, windows of 64, one block).
 Layouts, interleaved within each rep (order flipped every rep): one process with
@@ -40,7 +40,7 @@ def main() -> None:
     data = ensure_sample_data()
     n = args.checkpoints
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = make_config("demo", {"data": str(data), "steps": n, "checkpoint_every": 1,
+        cfg = make_config("small", {"data": str(data), "steps": n, "checkpoint_every": 1,
                                    "keep_checkpoints": 0, "probe_every": n, "eval_every": n,
                                    "warmup_steps": 1, "threads": 1})
         run = train(cfg, Path(tmp) / "run").out_dir
@@ -49,7 +49,7 @@ def main() -> None:
                    f"{args.threads} workers x 1 thread": make_executor("local",
                                                                       workers=args.threads)}
         walls: dict[str, list[float]] = {name: [] for name in layouts}
-        print(f"family: {n} checkpoints of the demo model (4 x 128, context 64), "
+        print(f"family: {n} checkpoints of the small model (4 x 128, context 64), "
               f"{args.tokens:,} tokens each", flush=True)
         for rep in range(args.reps):
             order = list(layouts) if rep % 2 == 0 else list(reversed(layouts))

@@ -1,7 +1,7 @@
 """Time per training step with and without the key-spectrum control (E3).
 
 The claim it checks (issue 13): the control costs at most 10 % of a training step at the
-paper's size (6 x 384, context 256, batch 64) and at most 5 % at the demo's (4 x 128,
+paper's size (6 x 384, context 256, batch 64) and at most 5 % at the small preset's (4 x 128,
 context 64, batch 32) on one CPU thread, for ``hold`` and ``shrink`` at the token level with
 the ``data`` rule (E3's primary arms) and at the weight level with the ``data`` and the
 ``frobenius`` scale rule, layer scope. Identical models (same init, same random
@@ -16,8 +16,8 @@ time inside its input hooks (xᵀx of the key projection's input during the forw
 timed directly; "control share" divides it by the step time of the uncontrolled model.
 "vs none" is the difference of whole step times (noisier: the share is the claim).
 
-    python benchmarks/control_overhead.py [--sizes demo paper] [--reps 3]
-        [--demo-steps 20] [--paper-steps 2] [--device cpu] [--precision fp32] [--threads 1]
+    python benchmarks/control_overhead.py [--sizes small paper] [--reps 3]
+        [--small-steps 20] [--paper-steps 2] [--device cpu] [--precision fp32] [--threads 1]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from qkgeom.control import KeySpectrumControl
 from qkgeom.model import GPT
 
 SIZES = {
-    "demo": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=32),
+    "small": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=32),
     "paper": dict(n_layer=6, n_head=6, n_embd=384, block_size=256, batch=64),
 }
 # variant -> (mode, level, scale); None = no control
@@ -149,9 +149,9 @@ def bench(name: str, steps: int, reps: int, device: torch.device,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["demo", "paper"], choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=["small", "paper"], choices=list(SIZES))
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--demo-steps", type=int, default=20)
+    parser.add_argument("--small-steps", type=int, default=20)
     parser.add_argument("--paper-steps", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
@@ -163,11 +163,11 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, device {device}")
     results = {}
     for name in args.sizes:
-        steps = args.demo_steps if name == "demo" else args.paper_steps
+        steps = args.small_steps if name == "small" else args.paper_steps
         results[name] = bench(name, steps, args.reps, device, args.precision)
-    limit = {"demo": 5.0, "paper": 10.0}
+    limit = {"small": 5.0, "paper": 10.0}
     print("control share of a training step (time in the control / step time without it; "
-          "limit demo 5 %, paper 10 %): " + "; ".join(
+          "limit small 5 %, paper 10 %): " + "; ".join(
               f"{n} " + ", ".join(f"{v} {100 * s:.1f}%" for v, s in r.items() if v != "none")
               + f" (limit {limit[n]:.0f}%)" for n, r in results.items()))
 

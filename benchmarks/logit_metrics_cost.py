@@ -7,7 +7,7 @@ trainer's probes call it): the probe as shipped (``logit_max`` read off the soft
 the ``logit_max`` bookkeeping switched off and no previous window (what a probe cost
 before the metrics). Last line: the extra cost per probe at each size.
 
-    python benchmarks/logit_metrics_cost.py [--quick] [--sizes demo paper] [--reps 15]
+    python benchmarks/logit_metrics_cost.py [--quick] [--sizes small paper] [--reps 15]
         [--threads 1]
 """
 
@@ -66,7 +66,7 @@ def timings(size: str, reps: int, threads: int) -> tuple[list[float], list[float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["demo", "paper"], choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=["small", "paper"], choices=list(SIZES))
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="5 reps")

@@ -7,7 +7,7 @@ in this process with the same thread count (1024^2 square matmuls, best of 3). F
 token: :func:`qkgeom.model.flops_per_token` (6 x matmul params + 12 L T d). Peaks and runs
 are interleaved per rep. Last line: the MFU of each variant at each size.
 
-    python benchmarks/mfu.py [--quick] [--sizes demo paper] [--threads 1]
+    python benchmarks/mfu.py [--quick] [--sizes small paper] [--threads 1]
         [--variants fp32 bf16+compile] [--reps 2]
 """
 
@@ -21,14 +21,14 @@ from _common import SIZES, matmul_peak, sample_config, summary, timed_train
 
 from qkgeom.model import flops_per_token
 
-STEPS = {"demo": 40, "paper": 12}
-QUICK_STEPS = {"demo": 20, "paper": 6}
+STEPS = {"small": 40, "paper": 12}
+QUICK_STEPS = {"small": 20, "paper": 6}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["demo", "paper"], choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=["small", "paper"], choices=list(SIZES))
     ap.add_argument("--threads", type=int, nargs="+", default=[1])
     ap.add_argument("--variants", nargs="+", default=["fp32", "bf16", "bf16+compile"])
     ap.add_argument("--reps", type=int, default=2)

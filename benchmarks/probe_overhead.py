@@ -8,7 +8,7 @@ step of the same model (fp32, plain eager step, the benchmark sizes' batch), int
 rep. Share per step = probe time / (probe_every x step time). The key-spectrum control's
 overhead is ``control_overhead.py``. Last line: the share at each size.
 
-    python benchmarks/probe_overhead.py [--quick] [--sizes demo paper] [--reps 3]
+    python benchmarks/probe_overhead.py [--quick] [--sizes small paper] [--reps 3]
         [--threads 1] [--precision fp32]
 """
 
@@ -26,7 +26,7 @@ from qkgeom import GPT
 from qkgeom import measure as measure_geometry
 from qkgeom.data import load_prepared, probe_set, sample_batch
 
-STEPS = {"demo": 10, "paper": 3}
+STEPS = {"small": 10, "paper": 3}
 
 
 def measure(size: str, reps: int, threads: int, precision: str,
@@ -72,7 +72,7 @@ def measure(size: str, reps: int, threads: int, precision: str,
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["demo", "paper"], choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=["small", "paper"], choices=list(SIZES))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])

@@ -112,7 +112,7 @@ def demo_sized_sweep(root: Path) -> Path:
                 runs.append({"run_id": rid, "config_hash": f"h{seed}", "steps": STEPS[-1],
                              "axes": {"model.n_layer": depth, "model.qk_init": init,
                                       "seed": seed}})
-    grid = {"name": "demo-sized", "preset": "demo", "base": {},
+    grid = {"name": "demo-sized", "preset": "small", "base": {},
             "axes": {"model.n_layer": list(DEPTHS), "model.qk_init": list(INITS),
                      "seed": list(SEEDS)}}
     (root / "sweep.json").write_text(json.dumps({"grid": grid, "runs": runs}))

@@ -31,7 +31,7 @@ from qkgeom.experiments import Grid, run_sweep
 
 def grid(steps: int) -> Grid:
     return Grid.from_dict({
-        "name": "scaling", "preset": "demo",
+        "name": "scaling", "preset": "small",
         "base": {"model": {"n_layer": 2, "n_embd": 64, "n_head": 4, "block_size": 64},
                  "steps": steps, "batch_size": 16, "warmup_steps": 10, "probe_every": 50,
                  "eval_every": 50, "eval_batches": 4, "checkpoint_every": steps},

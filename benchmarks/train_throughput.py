@@ -7,14 +7,14 @@ paper size. Both train the same GPT class on the embedded sample in this process
 interleaved per rep (plain, then every qkgeom variant); the first steps of each are not
 timed (see ``_common.py``). qkgeom's tokens/s is its hot loop (batch sampling from the
 memmap, autocast, compiled step, loss bookkeeping, callbacks) plus one probe + eval +
-checkpoint per probe interval of the preset (demo 100 steps, paper 500), measured at the
+checkpoint per probe interval of the preset (small 100 steps, paper 500), measured at the
 end of the run; ``hot`` is the loop alone.
 
-Sizes: ``demo`` 4 x 128, context 64, batch 32; ``paper`` 6 x 384, context 256, batch 8 on
+Sizes: ``small`` 4 x 128, context 64, batch 32; ``paper`` 6 x 384, context 256, batch 8 on
 CPU (the preset's 64 on a GPU). Variants: ``fp32``, ``fp32+compile``, ``bf16``,
 ``bf16+compile``. Last line: the headline ratios.
 
-    python benchmarks/train_throughput.py [--quick] [--sizes demo paper] [--threads 1 2]
+    python benchmarks/train_throughput.py [--quick] [--sizes small paper] [--threads 1 2]
         [--reps 2] [--variants fp32 fp32+compile bf16 bf16+compile]
 """
 
@@ -28,13 +28,13 @@ from _common import SIZES, plain_loop, sample_config, summary, timed_train
 
 from qkgeom.data import load_prepared
 
-STEPS = {"demo": 40, "paper": 12}
-QUICK_STEPS = {"demo": 20, "paper": 6}
+STEPS = {"small": 40, "paper": 12}
+QUICK_STEPS = {"small": 20, "paper": 6}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", nargs="+", default=["demo", "paper"], choices=list(SIZES))
+    ap.add_argument("--sizes", nargs="+", default=["small", "paper"], choices=list(SIZES))
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--variants", nargs="+",

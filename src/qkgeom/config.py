@@ -368,7 +368,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         probe_batch=4, eval_every=20, eval_batches=2, log_every=5, checkpoint_every=20,
     ),
     # The main job: the embedded sample, a small model, a few minutes on 2 CPU cores.
-    "demo": dict(
+    # Named for its size: the experiments' sizes (smoke/demo/lab) are their own presets.
+    "small": dict(
         model=dict(n_layer=4, n_head=4, n_embd=128, block_size=64),
         steps=2000, batch_size=32, lr=3e-3, warmup_steps=100, probe_every=100,
         probe_sequences=16, eval_every=250, eval_batches=8, checkpoint_every=500,
@@ -636,7 +637,7 @@ def parse_dotted(overrides: list[str]) -> dict[str, Any]:
     return out
 
 
-def make_config(preset: str = "demo", overrides: dict[str, Any] | None = None) -> TrainConfig:
+def make_config(preset: str = "small", overrides: dict[str, Any] | None = None) -> TrainConfig:
     """A preset with overrides applied on top (later wins), validated."""
     if preset not in PRESETS:
         raise QKGeomError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")

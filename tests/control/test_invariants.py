@@ -1,7 +1,7 @@
 """The control's invariants after every step, at the width where the fast (float32) path runs.
 
 Width 32 (the other control tests) decomposes the Gram matrices in float64; width 128 (the
-demo's) in float32. Each invariant is checked on the stored weights after every step, at
+small preset's) in float32. Each invariant is checked on the stored weights after every step, at
 both levels: PR_K on target within 1e-3 (weight level: PR(σ²(W_K)); token level:
 PR(W_K Σ_ε W_Kᵀ) on the control's own input covariance), the kept scale (the key spread
 tr(W Σ Wᵀ), or ‖W_K‖_F²) within 1e-6, or the reference's spread when the data rule matches

@@ -73,7 +73,7 @@ def help_text(*command: str) -> str:
 
 def test_train_help_shows_the_presets_values() -> None:
     text = help_text("train")
-    assert "smoke 2 · demo 4 · paper 6" in text  # --n-layer
+    assert "smoke 2 · small 4 · paper 6" in text  # --n-layer
     assert "(default: auto)" in text  # --device
 
 

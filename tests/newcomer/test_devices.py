@@ -67,7 +67,7 @@ def test_a_long_run_on_a_cpu_warns_once_with_an_estimate() -> None:
     assert seconds == cpu_seconds(paper) > 86_400
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warn_if_long_on_cpu(make_config("demo"), torch.device("cpu"))  # minutes: no warning
+        warn_if_long_on_cpu(make_config("small"), torch.device("cpu"))  # minutes: no warning
         warn_if_long_on_cpu(paper, torch.device("meta"))  # an accelerator: no warning
 
 

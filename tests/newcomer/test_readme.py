@@ -4,7 +4,7 @@ the marked blocks and wants a reason).
 
 - Each ```python block (and those of the docs pages the README's detail moved to) runs in
   its own namespace (a reader copies one block) in a fresh working folder, with the
-  embedded sample prepared and a smoke run standing in for ``runs/demo``.
+  embedded sample prepared and a smoke run standing in for ``runs/small``.
 - The ```bash blocks run in order through the real CLI in one working folder, as a reader
   types them. The tour's training run is cut short here (:data:`SHORTER`: fewer steps, the
   same command otherwise), so the suite stays fast; what it prints is checked against the
@@ -35,7 +35,7 @@ MAX_LINES = 260
 BLOCK = re.compile(r"(?:<!-- not-run: (?P<why>[^>]*?) -->\n)?```(?P<lang>python|bash)\n"
                    r"(?P<code>.*?)```", re.DOTALL)
 #: README command -> the flags the test adds to make it short (later flags win).
-SHORTER = {"qkgeom train --preset demo --steps 400 --out runs/demo":
+SHORTER = {"qkgeom train --preset small --steps 400 --out runs/small":
            ["--steps", "20", "--probe-every", "5", "--set", "eval_every=10",
             "--set", "checkpoint_every=20", "--set", "warmup_steps=5", "--quiet"]}
 
@@ -108,14 +108,14 @@ def test_readme_shell_commands_run(sample_cache: Path, tmp_path: Path, monkeypat
             ran.append((command, res.stdout))
     assert {c for c, _ in ran} >= set(SHORTER)
     shown = dict(ran)
-    table = shown["qkgeom show runs/demo"]
+    table = shown["qkgeom show runs/small"]
     # the README's example is of the 400-step run; here the run is 20 steps, probed every 5:
     # the same columns, and the change since the reference step (25 % of the run) beside
     # the change since step 0
     for column in ("PR_Q w", "PR_K tok", "contrast tok", "entropy", "ΔPR_Q tok@0",
                    "ΔPR_K tok@5"):
         assert column in table, column
-    assert (tmp_path / "runs" / "demo" / "report" / "report.html").is_file()
+    assert (tmp_path / "runs" / "small" / "report" / "report.html").is_file()
 
 
 @pytest.mark.slow
@@ -124,7 +124,7 @@ def test_the_readme_show_example_is_of_the_tour_run() -> None:
     reference step 100 (25 % of 400)."""
     text = README.read_text(encoding="utf-8")
     example = text.split("## A 5-minute tour", 1)[1].split("```text", 1)[1].split("```")[0]
-    assert "runs/demo — per-layer Q/K geometry at step 400" in example
+    assert "runs/small — per-layer Q/K geometry at step 400" in example
     assert "ΔPR_Q tok@100" in example and "ΔPR_K tok@0" in example
     assert "step 500" not in text.split("## A 5-minute tour", 1)[1]
 
@@ -138,7 +138,7 @@ def test_readme_python_block_runs(page: str, line: int, why: str | None, code: s
     if "transformers" in code:
         pytest.importorskip("transformers", reason="the block needs qkgeom[hf]")
     work = tmp_path / "work"
-    shutil.copytree(smoke_run.path, work / "runs" / "demo",
+    shutil.copytree(smoke_run.path, work / "runs" / "small",
                     ignore=shutil.ignore_patterns("tensorboard"))
     monkeypatch.chdir(work)
     printed = io.StringIO()
@@ -162,7 +162,7 @@ def test_the_metrics_snippet_reads_a_run_still_training(sample_cache: Path, tmp_
         def on_probe(self, ctx, metrics) -> None:
             if ctx.step != 20:
                 return
-            run = tmp_path / "runs" / "demo"
+            run = tmp_path / "runs" / "small"
             seen["parquet"] = (run / "metrics.parquet").exists()
             seen["parts"] = (run / "metrics.parts").is_dir()
             printed = io.StringIO()
@@ -170,7 +170,7 @@ def test_the_metrics_snippet_reads_a_run_still_training(sample_cache: Path, tmp_
                 exec(compile(code, "README.md", "exec"), {"__name__": "__readme__"})
             seen["printed"] = printed.getvalue()
 
-    train(make_config("smoke"), tmp_path / "runs" / "demo", callbacks=[ReadMidway()])
+    train(make_config("smoke"), tmp_path / "runs" / "small", callbacks=[ReadMidway()])
     assert seen["parquet"] is False and seen["parts"] is True  # a live run: parts only
     assert "Empty DataFrame" not in seen["printed"]
     steps = [int(s) for s in re.findall(r"(?m)^(\d+)\s", str(seen["printed"]))]

@@ -21,7 +21,7 @@ _FLAG_KEYS = {"n_layer": "model.n_layer", "depth": "model.n_layer",  # --depth i
 
 
 def _preset_help(text: str, key: str) -> str:
-    """``text (presets: smoke 2 · demo 4 · paper 6).``: the help of a flag whose default is
+    """``text (presets: smoke 2 · small 4 · paper 6).``: the help of a flag whose default is
     the preset's value of ``key`` (dotted)."""
     defaults = TrainConfig().to_dict()
     values = " · ".join(f"{name} {flatten(deep_merge(defaults, preset))[key]}"
@@ -73,8 +73,8 @@ def _report_callbacks(report_to: list[str] | None, out: Path) -> list[Any]:
 
 def train_cmd(
     preset: Annotated[str, typer.Option(
-        help="smoke | demo | paper: the model and run size; the flags below override "
-             "it (README, table of presets).")] = "demo",
+        help="smoke | small | paper: the model and run size; the flags below override "
+             "it (README, table of presets).")] = "small",
     out: unset(Path, "Run folder (default: runs/<preset>-s<seed>).") = None,
     data: unset(str, "sample (the embedded Wikipedia text) or a folder from `qkgeom data "
                       "prepare` (default: sample).") = None,

@@ -26,7 +26,8 @@ class E1Preset:
     seeds: list[int]
 
 
-#: The demo model and schedule, shared by E1's and E3's demo and lab sizes.
+#: The demo size's model (the small training preset's, depth set per run) and schedule,
+#: shared by E1's and E3's demo and lab sizes.
 DEMO_RUN: dict[str, Any] = {
     "model": {"n_head": 4, "n_embd": 128, "block_size": 64},
     "steps": 400, "batch_size": 16, "warmup_steps": 30, "probe_every": 40,
@@ -38,8 +39,8 @@ LAB_RUN: dict[str, Any] = {**DEMO_RUN, "steps": 2000, "probe_every": 100, "eval_
 
 E1_PRESETS: dict[str, E1Preset] = {
     "smoke": E1Preset("smoke", {}, [1, 2], [0]),
-    "demo": E1Preset("demo", DEMO_RUN, PAPER_DEPTHS, [0, 1]),
-    "lab": E1Preset("demo", LAB_RUN, PAPER_DEPTHS, [0, 1, 2]),
+    "demo": E1Preset("small", DEMO_RUN, PAPER_DEPTHS, [0, 1]),
+    "lab": E1Preset("small", LAB_RUN, PAPER_DEPTHS, [0, 1, 2]),
     "paper": E1Preset("paper", {}, PAPER_DEPTHS, [0, 1, 2, 3]),
 }
 

@@ -33,9 +33,9 @@ class E3Preset:
 
 E3_PRESETS: dict[str, E3Preset] = {
     "smoke": E3Preset("smoke", {}, [0, 1], E3_CORE_ARMS),
-    "demo": E3Preset("demo", deep_merge(DEMO_RUN, {**_FOUR_LAYERS, "probe_every": 25}),
+    "demo": E3Preset("small", deep_merge(DEMO_RUN, {**_FOUR_LAYERS, "probe_every": 25}),
                      list(range(20)), E3_CORE_ARMS),
-    "lab": E3Preset("demo", deep_merge(LAB_RUN, _FOUR_LAYERS), list(range(8)), E3_CORE_ARMS),
+    "lab": E3Preset("small", deep_merge(LAB_RUN, _FOUR_LAYERS), list(range(8)), E3_CORE_ARMS),
     "paper": E3Preset("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, list(range(20)),
                       [*E3_CORE_ARMS, "shrink-0.75-token-data", "shrink-0.25-token-data",
                        "hold-weight-frobenius", "shrink-0.5-weight-frobenius"]),

@@ -41,7 +41,7 @@ E4_PRESETS: dict[str, E4Preset] = {
     "smoke": E4Preset("smoke", {"steps": 40, "checkpoint_every": 16,
                                 "checkpoint_schedule": "log", "keep_checkpoints": 0}, 2048,
                       (0, 1)),
-    "demo": E4Preset("demo", {
+    "demo": E4Preset("small", {
         "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64,
                   "qk_init": "normal"},
         "steps": 1024, "batch_size": 32, "probe_every": 64, "eval_every": 128,

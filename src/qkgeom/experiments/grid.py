@@ -93,7 +93,7 @@ class Grid:
             raise QKGeomError(f"unknown grid key {unknown[0]!r}; a grid has {', '.join(GRID_KEYS)}")
         name = _grid_name(d.get("name", default_name))
         where = f"grid {name!r}"
-        preset, base, axes_in = d.get("preset", "demo"), d.get("base") or {}, d.get("axes") or {}
+        preset, base, axes_in = d.get("preset", "small"), d.get("base") or {}, d.get("axes") or {}
         distinct, experiment = d.get("distinct_seeds", False), d.get("experiment", "")
         if preset not in PRESETS:
             raise QKGeomError(f"{where}: unknown preset {preset!r}; "

@@ -28,7 +28,7 @@ REMEDIES: dict[str, dict[str, Any]] = {
              "key_control.scale": "data"},
     "entropy_target": {"entropy_control.target": 2.0},
 }
-STABLE_LR = 3e-3  # the demo's learning rate: the runs every departure is measured from
+STABLE_LR = 3e-3  # the small training preset's lr: the runs every departure is measured from
 
 _DEMO_MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "qk_init": "normal"}
 _DEMO_RUN: dict[str, Any] = {
@@ -56,11 +56,11 @@ class StabilityPreset:
 
 STABILITY_PRESETS: dict[str, StabilityPreset] = {
     "smoke": StabilityPreset("smoke", _SMOKE_RUN, [STABLE_LR, 1e-1], [0], list(REMEDIES)),
-    "demo": StabilityPreset("demo", _DEMO_RUN, [STABLE_LR, 3e-2], list(range(5)),
+    "demo": StabilityPreset("small", _DEMO_RUN, [STABLE_LR, 3e-2], list(range(5)),
                             list(REMEDIES)),
-    "lab": StabilityPreset("demo", _LAB_RUN, [STABLE_LR, 1e-2, 3e-2, 1e-1], list(range(8)),
+    "lab": StabilityPreset("small", _LAB_RUN, [STABLE_LR, 1e-2, 3e-2, 1e-1], list(range(8)),
                            list(REMEDIES)),
-    "calibrate": StabilityPreset("demo", _DEMO_RUN, [STABLE_LR, 3e-2], [100, 101, 102],
+    "calibrate": StabilityPreset("small", _DEMO_RUN, [STABLE_LR, 3e-2], [100, 101, 102],
                                  ["none"]),
 }
 

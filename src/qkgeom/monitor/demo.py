@@ -43,7 +43,7 @@ def closed_loop(out: Path, *, target: float = 2.0, gain: float = 1.0, max_step: 
     from qkgeom.control.closed_loop import EntropyControlCallback, EntropyController
     from qkgeom.training import train
 
-    cfg = make_config("demo", {**DEMO_OVERRIDES, "threads": threads})
+    cfg = make_config("small", {**DEMO_OVERRIDES, "threads": threads})
     for name, callbacks in (("none", []), ("controlled", [EntropyControlCallback(
             EntropyController(target, gain=gain, max_step=max_step))])):
         if not (out / name / "status.json").exists():
