@@ -14,10 +14,9 @@ thresholds are derived from (seeds disjoint from every other size's).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from qkgeom.experiments.experiment import Experiment
+from qkgeom.experiments.experiment import Experiment, Preset
 
 #: Remedy name -> the config keys its runs set (docs/stability.md#remedies).
 REMEDIES: dict[str, dict[str, Any]] = {
@@ -41,27 +40,13 @@ _LAB_RUN: dict[str, Any] = {**_DEMO_RUN, "steps": 500, "warmup_steps": 50, "prob
 _SMOKE_RUN: dict[str, Any] = {"steps": 40, "probe_every": 5, "eval_every": 5,
                               "checkpoint_every": 20}
 
-
-@dataclass(frozen=True)
-class StabilityPreset:
-    """One size: the training preset, the overrides every run gets, the learning rates,
-    the seeds and the remedies."""
-
-    train_preset: str
-    overrides: dict[str, Any]
-    lrs: list[float]
-    seeds: list[int]
-    remedies: list[str]
-
-
-STABILITY_PRESETS: dict[str, StabilityPreset] = {
-    "smoke": StabilityPreset("smoke", _SMOKE_RUN, [STABLE_LR, 1e-1], [0], list(REMEDIES)),
-    "demo": StabilityPreset("demo", _DEMO_RUN, [STABLE_LR, 3e-2], list(range(5)),
-                            list(REMEDIES)),
-    "lab": StabilityPreset("demo", _LAB_RUN, [STABLE_LR, 1e-2, 3e-2, 1e-1], list(range(8)),
-                           list(REMEDIES)),
-    "calibrate": StabilityPreset("demo", _DEMO_RUN, [STABLE_LR, 3e-2], [100, 101, 102],
-                                 ["none"]),
+#: Each size: learning rates x seeds x remedies (the arms).
+STABILITY_PRESETS: dict[str, Preset] = {
+    "smoke": Preset("smoke", _SMOKE_RUN, [0], {"lr": [STABLE_LR, 1e-1]}, list(REMEDIES)),
+    "demo": Preset("demo", _DEMO_RUN, list(range(5)), {"lr": [STABLE_LR, 3e-2]}, list(REMEDIES)),
+    "lab": Preset("demo", _LAB_RUN, list(range(8)), {"lr": [STABLE_LR, 1e-2, 3e-2, 1e-1]},
+                  list(REMEDIES)),
+    "calibrate": Preset("demo", _DEMO_RUN, [100, 101, 102], {"lr": [STABLE_LR, 3e-2]}, ["none"]),
 }
 
 
@@ -69,6 +54,5 @@ class Stability(Experiment):
     name = "stability"
     presets = STABILITY_PRESETS
 
-    def grid_dict(self, spec: StabilityPreset) -> dict[str, Any]:
-        return {"axes": {"lr": list(spec.lrs), "seed": list(spec.seeds)},
-                "arms": [{"name": r, "set": dict(REMEDIES[r])} for r in spec.remedies]}
+    def arm(self, name: str) -> dict[str, Any]:
+        return {"name": name, "set": dict(REMEDIES[name])}
