@@ -1,15 +1,9 @@
 """Stability: attention-entropy collapse at small scale, and the remedies on equal terms.
 
-Learning rates x seeds x remedies on the demo model, paired by seed (a remedy's run starts
-from the same initial weights and sees the same batches as the seed's ``none`` run); the
-protocol (collapse, claims, alert calibration) is docs/stability.md, fixed before any run.
-Remedies are arms: ``none``, ``qk_norm`` (LayerNorm of q and k), ``sigma_reparam``
-(σReparam of W_Q and W_K), ``hold`` (the key-spectrum control holding each layer's
-token-level PR_K at its step-0 value, the key spread left to training) and
-``entropy_target`` (the closed loop steering every layer's entropy toward 2 nats). Sizes
-(docs/stability.md): ``smoke`` a wiring check, ``demo`` and ``lab`` the demo model at two
-lengths and learning-rate ranges, ``calibrate`` the ``none`` runs the default alert
-thresholds are derived from (seeds disjoint from every other size's).
+Learning rates x seeds x remedies (the arms) on the demo model, paired by seed (a remedy's
+run starts from the same initial weights and sees the same batches as the seed's ``none``
+run). The protocol (collapse, claims, alert calibration), the remedies and the sizes are
+docs/stability.md, fixed before any run.
 """
 
 from __future__ import annotations
