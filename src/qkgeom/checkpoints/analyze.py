@@ -17,7 +17,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from qkgeom.arch import ModelAdapter, adapter_for
+from qkgeom.arch import adapter_for
 from qkgeom.data.text import framing_ids, token_windows
 from qkgeom.errors import QKGeomError, require_whole
 from qkgeom.geometry import METRIC_NAMES, Measurement, measure_batches
@@ -26,11 +26,6 @@ __all__ = ["DEFAULT_SEQ_LEN", "analyze_model"]
 
 DEFAULT_SEQ_LEN = 512  # cap on the window length (the model's context if shorter)
 _TOKENS_PER_BATCH = 8192
-
-
-def _specials(tokenizer: Any, adapter: ModelAdapter) -> tuple[list[int], list[int]]:
-    """Ids put before / after each window: [CLS] / [SEP] for encoders, nothing otherwise."""
-    return ([], []) if adapter.causal else framing_ids(tokenizer)
 
 
 def _texts(texts: str | Iterable[str] | Callable[[], Iterable[str]]) -> Iterable[str]:
@@ -105,7 +100,7 @@ def analyze_model(
     constant columns put in front (docs/checkpoints.md).
     """
     adapter = adapter_for(model)
-    before, after = _specials(tokenizer, adapter)
+    before, after = ([], []) if adapter.causal else framing_ids(tokenizer)  # [CLS], [SEP]
     extra = len(before) + len(after)
     limit = adapter.max_positions or DEFAULT_SEQ_LEN
     seq_len = seq_len or min(limit, DEFAULT_SEQ_LEN) - extra

@@ -44,10 +44,6 @@ ROW_COLUMNS = ("checkpoint", "step", "step_source", "kind", "source", "qk_hash",
                "n_head", "n_kv_head", "tokens", "seq_len", "blocks", "seconds", "tokens_per_s")
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "checkpoint"
-
-
 def flag_duplicates(table: pd.DataFrame, keep_duplicates: bool = False) -> pd.DataFrame:
     """Add ``duplicate_of`` and ``in_trends`` to a checkpoints table with ``checkpoint``,
     ``step`` and ``qk_hash`` (rule in the module docstring)."""
@@ -259,7 +255,8 @@ def _warmup(specs: list[CheckpointSpec]) -> int | None:
 
 
 def _cache(job: CheckpointJob) -> Path:
-    return Path(job.out) / CACHE / _slug(job.spec.name)
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", job.spec.name).strip("_") or "checkpoint"
+    return Path(job.out) / CACHE / slug
 
 
 def read_cached(job: CheckpointJob) -> tuple[pd.DataFrame, dict[str, Any]] | None:

@@ -7,23 +7,19 @@ measured on the same runs. Sizes: docs/definitions.md#e1-and-e2.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from qkgeom.config import QK_INITS
-from qkgeom.experiments.experiment import Experiment
+from qkgeom.experiments.experiment import Experiment, Preset
 
 PAPER_DEPTHS = [4, 6, 8]
 
 
-@dataclass(frozen=True)
-class E1Preset:
-    """One size of E1: training preset, overrides of every run, depths, replicates."""
-
-    train_preset: str
-    overrides: dict[str, Any]
-    depths: list[int]
-    seeds: list[int]
+def _e1(train_preset: str, overrides: dict[str, Any], depths: list[int],
+        seeds: list[int]) -> Preset:
+    """One size of E1: depths x every Q/K init x replicates."""
+    return Preset(train_preset, overrides, seeds,
+                  {"model.n_layer": depths, "model.qk_init": list(QK_INITS)})
 
 
 #: The demo size's model (the small training preset's, depth set per run) and schedule,
@@ -37,19 +33,15 @@ DEMO_RUN: dict[str, Any] = {
 LAB_RUN: dict[str, Any] = {**DEMO_RUN, "steps": 2000, "probe_every": 100, "eval_every": 250,
                            "checkpoint_every": 500}
 
-E1_PRESETS: dict[str, E1Preset] = {
-    "smoke": E1Preset("smoke", {}, [1, 2], [0]),
-    "demo": E1Preset("small", DEMO_RUN, PAPER_DEPTHS, [0, 1]),
-    "lab": E1Preset("small", LAB_RUN, PAPER_DEPTHS, [0, 1, 2]),
-    "paper": E1Preset("paper", {}, PAPER_DEPTHS, [0, 1, 2, 3]),
+E1_PRESETS: dict[str, Preset] = {
+    "smoke": _e1("smoke", {}, [1, 2], [0]),
+    "demo": _e1("small", DEMO_RUN, PAPER_DEPTHS, [0, 1]),
+    "lab": _e1("small", LAB_RUN, PAPER_DEPTHS, [0, 1, 2]),
+    "paper": _e1("paper", {}, PAPER_DEPTHS, [0, 1, 2, 3]),
 }
 
 
 class E1(Experiment):
     name = "e1"
     presets = E1_PRESETS
-
-    def grid_dict(self, spec: E1Preset) -> dict[str, Any]:
-        return {"axes": {"model.n_layer": list(spec.depths), "model.qk_init": list(QK_INITS),
-                         "seed": list(spec.seeds)},
-                "distinct_seeds": True}
+    distinct_seeds = True

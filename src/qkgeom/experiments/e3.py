@@ -9,36 +9,25 @@ docs/protocols.md#power-and-seeds).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from qkgeom.config import KeyControlConfig, deep_merge
 from qkgeom.experiments.e1 import DEMO_RUN, LAB_RUN
-from qkgeom.experiments.experiment import Experiment
+from qkgeom.experiments.experiment import Experiment, Preset
 
 #: The arms every E3 size has: the primary rows of docs/protocols.md#e3 read them.
 E3_CORE_ARMS = ["none", "sham-token-data", "hold-token-data", "shrink-0.5-token-data"]
 _FOUR_LAYERS = {"model": {"n_layer": 4, "qk_init": "normal"}}
 
 
-@dataclass(frozen=True)
-class E3Preset:
-    """One size of E3: training preset, overrides of every run, seeds, arms."""
-
-    train_preset: str
-    overrides: dict[str, Any]
-    seeds: list[int]
-    arms: list[str]
-
-
-E3_PRESETS: dict[str, E3Preset] = {
-    "smoke": E3Preset("smoke", {}, [0, 1], E3_CORE_ARMS),
-    "demo": E3Preset("small", deep_merge(DEMO_RUN, {**_FOUR_LAYERS, "probe_every": 25}),
-                     list(range(20)), E3_CORE_ARMS),
-    "lab": E3Preset("small", deep_merge(LAB_RUN, _FOUR_LAYERS), list(range(8)), E3_CORE_ARMS),
-    "paper": E3Preset("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, list(range(20)),
-                      [*E3_CORE_ARMS, "shrink-0.75-token-data", "shrink-0.25-token-data",
-                       "hold-weight-frobenius", "shrink-0.5-weight-frobenius"]),
+E3_PRESETS: dict[str, Preset] = {
+    "smoke": Preset("smoke", {}, [0, 1], arms=E3_CORE_ARMS),
+    "demo": Preset("small", deep_merge(DEMO_RUN, {**_FOUR_LAYERS, "probe_every": 25}),
+                   list(range(20)), arms=E3_CORE_ARMS),
+    "lab": Preset("small", deep_merge(LAB_RUN, _FOUR_LAYERS), list(range(8)), arms=E3_CORE_ARMS),
+    "paper": Preset("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, list(range(20)),
+                    arms=[*E3_CORE_ARMS, "shrink-0.75-token-data", "shrink-0.25-token-data",
+                          "hold-weight-frobenius", "shrink-0.5-weight-frobenius"]),
 }
 
 
@@ -57,6 +46,4 @@ def e3_arm(name: str) -> dict[str, Any]:
 class E3(Experiment):
     name = "e3"
     presets = E3_PRESETS
-
-    def grid_dict(self, spec: E3Preset) -> dict[str, Any]:
-        return {"axes": {"seed": list(spec.seeds)}, "arms": [e3_arm(a) for a in spec.arms]}
+    arm = staticmethod(e3_arm)

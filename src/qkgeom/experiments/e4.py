@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from qkgeom.errors import QKGeomError
-from qkgeom.experiments.experiment import Experiment
+from qkgeom.experiments.experiment import Experiment, Preset
 from qkgeom.experiments.grid import Grid
 from qkgeom.runs.sweep import run_dir
 
@@ -25,29 +25,26 @@ E4_ANALYSIS = "analysis"  # OUT/analysis: the family (--model) or a folder per s
 
 
 @dataclass(frozen=True)
-class E4Preset:
+class E4Preset(Preset):
     """One size of E4: the training runs (``train_preset`` None: a hub family is required),
     the seeds and the analysis."""
 
-    train_preset: str | None
-    overrides: dict[str, Any]
-    tokens: int  # text tokens analysed per checkpoint (the same tokens for all)
-    seeds: tuple[int, ...] = ()
+    tokens: int = 0  # text tokens analysed per checkpoint (the same tokens for all)
     blocks: int = 8  # contiguous token blocks, for the noise and the bootstrap
     text: str = "sample"  # the embedded sample: its held-out (val) split first
 
 
 E4_PRESETS: dict[str, E4Preset] = {
     "smoke": E4Preset("smoke", {"steps": 40, "checkpoint_every": 16,
-                                "checkpoint_schedule": "log", "keep_checkpoints": 0}, 2048,
-                      (0, 1)),
+                                "checkpoint_schedule": "log", "keep_checkpoints": 0},
+                      (0, 1), tokens=2048),
     "demo": E4Preset("small", {
         "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64,
                   "qk_init": "normal"},
         "steps": 1024, "batch_size": 32, "probe_every": 64, "eval_every": 128,
         "checkpoint_every": 64, "checkpoint_schedule": "log", "keep_checkpoints": 0,
-    }, 32768, (0, 1, 2, 3, 4)),
-    "paper": E4Preset(None, {}, 200_000),
+    }, (0, 1, 2, 3, 4), tokens=32768),
+    "paper": E4Preset(None, {}, tokens=200_000),
 }
 
 
@@ -73,17 +70,12 @@ class E4(Experiment):
     name = "e4"
     presets = E4_PRESETS
 
-    def training(self, preset: str) -> E4Preset:
-        """The preset, when it trains runs; a one-line error when it needs a hub family."""
-        spec = self.preset(preset)
-        if spec.train_preset is None:
+    def training(self, preset: str) -> None:
+        """A one-line error unless the preset trains runs (else it needs a hub family)."""
+        if self.preset(preset).train_preset is None:
             raise QKGeomError(f"the {preset} E4 preset analyses a pretrained family: pass "
                               "model=<hub id or folder> and revisions (CLI: --model, "
                               "--revisions)")
-        return spec
-
-    def grid_dict(self, spec: E4Preset) -> dict[str, Any]:
-        return {"axes": {"seed": list(spec.seeds)}}
 
     def grid(self, preset: str, data: str = "", overrides: dict[str, Any] | None = None
              ) -> Grid:
@@ -119,6 +111,7 @@ class E4(Experiment):
         spec = self.preset(preset)
         if device:
             resolve_device(device)
+        assert isinstance(spec, E4Preset)
         analysis = {"text": text or spec.text, "max_tokens": tokens or spec.tokens,
                     "blocks": spec.blocks, "device": device or "auto", "progress": progress}
         if model is not None:

@@ -1,12 +1,10 @@
 """Checkpoint families spread over workers: Ray tasks on a cluster, or local processes.
 
-:func:`qkgeom.checkpoints.family.analyze_checkpoints` takes an ``executor`` that runs
-``measure(job)`` for each checkpoint somewhere and yields ``(job, row or exception)`` as
-each ends; each job writes its own cache entry in the analysis folder (which the workers
-must see), so a rerun measures only what is missing, and the tables are the same however
-they were measured (tests/checkpoints/test_executors.py). ``ray``: one task per checkpoint
-(``threads`` CPUs, one GPU on CUDA), at most ``workers`` in flight; ``local`` with
-``workers > 1``: that many spawned processes here.
+The executors of :data:`qkgeom.checkpoints.family.Executor`: each job writes its own cache
+entry in the analysis folder (which the workers must see), so a rerun measures only what
+is missing and the tables are the same however they were measured. ``ray``: one task per
+checkpoint (``threads`` CPUs, one GPU on CUDA), at most ``workers`` in flight; ``local``
+with ``workers > 1``: that many spawned processes here.
 """
 
 from __future__ import annotations

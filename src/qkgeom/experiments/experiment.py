@@ -8,6 +8,8 @@ experiment: one module with one subclass in :data:`EXPERIMENTS` (docs/architectu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,23 +19,46 @@ from qkgeom.experiments.grid import Grid
 from qkgeom.experiments.runner import SweepSummary, available_cpus, on_this_machine, run_sweep
 
 
+@dataclass(frozen=True)
+class Preset:
+    """One size of an experiment: the training preset (None: it trains nothing), the
+    overrides every run gets, the seeds (the grid's last axis), the axes before them and
+    the arms by name (:meth:`Experiment.arm`)."""
+
+    train_preset: str | None
+    overrides: dict[str, Any]
+    seeds: Sequence[int] = ()
+    axes: dict[str, list[Any]] = field(default_factory=dict)
+    arms: list[str] = field(default_factory=list)
+
+
 class Experiment:
-    """An experiment of the paper: :attr:`name`, :attr:`presets` (each with ``train_preset``
-    and ``overrides``) and the rest of its grid in :meth:`grid_dict`."""
+    """An experiment of the paper: :attr:`name`, :attr:`presets` and, with arms, :meth:`arm`;
+    ``distinct_seeds``: every run gets its own seed (:class:`~qkgeom.experiments.grid.Grid`)."""
 
     name: str = ""
-    presets: dict[str, Any] = {}
+    presets: dict[str, Preset] = {}
+    distinct_seeds: bool = False
 
-    def preset(self, preset: str) -> Any:
+    def preset(self, preset: str) -> Preset:
         """The preset called ``preset``; a one-line error naming the others."""
         if preset not in self.presets:
             raise QKGeomError(f"unknown {self.name.upper()} preset {preset!r}; choose one of "
                               f"{', '.join(self.presets)}")
         return self.presets[preset]
 
-    def grid_dict(self, spec: Any) -> dict[str, Any]:
-        """The grid's axes and arms at the size ``spec`` (one of :attr:`presets`)."""
+    def arm(self, name: str) -> dict[str, Any]:
+        """The grid arm called ``name``, for the experiments that have arms."""
         raise NotImplementedError
+
+    def grid_dict(self, spec: Preset) -> dict[str, Any]:
+        """The grid's axes and arms at the size ``spec`` (one of :attr:`presets`)."""
+        grid: dict[str, Any] = {"axes": {**spec.axes, "seed": list(spec.seeds)}}
+        if spec.arms:
+            grid["arms"] = [self.arm(a) for a in spec.arms]
+        if self.distinct_seeds:
+            grid["distinct_seeds"] = True
+        return grid
 
     def grid(self, preset: str, data: str = "", overrides: dict[str, Any] | None = None) -> Grid:
         """The grid at size ``preset`` on the prepared corpus ``data`` (``""``: the embedded

@@ -1,23 +1,16 @@
 """Stability: attention-entropy collapse at small scale, and the remedies on equal terms.
 
-Learning rates x seeds x remedies on the demo model, paired by seed (a remedy's run starts
-from the same initial weights and sees the same batches as the seed's ``none`` run); the
-protocol (collapse, claims, alert calibration) is docs/stability.md, fixed before any run.
-Remedies are arms: ``none``, ``qk_norm`` (LayerNorm of q and k), ``sigma_reparam``
-(σReparam of W_Q and W_K), ``hold`` (the key-spectrum control holding each layer's
-token-level PR_K at its step-0 value, the key spread left to training) and
-``entropy_target`` (the closed loop steering every layer's entropy toward 2 nats). Sizes
-(docs/stability.md): ``smoke`` a wiring check, ``demo`` and ``lab`` the demo model at two
-lengths and learning-rate ranges, ``calibrate`` the ``none`` runs the default alert
-thresholds are derived from (seeds disjoint from every other size's).
+Learning rates x seeds x remedies (the arms) on the demo model, paired by seed (a remedy's
+run starts from the same initial weights and sees the same batches as the seed's ``none``
+run). The protocol (collapse, claims, alert calibration), the remedies and the sizes are
+docs/stability.md, fixed before any run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
-from qkgeom.experiments.experiment import Experiment
+from qkgeom.experiments.experiment import Experiment, Preset
 
 #: Remedy name -> the config keys its runs set (docs/stability.md#remedies).
 REMEDIES: dict[str, dict[str, Any]] = {
@@ -41,27 +34,13 @@ _LAB_RUN: dict[str, Any] = {**_DEMO_RUN, "steps": 500, "warmup_steps": 50, "prob
 _SMOKE_RUN: dict[str, Any] = {"steps": 40, "probe_every": 5, "eval_every": 5,
                               "checkpoint_every": 20}
 
-
-@dataclass(frozen=True)
-class StabilityPreset:
-    """One size: the training preset, the overrides every run gets, the learning rates,
-    the seeds and the remedies."""
-
-    train_preset: str
-    overrides: dict[str, Any]
-    lrs: list[float]
-    seeds: list[int]
-    remedies: list[str]
-
-
-STABILITY_PRESETS: dict[str, StabilityPreset] = {
-    "smoke": StabilityPreset("smoke", _SMOKE_RUN, [STABLE_LR, 1e-1], [0], list(REMEDIES)),
-    "demo": StabilityPreset("small", _DEMO_RUN, [STABLE_LR, 3e-2], list(range(5)),
-                            list(REMEDIES)),
-    "lab": StabilityPreset("small", _LAB_RUN, [STABLE_LR, 1e-2, 3e-2, 1e-1], list(range(8)),
-                           list(REMEDIES)),
-    "calibrate": StabilityPreset("small", _DEMO_RUN, [STABLE_LR, 3e-2], [100, 101, 102],
-                                 ["none"]),
+#: Each size: learning rates x seeds x remedies (the arms).
+STABILITY_PRESETS: dict[str, Preset] = {
+    "smoke": Preset("smoke", _SMOKE_RUN, [0], {"lr": [STABLE_LR, 1e-1]}, list(REMEDIES)),
+    "demo": Preset("small", _DEMO_RUN, list(range(5)), {"lr": [STABLE_LR, 3e-2]}, list(REMEDIES)),
+    "lab": Preset("small", _LAB_RUN, list(range(8)), {"lr": [STABLE_LR, 1e-2, 3e-2, 1e-1]},
+                  list(REMEDIES)),
+    "calibrate": Preset("small", _DEMO_RUN, [100, 101, 102], {"lr": [STABLE_LR, 3e-2]}, ["none"]),
 }
 
 
@@ -69,6 +48,5 @@ class Stability(Experiment):
     name = "stability"
     presets = STABILITY_PRESETS
 
-    def grid_dict(self, spec: StabilityPreset) -> dict[str, Any]:
-        return {"axes": {"lr": list(spec.lrs), "seed": list(spec.seeds)},
-                "arms": [{"name": r, "set": dict(REMEDIES[r])} for r in spec.remedies]}
+    def arm(self, name: str) -> dict[str, Any]:
+        return {"name": name, "set": dict(REMEDIES[name])}
