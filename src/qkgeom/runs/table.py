@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from qkgeom.errors import QKGeomError
 from qkgeom.io import fsync_dir, make_dir, refuse_link, write_parquet
-from qkgeom.runs.schema import check_table, table_schema
+from qkgeom.runs.schema import check_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -58,9 +58,7 @@ def _read_file(file: Path, columns: tuple[str, ...]) -> pd.DataFrame:
     except Exception as err:
         raise QKGeomError(f"{file}: unreadable Parquet ({type(err).__name__}); delete the run "
                           "folder and train again") from None
-    schema = table_schema(file)
-    kinds, required = schema if schema is not None else ({}, ())
-    check_table(frame, file, (kinds, tuple(dict.fromkeys((*required, *columns)))))
+    check_table(frame, file, columns)
     return frame
 
 
