@@ -26,14 +26,8 @@ from typing import Any
 
 from qkgeom.errors import QKGeomError, StorageError
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()
+_UMASK = os.umask(0)  # reading the umask means setting it: set it back at once
+os.umask(_UMASK)
 _FAULT_ENV = "QKGEOM_FAULT"
 _FAULT_ONCE_ENV = "QKGEOM_FAULT_ONCE"
 _FAULT_PAUSE_ENV = "QKGEOM_FAULT_PAUSE"

@@ -151,19 +151,6 @@ def _config_change(saved: dict[str, Any], new: dict[str, Any], prefix: str = "")
     return out
 
 
-def _refuse_config_change(cfg_path: Path, saved: TrainConfig, record: dict[str, Any]) -> None:
-    changes = _config_change(saved.to_dict(), record["config"])
-    what = "; ".join(changes[:4]) or f"hash {saved.config_hash()} vs {record['config_hash']}"
-    if any(c.startswith("steps:") for c in changes):
-        raise QKGeomError(
-            f"{cfg_path}: the run was started with a different config ({what}); a run cannot "
-            "be lengthened on resume: its LR schedule decays to its own last step and its last "
-            "probe and checkpoint fall there, so a longer run is not this run continued: "
-            f"resume with --steps {saved.steps}, or train the longer run into a new --out")
-    raise QKGeomError(f"{cfg_path}: the run was started with a different config ({what}); "
-                      "resume with the same settings or use another --out")
-
-
 def claim_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
     """Write ``record`` as ``out``'s config.json, refusing to clobber anything else
     (:func:`check_run_dir` first)."""
@@ -213,8 +200,18 @@ def _refuse_other_run(out: Path, saved: dict[str, Any], record: dict[str, Any]) 
                           "resume with --data pointing at that corpus, or train into a "
                           "new --out")
     saved_cfg = load_config(out)
-    if saved_cfg.config_hash() != record["config_hash"]:
-        _refuse_config_change(cfg_path, saved_cfg, record)
+    if saved_cfg.config_hash() == record["config_hash"]:
+        return
+    changes = _config_change(saved_cfg.to_dict(), record["config"])
+    what = "; ".join(changes[:4]) or f"hash {saved_cfg.config_hash()} vs {record['config_hash']}"
+    if any(c.startswith("steps:") for c in changes):
+        raise QKGeomError(
+            f"{cfg_path}: the run was started with a different config ({what}); a run cannot "
+            "be lengthened on resume: its LR schedule decays to its own last step and its last "
+            "probe and checkpoint fall there, so a longer run is not this run continued: "
+            f"resume with --steps {saved_cfg.steps}, or train the longer run into a new --out")
+    raise QKGeomError(f"{cfg_path}: the run was started with a different config ({what}); "
+                      "resume with the same settings or use another --out")
 
 
 def status_of(run: str | Path) -> tuple[dict[str, Any] | None, str]:
