@@ -1,16 +1,7 @@
-"""The sweep folder on disk: where runs, locks and the grid record live, and how to read them.
-
-::
-
-    SWEEP/
-      sweep.json              the grid, every run id with its axes and config hash, created
-      packing.json            runs per GPU measured for --runs-per-gpu auto (if asked for)
-      runs/<run_id>/          a run folder, plus the sweep's attempts.jsonl, worker.log and
-                              error.log
-      runs/.<run_id>.lock     the run's lock, held while a process trains it
-
-A sweep folder may be shared or downloaded: none of these entries may be a symbolic link
-(:func:`refuse_sweep_links`), and ``sweep.json`` is read against its schema.
+"""The sweep folder on disk: where runs, locks and the grid record live, and how to read them
+(layout: docs/definitions.md#sweep-folder). A sweep folder may be shared or downloaded: none
+of its entries may be a symbolic link (:func:`refuse_sweep_links`), and ``sweep.json`` is
+read against its schema.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """Append-only run tables: ``metrics.parquet`` / ``train_log.parquet`` and their parts.
 
-Why: rewriting a run's whole table at every probe makes a long run's I/O quadratic. A
-flush instead writes its rows as one small Parquet part in ``<name>.parts/``
-(``p<seq:010d>-L<level>.parquet``, applied in ``(seq, level)`` order, a part's rows
-replacing earlier rows of its steps); :data:`FAN_IN` parts of a level merge into one of the
-next, and :meth:`TableWriter.compact` folds everything into the base file when the run ends
-or resumes. Readers (:func:`read`) lay the parts over the base, so they see every probe
-written so far. A kill at any moment leaves a readable table: every file is written
-atomically and a merge deletes its inputs only after its output is in place
-(docs/faults.md#run-folder-durability-and-scale).
+Rewriting a run's whole table at every probe makes a long run's I/O quadratic, so a flush
+writes its rows as one part, ``<name>.parts/p<seq:010d>-L<level>.parquet``: parts apply in
+``(seq, level)`` order over the base file, each replacing earlier rows of its steps;
+:data:`FAN_IN` parts of a level merge into one of the next. Every file is written atomically
+and a merge deletes its inputs only after its output is in place, so a kill leaves a
+readable table (docs/faults.md#run-folder-durability-and-scale).
 """
 
 from __future__ import annotations
