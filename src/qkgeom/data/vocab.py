@@ -32,8 +32,8 @@ def _code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
 
 
-def _chunks(text: str, size: int | None = None) -> Iterable[str]:
-    size = size or ENCODE_CHUNK_CHARS  # read at call time so tests can shrink it
+def _chunks(text: str) -> Iterable[str]:
+    size = ENCODE_CHUNK_CHARS  # read at call time so tests can shrink it
     for start in range(0, len(text), size):
         yield text[start : start + size]
 

@@ -285,11 +285,7 @@ def checkpoint_path(run: str | Path, step: int) -> Path:
 def list_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
     """(step, path) of every checkpoint file (``ckpt_<8 digits>.pt``, not a link), oldest
     first."""
-    folder = checkpoint_dir(run)
-    if not folder.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in folder.iterdir()
-                  if (m := _CHECKPOINT.fullmatch(p.name)) and not p.is_symlink())
+    return table.numbered_files(checkpoint_dir(run), _CHECKPOINT)
 
 
 def remove_stale_temp_files(run: str | Path) -> list[Path]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from qkgeom.errors import QKGeomError
 from qkgeom.io import fsync_dir, make_dir, refuse_link, write_parquet
@@ -32,14 +32,18 @@ def parts_dir(path: str | Path) -> Path:
     return path.with_name(path.name.removesuffix(".parquet") + PARTS_SUFFIX)
 
 
-def list_parts(path: str | Path) -> list[tuple[int, int, Path]]:
-    """``(seq, level, file)`` of every part of the table at ``path``, in the order applied
-    (a link is not a part)."""
-    folder = parts_dir(path)
+def numbered_files(folder: Path, pattern: re.Pattern[str]) -> list[tuple[Any, ...]]:
+    """``(*numbers, file)`` of each file in ``folder`` whose whole name ``pattern`` matches
+    (the numbers: its groups), sorted; a link is never one of them."""
     if not folder.is_dir():
         return []
-    return sorted((int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir()
-                  if (m := _PART.fullmatch(p.name)) and not p.is_symlink())
+    return sorted((*map(int, m.groups()), p) for p in folder.iterdir()
+                  if (m := pattern.fullmatch(p.name)) and not p.is_symlink())
+
+
+def list_parts(path: str | Path) -> list[tuple[int, int, Path]]:
+    """``(seq, level, file)`` of every part of the table at ``path``, in the order applied."""
+    return numbered_files(parts_dir(path), _PART)
 
 
 def exists(path: str | Path) -> bool:
