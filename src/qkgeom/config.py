@@ -8,6 +8,7 @@ under ``dataclasses.replace``), once: an unknown key or impossible value is a on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -134,25 +135,20 @@ class KeyControlConfig:
     def arm_settings(cls, name: str) -> dict[str, Any]:
         """The ``key_control`` keys of the E3 arm ``name`` (the inverse of :attr:`arm`); a
         one-line QKGeomError for a name that is not an arm."""
+        if name == "none":
+            return {"mode": "none"}
         parts = name.split("-")
-        bad = QKGeomError(f"unknown E3 arm {name!r}; arms are none, sham-<level>-<scale>, "
+        if len(parts) >= 3 and parts[-2] in cls.LEVELS and parts[-1] in cls.SCALES:
+            out: dict[str, Any] = {"mode": parts[0], "level": parts[-2], "scale": parts[-1]}
+            if parts[0] in ("hold", "sham") and len(parts) == 3:
+                return out
+            if parts[0] in ("shrink", "expand") and len(parts) == 4:
+                with contextlib.suppress(ValueError):
+                    return {**out, "dose": float(parts[1])}
+        raise QKGeomError(f"unknown E3 arm {name!r}; arms are none, sham-<level>-<scale>, "
                           "hold-<level>-<scale>, shrink-<dose>-<level>-<scale>, "
                           f"expand-<dose>-<level>-<scale> with level {' or '.join(cls.LEVELS)}"
                           f" and scale {' or '.join(cls.SCALES)}")
-        if name == "none":
-            return {"mode": "none"}
-        if len(parts) < 3 or parts[-2] not in cls.LEVELS or parts[-1] not in cls.SCALES:
-            raise bad
-        out: dict[str, Any] = {"mode": parts[0], "level": parts[-2], "scale": parts[-1]}
-        if parts[0] in ("hold", "sham") and len(parts) == 3:
-            return out
-        if parts[0] in ("shrink", "expand") and len(parts) == 4:
-            try:
-                out["dose"] = float(parts[1])
-            except ValueError:
-                raise bad from None
-            return out
-        raise bad
 
 
 @dataclass(frozen=True)
