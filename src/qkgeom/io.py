@@ -149,6 +149,14 @@ def links_in(folder: str | Path) -> list[Path]:
     return sorted(found)
 
 
+def refuse_links(folder: str | Path) -> None:
+    """:class:`LinkError` naming the first of :func:`links_in`: nothing qkgeom writes in a
+    result folder is a link, and writing through one could overwrite any file."""
+    links = links_in(folder)
+    if links:
+        raise LinkError(links[0])
+
+
 def make_dir(path: str | Path) -> Path:
     """``path`` as a folder (created with its parents if missing), refusing a link there:
     for the sub-folders qkgeom writes into (``checkpoints/``, ``report/``, ``runs/`` ...)."""

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import LinkError, links_in, read_json, temp_name_pattern, write_json
+from qkgeom.io import read_json, refuse_links, temp_name_pattern, write_json
 from qkgeom.runs import table
 from qkgeom.runs.schema import check_alerts, check_status
 from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG, WORKER_LOG
@@ -119,15 +119,6 @@ def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
         if not own:
             foreign.append(name)
     return sorted(foreign)
-
-
-def refuse_links(run: str | Path) -> None:
-    """One line (:class:`~qkgeom.io.LinkError`) naming the first symbolic link among the run
-    folder's entries and in its sub-folders: nothing qkgeom writes there is a link, and
-    writing through one could overwrite any file."""
-    links = links_in(run)
-    if links:
-        raise LinkError(links[0])
 
 
 def _refuse_foreign(out: Path, foreign: list[str]) -> None:

@@ -45,12 +45,10 @@ class RunWriter:
         self._dirty: dict[str, set[int]] = {"metrics": set(), "log": set()}
         self._tables = {"metrics": TableWriter(self.out / METRICS),
                         "log": TableWriter(self.out / TRAIN_LOG)}
-        # a status that is not qkgeom's (garbage, wrong types) is rewritten
+        # a status that is not qkgeom's (garbage, wrong types: its schema) is rewritten
         self.previous = prev = (status_of(self.out)[0] or {}) if resume else {}
-        number = (int, float)
-        started, wall = prev.get("started"), prev.get("wall_s")
-        self.started = started if isinstance(started, number) else time.time()
-        self._wall_before = float(wall) if isinstance(wall, number) else 0.0
+        self.started = prev.get("started", time.time())
+        self._wall_before = float(prev.get("wall_s", 0.0))
         self._t0 = time.perf_counter()
 
     def read_previous(self, upto: int | None = None
