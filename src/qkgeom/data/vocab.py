@@ -103,9 +103,7 @@ class CharVocab:
         arr = np.asarray(ids, dtype=np.int64).ravel()
         if arr.size and (arr.min() < 0 or arr.max() > self.unknown_id):
             raise ValueError(f"ids must lie in [0, {self.unknown_id}]")
-        table = np.frombuffer(
-            (self.chars + UNKNOWN_CHAR).encode("utf-32-le", "surrogatepass"), dtype="<u4"
-        )
+        table = _code_points(self.chars + UNKNOWN_CHAR)
         return table[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
 
     def digest(self) -> str:
