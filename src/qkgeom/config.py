@@ -8,6 +8,7 @@ under ``dataclasses.replace``), once: an unknown key or impossible value is a on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -134,25 +135,20 @@ class KeyControlConfig:
     def arm_settings(cls, name: str) -> dict[str, Any]:
         """The ``key_control`` keys of the E3 arm ``name`` (the inverse of :attr:`arm`); a
         one-line QKGeomError for a name that is not an arm."""
+        if name == "none":
+            return {"mode": "none"}
         parts = name.split("-")
-        bad = QKGeomError(f"unknown E3 arm {name!r}; arms are none, sham-<level>-<scale>, "
+        if len(parts) >= 3 and parts[-2] in cls.LEVELS and parts[-1] in cls.SCALES:
+            out: dict[str, Any] = {"mode": parts[0], "level": parts[-2], "scale": parts[-1]}
+            if parts[0] in ("hold", "sham") and len(parts) == 3:
+                return out
+            if parts[0] in ("shrink", "expand") and len(parts) == 4:
+                with contextlib.suppress(ValueError):
+                    return {**out, "dose": float(parts[1])}
+        raise QKGeomError(f"unknown E3 arm {name!r}; arms are none, sham-<level>-<scale>, "
                           "hold-<level>-<scale>, shrink-<dose>-<level>-<scale>, "
                           f"expand-<dose>-<level>-<scale> with level {' or '.join(cls.LEVELS)}"
                           f" and scale {' or '.join(cls.SCALES)}")
-        if name == "none":
-            return {"mode": "none"}
-        if len(parts) < 3 or parts[-2] not in cls.LEVELS or parts[-1] not in cls.SCALES:
-            raise bad
-        out: dict[str, Any] = {"mode": parts[0], "level": parts[-2], "scale": parts[-1]}
-        if parts[0] in ("hold", "sham") and len(parts) == 3:
-            return out
-        if parts[0] in ("shrink", "expand") and len(parts) == 4:
-            try:
-                out["dose"] = float(parts[1])
-            except ValueError:
-                raise bad from None
-            return out
-        raise bad
 
 
 @dataclass(frozen=True)
@@ -212,8 +208,7 @@ class TrainConfig:
     entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
 
     def __post_init__(self) -> None:
-        for name, kind in (("model", GPTConfig), ("key_control", KeyControlConfig),
-                           ("entropy_control", EntropyControlConfig)):
+        for name, kind in _SECTIONS.items():
             if not isinstance(getattr(self, name), kind):
                 raise QKGeomError(f"config key {name!r} must be a {kind.__name__}, got "
                                   f"{getattr(self, name)!r}")
@@ -261,18 +256,13 @@ class TrainConfig:
                 if getattr(self, name).active]  # key_control: a control or its record
 
     @property
-    def resolved_device(self) -> str:
-        """The device a run computes on here (``auto``: :func:`detect_device`, which imports
-        torch)."""
-        return detect_device() if self.device == "auto" else self.device
-
-    @property
     def effective_precision(self) -> str:
         """The precision a run trains in: ``auto`` is bf16 on CUDA (native since Ampere) and
         fp32 on CPU and MPS, where bf16 is opt-in (docs/speed.md#settings)."""
         if self.precision != "auto":
             return self.precision
-        return "bf16" if self.resolved_device.startswith("cuda") else "fp32"
+        device = detect_device() if self.device == "auto" else self.device
+        return "bf16" if device.startswith("cuda") else "fp32"
 
     @property
     def ref_step(self) -> int:
@@ -299,6 +289,11 @@ class TrainConfig:
         d["precision"] = self.effective_precision
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+#: The config sections: key -> their dataclass.
+_SECTIONS: dict[str, type] = {"model": GPTConfig, "key_control": KeyControlConfig,
+                              "entropy_control": EntropyControlConfig}
 
 
 def detect_device() -> str:
@@ -473,28 +468,12 @@ _SYNONYMS = {"depth": "n_layer", "layers": "n_layer", "num_layers": "n_layer",
              "shrink_to": "dose", "expand_to": "dose"}
 
 
-def _build(cls: type, full: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> Any:
-    """``cls(**full)`` with each scalar coerced to its default's type, recursing into the
-    nested config dataclasses."""
-    nested = {f.name: f.default_factory for f in dataclasses.fields(cls)
-              if dataclasses.is_dataclass(f.default_factory)}
-    kw = {}
-    for key, value in full.items():
-        if key in nested:
-            kw[key] = _build(nested[key], value, defaults[key], f"{prefix}{key}.")
-        else:
-            kw[key] = _coerce(value, defaults[key], prefix + key)
-    return cls(**kw)
-
-
-def check_config_types(d: dict[str, Any], prefix: str = "") -> None:
-    """QKGeomError unless every key of ``d`` that :class:`TrainConfig` knows holds a value
-    of its type. For readers of recorded configs: unknown keys and values newer rules would
-    refuse are left alone, so a run recorded under other rules still reads."""
-    defaults = TrainConfig().to_dict()
-    node = defaults
-    for part in filter(None, prefix.rstrip(".").split(".")):
-        node = node[part]
+def _coerced(d: dict[str, Any], node: dict[str, Any], prefix: str = "",
+             build: bool = False) -> dict[str, Any]:
+    """The keys of ``d`` that the defaults ``node`` know, each value checked against its
+    default's type (:func:`_coerce`), recursing into the sections (``build``: each one made
+    its config dataclass, in field order, so it validates where it always has)."""
+    out: dict[str, Any] = {}
     for key, value in d.items():
         if key not in node:
             continue
@@ -502,9 +481,19 @@ def check_config_types(d: dict[str, Any], prefix: str = "") -> None:
             if not isinstance(value, dict):
                 raise QKGeomError(f"config key {prefix + key!r} must be a mapping, got "
                                   f"{value!r}")
-            check_config_types(value, f"{prefix}{key}.")
+            out[key] = _coerced(value, node[key], f"{prefix}{key}.")
+            if build:
+                out[key] = _SECTIONS[key](**out[key])
         else:
-            _coerce(value, node[key], prefix + key)
+            out[key] = _coerce(value, node[key], prefix + key)
+    return out
+
+
+def check_config_types(d: dict[str, Any]) -> None:
+    """QKGeomError unless every key of ``d`` that :class:`TrainConfig` knows holds a value
+    of its type. For readers of recorded configs: unknown keys and values newer rules would
+    refuse are left alone, so a run recorded under other rules still reads."""
+    _coerced(d, TrainConfig().to_dict())
 
 
 def from_dict(d: dict[str, Any]) -> TrainConfig:
@@ -512,7 +501,7 @@ def from_dict(d: dict[str, Any]) -> TrainConfig:
     if not isinstance(d, dict):
         raise QKGeomError("a config must be a mapping of keys to values")
     defaults = TrainConfig().to_dict()
-    return _build(TrainConfig, deep_merge(defaults, d, strict=True), defaults)
+    return TrainConfig(**_coerced(deep_merge(defaults, d, strict=True), defaults, build=True))
 
 
 #: A config or grid file is a few hundred bytes; these bound what a crafted one can cost

@@ -26,14 +26,8 @@ from typing import Any
 
 from qkgeom.errors import QKGeomError, StorageError
 
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()
+_UMASK = os.umask(0)  # reading the umask means setting it: set it back at once
+os.umask(_UMASK)
 _FAULT_ENV = "QKGEOM_FAULT"
 _FAULT_ONCE_ENV = "QKGEOM_FAULT_ONCE"
 _FAULT_PAUSE_ENV = "QKGEOM_FAULT_PAUSE"
@@ -153,6 +147,14 @@ def links_in(folder: str | Path) -> list[Path]:
         elif entry.is_dir():
             found.extend(p for p in entry.iterdir() if p.is_symlink())
     return sorted(found)
+
+
+def refuse_links(folder: str | Path) -> None:
+    """:class:`LinkError` naming the first of :func:`links_in`: nothing qkgeom writes in a
+    result folder is a link, and writing through one could overwrite any file."""
+    links = links_in(folder)
+    if links:
+        raise LinkError(links[0])
 
 
 def make_dir(path: str | Path) -> Path:

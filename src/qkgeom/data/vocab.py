@@ -32,8 +32,8 @@ def _code_points(text: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
 
 
-def _chunks(text: str, size: int | None = None) -> Iterable[str]:
-    size = size or ENCODE_CHUNK_CHARS  # read at call time so tests can shrink it
+def _chunks(text: str) -> Iterable[str]:
+    size = ENCODE_CHUNK_CHARS  # read at call time so tests can shrink it
     for start in range(0, len(text), size):
         yield text[start : start + size]
 
@@ -103,9 +103,7 @@ class CharVocab:
         arr = np.asarray(ids, dtype=np.int64).ravel()
         if arr.size and (arr.min() < 0 or arr.max() > self.unknown_id):
             raise ValueError(f"ids must lie in [0, {self.unknown_id}]")
-        table = np.frombuffer(
-            (self.chars + UNKNOWN_CHAR).encode("utf-32-le", "surrogatepass"), dtype="<u4"
-        )
+        table = _code_points(self.chars + UNKNOWN_CHAR)
         return table[arr].astype("<u4").tobytes().decode("utf-32-le", "surrogatepass")
 
     def digest(self) -> str:

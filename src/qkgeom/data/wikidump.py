@@ -45,8 +45,6 @@ _DROP_TAGS = frozenset({
     "ref", "references", "table", "gallery", "math", "chem", "ce", "timeline", "imagemap",
     "score", "graph", "hiero", "templatedata", "templatestyles", "categorytree", "inputbox",
     "section", "syntaxhighlight", "source", "pre", "noinclude", "mapframe", "maplink"})
-# Tags that separate words when rendered.
-_SPACE_TAGS = frozenset({"br"})
 # Link namespaces that are media or metadata, not text.
 _DROP_LINK_NAMESPACES = frozenset({"file", "image", "media", "category"})
 # Interlanguage prefix: "de:", "zh-min-nan:", "simple:".
@@ -103,7 +101,7 @@ def _render_node(node: object) -> str:
         tag = str(node.tag).strip().lower()
         if tag in _DROP_TAGS:
             return ""
-        if tag in _SPACE_TAGS:
+        if tag == "br":  # separates words when rendered
             return " "
         return _render(node.contents) if node.contents is not None else ""
     if isinstance(node, Template):
@@ -127,16 +125,12 @@ def _render_wikilink(link: Wikilink) -> str:
     return _render(link.title).strip().removeprefix(":")
 
 
-def _positional(template: Template) -> list[str]:
-    return [_render(p.value).strip() for p in template.params if not p.showkey]
-
-
 def _render_template(template: Template) -> str:
     """Visible text of a few inline templates; every other template is removed."""
     name = str(template.name).strip().lower().replace("_", " ")
     if name in _CHAR_TEMPLATES:
         return _CHAR_TEMPLATES[name]
-    args = _positional(template)
+    args = [_render(p.value).strip() for p in template.params if not p.showkey]
     if name in ("convert", "cvt") and len(args) >= 2:
         if len(args) >= 4 and args[1] in _RANGE_WORDS:
             sep = " – " if args[1] in ("-", "–") else f" {args[1]} "
@@ -167,11 +161,9 @@ def _scrub_residue(line: str) -> str:
     if "<" in line:
         line = _RESIDUE_TAG.sub("", _RESIDUE_REF.sub("", line))
     if "{{" in line:
-        while True:
-            new = _RESIDUE_TEMPLATE.sub("", line)
-            if new == line:
-                break
-            line = new
+        removed = 1
+        while removed:  # innermost templates first, until none is left
+            line, removed = _RESIDUE_TEMPLATE.subn("", line)
         line = line.split("{{", 1)[0]  # an unclosed template runs to the end of the line
     if "[[" in line:
         line = _RESIDUE_LINK.sub(r"\1", _RESIDUE_MEDIA_LINK.sub("", line))

@@ -1,16 +1,6 @@
 """The folder of a checkpoint-family analysis (experiment E4), written by
-:func:`qkgeom.checkpoints.analyze_checkpoints` and read by the E4 report::
-
-    DIR/
-      analysis.json          model, text, tokens, settings (and their hash), state;
-                             warmup_steps for a qkgeom run's checkpoints (where its LR
-                             warm-up ends: E4's regime rule reads only later ones); and
-                             text_ran_out when the text held fewer tokens than asked for
-      metrics.parquet        run_id, checkpoint, step, layer, head, metric, value,
-                             duplicate_of, in_trends
-      checkpoints.parquet    per checkpoint: step and its source, Q/K hash, duplicate_of,
-                             in_trends, tokens, tokens/s
-      checkpoints/<name>.*   the per-checkpoint cache (parquet + a .json completion marker)
+:func:`qkgeom.checkpoints.analyze_checkpoints` and read by the E4 report, and the E4 set of
+such folders, one per seed (``qkgeom reproduce e4``). Their layouts: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -56,13 +46,6 @@ def record_text_shortfall(path: str | Path) -> str | None:
 
 
 # --- a set of analysis folders, one per seed (``qkgeom reproduce e4``) --------------------
-#
-#     OUT/
-#       e4.json              the marker: kind, preset, seeds, the warm-up, and ``units``:
-#                            {label: analysis folder relative to OUT}
-#       train/               the sweep folder of the training runs (one per seed)
-#       analysis/seed-<s>/   each seed's checkpoint-family analysis folder
-#       report/              the report over seeds (``qkgeom report OUT``)
 
 SET_MARKER = "e4.json"
 SET_KIND = "qkgeom-e4-seeds"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qkgeom.errors import QKGeomError
-from qkgeom.io import LinkError, links_in, read_json, temp_name_pattern, write_json
+from qkgeom.io import read_json, refuse_links, temp_name_pattern, write_json
 from qkgeom.runs import table
 from qkgeom.runs.schema import check_alerts, check_status
 from qkgeom.runs.sweep import ATTEMPTS_FILE, ERROR_LOG, WORKER_LOG
@@ -121,15 +121,6 @@ def foreign_entries(run: str | Path, *, check_status: bool = True) -> list[str]:
     return sorted(foreign)
 
 
-def refuse_links(run: str | Path) -> None:
-    """One line (:class:`~qkgeom.io.LinkError`) naming the first symbolic link among the run
-    folder's entries and in its sub-folders: nothing qkgeom writes there is a link, and
-    writing through one could overwrite any file."""
-    links = links_in(run)
-    if links:
-        raise LinkError(links[0])
-
-
 def _refuse_foreign(out: Path, foreign: list[str]) -> None:
     if not foreign:
         return
@@ -149,19 +140,6 @@ def _config_change(saved: dict[str, Any], new: dict[str, Any], prefix: str = "")
         elif a != b and key not in ("device", "threads", "compile", "precision"):
             out.append(f"{prefix}{key}: {a!r} -> {b!r}")
     return out
-
-
-def _refuse_config_change(cfg_path: Path, saved: TrainConfig, record: dict[str, Any]) -> None:
-    changes = _config_change(saved.to_dict(), record["config"])
-    what = "; ".join(changes[:4]) or f"hash {saved.config_hash()} vs {record['config_hash']}"
-    if any(c.startswith("steps:") for c in changes):
-        raise QKGeomError(
-            f"{cfg_path}: the run was started with a different config ({what}); a run cannot "
-            "be lengthened on resume: its LR schedule decays to its own last step and its last "
-            "probe and checkpoint fall there, so a longer run is not this run continued: "
-            f"resume with --steps {saved.steps}, or train the longer run into a new --out")
-    raise QKGeomError(f"{cfg_path}: the run was started with a different config ({what}); "
-                      "resume with the same settings or use another --out")
 
 
 def claim_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
@@ -213,8 +191,18 @@ def _refuse_other_run(out: Path, saved: dict[str, Any], record: dict[str, Any]) 
                           "resume with --data pointing at that corpus, or train into a "
                           "new --out")
     saved_cfg = load_config(out)
-    if saved_cfg.config_hash() != record["config_hash"]:
-        _refuse_config_change(cfg_path, saved_cfg, record)
+    if saved_cfg.config_hash() == record["config_hash"]:
+        return
+    changes = _config_change(saved_cfg.to_dict(), record["config"])
+    what = "; ".join(changes[:4]) or f"hash {saved_cfg.config_hash()} vs {record['config_hash']}"
+    if any(c.startswith("steps:") for c in changes):
+        raise QKGeomError(
+            f"{cfg_path}: the run was started with a different config ({what}); a run cannot "
+            "be lengthened on resume: its LR schedule decays to its own last step and its last "
+            "probe and checkpoint fall there, so a longer run is not this run continued: "
+            f"resume with --steps {saved_cfg.steps}, or train the longer run into a new --out")
+    raise QKGeomError(f"{cfg_path}: the run was started with a different config ({what}); "
+                      "resume with the same settings or use another --out")
 
 
 def status_of(run: str | Path) -> tuple[dict[str, Any] | None, str]:
@@ -288,11 +276,7 @@ def checkpoint_path(run: str | Path, step: int) -> Path:
 def list_checkpoints(run: str | Path) -> list[tuple[int, Path]]:
     """(step, path) of every checkpoint file (``ckpt_<8 digits>.pt``, not a link), oldest
     first."""
-    folder = checkpoint_dir(run)
-    if not folder.is_dir():
-        return []
-    return sorted((int(m.group(1)), p) for p in folder.iterdir()
-                  if (m := _CHECKPOINT.fullmatch(p.name)) and not p.is_symlink())
+    return table.numbered_files(checkpoint_dir(run), _CHECKPOINT)
 
 
 def remove_stale_temp_files(run: str | Path) -> list[Path]:

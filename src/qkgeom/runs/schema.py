@@ -50,13 +50,6 @@ _TYPE_WORDS = {int: "a whole number", float: "a number", str: "text", dict: "a m
                type(None): "null"}
 
 
-def table_schema(path: Path) -> tuple[dict[str, str], tuple[str, ...]] | None:
-    """The schema of the run table at ``path`` (a base file or one of its parts); None
-    for a file qkgeom has no schema for."""
-    table = path.name if path.name in TABLES else PARTS.get(path.parent.name)
-    return TABLES[table] if table else None
-
-
 def _kind_ok(series: pd.Series, kind: str) -> bool:
     from pandas.api import types
 
@@ -70,12 +63,13 @@ def _kind_ok(series: pd.Series, kind: str) -> bool:
         and bool(series.map(lambda v: isinstance(v, str)).all())
 
 
-def check_table(frame: pd.DataFrame, path: Path,
-                schema: tuple[dict[str, str], tuple[str, ...]]) -> None:
-    """QKGeomError naming ``path`` unless ``frame`` has the schema's required columns and
-    every schema column it has is of the schema's kind."""
-    kinds, required = schema
-    missing = [c for c in required if c not in frame.columns]
+def check_table(frame: pd.DataFrame, path: Path, columns: tuple[str, ...] = ()) -> None:
+    """QKGeomError naming ``path`` unless ``frame`` has ``columns`` and the required ones of
+    its table's schema (a base file or one of its parts), and every schema column it has is
+    of the schema's kind."""
+    table = path.name if path.name in TABLES else PARTS.get(path.parent.name)
+    kinds, required = TABLES[table] if table else ({}, ())
+    missing = [c for c in dict.fromkeys((*required, *columns)) if c not in frame.columns]
     if missing:
         raise QKGeomError(f"{path}: not a qkgeom table (no {', '.join(map(repr, missing))} "
                           "column)")

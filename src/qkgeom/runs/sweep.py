@@ -1,16 +1,7 @@
-"""The sweep folder on disk: where runs, locks and the grid record live, and how to read them.
-
-::
-
-    SWEEP/
-      sweep.json              the grid, every run id with its axes and config hash, created
-      packing.json            runs per GPU measured for --runs-per-gpu auto (if asked for)
-      runs/<run_id>/          a run folder, plus the sweep's attempts.jsonl, worker.log and
-                              error.log
-      runs/.<run_id>.lock     the run's lock, held while a process trains it
-
-A sweep folder may be shared or downloaded: none of these entries may be a symbolic link
-(:func:`refuse_sweep_links`), and ``sweep.json`` is read against its schema.
+"""The sweep folder on disk: where runs, locks and the grid record live, and how to read them
+(layout: docs/definitions.md#sweep-folder). A sweep folder may be shared or downloaded: none
+of its entries may be a symbolic link (:func:`refuse_sweep_links`), and ``sweep.json`` is
+read against its schema.
 """
 
 from __future__ import annotations
@@ -18,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qkgeom.io import LinkError, links_in, read_json
+from qkgeom.io import read_json, refuse_link, refuse_links
 from qkgeom.runs.schema import check_sweep_record
 
 SWEEP_FILE = "sweep.json"
@@ -55,13 +46,9 @@ def refuse_sweep_links(out_dir: str | Path, run_ids: list[str]) -> None:
     run folders hold."""
     out = Path(out_dir)
     runs = out / RUNS_DIR
-    for path in [out / n for n in (SWEEP_FILE, PACKING_FILE, ".sweep.lock", RUNS_DIR, "report")]:
-        if path.is_symlink():
-            raise LinkError(path)
+    for name in (SWEEP_FILE, PACKING_FILE, ".sweep.lock", RUNS_DIR, "report"):
+        refuse_link(out / name)
     for rid in run_ids if runs.is_dir() else []:
-        for path in (runs / rid, runs / f".{rid}.lock"):
-            if path.is_symlink():
-                raise LinkError(path)
-        links = links_in(runs / rid)
-        if links:
-            raise LinkError(links[0])
+        refuse_link(runs / rid)
+        refuse_link(runs / f".{rid}.lock")
+        refuse_links(runs / rid)

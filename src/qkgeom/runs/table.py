@@ -1,25 +1,22 @@
 """Append-only run tables: ``metrics.parquet`` / ``train_log.parquet`` and their parts.
 
-Why: rewriting a run's whole table at every probe makes a long run's I/O quadratic. A
-flush instead writes its rows as one small Parquet part in ``<name>.parts/``
-(``p<seq:010d>-L<level>.parquet``, applied in ``(seq, level)`` order, a part's rows
-replacing earlier rows of its steps); :data:`FAN_IN` parts of a level merge into one of the
-next, and :meth:`TableWriter.compact` folds everything into the base file when the run ends
-or resumes. Readers (:func:`read`) lay the parts over the base, so they see every probe
-written so far. A kill at any moment leaves a readable table: every file is written
-atomically and a merge deletes its inputs only after its output is in place
-(docs/faults.md#run-folder-durability-and-scale).
+Rewriting a run's whole table at every probe makes a long run's I/O quadratic, so a flush
+writes its rows as one part, ``<name>.parts/p<seq:010d>-L<level>.parquet``: parts apply in
+``(seq, level)`` order over the base file, each replacing earlier rows of its steps;
+:data:`FAN_IN` parts of a level merge into one of the next. Every file is written atomically
+and a merge deletes its inputs only after its output is in place, so a kill leaves a
+readable table (docs/faults.md#run-folder-durability-and-scale).
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from qkgeom.errors import QKGeomError
 from qkgeom.io import fsync_dir, make_dir, refuse_link, write_parquet
-from qkgeom.runs.schema import check_table, table_schema
+from qkgeom.runs.schema import check_table
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -35,14 +32,18 @@ def parts_dir(path: str | Path) -> Path:
     return path.with_name(path.name.removesuffix(".parquet") + PARTS_SUFFIX)
 
 
-def list_parts(path: str | Path) -> list[tuple[int, int, Path]]:
-    """``(seq, level, file)`` of every part of the table at ``path``, in the order applied
-    (a link is not a part)."""
-    folder = parts_dir(path)
+def numbered_files(folder: Path, pattern: re.Pattern[str]) -> list[tuple[Any, ...]]:
+    """``(*numbers, file)`` of each file in ``folder`` whose whole name ``pattern`` matches
+    (the numbers: its groups), sorted; a link is never one of them."""
     if not folder.is_dir():
         return []
-    return sorted((int(m.group(1)), int(m.group(2)), p) for p in folder.iterdir()
-                  if (m := _PART.fullmatch(p.name)) and not p.is_symlink())
+    return sorted((*map(int, m.groups()), p) for p in folder.iterdir()
+                  if (m := pattern.fullmatch(p.name)) and not p.is_symlink())
+
+
+def list_parts(path: str | Path) -> list[tuple[int, int, Path]]:
+    """``(seq, level, file)`` of every part of the table at ``path``, in the order applied."""
+    return numbered_files(parts_dir(path), _PART)
 
 
 def exists(path: str | Path) -> bool:
@@ -58,9 +59,7 @@ def _read_file(file: Path, columns: tuple[str, ...]) -> pd.DataFrame:
     except Exception as err:
         raise QKGeomError(f"{file}: unreadable Parquet ({type(err).__name__}); delete the run "
                           "folder and train again") from None
-    schema = table_schema(file)
-    kinds, required = schema if schema is not None else ({}, ())
-    check_table(frame, file, (kinds, tuple(dict.fromkeys((*required, *columns)))))
+    check_table(frame, file, columns)
     return frame
 
 

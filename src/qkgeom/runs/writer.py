@@ -10,6 +10,7 @@ for a run whose trainer could not).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -39,17 +40,15 @@ class RunWriter:
     def __init__(self, out: str | Path, run_id: str, *, steps: int = 0,
                  resume: bool = False, threads: int | None = None) -> None:
         self.out, self.run_id, self.steps, self.threads = Path(out), run_id, steps, threads
-        self._metrics: dict[int, pd.DataFrame] = {}  # step -> its rows, in step order
-        self._log: dict[int, list[dict[str, float]]] = {}
+        # table -> step -> its rows: a frame of metrics, a list of log rows
+        self._rows: dict[str, dict[int, Any]] = {"metrics": {}, "log": {}}
         self._dirty: dict[str, set[int]] = {"metrics": set(), "log": set()}
         self._tables = {"metrics": TableWriter(self.out / METRICS),
                         "log": TableWriter(self.out / TRAIN_LOG)}
-        # a status that is not qkgeom's (garbage, wrong types) is rewritten
+        # a status that is not qkgeom's (garbage, wrong types: its schema) is rewritten
         self.previous = prev = (status_of(self.out)[0] or {}) if resume else {}
-        number = (int, float)
-        started, wall = prev.get("started"), prev.get("wall_s")
-        self.started = started if isinstance(started, number) else time.time()
-        self._wall_before = float(wall) if isinstance(wall, number) else 0.0
+        self.started = prev.get("started", time.time())
+        self._wall_before = float(prev.get("wall_s", 0.0))
         self._t0 = time.perf_counter()
 
     def read_previous(self, upto: int | None = None
@@ -64,13 +63,13 @@ class RunWriter:
         ``tables`` from :meth:`read_previous`) and compact them: later rows (recomputed by
         this attempt) are dropped on disk, and a table left empty is removed."""
         metrics, log = tables if tables is not None else self.read_previous(upto)
-        self._metrics = ({int(s): rows for s, rows in metrics.groupby("step", sort=False)}
-                         if metrics is not None else {})
-        self._log = {}
+        self._rows = {"metrics": ({int(s): rows for s, rows in metrics.groupby("step", sort=False)}
+                                  if metrics is not None else {}), "log": {}}
         for row in (log.to_dict("records") if log is not None else []):
-            self._log.setdefault(int(row["step"]), []).append(row)
+            self._rows["log"].setdefault(int(row["step"]), []).append(row)
         self._dirty = {"metrics": set(), "log": set()}
-        for name, frame in (("metrics", self.metrics), ("log", self.log)):
+        for name in self._tables:
+            frame = self._frame(name, self._rows[name])
             if len(frame):
                 self._tables[name].compact(frame)
             else:
@@ -81,55 +80,53 @@ class RunWriter:
         that step first). ``run_id`` and ``step`` columns are set here."""
         step = int(step)
         rows = frame.assign(run_id=self.run_id, step=step)[METRIC_COLUMNS]
-        if step in self._metrics and not replace:
-            rows = pd.concat([self._metrics[step], rows], ignore_index=True)
-        self._metrics[step] = rows
+        if step in self._rows["metrics"] and not replace:
+            rows = pd.concat([self._rows["metrics"][step], rows], ignore_index=True)
+        self._rows["metrics"][step] = rows
         self._dirty["metrics"].add(step)
 
     def add_log(self, row: dict[str, float]) -> None:
         """One ``train_log`` row (missing columns are NaN)."""
         full = {c: float(row.get(c, float("nan"))) for c in LOG_COLUMNS}
         step = int(full["step"])
-        self._log.setdefault(step, []).append(full)
+        self._rows["log"].setdefault(step, []).append(full)
         self._dirty["log"].add(step)
+
+    def _frame(self, name: str, steps: Iterable[int]) -> pd.DataFrame:
+        """The rows of ``steps`` of table ``name``, in step order."""
+        rows, steps = self._rows[name], sorted(steps)
+        if name == "log":
+            frame = pd.DataFrame([r for s in steps for r in rows[s]], columns=LOG_COLUMNS)
+            return frame.astype({"step": "int64"}) if len(frame) else frame
+        if not steps:
+            return pd.DataFrame(columns=METRIC_COLUMNS)
+        return pd.concat([rows[s] for s in steps], ignore_index=True)
 
     @property
     def metrics(self) -> pd.DataFrame:
         """Every metric row so far, in step order."""
-        if not self._metrics:
-            return pd.DataFrame(columns=METRIC_COLUMNS)
-        return pd.concat([self._metrics[s] for s in sorted(self._metrics)], ignore_index=True)
+        return self._frame("metrics", self._rows["metrics"])
 
     @property
     def log(self) -> pd.DataFrame:
         """Every log row so far, in step order."""
-        return self._log_frame([r for s in sorted(self._log) for r in self._log[s]])
-
-    @staticmethod
-    def _log_frame(rows: list[dict[str, float]]) -> pd.DataFrame:
-        frame = pd.DataFrame(rows, columns=LOG_COLUMNS)
-        return frame.astype({"step": "int64"}) if len(frame) else frame
+        return self._frame("log", self._rows["log"])
 
     def flush(self) -> None:
         """Write the rows added since the last flush as one part per table (every row of
         each step touched, so a part replaces its steps whole)."""
-        if self._dirty["metrics"]:
-            steps = sorted(self._dirty["metrics"])
-            self._tables["metrics"].append(
-                pd.concat([self._metrics[s] for s in steps], ignore_index=True))
-        if self._dirty["log"]:
-            steps = sorted(self._dirty["log"])
-            self._tables["log"].append(self._log_frame([r for s in steps for r in self._log[s]]))
+        for name, steps in self._dirty.items():
+            if steps:
+                self._tables[name].append(self._frame(name, steps))
         self._dirty = {"metrics": set(), "log": set()}
 
     def compact(self) -> None:
         """Write each table that has rows whole and drop its parts (at the end of a run, so
         the plain files are complete; readers see the same rows before and after)."""
         self.flush()
-        if self._metrics:
-            self._tables["metrics"].compact(self.metrics)
-        if self._log:
-            self._tables["log"].compact(self.log)
+        for name, rows in self._rows.items():
+            if rows:
+                self._tables[name].compact(self._frame(name, rows))
 
     def status(self, state: str, step: int, **extra: Any) -> dict[str, Any]:
         """Write ``status.json`` (state, step, planned steps, start and wall time, threads,
