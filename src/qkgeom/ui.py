@@ -14,7 +14,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -66,17 +66,6 @@ def progress_bar(label: str, *fields: str, stderr: bool = False) -> Progress:
                        *(rp.TextColumn(f) for f in fields), rp.TimeElapsedColumn(),
                        rp.TextColumn("eta"), rp.TimeRemainingColumn(),
                        console=Console(stderr=stderr))
-
-
-class StepProgress(Protocol):
-    """Progress of a loop over steps: ``advance`` per step, ``update`` with the newest
-    numbers (``loss``, ``val_loss``, ``tokens_per_s``), ``close`` at the end."""
-
-    def advance(self) -> None: ...
-
-    def update(self, step: int, **numbers: float) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def step_progress(label: str, total: int, done: int, every: int) -> StepProgress:
@@ -175,6 +164,11 @@ class PlainSteps:
     def close(self) -> None:
         if self.step != self._printed:
             self._line()
+
+
+#: Progress of a loop over steps: ``advance`` per step, ``update`` with the newest numbers
+#: (``loss``, ``val_loss``, ``tokens_per_s``), ``close`` at the end.
+StepProgress = RichSteps | PlainSteps
 
 
 # ----------------------------------------------------------------------------- tables
