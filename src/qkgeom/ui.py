@@ -14,7 +14,7 @@ import re
 import sys
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -66,17 +66,6 @@ def progress_bar(label: str, *fields: str, stderr: bool = False) -> Progress:
                        *(rp.TextColumn(f) for f in fields), rp.TimeElapsedColumn(),
                        rp.TextColumn("eta"), rp.TimeRemainingColumn(),
                        console=Console(stderr=stderr))
-
-
-class StepProgress(Protocol):
-    """Progress of a loop over steps: ``advance`` per step, ``update`` with the newest
-    numbers (``loss``, ``val_loss``, ``tokens_per_s``), ``close`` at the end."""
-
-    def advance(self) -> None: ...
-
-    def update(self, step: int, **numbers: float) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def step_progress(label: str, total: int, done: int, every: int) -> StepProgress:
@@ -177,6 +166,11 @@ class PlainSteps:
             self._line()
 
 
+#: Progress of a loop over steps: ``advance`` per step, ``update`` with the newest numbers
+#: (``loss``, ``val_loss``, ``tokens_per_s``), ``close`` at the end.
+StepProgress = RichSteps | PlainSteps
+
+
 # ----------------------------------------------------------------------------- tables
 
 
@@ -265,22 +259,6 @@ def render_layers(table: pd.DataFrame, title: str, legend: Sequence[str] = (),
         out.print(plain(line), highlight=False)  # a line wider than the console wraps
 
 
-def _frame_table(frame: pd.DataFrame, title: str, rows: list[list[str]],
-                 sections: list[bool], group: Sequence[str], keep_short: bool) -> Table:
-    from rich.table import Table
-
-    table = Table(title=plain(title))
-    for col in frame.columns:
-        numeric = frame[col].map(lambda v: isinstance(v, (int, float))).all()
-        short = keep_short and col not in group and frame[col].astype(str).str.len().max() <= 24
-        table.add_column(plain(col), no_wrap=bool(numeric or short), overflow="fold")
-    for cells, section in zip(rows, sections, strict=True):
-        if section:
-            table.add_section()
-        table.add_row(*(plain(c) for c in cells))
-    return table
-
-
 def _narrowest(frame: pd.DataFrame, rows: list[list[str]], group: Sequence[str]) -> int:
     """Characters the table needs when its short texts keep their line and every other
     text wraps at spaces (rich's borders and padding: 3 per column and 1)."""
@@ -300,6 +278,8 @@ def render_frame(frame: pd.DataFrame, title: str, legend: Sequence[str] = (),
     never wrapped, texts wrapped at spaces to fit (short ones only when it must).
     ``group`` columns name a group of consecutive rows (a claim's id and text): shown on
     its first row only, with a rule between groups."""
+    from rich.table import Table
+
     out = console()
     where = [list(frame.columns).index(c) for c in group]
     rows: list[list[str]] = []
@@ -316,6 +296,15 @@ def render_frame(frame: pd.DataFrame, title: str, legend: Sequence[str] = (),
         previous = key
         rows.append(cells)
     keep_short = _narrowest(frame, rows, group) <= out.width
-    out.print(_frame_table(frame, title, rows, sections, group, keep_short))
+    table = Table(title=plain(title))
+    for col in frame.columns:
+        numeric = frame[col].map(lambda v: isinstance(v, (int, float))).all()
+        short = keep_short and col not in group and frame[col].astype(str).str.len().max() <= 24
+        table.add_column(plain(col), no_wrap=bool(numeric or short), overflow="fold")
+    for cells, section in zip(rows, sections, strict=True):
+        if section:
+            table.add_section()
+        table.add_row(*(plain(c) for c in cells))
+    out.print(table)
     for line in legend_lines(legend, out.width):
         out.print(plain(line), highlight=False)  # a line wider than the console wraps

@@ -254,9 +254,17 @@ def reproduce_cmd(
 
     exp = find(experiment)
     sets = parse_dotted(set_ or [])
-    if isinstance(exp, E4):
-        _reproduce_e4(exp, preset, out, data, device, sets, model, revisions, text,
-                      tokens, quiet)
+    if isinstance(exp, E4):  # train and analyse (or analyse --model), then summarise
+        from qkgeom.cli.checkpoints import split_revisions, summarise, summarise_set
+        from qkgeom.runs.family import is_e4_set
+        from qkgeom.training import resolve_device
+
+        resolve_device(device or "auto")  # a bad --device fails before any work
+        folder = exp.run(preset, out, data=data, model=model,
+                         revisions=split_revisions(revisions), text=text, tokens=tokens,
+                         device=device, progress=not quiet, overrides=sets or None)
+        summarise_set(folder) if is_e4_set(folder) else summarise(folder)
+        report(folder, None)
         return
     if any(v is not None for v in (model, revisions, text, tokens)):
         raise QKGeomError("--model, --revisions, --text and --tokens are for e4")
@@ -265,22 +273,6 @@ def reproduce_cmd(
     _sweep(exp.run, grid, out or exp.default_out(preset), device, report_after=True,
            workers=workers, backend=backend, address=address, threads_per_run=threads,
            progress=not quiet, retries=retries, runs_per_gpu=runs_per_gpu)
-
-
-def _reproduce_e4(exp: Any, preset: str, out: Path | None, data: str, device: str | None,
-                  sets: dict[str, Any], model: str | None, revisions: str | None,
-                  text: str | None, tokens: int | None, quiet: bool) -> None:
-    """``reproduce e4``: train and analyse (or analyse ``--model``), then summarise."""
-    from qkgeom.cli.checkpoints import split_revisions, summarise, summarise_set
-    from qkgeom.runs.family import is_e4_set
-    from qkgeom.training import resolve_device
-
-    resolve_device(device or "auto")  # a bad --device fails before any work
-    folder = exp.run(preset, out, data=data, model=model, revisions=split_revisions(revisions),
-                     text=text, tokens=tokens, device=device, progress=not quiet,
-                     overrides=sets or None)
-    summarise_set(folder) if is_e4_set(folder) else summarise(folder)
-    report(folder, None)
 
 
 def register(app: typer.Typer) -> None:

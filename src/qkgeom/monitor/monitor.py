@@ -105,7 +105,7 @@ class GeometryMonitor:
         off = tensorboard is None or tensorboard is False
         self.tensorboard = (None if off or self._tb_auto or not writes
                             else TensorBoardSink(tensorboard))
-        self._wandb_mode = wandb if writes and wandb is not None else False
+        self._wandb_on = writes and wandb is not None and wandb is not False
         self._wandb: WandbSink | None = None
         self.probes: list[Measurement] = []
         self._alerts: list[dict[str, Any]] = []
@@ -139,13 +139,18 @@ class GeometryMonitor:
         self._started = True
         self.total_steps = total_steps or self.total_steps
         if _rank() != 0:  # distributed, not rank 0: probe, write nothing
-            self.tensorboard, self._wandb_mode, self._tb_auto = None, False, False
+            self.tensorboard, self._wandb_on, self._tb_auto = None, False, False
         elif self._out is not None:
             # inside its own folder: nothing is written beside out= (a Trainer's folder)
             self._lock = RunLock(self._out, self._out / MONITOR_LOCK).require(
                 "start the monitor")
             try:
-                self.folder = _open_folder(self._out, self.run_id, self._resume)
+                _check_folder(self._out, self._resume)
+                self._out.mkdir(parents=True, exist_ok=True)
+                writer = RunWriter(self._out, self.run_id, resume=self._resume)
+                if self._resume:
+                    writer.restore()  # the run an earlier attempt wrote
+                self.folder = writer
             except BaseException:
                 self._lock.release()
                 raise
@@ -213,9 +218,7 @@ class GeometryMonitor:
         return probe
 
     def _wandb_sink(self) -> WandbSink | None:
-        if self._wandb_mode is False or self._wandb_mode is None:
-            return None
-        active = active_wandb_run()
+        active = active_wandb_run() if self._wandb_on else None
         if active is None:
             return None
         module, run = active
@@ -377,16 +380,6 @@ def _check_folder(out: Path, resume: bool) -> None:
         what = ", ".join(foreign[:4]) or "files of an unfinished run"
         raise QKGeomError(f"{out} holds files the monitor did not write ({what}); choose an "
                           "empty or new out= (or resume=True for a run it wrote)")
-
-
-def _open_folder(out: Path, run_id: str, resume: bool) -> RunWriter:
-    """The monitor's run folder: a new one, or (``resume``) the one an earlier attempt wrote."""
-    _check_folder(out, resume)
-    out.mkdir(parents=True, exist_ok=True)
-    writer = RunWriter(out, run_id, resume=resume)
-    if resume:
-        writer.restore()
-    return writer
 
 
 def train_config_mapping(facts: dict[str, Any]) -> Any:

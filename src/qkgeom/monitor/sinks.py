@@ -54,12 +54,11 @@ def scalars(frame: pd.DataFrame) -> dict[str, float]:
 
 
 def _spectra(probe: Measurement) -> dict[str, Any]:
-    out = {}
-    for name, spectra in (("sv_weight", probe.key_sv_weight),
-                          ("eig_token", probe.key_eig_token)):
-        for layer, values in spectra.items():
-            out[f"key_spectrum/{name}/layer{layer}"] = values.numpy()
-    return out
+    """The probe's non-empty key spectra by tag."""
+    return {f"key_spectrum/{name}/layer{layer}": values.numpy()
+            for name, spectra in (("sv_weight", probe.key_sv_weight),
+                                  ("eig_token", probe.key_eig_token))
+            for layer, values in spectra.items() if len(values)}
 
 
 def _train_scalars(row: dict[str, float]) -> dict[str, float]:
@@ -90,8 +89,7 @@ class TensorBoardSink:
         """A probe: its layer-level scalars, key-spectrum histograms and alert texts."""
         self.log_frame(probe.step, probe.frame)
         for name, values in _spectra(probe).items():
-            if len(values):
-                self.writer.add_histogram(name, values, probe.step)
+            self.writer.add_histogram(name, values, probe.step)
         for alert in alerts:
             self.writer.add_text("alerts", alert.message, probe.step)
         self.writer.flush()
@@ -144,8 +142,7 @@ class WandbSink:
         """A probe: its layer-level scalars, key-spectrum histograms, the alert count."""
         data: dict[str, Any] = {STEP_AXIS: probe.step, **scalars(probe.frame)}
         if self.histogram is not None:
-            data.update({name: self.histogram(values)
-                         for name, values in _spectra(probe).items() if len(values)})
+            data.update({name: self.histogram(values) for name, values in _spectra(probe).items()})
         alerts = list(alerts)
         if alerts:
             data["alerts/count"] = len(alerts)

@@ -68,19 +68,16 @@ def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> A
 
     from qkgeom.ui import plain, rich_table
 
-    state = status.get("state", "?")
-    where = f"step {status.get('step', '?')}/{status.get('steps', '?')}, {state}"
+    where = f"step {status.get('step', '?')}/{status.get('steps', '?')}, {status.get('state', '?')}"
     if metrics is None or metrics.empty:
         return plain(f"{run} — {where}: waiting for the first probe …")
     step, table = latest_layers(metrics)
     alerts = len(read_alerts(run))  # a bad alerts.json: one line naming it
-    title = (f"{run} — probe at step {step} ({where}; {table.attrs['level']} level; "
-             f"Δ = change since step {table.attrs['first_step']}"
-             + (f"; {alerts} alert(s), see alerts.json" if alerts else "") + ")")
-    out = rich_table(table)
-    heading = plain(title)
+    heading = plain(f"{run} — probe at step {step} ({where}; {table.attrs['level']} level; "
+                    f"Δ = change since step {table.attrs['first_step']}"
+                    + (f"; {alerts} alert(s), see alerts.json" if alerts else "") + ")")
     heading.stylize("bold")
-    return Group(heading, out)  # the title on its own line, unwrapped
+    return Group(heading, rich_table(table))  # the title on its own line, unwrapped
 
 
 def _abandoned(run: Path) -> str | None:
