@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -122,11 +123,7 @@ def excluded_count(report_dir: str | Path) -> int:
     """How many runs a written report left out (diverged, failed, unfinished): 0 for an
     E4 report (an analysis folder has no runs to leave out) or a report written before
     the count was recorded."""
-    try:
-        record = read_json(Path(report_dir) / REPORT_MARKER)
-    except QKGeomError:
-        return 0
-    excluded = record.get("excluded", 0) if isinstance(record, dict) else 0
+    excluded = _marker(Path(report_dir)).get("excluded", 0)
     return excluded if isinstance(excluded, int) and not isinstance(excluded, bool) else 0
 
 
@@ -147,13 +144,13 @@ def summary_line(report_dir: str | Path) -> str:
     return claims_summary(claims)
 
 
-def _is_report_folder(out: Path) -> bool:
-    """Marked by ``report.json`` (what qkgeom writes into every report folder)."""
+def _marker(folder: Path) -> dict[str, Any]:
+    """The ``report.json`` of ``folder``; {} when it has none or it is not a record."""
     try:
-        record = read_json(out / REPORT_MARKER)
+        record = read_json(folder / REPORT_MARKER)
     except QKGeomError:
-        return False
-    return isinstance(record, dict) and record.get("kind") == _REPORT_KIND
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def claim_report_dir(out: Path, source: Path) -> None:
@@ -163,7 +160,7 @@ def claim_report_dir(out: Path, source: Path) -> None:
         raise QKGeomError(f"{out} exists and is not a folder; choose another --out")
     if out.is_symlink() and not out.exists():  # dangling: nothing to write into
         refuse_link(out)
-    if out.is_dir() and any(out.iterdir()) and not _is_report_folder(out):
+    if out.is_dir() and any(out.iterdir()) and _marker(out).get("kind") != _REPORT_KIND:
         raise QKGeomError(f"{out} is not empty and is not a qkgeom report folder (no "
                           f"{REPORT_MARKER}); choose an empty or new --out: a report never "
                           "overwrites files qkgeom did not write")
