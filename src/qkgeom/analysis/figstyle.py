@@ -150,8 +150,7 @@ def grid(n_rows: int, n_cols: int, height: float = PANEL_H, legend: bool = False
     """A figure of ``n_rows`` × ``n_cols`` panels (``legend``: with :data:`LEGEND_W`
     inches beside them for a legend); axes as a 2-D array."""
     fig = new_figure(PANEL_W * n_cols + (LEGEND_W if legend else 0.0), height * n_rows)
-    axes = fig.subplots(n_rows, n_cols, squeeze=False, **kw)
-    return fig, axes
+    return fig, fig.subplots(n_rows, n_cols, squeeze=False, **kw)
 
 
 #: Average width of a character of the title, in ems (DejaVu Sans, mixed text; generous,
