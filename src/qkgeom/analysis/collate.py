@@ -262,12 +262,9 @@ def collate(sweep_dir: str | Path, include_incomplete: bool = False) -> Collated
                               for c in COLUMNS})
     table = table.astype({c: "int64" for c in ("depth", "seed", "step", "layer", "head")})
     table["metric"] = table["metric"].astype(str)
-    return Collated(table, runs, spec, sweep_name(spec, sweep_dir), sweep_dir)
-
-
-def sweep_name(spec: dict[str, Any], sweep_dir: Path) -> str:
     grid = spec.get("grid") if isinstance(spec.get("grid"), dict) else {}
-    return str(spec.get("name") or grid.get("name") or Path(sweep_dir).resolve().name)
+    name = str(spec.get("name") or grid.get("name") or sweep_dir.resolve().name)
+    return Collated(table, runs, spec, name, sweep_dir)
 
 
 def sweep_axes(spec: dict[str, Any]) -> dict[str, list[Any]]:

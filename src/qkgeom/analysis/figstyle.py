@@ -1,10 +1,7 @@
 """The figure house style every report shares (E1/E2, E3, E4).
 
-Panels of :data:`PANEL_W` × :data:`PANEL_H` inches, at most :data:`MAX_COLS` across, 9 pt
-text, so a figure stays readable in report.html on an 800-px page; colour-blind-safe
-colours, layers never black or grey (the legend keys' and reference lines' colours); the
-spread over seeds as thin lines below :data:`BAND_MIN_UNITS` seeds, a 95 % t-band from
-there (with 2 seeds a t-band is ±12.7 standard errors and would hide the lines). Why each
+Sized so a figure stays readable in report.html on an 800-px page, colour-blind safe,
+layers never black or grey (the legend keys' and reference lines' colours). Why each
 number: docs/report.md#figures. matplotlib is imported by the functions that draw; figures
 are bare ``Figure`` objects (no pyplot, no backend switch, no registry to close).
 """
@@ -63,10 +60,9 @@ SEED_LINEWIDTH = 0.6  # the thin line of one seed beside the mean
 
 
 def layer_colors(n: int) -> list[Any]:
-    """``n`` colours for layers 0 … n−1: qualitative (:data:`LAYER_PALETTE`) up to 8
-    layers, so each layer can be named from the legend; beyond that plasma from dark to
-    :data:`PLASMA_TOP` (ordered by depth, perceptually uniform, no pale end). Never black
-    or grey: those are the legend keys' (:data:`KEY_COLOR`) and the reference lines'."""
+    """``n`` colours for layers 0 … n−1: :data:`LAYER_PALETTE` up to 8 layers, so each
+    layer can be named from the legend; beyond that plasma from dark to
+    :data:`PLASMA_TOP` (ordered by depth, perceptually uniform, no pale end)."""
     if n <= len(LAYER_PALETTE):
         return list(LAYER_PALETTE[:max(n, 0)])
     import matplotlib
@@ -99,9 +95,8 @@ def draw_spread(ax: Axes, per_unit: pd.DataFrame, color: Any, *, linestyle: str 
     Returns True when a band was drawn. ``kw`` goes to the mean's line (markers)."""
     steps, values = _unit_matrix(per_unit)
     seen = np.isfinite(values)
-    units = seen.any(axis=1)
-    steps, values, seen = steps[seen.any(axis=0)], values[units][:, seen.any(axis=0)], \
-        seen[units][:, seen.any(axis=0)]
+    units, drawn = seen.any(axis=1), seen.any(axis=0)
+    steps, values, seen = steps[drawn], values[units][:, drawn], seen[units][:, drawn]
     if not len(steps):
         return False
     mean = np.nanmean(values, axis=0)
@@ -155,8 +150,7 @@ def grid(n_rows: int, n_cols: int, height: float = PANEL_H, legend: bool = False
     """A figure of ``n_rows`` × ``n_cols`` panels (``legend``: with :data:`LEGEND_W`
     inches beside them for a legend); axes as a 2-D array."""
     fig = new_figure(PANEL_W * n_cols + (LEGEND_W if legend else 0.0), height * n_rows)
-    axes = fig.subplots(n_rows, n_cols, squeeze=False, **kw)
-    return fig, axes
+    return fig, fig.subplots(n_rows, n_cols, squeeze=False, **kw)
 
 
 #: Average width of a character of the title, in ems (DejaVu Sans, mixed text; generous,
@@ -199,9 +193,8 @@ def save_figure(fig: Figure, out_dir: str | Path, name: str,
                 dpi: int = SCREEN_DPI) -> list[Path]:
     """Write ``name.png`` (``dpi``) and ``name.svg`` atomically; returns both paths.
 
-    The constrained layout (the costly part: every text's extent) runs once, then the
-    engine is removed, so neither file lays out again (matplotlib would otherwise run
-    one extra layout pass per file) and both show the same panel positions."""
+    The costly constrained layout runs once, then the engine is removed, so neither file
+    lays out again and both show the same panel positions."""
     import matplotlib
 
     out_dir = Path(out_dir)

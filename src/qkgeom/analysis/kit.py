@@ -1,11 +1,8 @@
 """The one kit every report shares (E1/E2, E3, E4, one run folder): its text and its page.
 
-Markdown and number formats, and the two escapes every value read from a file goes
-through before it enters a report (:func:`md_text`, :func:`md_code`: names, run ids and
-error texts are data, never Markdown or HTML); one claims-row schema (:func:`claim_row`,
-:func:`decide`), the claims table grouped by claim and the summary line; the setup and
-excluded-runs sections of a sweep; the page (:func:`render_html`, :func:`write_pages`).
-Needs pandas only (and ``markdown`` for the page); the figure style is ``figstyle``.
+Every value read from a file enters a report through :func:`md_text` or :func:`md_code`:
+names, run ids and error texts are data, never Markdown or HTML. Needs pandas only (and
+``markdown`` for the page); the figure style is ``figstyle``.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ from qkgeom.io import atomic_write
 
 def md_table(header: list[str], rows: list[list[Any]]) -> str:
     """A Markdown table; ``|`` and newlines inside cells are escaped. (Not
-    ``DataFrame.to_markdown``: tabulate pads and aligns cells and leaves ``|`` as is.)"""
+    ``DataFrame.to_markdown``: it needs tabulate, which pads cells and leaves ``|`` as is.)"""
     def cell(x: Any) -> str:
         return str(x).replace("|", "\\|").replace("\n", " ")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -94,7 +91,7 @@ def with_ci(mean: float, lo: float, hi: float) -> str:
 # The claims table
 # ---------------------------------------------------------------------------------------
 
-#: ``claims.csv`` of every experiment (column meanings: docs/report.md#claims): ``k`` of
+#: ``claims.csv`` of E1/E2 and E3 (column meanings: docs/report.md#claims): ``k`` of
 #: ``n`` independent units with the predicted sign, the t-interval, the sign-flip p's both
 #: ways and the sign test, the equivalence test within ±``delta``, the Holm-adjusted p's of
 #: the row's ``family``, the verdict and, when not evaluated, the ``reason``.
@@ -112,10 +109,9 @@ def claim_row(claim_id: str, claim: str, level: str, u: dict[str, Any], *, role:
               unit: str, measured: str, estimate: str, test: str, beside: str,
               reason: str = "", delta: float = float("nan"), universal_ok: bool | None = None,
               **extra: Any) -> dict[str, Any]:
-    """One row of any experiment's claims table (:func:`decide` adds the adjusted p's and
-    the verdict): ``k``, ``n`` and the numbers ``u`` has of
-    :func:`~qkgeom.analysis.stats.unit_test`'s (NaN for the others); ``universal_ok`` for
-    a claim about all units; ``extra``: the experiment's own columns (``origin``, ...)."""
+    """One row of any experiment's claims table from ``u`` (:func:`stats.unit_test`'s,
+    NaN for the numbers it lacks); ``universal_ok`` for a claim about all units, ``extra``
+    the experiment's own columns. :func:`decide` adds the adjusted p's and the verdict."""
     nan = float("nan")
     return {"claim_id": claim_id, "claim": claim, "role": role, "level": level, "unit": unit,
             "measured": measured, "k": u["k"], "n": u["n"],
@@ -125,18 +121,16 @@ def claim_row(claim_id: str, claim: str, level: str, u: dict[str, Any], *, role:
 
 
 def reasons(claims: pd.DataFrame) -> pd.Series:
-    """Each row's ``reason`` as text, "" where it has none (a column of only missing
-    reasons reads back from CSV as float NaN)."""
+    """Each row's ``reason``, "" where it has none (read back from CSV it may be NaN)."""
     return claims["reason"].astype(object).fillna("").astype(str)
 
 
 def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
-    """The adjusted p's and the verdict of every row of :func:`claim_row` rows.
+    """The adjusted p's and the verdict of :func:`claim_row` rows.
 
-    Two families by ``role``: the primary rows, Holm-adjusted together when
-    ``holm_primary`` (E1/E2, read as one family) or each at α (one confirmatory row per
-    claim), and the secondary rows, always Holm-adjusted together; a row not evaluated (a
-    ``reason``, or no unit) is in none. The verdict: :func:`qkgeom.analysis.stats.verdict`."""
+    Two Holm families by ``role``: the primary rows (each at α unless ``holm_primary``,
+    E1/E2's one family) and the secondary rows; a row not evaluated (a ``reason``, or no
+    unit) is in none. The verdict: :func:`qkgeom.analysis.stats.verdict`."""
     out = claims.copy()
     reason = out["reason"] = reasons(out)
     for col in ("p_adj", "p_opposite_adj", "p_equiv_adj"):
@@ -152,9 +146,7 @@ def decide(claims: pd.DataFrame, *, holm_primary: bool) -> pd.DataFrame:
     out["verdict"] = [
         stats.verdict(int(r.k), int(r.n), r.p_adj, p_opposite=r.p_opposite_adj,
                       p_equiv=r.p_equiv_adj, reason=r.reason,
-                      universal_ok=None if r.universal_ok is None
-                      or (isinstance(r.universal_ok, float) and np.isnan(r.universal_ok))
-                      else bool(r.universal_ok))
+                      universal_ok=None if pd.isna(r.universal_ok) else bool(r.universal_ok))
         for r in out.itertuples()]
     return out
 
@@ -229,21 +221,17 @@ def claim_groups(claims: pd.DataFrame) -> list[tuple[str, str, pd.DataFrame]]:
     the order claims first appear, each with its rows in table order."""
     if claims.empty:
         return []
-    keys = list(zip(claims["claim_id"].astype(str), claims["claim"].astype(str), strict=True))
-    order = list(dict.fromkeys(keys))
-    return [(cid, text, claims.iloc[[i for i, k in enumerate(keys) if k == (cid, text)]])
-            for cid, text in order]
+    keys = [claims[c].astype(str).to_numpy() for c in ("claim_id", "claim")]
+    return [(cid, text, rows) for (cid, text), rows in claims.groupby(keys, sort=False)]
 
 
 def claims_markdown(claims: pd.DataFrame, cells: Sequence[Cell] = SWEEP_CLAIM_CELLS) -> str:
-    """The claims table as Markdown, grouped by claim: a group row with the claim's id and
-    text (its other cells empty; ``report.html`` spans it), then one row per record in the
-    columns ``cells``. A descriptive table (:func:`descriptive_reason`) has no verdict
-    column; a row's reason stands in a ``note`` column then, when any row has one."""
+    """The claims table as Markdown: per claim a group row (id and text, other cells empty:
+    ``report.html`` spans it), then its records in the columns ``cells``. A descriptive
+    table (:func:`descriptive_reason`) shows reasons in a ``note`` column, no verdicts."""
     if descriptive_reason(claims):
         has_note = "reason" in claims and bool(reasons(claims).str.len().any())
-        cells = (*(c for c in cells if c[0] != VERDICT_CELL[0]), *([NOTE_CELL] if has_note
-                                                                   else []))
+        cells = [c for c in cells if c[0] != VERDICT_CELL[0]] + ([NOTE_CELL] if has_note else [])
     header = [f"claim / {cells[0][0]}", *(h for h, _ in cells[1:])]
     rows: list[list[Any]] = []
     for claim_id, claim, group in claim_groups(claims):
@@ -484,9 +472,9 @@ def not_recorded_reason(missing: Iterable[str]) -> str:
 
 @dataclass
 class Drawn:
-    """What a report's figure step gave: the PNGs drawn ({name: path}), those not drawn
-    for want of metrics (``missing``: {name: metrics}) or because they would show nothing
-    (``empty``: {name: why}), how they show the seeds, and whether figures were asked for."""
+    """What a report's figure step gave: the PNGs drawn, those not drawn for want of
+    metrics (``missing``) or because they would show nothing (``empty``: why), how they
+    show the seeds, and whether figures were asked for."""
 
     pngs: dict[str, Path] = field(default_factory=dict)
     missing: dict[str, list[str]] = field(default_factory=dict)
@@ -598,11 +586,10 @@ def _place_image(el: Any, folder: Path) -> None:
 
 
 def render_html(markdown_text: str, folder: Path, title: str) -> str:
-    """Markdown → standalone HTML: raw HTML shown as text (Markdown's own escaping, its
-    HTML parsers off), links only to web, mail and relative addresses, images only PNGs
-    inside ``folder``; claims tables get group rows and coloured verdict cells. (Not nh3 or
-    bleach: they sanitise, but cannot turn a foreign image into its alt text, embed a local
-    PNG or style the table, and would re-serialise the page for the link rule alone.)"""
+    """Markdown → standalone HTML: raw HTML shown as text (Markdown's HTML parsers off),
+    links only to web, mail and relative addresses, images only PNGs inside ``folder``;
+    claims tables get group rows and coloured verdict cells. (Not nh3 or bleach: they
+    cannot turn a foreign image into its alt text, embed a local PNG or style a table.)"""
     import markdown  # the report extra; a missing one is named by the CLI (one line)
     from markdown.treeprocessors import Treeprocessor
 
@@ -626,8 +613,7 @@ def render_html(markdown_text: str, folder: Path, title: str) -> str:
 
 
 def write_pages(out: Path, text: str, title: str) -> Path:
-    """``report.md`` and ``report.html`` (titled ``title``, showing the figures beside it
-    in ``out``) into ``out``, atomically; returns the path of ``report.md``."""
+    """``report.md`` and ``report.html`` into ``out``, atomically; returns ``report.md``."""
     md_path = out / "report.md"
     atomic_write(md_path, lambda p: p.write_text(text, encoding="utf-8"))
     page = render_html(text, out, title)

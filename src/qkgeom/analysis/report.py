@@ -2,18 +2,19 @@
 
 :func:`write_report` and :func:`claims_table` tell the folder's kind and hand it to its
 experiment: an analysis folder or a set of them (E4), a sweep whose grid declares
-``experiment: e3`` (E3) or ``experiment: stability``
-(:mod:`qkgeom.analysis.stability.report`), any other sweep or one run folder (E1/E2; a folder that declares
-no experiment is E3 when its runs pair a controlled run with an uncontrolled one). The
-report goes to ``<folder>/report/`` (docs/report.md), marked by ``report.json``: it is
-written only into a new or empty folder or one so marked, never over files qkgeom did not
-write. Nothing here imports torch; matplotlib only to draw.
+``experiment: e3`` or ``stability``, any other sweep or one run folder (E1/E2; a folder
+that declares no experiment is E3 when its runs pair a controlled run with an uncontrolled
+one). The report folder is marked by ``report.json``: it is written only into a new or
+empty folder or one so marked, never over files qkgeom did not write (docs/report.md).
+Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -38,10 +39,9 @@ _REPORT_KIND = "qkgeom-report"
 
 def claims_table(folder: str | Path, include_incomplete: bool = False,
                  n_boot: int = N_BOOT) -> pd.DataFrame:
-    """The claims table of any result folder: one row per claim × level × origin with the
-    independent units (k of n with the predicted sign), the estimate with its t-interval,
-    the sign-flip p (the verdict's), the sign-test p, what is shown beside, the verdict and,
-    when it is *not evaluated*, the reason.
+    """The claims table of any result folder: one row per claim × level × origin with its
+    independent units (k of n with the predicted sign), estimate, p's, verdict and, when
+    *not evaluated*, the reason.
 
     A sweep or a run folder gets the E1/E2 or the E3 claims (the runs left out:
     ``collate(folder).excluded``), an analysis folder the E4 claims of one model (``n_boot``
@@ -67,7 +67,10 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     figures a folder lacks the metrics for are skipped with a note in the report. ``n_boot``:
     resamples of E4's token-block bootstrap (an analysis folder only).
     """
-    require_report_packages(figures)
+    # The report extra, before anything is written: a missing package raises
+    # ModuleNotFoundError naming it, which the CLI turns into one line naming the extra.
+    for name in ("scipy.stats", "markdown", *(("matplotlib",) if figures else ())):
+        importlib.import_module(name)
     folder = Path(folder)
     if out is None:  # inside the folder: a planted report/ link is refused, never followed
         out = folder / "report"
@@ -116,26 +119,11 @@ def _refuse_unfinished_run(data: Collated) -> None:
         raise QKGeomError(f"{folder}: nothing to report: {reason}")
 
 
-def require_report_packages(figures: bool = True) -> None:
-    """Import the packages of the ``report`` extra a report needs (scipy, markdown, and
-    matplotlib for figures) before anything is written: a missing one raises
-    ``ModuleNotFoundError`` naming it, which the CLI turns into one line naming the
-    extra."""
-    import importlib
-
-    for name in ("scipy.stats", "markdown", *(("matplotlib",) if figures else ())):
-        importlib.import_module(name)
-
-
 def excluded_count(report_dir: str | Path) -> int:
     """How many runs a written report left out (diverged, failed, unfinished): 0 for an
     E4 report (an analysis folder has no runs to leave out) or a report written before
     the count was recorded."""
-    try:
-        record = read_json(Path(report_dir) / REPORT_MARKER)
-    except QKGeomError:
-        return 0
-    excluded = record.get("excluded", 0) if isinstance(record, dict) else 0
+    excluded = _marker(Path(report_dir)).get("excluded", 0)
     return excluded if isinstance(excluded, int) and not isinstance(excluded, bool) else 0
 
 
@@ -156,13 +144,13 @@ def summary_line(report_dir: str | Path) -> str:
     return claims_summary(claims)
 
 
-def _is_report_folder(out: Path) -> bool:
-    """Marked by ``report.json`` (what qkgeom writes into every report folder)."""
+def _marker(folder: Path) -> dict[str, Any]:
+    """The ``report.json`` of ``folder``; {} when it has none or it is not a record."""
     try:
-        record = read_json(out / REPORT_MARKER)
+        record = read_json(folder / REPORT_MARKER)
     except QKGeomError:
-        return False
-    return isinstance(record, dict) and record.get("kind") == _REPORT_KIND
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 def claim_report_dir(out: Path, source: Path) -> None:
@@ -172,7 +160,7 @@ def claim_report_dir(out: Path, source: Path) -> None:
         raise QKGeomError(f"{out} exists and is not a folder; choose another --out")
     if out.is_symlink() and not out.exists():  # dangling: nothing to write into
         refuse_link(out)
-    if out.is_dir() and any(out.iterdir()) and not _is_report_folder(out):
+    if out.is_dir() and any(out.iterdir()) and _marker(out).get("kind") != _REPORT_KIND:
         raise QKGeomError(f"{out} is not empty and is not a qkgeom report folder (no "
                           f"{REPORT_MARKER}); choose an empty or new --out: a report never "
                           "overwrites files qkgeom did not write")

@@ -1,10 +1,7 @@
 """The statistics every claim is decided by: one test, one interval, one verdict rule.
 
-Fixed in docs/protocols.md before any experiment, each with its reason: the t-interval over
-independent units, the exact one-sided sign-flip test (the verdict's p; every sign pattern
-enumerated up to :data:`EXACT_MAX_N` units, meet in the middle), the exact sign test
-beside it, TOST equivalence, Holm's adjustment, the power of a design and the verdict rule
-(:func:`verdict`, its only home). Written out rather than ``scipy.stats``:
+Each fixed, with its reason, in docs/protocols.md before any experiment; :func:`verdict`
+is the rule's only home. Written out rather than ``scipy.stats``:
 ``ttest_1samp(...).confidence_interval()`` and ``permutation_test`` differ in the last
 bits or on ties, and are far slower (docs/speed.md).
 """
