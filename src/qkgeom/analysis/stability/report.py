@@ -15,18 +15,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.alerts import DEFAULT_RULES
-from qkgeom.analysis.kit import (
-    P_CELL,
-    VERDICT_CELL,
-    claims_markdown,
-    descriptive_reason,
-    md_table,
-    md_text,
-    show,
-    summary_markdown,
-    write_csvs,
-    write_pages,
-)
+from qkgeom.analysis import kit
 from qkgeom.analysis.stability.alerts import (
     alert_summary,
     calibrate,
@@ -41,10 +30,10 @@ from qkgeom.analysis.stability.outcomes import (
     read_stability,
 )
 
-CELLS = (("lr", show("level")), ("quantity", show("quantity")), ("role", show("role")),
-         ("seeds with the sign", show("measured")), ("predicted", show("predicted")),
-         ("mean Δ [95 % t-interval]", show("estimate")), P_CELL,
-         ("beside", show("beside")), VERDICT_CELL)
+CELLS = (("lr", kit.show("level")), ("quantity", kit.show("quantity")),
+         ("role", kit.show("role")), ("seeds with the sign", kit.show("measured")),
+         ("predicted", kit.show("predicted")), ("mean Δ [95 % t-interval]", kit.show("estimate")),
+         kit.P_CELL, ("beside", kit.show("beside")), kit.VERDICT_CELL)
 
 
 def outcomes_table(stab: StabilityRuns) -> pd.DataFrame:
@@ -78,8 +67,8 @@ def outcomes_markdown(table: pd.DataFrame) -> str:
         "final attention entropy (mean over layers) and its minimum over layers; the median "
         "final max logit (the largest scaled logit of any layer at the last probe). "
         "*Acted*: the remedy's control acted in every seed (docs/stability.md).", "",
-        md_table(["lr", "remedy", "collapsed", "diverged", "final val loss",
-                  "final entropy", "min entropy", "final max logit", "acted"], rows)])
+        kit.md_table(["lr", "remedy", "collapsed", "diverged", "final val loss",
+                      "final entropy", "min entropy", "final max logit", "acted"], rows)])
 
 
 def alerts_markdown(alerts: pd.DataFrame) -> str:
@@ -87,7 +76,7 @@ def alerts_markdown(alerts: pd.DataFrame) -> str:
     rules = "; ".join(f"`{r.name}`" for r in DEFAULT_RULES)
     pos = alerts[alerts["collapsed"]].sort_values(["lr", "arm", "seed"])
     rows = [[f"{r.lr:g}", r.arm, r.seed, _num(r.departure_step, 0),
-             _num(r.first_alert_step, 0), md_text(r.first_rule) or "—",
+             _num(r.first_alert_step, 0), kit.md_text(r.first_rule) or "—",
              _num(r.lead_steps, 0)] for r in pos.itertuples()]
     lead = ("no collapsed run was warned" if not np.isfinite(s["lead_min"]) else
             f"lead time {_num(s['lead_min'], 0)}–{_num(s['lead_max'], 0)} steps (median "
@@ -106,13 +95,13 @@ def alerts_markdown(alerts: pd.DataFrame) -> str:
         + (f" ({s['recall']:.0%})" if np.isfinite(s["recall"]) else "")
         + "; precision: " + (f"{s['precision']:.0%}" if np.isfinite(s["precision"])
                              else "n/a (nothing fired)") + f"; {lead}.", "",
-        *([md_table(["lr", "remedy", "seed", "departure step", "first alert step",
-                     "first rule", "lead (steps)"], rows)] if rows else
+        *([kit.md_table(["lr", "remedy", "seed", "departure step", "first alert step",
+                         "first rule", "lead (steps)"], rows)] if rows else
           ["No run collapsed."])])
 
 
 def calibration_markdown(thresholds: dict[str, float], candidates: pd.DataFrame) -> str:
-    rows = [[f"`{r.metric}`", md_text(r.rule), f"{r.false_alarms}/{r.healthy_runs}",
+    rows = [[f"`{r.metric}`", kit.md_text(r.rule), f"{r.false_alarms}/{r.healthy_runs}",
              f"{r.warned}/{r.collapsed_runs}", _num(r.lead_min, 0),
              "yes" if r.every_collapse_early else "no"] for r in candidates.itertuples()]
     return "\n".join([
@@ -125,8 +114,9 @@ def calibration_markdown(thresholds: dict[str, float], candidates: pd.DataFrame)
         "two digits; the key-PR rule from the first probe at or after 25 % of the run. "
         "The defaults were fixed on the `calibrate` preset's runs; on any other sweep this "
         "table is an out-of-sample look at the rule, not a choice.", "",
-        md_table(["metric", "rule", "false alarms (healthy runs)", "collapsed runs warned",
-                  "shortest lead", "every collapse warned before departure"], rows)])
+        kit.md_table(["metric", "rule", "false alarms (healthy runs)",
+                      "collapsed runs warned", "shortest lead",
+                      "every collapse warned before departure"], rows)])
 
 
 def stability_markdown(stab: StabilityRuns, claims: pd.DataFrame, outcomes: pd.DataFrame,
@@ -134,24 +124,24 @@ def stability_markdown(stab: StabilityRuns, claims: pd.DataFrame, outcomes: pd.D
                        candidates: pd.DataFrame, figure: Path | None) -> str:
     seeds = sorted(stab.runs["seed"].unique())
     arms = list(dict.fromkeys(stab.runs["arm"]))
-    why = descriptive_reason(claims)
+    why = kit.descriptive_reason(claims)
     parts = [
-        f"# qkgeom report: {md_text(stab.name)}", "", summary_markdown(claims), "",
+        f"# qkgeom report: {kit.md_text(stab.name)}", "", kit.summary_markdown(claims), "",
         "Stability (docs/stability.md): learning rates "
         + ", ".join(f"{lr:g}" for lr in sorted(stab.runs["lr"].unique()))
         + f" (stable: {stab.stable_lr:g}) × remedies " + ", ".join(arms)
         + f" × {len(seeds)} seeds, each remedy paired with the `none` run of its seed.", "",
         outcomes_markdown(outcomes), "", "## Claims", "",
         *([f"**{why}**", ""] if why else []),
-        claims_markdown(claims, CELLS), "",
+        kit.claims_markdown(claims, CELLS), "",
         "Unit: the seed; Δ = remedy − `none` of the same seed and learning rate. Primary "
         "rows (S1: a high learning rate, predicted Δ < 0; S2: the stable one, equivalence "
         f"within ±{DELTA_LOSS:g} nats) are each their own claim at α = 0.05; the secondary "
         "rows are Holm-adjusted together. p: the exact one-sided sign-flip test.", "",
         alerts_markdown(alerts), "", calibration_markdown(thresholds, candidates), ""]
     if len(stab.left_out):
-        parts += ["## Runs left out", "", md_table(
-            ["run", "state", "reason"], [[f"`{md_text(r.run_id)}`", r.state, r.reason]
+        parts += ["## Runs left out", "", kit.md_table(
+            ["run", "state", "reason"], [[f"`{kit.md_text(r.run_id)}`", r.state, r.reason]
                                          for r in stab.left_out.itertuples()]), ""]
     parts += ["## Figure", ""]
     if figure is None:
@@ -170,13 +160,13 @@ def write_stability_report(folder: Path, out: Path, figures: bool = True) -> Pat
     thresholds = calibrate(stab)
     claims, outcomes, alerts = stability_claims(stab), outcomes_table(stab), evaluate(stab)
     candidates = choose_defaults(stab, thresholds)
-    write_csvs(out, (("claims", claims), ("stability_runs", stab.runs),
-                     ("stability_outcomes", outcomes), ("stability_alerts", alerts),
-                     ("stability_calibration", candidates)))
+    kit.write_csvs(out, (("claims", claims), ("stability_runs", stab.runs),
+                         ("stability_outcomes", outcomes), ("stability_alerts", alerts),
+                         ("stability_calibration", candidates)))
     figure = None
     if figures:
         from qkgeom.analysis.stability.figures import draw
 
         figure = draw(stab, out)
     text = stability_markdown(stab, claims, outcomes, alerts, thresholds, candidates, figure)
-    return write_pages(out, text, f"qkgeom report: {stab.name}")
+    return kit.write_pages(out, text, f"qkgeom report: {stab.name}")
