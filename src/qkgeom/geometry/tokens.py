@@ -20,7 +20,12 @@ from torch import Tensor
 from qkgeom.geometry.covariance import StreamingCovariance, centred_scatter, head_blocks
 from qkgeom.geometry.entropy import StreamingEntropy, logit_std_from_moments
 from qkgeom.geometry.records import LAYER, Record, token_records
-from qkgeom.geometry.spectra import NonFiniteError, gram_product_pr, pr_from_covariance
+from qkgeom.geometry.spectra import (
+    NonFiniteError,
+    gram_product_pr,
+    pr_from_covariance,
+    pr_of_sums,
+)
 from qkgeom.geometry.workspace import Workspace
 
 __all__ = ["LayerGeometry", "logit_delta", "logit_pr"]
@@ -69,7 +74,7 @@ def _logit_pr_prepared(qg: Tensor, kk: Tensor, B: int) -> Tensor:
     m = g_q.double() @ g_k.double()  # (B, Hk, R, hd, hd) = G_q G_k
     s1 = torch.diagonal(m, dim1=-2, dim2=-1).sum(-1)  # (B, Hk, R) Σσ²
     s2 = (m * m.mT).sum(dim=(-2, -1))  # (B, Hk, R) Σσ⁴
-    return torch.where(s2 > 0, s1 * s1 / s2, 0.0).flatten(1)  # (B, H)
+    return pr_of_sums(s1, s2).flatten(1)  # (B, H)
 
 
 #: ``logit_delta`` reads the pairs among the first window's first positions: a bounded
