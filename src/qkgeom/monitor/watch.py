@@ -68,7 +68,8 @@ def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> A
 
     from qkgeom.ui import plain, rich_table
 
-    where = f"step {status.get('step', '?')}/{status.get('steps', '?')}, {status.get('state', '?')}"
+    where = (f"step {status.get('step', '?')}/{status.get('steps', '?')}, "
+             f"{status.get('state', '?')}")
     if metrics is None or metrics.empty:
         return plain(f"{run} — {where}: waiting for the first probe …")
     step, table = latest_layers(metrics)
