@@ -114,6 +114,7 @@ class ModelAdapter:
     rotary: bool  # rotary embeddings act between the projections and the attention
     max_positions: int | None  # the context the model was built for (None: unknown)
     capture_fn: Capture  # the family's way to hand over q/k (see :meth:`capture`)
+    logit_softcap: float | None = None  # c of c·tanh(s/c) on the scaled logits; None: no cap
 
     @property
     def n_layer(self) -> int:
