@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from qkgeom.alerts import DEFAULT_RULES, Alerts, key_pr_drop, logit_rate, replay
 from qkgeom.monitor import DEFAULT_METRICS
@@ -57,7 +58,9 @@ def recorded_run(probes: int, layers: int, heads: int, seed: int = 0) -> pd.Data
         "step": np.repeat(np.arange(probes, dtype=np.int64), per_probe),
         "layer": np.tile(i // (len(METRICS) * (heads + 1)), probes),
         "head": np.tile((i // len(METRICS)) % (heads + 1) - 1, probes),
-        "metric": pd.array(np.array(METRICS)[metric_ix], dtype="str"),
+        "metric": pd.array(pa.DictionaryArray.from_arrays(  # as read_metrics returns it
+            pa.array(metric_ix.astype(np.int8)), pa.array(METRICS)).cast(pa.large_string()),
+            dtype="str"),
         "value": value})
 
 
