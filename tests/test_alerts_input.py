@@ -17,6 +17,7 @@ import yaml
 from qkgeom import alerts as alerts_module
 from qkgeom.alerts import (
     DEFAULT_RULES,
+    RULE_FIELDS,
     AlertRule,
     Alerts,
     as_rules,
@@ -138,6 +139,7 @@ def test_good_values_are_normalised_and_the_rule_stays_frozen_and_hashable() -> 
     with pytest.raises(dataclasses.FrozenInstanceError):
         rule.above = 1.0  # type: ignore[misc]
     assert dataclasses.replace(rule, above=80).above == 80.0
+    assert tuple(f.name for f in dataclasses.fields(AlertRule)) == RULE_FIELDS
     with pytest.raises(QKGeomError, match="'x': above must be a finite number"):
         dataclasses.replace(rule, above=math.inf)
 
