@@ -48,13 +48,16 @@ def z_loss(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
 
 
+def _future(T: int, like: Tensor) -> Tensor:
+    """(T, T) additive causal mask: 0 where key j ≤ query i (visible), −inf above."""
+    return torch.full((T, T), float("-inf"), dtype=like.dtype, device=like.device).triu(1)
+
+
 @torch.no_grad()
 def causal_head_max(scores: Tensor) -> Tensor:
-    """(nh,) largest scaled logit of each head over the visible (causal: key j ≤ query i)
-    pairs of ``scores`` (B, nh, T, T)."""
-    T = scores.shape[-1]
-    hidden = torch.ones(T, T, dtype=torch.bool, device=scores.device).triu(1)
-    return scores.masked_fill(hidden, float("-inf")).amax(dim=(0, 2, 3)).float()
+    """(nh,) largest value of each head over the visible (causal: key j ≤ query i) pairs of
+    ``scores`` (B, nh, T, T), in float32."""
+    return (scores + _future(scores.shape[-1], scores)).flatten(2).amax(-1).amax(0).float()
 
 
 class CausalSelfAttention(nn.Module):
@@ -109,11 +112,11 @@ class CausalSelfAttention(nn.Module):
         """Soft-capped causal attention (B, nh, T, hs): SDPA's scale 1/√hs, then c·tanh(s/c)
         before the mask and the softmax; dropout on the weights as SDPA drops them."""
         T = q.shape[2]
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))  # (B, nh, T, T)
-        if record:
-            self._record(causal_head_max(scores.detach()))  # QK-Clip reads the pre-cap logits
-        hidden = torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1)
-        scores = soft_cap(scores, self.softcap).masked_fill(hidden, float("-inf"))
+        # the scale folded into q: T×T passes are what this path pays for
+        scores = (q * (1.0 / math.sqrt(self.head_dim))) @ k.transpose(-2, -1)  # (B, nh, T, T)
+        if record:  # QK-Clip reads the pre-cap logits
+            self._record(causal_head_max(scores.detach()))
+        scores = soft_cap(scores, self.softcap) + _future(T, scores)
         att = torch.softmax(scores, dim=-1)
         if dropout > 0:
             att = F.dropout(att, p=dropout)
@@ -122,14 +125,17 @@ class CausalSelfAttention(nn.Module):
     @torch.no_grad()
     def _head_max(self, q: Tensor, k: Tensor) -> Tensor:
         """(nh,) largest scaled logit of each head over the batch's visible pairs, beside
-        SDPA: the scores recomputed a few sequences at a time without autograd, only the
-        maxima kept."""
-        B, _, T, _ = q.shape
+        SDPA: q·kᵀ recomputed a few sequences at a time without autograd, masked in place,
+        only the maxima kept, scaled by 1/√hs last (a positive scale keeps the max)."""
+        T = q.shape[2]
         per = max(1, _MAX_CHUNK // (self.n_head * T * T))
-        scale = 1.0 / math.sqrt(self.head_dim)
-        return torch.stack([causal_head_max((qc @ kc.transpose(-2, -1)) * scale)
-                            for qc, kc in zip(q.split(per), k.split(per), strict=True)]
-                           ).amax(dim=0)
+        future = _future(T, q)
+        maxima = []
+        for qc, kc in zip(q.split(per), k.split(per), strict=True):
+            raw = qc @ kc.transpose(-2, -1)  # (b, nh, T, T)
+            raw += future
+            maxima.append(raw.flatten(2).amax(-1).amax(0))
+        return torch.stack(maxima).amax(0).float() * (1.0 / math.sqrt(self.head_dim))
 
     @torch.no_grad()
     def _record(self, head_max: Tensor) -> None:
