@@ -59,6 +59,22 @@ def test_equivalence_at_its_boundary_and_before_every_other_verdict() -> None:
     assert stats.verdict(10, 10, 1e-4, p_equiv=0.01, reason="gate") == "not evaluated"
 
 
+def test_equivalence_needs_five_units_on_the_row_itself() -> None:
+    """Protocol 2: 4 units whose interval lies well inside ±δ are never *equivalent to no
+    effect* (the S2 hold row of the stability demo was, on 4 seeds); 5 units can be. The
+    minimum is the row's own n, whatever other rows of its table hold."""
+    four = stats.unit_test([0.01, -0.01, 0.02, 0.0], 0, delta=0.1)
+    assert four["p_equiv"] < 1e-3  # the interval is far inside ±0.1
+    assert stats.verdict(four["k"], four["n"], four["p_value"],
+                         p_equiv=four["p_equiv"]) == "inconclusive"
+    five = stats.unit_test([0.01, -0.01, 0.02, 0.0, 0.01], 0, delta=0.1)
+    assert stats.verdict(five["k"], five["n"], five["p_value"],
+                         p_equiv=five["p_equiv"]) == "equivalent to no effect"
+    assert stats.MIN_UNITS == 5
+    assert stats.verdict(0, 4, 1.0, p_equiv=1e-9) == "inconclusive"
+    assert stats.verdict(0, 5, 1.0, p_equiv=1e-9) == "equivalent to no effect"
+
+
 def test_four_units_can_never_be_supported_five_can() -> None:
     """With n units no p goes below 2^−n: 4/4 gives 1/16 ≥ 0.05, 5/5 gives 1/32."""
     four = stats.unit_test([1.0, 2.0, 3.0, 4.0], +1)
