@@ -135,6 +135,17 @@ MUTATIONS = (
              "src/qkgeom/analysis/e4/regime.py",
              "eps = jitter[idx, None, None] * normals[None]", "eps = 0.0 * normals[None]",
              ("tests/analysis/test_regime.py",)),
+    Mutation("e4-walk", "E4 over seeds: surrogates without the random walk",
+             "src/qkgeom/analysis/e4/regime.py",
+             "eps = eps + walk_sd[idx, None, None] * walk[None]",
+             "eps = eps + 0.0 * walk[None]",
+             ("tests/analysis/test_regime.py::"
+              "test_over_seeds_a_slow_walk_within_each_run_is_not_a_regime",)),
+    Mutation("e4-opposite", "E4.2/E4.3: the biased opposite direction read as not supported",
+             "src/qkgeom/analysis/e4/claims.py", 'ONE_SIDED_ONLY = ("E4.2", "E4.3")',
+             "ONE_SIDED_ONLY = ()",
+             ("tests/analysis/test_regime.py::"
+              "test_flat_data_never_read_not_supported_for_e4_2_and_e4_3",)),
     Mutation("reference-quarter", "the reference at 25 % rounded down",
              "src/qkgeom/config.py", "return math.ceil(self.steps / 4) if",
              "return self.steps // 4 if", (BOUNDARIES,)),
