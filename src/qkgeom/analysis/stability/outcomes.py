@@ -19,6 +19,7 @@ from qkgeom.errors import QKGeomError
 from qkgeom.runs import read_log, read_metrics
 from qkgeom.runs.sweep import read_sweep_record
 
+STABLE_LR = 3e-3  # the small training preset's lr: departures and S2 are measured at it
 COLLAPSE_NATS = 0.4  # a layer below this mean entropy at the last probe: collapsed
 DEPARTURE_NATS = 0.05  # val loss this far above the stable run of the seed: departed
 ACTED_RTOL = 0.01  # hold: achieved PR within 1 % of its target at every probe
