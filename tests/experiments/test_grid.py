@@ -414,3 +414,30 @@ def test_stability_alert_presets_train_several_sizes_at_equal_tokens() -> None:
     held = {s.axes["size"]: s.config.model for s in stab.grid("transfer").expand()}
     assert not {(m.n_layer, m.n_embd, m.block_size) for m in held.values()} & {
         (m.n_layer, m.n_embd, m.block_size) for m in cal.values()}
+
+
+def test_stability_presets_are_the_protocols_sweeps() -> None:
+    """docs/stability.md#design: the demo's 4 rates × 5 seeds × 9 arms, the lab's 7 × 5 × 7
+    (no hold, no closed loop), the smoke's 2 × 1 × 9; every arm the same steps."""
+    from qkgeom.experiments.stability import LAB_ARMS, REMEDIES, STABILITY_PRESETS
+
+    sizes = {name: len(p.axes["lr"]) * len(p.seeds) * len(p.arms)
+             for name, p in STABILITY_PRESETS.items()}
+    assert sizes == {"smoke": 18, "demo": 180, "lab": 245, "calibrate": 9, "transfer": 9}
+    assert STABILITY_PRESETS["demo"].axes["lr"] == [3e-4, 3e-3, 3e-2, 3e-1]
+    assert STABILITY_PRESETS["lab"].axes["lr"] == [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
+    assert set(REMEDIES) - set(LAB_ARMS) == {"hold", "entropy_target"}
+    assert REMEDIES["qk_clip"] == {"model.qk_clip_threshold": 100.0,
+                                   "model.qk_clip_alpha": 0.5}
+    assert REMEDIES["sigma_reparam_all"] == {"model.sigma_reparam": "all"}
+    assert REMEDIES["z_loss"] == {"z_loss": 1.0e-4}
+    assert REMEDIES["logit_softcap"] == {"model.logit_softcap": 50.0}
+
+
+def test_the_old_sigma_reparam_arm_is_an_alias_with_a_warning() -> None:
+    stab = experiment("stability")
+    with pytest.warns(FutureWarning, match="'sigma_reparam' is now 'sigma_reparam_qk'"):
+        arm = stab.arm("sigma_reparam")
+    assert arm == {"name": "sigma_reparam_qk", "set": {"model.sigma_reparam": "qk"}}
+    with pytest.raises(QKGeomError, match="unknown stability remedy 'sigma'"):
+        stab.arm("sigma")
