@@ -199,7 +199,8 @@ def calibration_markdown(thresholds: dict[str, float], candidates: pd.DataFrame,
         title, "", f"Thresholds (unrounded → rounded to two digits): {how or 'n/a'}.", "",
         note, "",
         kit.md_table(["candidate", "rule", "false alarms (stable runs)", "collapsed warned",
-                      "warned before departure", "shortest lead", "default"], rows)
+                      "warned before departure", "shortest lead",
+                      "default" if chooses else "meets the default rule"], rows)
         if rows else "No candidate: the runs lack the metrics the candidates read."])
 
 
@@ -254,7 +255,8 @@ def stability_markdown(stab: StabilityRuns, claims: pd.DataFrame, sections: list
         + f" (stable: {stab.stable_lr:g}) × remedies " + ", ".join(arms)
         + f" × {len(seeds)} seeds{sizes}, each remedy paired with the `none` run of its "
         "seed.", ""]
-    parts += sections[:2]
+    for section in sections[:2]:  # what the runs came to, the learning-rate sweep
+        parts += [section, ""] if section else []
     if len(claims):
         parts += ["## Claims", "", *([f"**{why}**", ""] if why else []),
                   kit.claims_markdown(claims, CELLS), "",
@@ -265,7 +267,8 @@ def stability_markdown(stab: StabilityRuns, claims: pd.DataFrame, sections: list
                   "predicted Δ < 0) are each their own claim at α = 0.05; the secondary rows "
                   "(the rates below the stable one, two-sided; entropy and max logit) are "
                   "Holm-adjusted together.", ""]
-    parts += [s for s in sections[2:] if s]
+    for section in sections[2:]:
+        parts += [section, ""] if section else []
     if len(stab.left_out):
         parts += ["## Runs left out", "", kit.md_table(
             ["run", "state", "reason"], [[f"`{kit.md_text(r.run_id)}`", r.state, r.reason]
@@ -317,7 +320,7 @@ def write_stability_report(folder: Path, out: Path, figures: bool = True, *,
     alerts = evaluate(stab, DEFAULT_RULES)
     thresholds = calibrate(stab)
     candidates = choose_defaults(stab, thresholds)
-    sections = [outcomes_markdown(outcomes), "",
+    sections = [outcomes_markdown(outcomes),
                 sweep_markdown(rates, ls) if stab.runs["lr"].nunique() > 1 else "",
                 power_markdown(power), alerts_markdown(alerts),
                 calibration_markdown(thresholds, candidates, kind == "calibrate")]
