@@ -9,9 +9,10 @@ docs/monitor.md.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch import nn
 
 from qkgeom.alerts import Alert, AlertRule, Alerts, as_rules
 from qkgeom.arch import QK_SITES, adapter_for
+from qkgeom.config import TrainConfig
 from qkgeom.control.closed_loop import EntropyController
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import LAYER, Measurement, measure, records_to_frame, resolve_metrics
@@ -69,6 +71,8 @@ class GeometryMonitor:
                  special_tokens: bool = True, batch_size: int = 8, qk_site: str = "post-rotary",
                  precision: str = "float64", out: str | Path | None = None, run_id: str | None = None,
                  resume: bool = False, total_steps: int | None = None,
+                 config: Mapping[str, Any] | None = None,
+                 record: Mapping[str, Any] | None = None,
                  tensorboard: Any = "auto", wandb: str | bool | None = "auto",
                  histograms: bool = True, alerts: Iterable[AlertRule] | None = None,
                  on_alert: Callable[[Alert], None] | None = None,
@@ -94,6 +98,10 @@ class GeometryMonitor:
         self.metrics = self.requested + tuple(sorted(needed - set(self.requested)))
         self.batch_size, self.qk_site, self.histograms = batch_size, qk_site, histograms
         self.total_steps = total_steps
+        self.config, self.record = dict(config or {}), _extra_record(record)
+        if self.config:  # refused now, in one line, before the user's training starts
+            length = {} if total_steps else {"steps": TrainConfig().steps}  # known at start()
+            train_config_mapping(self._facts(), {**length, **self.config})
         self.run_id = run_id or (Path(out).name if out is not None else "monitor")
         self._out, self._resume = (Path(out) if out is not None else None), resume
         self.folder: RunWriter | None = None  # opened by start(), on rank 0
@@ -161,9 +169,11 @@ class GeometryMonitor:
         self._write_config()
         self._last_step = step
 
-    def step(self, step: int, *, loss: float | None = None, lr: float | None = None) -> Measurement | None:
+    def step(self, step: int, *, loss: float | None = None, lr: float | None = None,
+             val_loss: float | None = None) -> Measurement | None:
         """After an optimiser update: ``step`` = updates done so far. Applies the
-        controller (if any), records ``loss``, probes when due. Returns the probe or None."""
+        controller (if any), records ``loss`` and ``val_loss`` (with ``lr``), probes when
+        due. Returns the probe or None."""
         step = int(step)
         if not self._started:
             self._begin(step, None, None)
@@ -172,16 +182,17 @@ class GeometryMonitor:
         self._last_step = step
         if self.control is not None:
             self.control.after_step(step)
-        if loss is not None:
-            self.log_loss(step, loss, lr)
+        if loss is not None or val_loss is not None:
+            self.log_loss(step, loss, lr, val_loss=val_loss)
         return self.probe(step) if self.due(step) else None
 
-    def log_loss(self, step: int, loss: Any, lr: float | None = None) -> None:
-        """Record a training loss (a float or a scalar tensor) in the run folder's log."""
+    def log_loss(self, step: int, loss: Any = None, lr: float | None = None, *,
+                 val_loss: Any = None) -> None:
+        """Record a training and/or validation loss (floats or scalar tensors; None: not
+        measured, NaN in the log) in the run folder's log."""
         if self.folder is not None:
-            value = float(loss.detach()) if hasattr(loss, "detach") else float(loss)
-            self.folder.add_log({"step": step, "loss": value,
-                                 "lr": math.nan if lr is None else lr})
+            self.folder.add_log({"step": step, "loss": _number(loss),
+                                 "val_loss": _number(val_loss), "lr": _number(lr)})
 
     # ------------------------------------------------------------------ probing
 
@@ -264,8 +275,9 @@ class GeometryMonitor:
 
     # ------------------------------------------------------------------ closing
 
-    def close(self, state: str = "done", step: int | None = None) -> None:
-        """Finish: probe the last step if not yet (state ``done``), write the final status,
+    def close(self, state: str = "done", step: int | None = None, **status: Any) -> None:
+        """Finish: probe the last step if not yet (state ``done``), write the final status
+        (with ``status``'s keys, e.g. ``diverged_step`` and ``message`` of a divergence),
         close writers it opened. Idempotent."""
         if self._closed:
             return
@@ -280,7 +292,7 @@ class GeometryMonitor:
                     self.total_steps = step
                     self._write_config()
                 self.folder.compact()
-                self.folder.status(state, step, probe_s=self.probe_seconds)
+                self.folder.status(state, step, probe_s=self.probe_seconds, **status)
             if self.tensorboard is not None:
                 self.tensorboard.close()
         finally:
@@ -293,16 +305,21 @@ class GeometryMonitor:
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         self.close("done" if exc_type is None else "failed")
 
+    def _facts(self) -> dict[str, Any]:
+        """What the monitor knows of the run, for :func:`train_config_mapping`."""
+        site = self.adapter.sites[0]
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        return {"n_layer": self.adapter.n_layer, "n_head": site.n_head,
+                "n_embd": site.d_model, "block_size": int(self.ids.shape[1]),
+                "vocab_size": vocab, "steps": self.total_steps,
+                "probe_every": self.every if isinstance(self.every, int) else None,
+                "probe_sequences": int(self.ids.shape[0])}
+
     def _write_config(self) -> None:
         if self.folder is None:
             return
         site = self.adapter.sites[0]
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        facts = {"n_layer": self.adapter.n_layer, "n_head": site.n_head,
-                 "n_embd": site.d_model, "block_size": int(self.ids.shape[1]),
-                 "vocab_size": vocab, "steps": self.total_steps,
-                 "probe_every": self.every if isinstance(self.every, int) else None,
-                 "probe_sequences": int(self.ids.shape[0])}
+        facts = self._facts()
         monitor = {"every": self.every if isinstance(self.every, int) else sorted(self.every),
                    "metrics": list(self.metrics), "qk_site": self.qk_site,
                    "probe_shape": list(self.ids.shape),
@@ -318,10 +335,11 @@ class GeometryMonitor:
                  "d_model": site.d_model, "causal": self.adapter.causal,
                  "n_params": sum(p.numel() for p in self.model.parameters()),
                  "precision": self.precision}
-        cfg = train_config_mapping(facts)
+        cfg = train_config_mapping(facts, self.config)
         write_json(self.folder.out / CONFIG, run_record(
-            cfg, self.run_id, source="qkgeom.monitor", monitor=monitor, model=model))
-        self.folder.steps = int(facts.get("steps") or 0)
+            cfg, self.run_id, **self.record, source="qkgeom.monitor", monitor=monitor,
+            model=model))
+        self.folder.steps = int(self.config.get("steps") or facts.get("steps") or 0)
 
     # ------------------------------------------------------------------ integrations
 
@@ -347,6 +365,39 @@ def _cadence(every: int | Iterable[int]) -> int | frozenset[int]:
     if not steps or min(steps) < 0:
         raise QKGeomError("every must be a positive int or a non-empty list of steps >= 0")
     return steps
+
+
+#: config.json keys the monitor writes itself: ``record=`` may not name them.
+_OWN_RECORD_KEYS = frozenset({"run_id", "config", "config_hash", "source", "monitor", "model",
+                              "format_version", "versions"})
+
+
+def _extra_record(record: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``record`` checked: a mapping of new keys whose values JSON can write (one line
+    otherwise, at construction rather than when the run starts)."""
+    if record is None:
+        return {}
+    if not isinstance(record, Mapping):
+        raise QKGeomError(f"record must be a mapping of config.json sections, got "
+                          f"{type(record).__name__}")
+    taken = sorted(_OWN_RECORD_KEYS & set(record))
+    if taken:
+        raise QKGeomError(f"record may not set {', '.join(map(repr, taken))}: the monitor "
+                          "writes those keys of config.json itself (training settings go in "
+                          "config=)")
+    try:
+        json.dumps(dict(record), allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise QKGeomError(f"record must hold JSON values (numbers, text, lists, mappings): "
+                          f"{err}") from None
+    return dict(record)
+
+
+def _number(value: Any) -> float:
+    """A log entry as a float (a scalar tensor read back; None: NaN, not measured)."""
+    if value is None:
+        return math.nan
+    return float(value.detach()) if hasattr(value, "detach") else float(value)
 
 
 def _rank() -> int:
@@ -382,12 +433,15 @@ def _check_folder(out: Path, resume: bool) -> None:
                           "empty or new out= (or resume=True for a run it wrote)")
 
 
-def train_config_mapping(facts: dict[str, Any]) -> Any:
+def train_config_mapping(facts: dict[str, Any], overrides: Mapping[str, Any] | None = None
+                         ) -> Any:
     """The :class:`~qkgeom.config.TrainConfig` that ``facts`` (``n_layer``, ``n_head``,
     ``n_embd``, ``block_size``, ``vocab_size``, ``steps``, ``probe_every``,
     ``probe_sequences``, ``seed``; None = unknown) describe, or None when they make no valid
-    one, so that ``qkgeom show`` and collation read a monitored run like a trained one."""
-    from qkgeom.config import from_dict
+    one, so that ``qkgeom show`` and collation read a monitored run like a trained one.
+    ``overrides``: TrainConfig keys the caller knows, over the facts; a config they make
+    invalid is a one-line QKGeomError (they are the user's, not guesses)."""
+    from qkgeom.config import deep_merge, from_dict
 
     model = {k: facts[k] for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
              if facts.get(k)}
@@ -399,6 +453,11 @@ def train_config_mapping(facts: dict[str, Any]) -> Any:
     for key in ("probe_sequences", "seed"):
         if facts.get(key) is not None:
             cfg[key] = int(facts[key])
+    if overrides:
+        try:
+            return from_dict(deep_merge(cfg, dict(overrides)))
+        except QKGeomError as err:
+            raise QKGeomError(f"config: {err}") from None
     try:
         return from_dict(cfg)
     except QKGeomError:
