@@ -32,8 +32,8 @@ def without_logit_max() -> Iterator[None]:
     """The entropy rows without the largest-logit bookkeeping (the reference's probe)."""
     original = StreamingEntropy._entropy_rows
 
-    def rows(s, logp, neg_ent, top, peak=None):
-        original(s, logp, neg_ent, top, None)
+    def rows(s, logp, neg_ent, top, peak=None, first=None):
+        original(s, logp, neg_ent, top, None, first)
         if peak is not None:
             peak.zero_()  # the row mean is still added: a few (B·H, T) adds
 

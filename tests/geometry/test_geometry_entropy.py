@@ -15,11 +15,14 @@ H_34 = 0.5623351446188083
 H_34_BITS = 0.8112781244591328
 
 
-def explicit(q, k, causal, scale):
-    """Entropy / max weight of the full (B, H, T, T) pattern, float64, by hand."""
+def explicit(q, k, causal, scale, cap=None):
+    """Entropy / max weight / sink mass of the full (B, H, T, T) pattern, float64, by hand;
+    ``cap``: the logits soft-capped to cap·tanh(s/cap) first."""
     R = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(R, dim=1)
     s = (q.double() @ k.double().mT) * scale
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
     T = q.shape[2]
     if causal:
         s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
@@ -38,9 +41,10 @@ def explicit(q, k, causal, scale):
         ps = scaled.softmax(-1)
         ent_sf[..., t] = -(torch.where(ps > 0, ps * ps.log(), 0.0)).sum(-1)
     sd_row = (sd * ok).sum((0, 2)) / (q.shape[0] * int(ok.sum()))
+    sink = (p[..., 0] * ok).sum((0, 2)) / (q.shape[0] * int(ok.sum()))  # weight on key 0
     return {"attn_entropy": ent.mean((0, 2)), "attn_entropy_norm": norm,
             "attn_max": p.amax(-1).mean((0, 2)), "attn_entropy_scalefree": ent_sf.mean((0, 2)),
-            "logit_std_row": sd_row}
+            "logit_std_row": sd_row, "sink_mass": sink}
 
 
 def _close(a: dict, b: dict, **kw) -> None:
@@ -258,3 +262,146 @@ def test_logit_std_equals_the_explicit_masked_scores(causal, n_kv, blocks) -> No
     f32.update(q.float(), k.float(), 0.7, blocks=blocks)
     torch.testing.assert_close(f32.logit_std(), explicit_logit_std(q.float(), k.float(), causal,
                                                                    0.7), rtol=1e-5, atol=0)
+
+
+# --- sink_mass: the attention weight on the window's first position --------------------
+
+
+@pytest.mark.parametrize("max_block_elements", [2**22, 64])  # whole rows; online (T > 16)
+def test_sink_mass_of_uniform_rows_by_hand(max_block_elements: int) -> None:
+    """q = 0: every row is uniform over its n_t visible keys, so key 0 gets 1/n_t; the mean
+    runs over the rows with at least two keys (causally t >= 1, n_t = t + 1)."""
+    B, H, T, hd = 2, 2, 24, 4
+    k = torch.randn(B, H, T, hd, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    causal = StreamingEntropy(H, causal=True, max_block_elements=max_block_elements)
+    causal.update(torch.zeros(B, H, T, hd, dtype=torch.float64), k)
+    assert causal.blocks(B, T)[1] < T or max_block_elements > 64  # 64: the online path
+    want = sum(1 / (t + 1) for t in range(1, T)) / (T - 1)
+    torch.testing.assert_close(causal.result()["sink_mass"],
+                               torch.full((H,), want, dtype=torch.float64), rtol=1e-13, atol=0)
+    both = StreamingEntropy(H, causal=False, max_block_elements=max_block_elements)
+    both.update(torch.zeros(B, H, T, hd), k.float())  # float32 path too
+    torch.testing.assert_close(both.result()["sink_mass"],
+                               torch.full((H,), 1 / T, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("max_block_elements", [2**22, 64])
+def test_sink_mass_is_one_when_every_query_attends_to_key_0(causal, max_block_elements) -> None:
+    """Key 0 = u, later keys 0, every query 1000·u: key 0 scores 1000, the rest 0."""
+    B, H, T, hd = 2, 3, 20, 4
+    u = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    k = torch.zeros(B, H, T, hd, dtype=torch.float64)
+    k[:, :, 0] = u
+    stats = StreamingEntropy(H, causal=causal, max_block_elements=max_block_elements)
+    stats.update((1000.0 * u).expand(B, H, T, hd), k, scale=1.0)
+    assert stats.result()["sink_mass"].tolist() == [1.0] * H
+    one_key = StreamingEntropy(H)  # no row with two keys: undefined, NaN (left out of a frame)
+    one_key.update(torch.randn(2, H, 1, hd), torch.randn(2, H, 1, hd))
+    assert torch.isnan(one_key.result()["sink_mass"]).all()
+
+
+# --- soft-capped attention: softmax(c·tanh(s/c)) of the scaled logits -------------------
+
+
+def _all_stats(acc: StreamingEntropy) -> dict:
+    return {**acc.result(), "logit_std": acc.logit_std(), "logit_max": acc.logit_max()}
+
+
+def explicit_capped(q, k, causal, scale, cap) -> dict:
+    """Every softmax statistic and the logit std / max of the capped (B, H, T, T) logits."""
+    R = q.shape[1] // k.shape[1]
+    s = (q.double() @ k.double().repeat_interleave(R, dim=1).mT) * scale
+    s = cap * torch.tanh(s / cap)
+    T = q.shape[2]
+    seen = torch.ones(T, T, dtype=torch.bool)
+    if causal:
+        seen = seen.tril()
+    vis = s[:, :, seen].transpose(0, 1).reshape(q.shape[1], -1)  # (H, visible pairs)
+    return {**explicit(q, k, causal, scale, cap), "logit_std": vis.std(dim=1, correction=0),
+            "logit_max": vis.amax(dim=1)}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("n_kv", [4, 1])
+@pytest.mark.parametrize("blocks", [None, (5, 7), (3, 64), (1, 1)])
+def test_softcap_equals_a_brute_force_softmax_of_the_capped_logits(causal, n_kv, blocks) -> None:
+    """Logits in the tens against c = 5: the cap bends most of them (whole rows, the online
+    softmax over key chunks, GQA)."""
+    g = torch.Generator().manual_seed(6)
+    B, H, T, hd = 3, 4, 29, 8
+    q = torch.randn(B, H, T, hd, generator=g, dtype=torch.float64) * 6
+    k = torch.randn(B, n_kv, T, hd, generator=g, dtype=torch.float64) + 0.5
+    acc = StreamingEntropy(H, n_kv, causal, softcap=5.0)
+    acc.update(q[:2], k[:2], 0.7, blocks=blocks)
+    acc.update(q[2:], k[2:], 0.7, blocks=blocks)
+    want = explicit_capped(q, k, causal, 0.7, 5.0)
+    _close(_all_stats(acc), want, rtol=1e-10, atol=1e-12)
+    assert bool((acc.logit_max() <= 5.0).all())
+    uncapped = StreamingEntropy(H, n_kv, causal)
+    uncapped.update(q, k, 0.7, blocks=blocks)
+    assert bool((uncapped.logit_max() > 10).all())  # the cap did bend these logits
+    f32 = StreamingEntropy(H, n_kv, causal, softcap=5.0)
+    f32.update(q.float(), k.float(), 0.7, blocks=blocks)
+    _close(_all_stats(f32), explicit_capped(q.float(), k.float(), causal, 0.7, 5.0),
+           rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("max_block_elements", [2**22, 64])
+def test_a_huge_cap_gives_the_uncapped_values(causal, max_block_elements) -> None:
+    """c = 1e6 against logits of a few units: c·tanh(s/c) = s (1 − s²/(3c²) ...)."""
+    g = torch.Generator().manual_seed(7)
+    q = 2 * torch.randn(2, 2, 24, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 1, 24, 4, generator=g, dtype=torch.float64)
+    plain = StreamingEntropy(2, 1, causal, max_block_elements)
+    capped = StreamingEntropy(2, 1, causal, max_block_elements, softcap=1e6)
+    plain.update(q, k)
+    capped.update(q, k)
+    _close(_all_stats(capped), _all_stats(plain), rtol=1e-10, atol=1e-12)
+
+
+def test_a_bad_cap_is_refused() -> None:
+    for cap in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="softcap"):
+            StreamingEntropy(2, softcap=cap)
+
+
+def _golden_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    n = torch.arange(2 * 2 * 24 * 4, dtype=torch.float64)
+    q = (2.0 * torch.sin(0.37 * n)).reshape(2, 2, 24, 4)  # (B, H, T, hd)
+    k = torch.cos(0.91 * n[: 2 * 24 * 4] + 0.2).reshape(2, 1, 24, 4)  # (B, H_kv, T, hd)
+    return q, k
+
+
+#: Values of the uncapped StreamingEntropy on _golden_inputs (scale 0.5), saved from the
+#: implementation before the soft cap and the sink mass were added (commit 3361c55), where
+#: they were bit-identical on both paths; here compared to round-off, since another CPU's
+#: vector width may reorder a sum.
+GOLDEN = {
+    True: {"attn_entropy": (1.8738814010643046, 1.8668613119336606),
+           "attn_entropy_norm": (0.8152805799757205, 0.799660671962896),
+           "attn_max": (0.31740888926931604, 0.3268471559055646),
+           "attn_entropy_scalefree": (1.9383431170998897, 1.938757868648807),
+           "logit_std_row": (1.1222697645823374, 1.150225894596258),
+           "logit_std": (1.1907971702513966, 1.1891990424447039),
+           "logit_max": (2.088906919704975, 2.095138662195514)},
+    False: {"attn_entropy": (2.7193348222799294, 2.721476632030582),
+            "attn_entropy_norm": (0.8556604033299858, 0.856334340860622),
+            "attn_max": (0.12087612599834503, 0.1203719182439732),
+            "attn_entropy_scalefree": (2.8141929402648436, 2.8144573142446103),
+            "logit_std_row": (1.1879155250675637, 1.186603283188445),
+            "logit_std": (1.2081358290864843, 1.211344933122532),
+            "logit_max": (2.0966682797760128, 2.095138662195514)},
+}
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("max_block_elements", [2**22, 64])
+def test_the_uncapped_values_are_those_before_the_cap(causal, max_block_elements) -> None:
+    q, k = _golden_inputs()
+    acc = StreamingEntropy(2, 1, causal, max_block_elements)
+    acc.update(q, k, 0.5)
+    got = _all_stats(acc)
+    for name, want in GOLDEN[causal].items():
+        assert tuple(got[name].tolist()) == pytest.approx(want, rel=1e-13, abs=0), name

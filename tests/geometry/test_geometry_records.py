@@ -48,13 +48,18 @@ def test_metric_names_are_the_documented_names() -> None:
         "attn_max",
         "attn_entropy_scalefree",
         "logit_std_row",
+        "sink_mass",
         "logit_max",
         "logit_delta",
+        "entropy_min",
+        "q_norm_max",
+        "k_norm_max",
+        "logit_bound",
         "pr_q_token_post",
         "pr_k_token_post",
         "contrast_token_post",
     )
-    assert LAYER_ONLY_METRICS == ("pr_qk_weight_full", "contrast_token_heads")
+    assert LAYER_ONLY_METRICS == ("pr_qk_weight_full", "contrast_token_heads", "entropy_min")
 
 
 # --- weight_records ----------------------------------------------------------------------

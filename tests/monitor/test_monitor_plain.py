@@ -114,9 +114,14 @@ def test_run_folder_follows_spec7(runs) -> None:
     assert list(metrics.columns) == ["run_id", "step", "layer", "head", "metric", "value"]
     assert sorted(metrics["step"].unique()) == [0, 2, 4, 6]
     assert set(metrics["run_id"]) == {"mon-a"}
-    # 2 layers × ((2 heads + layer) × 15 metrics + 2 layer-only ones) per probe (no rotary:
+    # 2 layers × ((2 heads + layer) × 19 metrics + 3 layer-only ones) per probe (no rotary:
     # no _post metrics), + logit_delta from the second probe on
-    assert metrics.groupby("step").size().tolist() == [94] + [94 + 2 * 3] * 3
+    assert metrics.groupby("step").size().tolist() == [120] + [120 + 2 * 3] * 3
+    for name in ("logit_max", "sink_mass", "q_norm_max", "k_norm_max", "logit_bound"):
+        rows = metrics[(metrics["metric"] == name) & (metrics["step"] == STEPS)]
+        assert sorted(rows["head"]) == [-1, -1, 0, 0, 1, 1], name  # heads and layer rows
+    low = metrics[metrics["metric"] == "entropy_min"]
+    assert len(low) == 2 * 4 and set(low["head"]) == {-1}  # layer rows only
     status = read_json(run / "status.json")
     assert status["state"] == "done" and status["step"] == STEPS == status["steps"]
     cfg = read_json(run / "config.json")
@@ -135,14 +140,22 @@ def test_tensorboard_event_files_read_back(runs) -> None:
     scalars, hists = acc.Tags()["scalars"], acc.Tags()["histograms"]
     # one section per metric family: pr/, contrast/, attention/, key_spectrum/
     assert {"pr/k_token/layer0", "attention/entropy/layer1", "contrast/token/layer0",
-            "attention/logit_std/layer1"} <= set(scalars)
+            "attention/logit_std/layer1", "attention/entropy_min/layer0"} <= set(scalars)
+    # the per-head metrics: one tag per head and one per layer
+    for name in ("logit_max", "sink_mass", "q_norm_max", "k_norm_max", "logit_bound"):
+        assert {f"attention/{name}/layer{layer}{head}" for layer in (0, 1)
+                for head in ("", "/head0", "/head1")} <= set(scalars), name
+    assert not any("/head" in t for t in scalars if "logit_std" in t or "pr/" in t)
     assert not any(t.startswith("qkgeom/") for t in scalars)
     assert {"key_spectrum/sv_weight/layer0", "key_spectrum/eig_token/layer1"} <= set(hists)
-    events = acc.Scalars("pr/k_token/layer1")
     mon = runs.monitored[2]
-    want = mon.history.query("metric == 'pr_k_token' and layer == 1 and head == -1")
-    assert [e.step for e in events] == want["step"].tolist()
-    assert [e.value for e in events] == pytest.approx(want["value"].tolist(), rel=1e-6)
+    for name, metric, layer, head in (("pr/k_token/layer1", "pr_k_token", 1, -1),
+                                      ("attention/logit_max/layer0/head1", "logit_max", 0, 1),
+                                      ("attention/sink_mass/layer1/head0", "sink_mass", 1, 0)):
+        events = acc.Scalars(name)
+        want = mon.history.query(f"metric == '{metric}' and layer == {layer} and head == {head}")
+        assert [e.step for e in events] == want["step"].tolist()
+        assert [e.value for e in events] == pytest.approx(want["value"].tolist(), rel=1e-6)
     hist = acc.Histograms("key_spectrum/sv_weight/layer0")[-1].histogram_value
     assert hist.num == 32  # one singular value per key dimension (d_k = 32)
 
@@ -164,6 +177,12 @@ def test_wandb_gets_scalars_and_histograms_on_its_own_step_axis(runs) -> None:
     first = mon.probes[0]
     assert history[0]["pr/k_token/layer1"] == pytest.approx(
         first.layer_values("pr_k_token")[1], rel=1e-6)
+    last = mon.last.frame.set_index(["layer", "head", "metric"])["value"]
+    for key, row in (("attention/logit_max/layer1/head0", (1, 0, "logit_max")),
+                     ("attention/logit_bound/layer0/head1", (0, 1, "logit_bound")),
+                     ("attention/k_norm_max/layer0", (0, -1, "k_norm_max")),
+                     ("attention/entropy_min/layer1", (1, -1, "entropy_min"))):
+        assert history[-1][key] == pytest.approx(last[row], rel=1e-6), key
     hist = history[0]
     assert hist["key_spectrum/sv_weight/layer1/_type"] == "histogram"
     assert sum(hist["key_spectrum/sv_weight/layer1/values"]) == 32  # one singular value per d_k

@@ -16,7 +16,8 @@ from qkgeom.training import Callback, TrainContext
 METRICS = {"pr_q_weight", "pr_k_weight", "contrast_weight", "pr_qk_weight", "pr_qk_weight_full",
            "pr_q_token", "pr_k_token", "contrast_token", "contrast_token_heads", "pr_qk_token",
            "logit_std", "attn_entropy", "attn_entropy_norm", "attn_max",
-           "attn_entropy_scalefree", "logit_std_row", "logit_max", "logit_delta"}
+           "attn_entropy_scalefree", "logit_std_row", "logit_max", "logit_delta", "sink_mass",
+           "entropy_min", "q_norm_max", "k_norm_max", "logit_bound"}
 
 
 def smoke(data: Path, **over: object) -> object:

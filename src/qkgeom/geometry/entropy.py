@@ -1,11 +1,15 @@
-"""Attention entropy, the logit scales and the largest logit, streamed from captured q/k.
+"""Attention entropy, the logit scales, the largest logit and the sink mass, streamed from
+captured q/k.
 
 Why from q/k: training's fused ``scaled_dot_product_attention`` returns no weights. Why
 streamed: long contexts never form the (B, H, T, T) pattern; scores come in blocks, whole
 rows get an explicit log softmax, longer rows an online one over key chunks (running m, Z
 and A = Σ e^(s−m)(s − m), so H = log Z − A/Z without cancellation). Rows are centred first
-(the softmax ignores the shift). The recurrence and every metric:
-docs/definitions.md#how-the-metrics-are-computed, #attention-entropy and #logit-scale.
+(the softmax ignores the shift). A soft-capped attention (``softcap`` c) has its scores
+replaced by c·tanh(s/c) as they are formed, so every statistic here reads the capped logits;
+the causal shortcut through key sums is linear and is taken only without a cap. The
+recurrence and every metric: docs/definitions.md#how-the-metrics-are-computed,
+#attention-entropy, #logit-scale and #attention-sinks-and-norms.
 """
 
 from __future__ import annotations
@@ -19,17 +23,20 @@ from torch import Tensor
 from qkgeom.geometry.workspace import Workspace
 from qkgeom.metrics import ATTENTION_METRICS
 
-__all__ = ["ATTENTION_METRICS", "StreamingEntropy", "logit_std_from_moments", "visible_pairs"]
+__all__ = ["ATTENTION_METRICS", "StreamingEntropy", "logit_std_from_moments", "softcap_",
+           "visible_pairs"]
 
 
 _MAX_BLOCK_ELEMENTS = 2**22  # scores per block: 16 MiB in float32
 _LOG_TINY = {dt: math.log(torch.finfo(dt).tiny) + 1.0 for dt in (torch.float32, torch.float64)}
 _NEG = -1e30  # masked score: exp(−1e30 − m) is exactly 0 and (−1e30 − m)·0 = 0 (no NaN)
 # per head: Σ H_t, Σ H_t / log n_t, Σ max p, Σ s, Σ s² (s = visible scaled logits),
-# Σ σ_t (rows with n_t >= 2), Σ H_t of softmax(s_t / σ_t); then the largest s (a max, not a sum)
-_SUMS = 7
+# Σ σ_t (rows with n_t >= 2), Σ H_t of softmax(s_t / σ_t), Σ p_t0 (rows with n_t >= 2);
+# then the largest s (a max, not a sum)
+_SUMS = 8
 _MAX = _SUMS  # the row of batch_sums that holds the largest logit
-_ROWS = 5  # per row: Σ p log p, max p, σ_t, Σ p′ log p′ of the scale-free softmax, max s
+# per row: Σ p log p, max p, σ_t, Σ p′ log p′ of the scale-free softmax, max s, p_t0
+_ROWS = 6
 _TINY_STD = 1e-30  # a row std at or below this is a row of equal logits (left unscaled)
 
 
@@ -61,22 +68,32 @@ def _lower(n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         return torch.ones(n, n, dtype=dtype, device=device).tril_()[:, None, :]
 
 
+def softcap_(s: Tensor, cap: float) -> Tensor:
+    """``cap·tanh(s/cap)`` in place (Gemma 2's attention-logit soft cap); returns ``s``."""
+    return s.div_(cap).tanh_().mul_(cap)
+
+
 def visible_pairs(T: int, causal: bool) -> int:
     """(query, key) pairs of one window the softmax uses: T(T+1)/2 causally, else T²."""
     return T * (T + 1) // 2 if causal else T * T
 
 
 class StreamingEntropy:
-    """Per-head attention entropy, max weight and logit moments over batches: ``n_head``
-    query heads, ``n_kv_head`` key heads (default the same), ``causal`` or bidirectional, at
-    most ``max_block_elements`` scores (all B·H) per block."""
+    """Per-head attention entropy, max weight, sink mass and logit moments over batches:
+    ``n_head`` query heads, ``n_kv_head`` key heads (default the same), ``causal`` or
+    bidirectional, at most ``max_block_elements`` scores (all B·H) per block; ``softcap``:
+    the attention's c of c·tanh(s/c) on the scaled logits (None: no cap)."""
 
     def __init__(self, n_head: int, n_kv_head: int | None = None, causal: bool = True,
-                 max_block_elements: int = _MAX_BLOCK_ELEMENTS) -> None:
+                 max_block_elements: int = _MAX_BLOCK_ELEMENTS,
+                 softcap: float | None = None) -> None:
         n_kv_head = n_kv_head or n_head
         if n_head < 1 or n_head % n_kv_head:
             raise ValueError(f"n_head={n_head} must be a positive multiple of n_kv_head={n_kv_head}")
+        if softcap is not None and not 0 < softcap < math.inf:
+            raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
         self.n_head, self.n_kv_head, self.causal = n_head, n_kv_head, causal
+        self.softcap = None if softcap is None else float(softcap)
         self.max_block_elements = max_block_elements
         self._sums = torch.zeros(_SUMS, n_head, dtype=torch.float64)  # see _SUMS
         self._max = torch.full((n_head,), -math.inf, dtype=torch.float64)  # largest s
@@ -127,8 +144,8 @@ class StreamingEntropy:
     def batch_sums(self, qg: Tensor, kk: Tensor, B: int,
                    blocks: tuple[int, int] | None = None,
                    workspace: Workspace | None = None) -> Tensor:
-        """The (8, H) float64 sums of one batch, not yet added: Σ H_t, Σ H_t / log n_t, Σ
-        max p, Σ s, Σ s², Σ σ_t, Σ H_t of the scale-free softmax, and the largest s.
+        """The (9, H) float64 sums of one batch, not yet added: Σ H_t, Σ H_t / log n_t, Σ
+        max p, Σ s, Σ s², Σ σ_t, Σ H_t of the scale-free softmax, Σ p_t0, and the largest s.
 
         Apart from :meth:`add_sums` so that a caller keeping several totals (all tokens and
         a token block) computes a batch once."""
@@ -158,6 +175,7 @@ class StreamingEntropy:
         sums[3:5] = moments.view(2, B, Hk, R).sum(dim=1).reshape(2, H)
         sums[5] = torch.einsum("bgtr,t->gr", per_row[2], w[2]).reshape(H)  # Σ σ_t, n_t ≥ 2
         sums[6] = torch.einsum("bgtr,t->gr", per_row[3], w[0]).reshape(H)  # Σ H_t, scale-free
+        sums[7] = torch.einsum("bgtr,t->gr", per_row[5], w[2]).reshape(H)  # Σ p_t0, n_t ≥ 2
         sums[_MAX] = per_row[4].amax(dim=(0, 2)).reshape(H)  # largest visible s
         return sums
 
@@ -187,10 +205,11 @@ class StreamingEntropy:
 
     @staticmethod
     def _entropy_rows(s: Tensor, logp: Tensor, neg_ent: Tensor, top: Tensor | None,
-                      peak: Tensor | None = None) -> None:
+                      peak: Tensor | None = None, first: Tensor | None = None) -> None:
         """Σ p log p of ``softmax(s)`` per row into ``neg_ent`` (non-positive terms: no
         cancellation), with ``top`` the largest weight, with ``peak`` the largest s
-        (``log Z + log max p``, ``log Z = s_0 − log p_0``); ``s`` is spent (holds p)."""
+        (``log Z + log max p``, ``log Z = s_0 − log p_0``), with ``first`` the weight p_0 of
+        column 0; ``s`` is spent (holds p)."""
         torch.log_softmax(s, dim=-1, out=logp)
         if peak is not None:
             torch.sub(s[..., 0], logp[..., 0], out=peak)  # log Z, before the clamp below
@@ -198,6 +217,8 @@ class StreamingEntropy:
         # where exp and mul are far slower on x86; the nats lost are far below round-off.
         logp.clamp_(min=_LOG_TINY[s.dtype])
         p = torch.exp(logp, out=s)
+        if first is not None:
+            first.copy_(p[..., 0])
         if top is not None:
             torch.amax(p, dim=-1, out=top)
             if peak is not None:
@@ -214,10 +235,20 @@ class StreamingEntropy:
         grid = s.view(-1, n, R, shape[2])  # (B·Hk, n, R, nk)
         causal_block = self.causal and n > 1
         if causal_block:  # keys after the query, only in the last n columns
-            pre = kb[:, :t0].sum(dim=1) if t0 else None  # (B·Hk, hd): seen by every query
-            r1 = torch.bmm(qb, pre[:, :, None])[..., 0] if t0 else None
             lower = _lower(n, s.dtype, s.device)
             diag = ws.get("entropy.diag", (shape[0], n, R, n), s.dtype, s.device)
+        if self.softcap is not None:  # not linear in k: the row sums from the capped scores
+            softcap_(s, self.softcap)
+            if causal_block:
+                r1 = torch.mul(grid[..., t0:], lower, out=diag).sum(dim=-1)
+                if t0:
+                    r1.add_(grid[..., :t0].sum(dim=-1))
+                r1 = r1.view(shape[0], -1)
+            else:
+                r1 = s.sum(dim=-1)
+        elif causal_block:
+            pre = kb[:, :t0].sum(dim=1) if t0 else None  # (B·Hk, hd): seen by every query
+            r1 = torch.bmm(qb, pre[:, :, None])[..., 0] if t0 else None
             d1 = torch.mul(grid[..., t0:], lower, out=diag).sum(dim=-1).view(shape[0], -1)
             r1 = d1 if r1 is None else r1.add_(d1)
         else:
@@ -237,7 +268,7 @@ class StreamingEntropy:
         logp = ws.get("entropy.logp", shape, s.dtype, s.device)
         scaled = torch.mul(s, inv, out=ws.get("entropy.sf", shape, s.dtype, s.device))
         self._entropy_rows(scaled, logp, out[3], None)
-        self._entropy_rows(s, logp, out[0], out[1], out[4])
+        self._entropy_rows(s, logp, out[0], out[1], out[4], out[5])
         out[4].add_(mean)  # the largest centred score + the row mean = the largest score
 
     def _online_rows(self, qb: Tensor, kk: Tensor, t0: int, n: int, R: int, nk: int, kc: int,
@@ -252,6 +283,8 @@ class StreamingEntropy:
             for s0 in range(0, nk, kc):
                 s1 = min(nk, s0 + kc)
                 s = torch.bmm(qb, kk[:, s0:s1].mT)  # (B·Hk, n·R, kc)
+                if self.softcap is not None:
+                    softcap_(s, self.softcap)
                 later = None
                 if self.causal and s1 > t0 + 1:  # keys after a query
                     later = torch.arange(s0, s1, device=s.device) > qpos  # (n, 1, kc)
@@ -281,17 +314,19 @@ class StreamingEntropy:
         out[1].copy_(raw.z.reciprocal())  # largest weight
         out[3].copy_(scaled.neg_entropy())
         out[4].copy_(raw.m)  # the largest (raw) score of the row
+        torch.exp(shift[..., 0] - raw.m, out=out[5]).div_(raw.z)  # p_0 = e^(s_0 − m) / Z
 
     def result(self) -> dict[str, Tensor]:
         """``{name: (H,) float64}`` means for the ``ATTENTION_METRICS``."""
         self._require()
-        sums = self._sums.cpu()  # (7, H)
+        sums = self._sums.cpu()  # (_SUMS, H)
         nan = torch.full((self.n_head,), float("nan"), dtype=torch.float64)
         per_row = self.n_queries_norm
         return dict(zip(ATTENTION_METRICS,
                         (sums[0] / self.n_queries, sums[1] / per_row if per_row else nan,
                          sums[2] / self.n_queries, sums[6] / self.n_queries,
-                         sums[5] / per_row if per_row else nan), strict=True))
+                         sums[5] / per_row if per_row else nan,
+                         sums[7] / per_row if per_row else nan), strict=True))
 
     def _require(self) -> None:
         if self.n_queries == 0:

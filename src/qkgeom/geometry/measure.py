@@ -201,7 +201,8 @@ class _TokenPasses:
         post = self.adapter.rotary and self.qk_site == "pre-rotary"  # site q/k != attention's
         self.layers = {s.layer: LayerGeometry(s.n_head, s.n_kv_head, s.head_dim,
                                               self.adapter.causal, "pr_qk_token" in wanted,
-                                              ws, post, self.previous.get(s.layer))
+                                              ws, post, self.previous.get(s.layer),
+                                              self.adapter.logit_softcap)
                        for s in self.adapter.sites}
         current = -1
         with self.adapter.capture(self.on_qk, self.qk_site), \

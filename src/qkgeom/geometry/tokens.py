@@ -4,7 +4,8 @@ Every token metric (trainer probes, monitor, checkpoint analysis) goes through i
 number means the same thing whichever path produced it. Per batch of captured q (B, H, T,
 hd) and k (B, H_kv, T, hd) it folds in the q/k covariances of the heads concatenated (each
 head's is a diagonal block), each sequence's logit PR, the streamed softmax sums
-(:class:`~qkgeom.geometry.entropy.StreamingEntropy`) and keeps the first window for the next
+(:class:`~qkgeom.geometry.entropy.StreamingEntropy`, through the attention's soft cap if
+any), the largest query and key norms, and keeps the first window for the next
 measurement's ``logit_delta``. Token blocks, precision, the overflow bounds and GQA:
 docs/definitions.md#how-the-metrics-are-computed and #grouped-query-attention.
 """
@@ -143,20 +144,25 @@ def _cut(tensors: tuple[Tensor, ...], rows: list[int], n: int) -> tuple[Tensor, 
 
 class _Totals:
     """The additive state of :class:`LayerGeometry` over some tokens (all of them, or one
-    token block): covariances, the entropy/logit sums, the sum of logit PRs, counts."""
+    token block): covariances, the entropy/logit sums, the sum of logit PRs, the largest
+    query (H,) and key (H_kv,) norms and |scale|, counts."""
 
     def __init__(self, n_head: int, n_kv_head: int, head_dim: int, causal: bool,
-                 post: bool) -> None:
+                 post: bool, softcap: float | None) -> None:
         dims = {"q": n_head * head_dim, "k": n_kv_head * head_dim}
         names = ("q", "k", "q_post", "k_post") if post else ("q", "k")
         self.cov = {name: StreamingCovariance(1, dims[name[0]]) for name in names}
-        self.entropy = StreamingEntropy(n_head, n_kv_head, causal)
+        self.entropy = StreamingEntropy(n_head, n_kv_head, causal, softcap=softcap)
         self.sum_pr_qk = torch.zeros(n_head, dtype=torch.float64)
+        self.q_norm_max = torch.zeros(n_head, dtype=torch.float64)
+        self.k_norm_max = torch.zeros(n_kv_head, dtype=torch.float64)
+        self.scale = 0.0  # the largest |scale| seen (one per layer in practice)
         self.n_sequences = 0
         self.n_tokens = 0
 
     def add(self, B: int, T: int, moments: dict[str, tuple[Tensor, Tensor]],
-            pr_qk: Tensor | None, sums: Tensor) -> None:
+            pr_qk: Tensor | None, sums: Tensor, norms: tuple[Tensor, Tensor],
+            scale: float) -> None:
         """Fold in one batch of ``B`` windows of ``T`` tokens, computed once by the caller."""
         for name, (mean, m2) in moments.items():
             self.cov[name].add_moments(B * T, mean[None], m2[None])  # one group: all heads
@@ -164,6 +170,9 @@ class _Totals:
             self.sum_pr_qk = self.sum_pr_qk.to(pr_qk.device)
             self.sum_pr_qk += pr_qk
         self.entropy.add_sums(sums, B, T)
+        self.q_norm_max = torch.maximum(self.q_norm_max.to(norms[0].device), norms[0])
+        self.k_norm_max = torch.maximum(self.k_norm_max.to(norms[1].device), norms[1])
+        self.scale = max(self.scale, abs(scale))
         self.n_sequences += B
         self.n_tokens += B * T
 
@@ -174,14 +183,17 @@ class LayerGeometry:
     ``with_logit_spectrum``: compute ``pr_qk_token`` (else left out). ``workspace``: scratch
     buffers shared by all layers of one measurement. ``with_post``: also keep the covariances
     of the attention's (post-rotary) q/k, for a site whose q/k differ from them.
-    ``previous``: the :attr:`window` of the previous measurement, for ``logit_delta``."""
+    ``previous``: the :attr:`window` of the previous measurement, for ``logit_delta``.
+    ``softcap``: the attention's c of c·tanh(s/c) on the scaled logits (None: no cap), which
+    the softmax statistics read; ``pr_qk_token``, ``logit_delta`` and the norms do not."""
 
     def __init__(self, n_head: int, n_kv_head: int, head_dim: int, causal: bool = True,
                  with_logit_spectrum: bool = True, workspace: Workspace | None = None,
                  with_post: bool = False,
-                 previous: tuple[Tensor, Tensor] | None = None) -> None:
+                 previous: tuple[Tensor, Tensor] | None = None,
+                 softcap: float | None = None) -> None:
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
-        self.causal, self.with_post = causal, with_post
+        self.causal, self.with_post, self.softcap = causal, with_post, softcap
         self.with_logit_spectrum = with_logit_spectrum
         self.workspace = workspace
         self.previous = previous
@@ -192,7 +204,8 @@ class LayerGeometry:
         self._block: _Totals | None = None
 
     def _new_totals(self) -> _Totals:
-        return _Totals(self.n_head, self.n_kv_head, self.head_dim, self.causal, self.with_post)
+        return _Totals(self.n_head, self.n_kv_head, self.head_dim, self.causal, self.with_post,
+                       self.softcap)
 
     @property
     def n_sequences(self) -> int:
@@ -258,10 +271,12 @@ class LayerGeometry:
                            k_attn[:1, :, :n].detach().double().clone())
         qg, kk = self._all.entropy.prepare(q_attn, k_attn, scale, ws)  # (B·Hk, T, R, hd), (B·Hk, T, hd)
         pr_qk = _logit_pr_prepared(qg, kk, B).sum(dim=0) if self.with_logit_spectrum else None
-        sums = self._all.entropy.batch_sums(qg, kk, B, workspace=ws)  # (8, H)
+        sums = self._all.entropy.batch_sums(qg, kk, B, workspace=ws)  # (9, H)
+        norms = tuple(torch.linalg.vector_norm(x.detach(), dim=-1, dtype=torch.float64)
+                      .amax(dim=(0, 2)) for x in (q_attn, k_attn))  # (H,), (H_kv,): ‖q‖, ‖k‖
         for totals in (self._all, self._block):
             if totals is not None:
-                totals.add(B, T, moments, pr_qk, sums)
+                totals.add(B, T, moments, pr_qk, sums, norms, scale)
 
     def begin_block(self) -> None:
         """Start a token block: the next batches also count towards it, until
@@ -294,8 +309,10 @@ class LayerGeometry:
                  else torch.full((H,), float("nan"), dtype=torch.float64))
         attn = t.entropy.result()
         s1, s2, pairs = t.entropy.logit_moments()
+        q_norm, k_norm = t.q_norm_max.cpu(), t.k_norm_max.cpu().repeat_interleave(R)  # (H,)
         per_head = {"pr_qk_token": pr_qk, "logit_std": logit_std_from_moments(s1, s2, pairs),
-                    "logit_max": t.entropy.logit_max(), **attn,
+                    "logit_max": t.entropy.logit_max(), **attn, "q_norm_max": q_norm,
+                    "k_norm_max": k_norm, "logit_bound": q_norm * k_norm * t.scale,
                     **{f"pr_{name[0]}_token" + name[1:]: v for name, v in heads.items()}}
         delta = self._delta() if t is self._all else None
         if delta is not None:
@@ -307,7 +324,9 @@ class LayerGeometry:
         whole.update({f"pr_{name[0]}_token" + name[1:]: v for name, v in layer.items()})
         whole["contrast_token_heads"] = float((heads["q"] - heads["k"]).mean())
         whole["logit_std"] = float(logit_std_from_moments(s1.sum(), s2.sum(), pairs * H))
-        whole["logit_max"] = float(per_head["logit_max"].max())
+        whole["entropy_min"] = float(attn["attn_entropy"].min())
+        for name in ("logit_max", "q_norm_max", "k_norm_max", "logit_bound"):
+            whole[name] = float(per_head[name].max())
         if delta is not None:  # RMS over every head's pairs
             whole["logit_delta"] = float(delta.square().mean().sqrt())
         return out + token_records(LAYER, whole)

@@ -46,7 +46,9 @@ DEFAULT_EVERY = 200
 #: The monitor's lock file, inside its run folder: out= is often inside a folder another
 #: tool owns (a Trainer's output_dir), where the monitor writes nothing beside it.
 MONITOR_LOCK = ".qkgeom-monitor.lock"
-DEFAULT_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight", "attn_entropy")
+DEFAULT_METRICS = ("pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight", "attn_entropy",
+                   "entropy_min", "sink_mass", "logit_max", "q_norm_max", "k_norm_max",
+                   "logit_bound")
 
 
 class GeometryMonitor:

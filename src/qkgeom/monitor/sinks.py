@@ -1,7 +1,8 @@
 """Where probe results go besides the run folder: TensorBoard and Weights & Biases.
 
 Both get the same tags, ``<family>/<name>/layer<l>`` (:func:`tag`), so each family of
-metrics has its own panel; W&B puts them on their own step axis ``qkgeom/step``. The tags:
+metrics has its own panel, and ``.../layer<l>/head<h>`` for the :data:`HEAD_METRICS`, which
+practitioners read per head; W&B puts them on their own step axis ``qkgeom/step``. The tags:
 docs/monitor.md#where-the-results-go.
 """
 
@@ -19,38 +20,47 @@ from qkgeom.alerts import Alert
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import Measurement
 
-__all__ = ["FAMILIES", "STEP_AXIS", "TensorBoardSink", "WandbSink", "active_wandb_run",
-           "scalars", "tag", "wandb_module"]
+__all__ = ["FAMILIES", "HEAD_METRICS", "STEP_AXIS", "TensorBoardSink", "WandbSink",
+           "active_wandb_run", "scalars", "tag", "wandb_module"]
 
 #: Metric-name prefix -> TensorBoard/W&B section (the rest of the name follows it).
 FAMILIES = (("pr_", "pr"), ("contrast_", "contrast"), ("attn_", "attention"))
+#: Other metrics of the attention section, under their own names.
+_ATTENTION = ("entropy_min", "sink_mass", "q_norm_max", "k_norm_max")
+#: Metrics logged per head as well as per layer: the largest logit (Megatron's
+#: ``--log-max-attention-logit``, what QK-Clip acts on), the sink mass and the norm bound.
+HEAD_METRICS = ("logit_max", "sink_mass", "q_norm_max", "k_norm_max", "logit_bound")
 STEP_AXIS = "qkgeom/step"  # W&B's x axis for every qkgeom value
 _SECTIONS = ("pr", "contrast", "attention", "control", "key_spectrum", "train", "alerts")
 
 
-def tag(metric: str, layer: int = -1) -> str:
-    """The logger tag of ``metric`` at ``layer`` (−1: a flat record), e.g.
-    ``tag("pr_q_token", 0) == "pr/q_token/layer0"``."""
+def tag(metric: str, layer: int = -1, head: int = -1) -> str:
+    """The logger tag of ``metric`` at ``layer`` (−1: a flat record) and ``head`` (−1: the
+    layer), e.g. ``tag("pr_q_token", 0) == "pr/q_token/layer0"``, ``tag("logit_max", 1, 3)
+    == "attention/logit_max/layer1/head3"``."""
     family, name = "control", metric
     for prefix, section in FAMILIES:
         if metric.startswith(prefix):
             family, name = section, metric[len(prefix):]
             break
     else:
-        if metric.startswith("logit_"):
+        if metric.startswith("logit_") or metric in _ATTENTION:
             family = "attention"
-    return f"{family}/{name}" if layer < 0 else f"{family}/{name}/layer{layer}"
+    if layer < 0:
+        return f"{family}/{name}"
+    return f"{family}/{name}/layer{layer}" + (f"/head{head}" if head >= 0 else "")
 
 
 def scalars(frame: pd.DataFrame) -> dict[str, float]:
-    """Layer-level (head −1) values of a probe's long ``frame`` as ``{tag: value}``
-    (:func:`tag`); token-block rows (``block`` >= 0) are left out."""
-    rows = frame[frame["head"] == -1]
+    """Layer-level (head −1) values of a probe's long ``frame``, and the head rows of the
+    :data:`HEAD_METRICS`, as ``{tag: value}`` (:func:`tag`); token-block rows (``block``
+    >= 0) are left out."""
+    rows = frame[(frame["head"] == -1) | frame["metric"].isin(HEAD_METRICS)]
     if "block" in rows:
         rows = rows[rows["block"] < 0]
-    return {tag(metric, int(layer)): float(value)
-            for layer, metric, value in zip(rows["layer"], rows["metric"], rows["value"],
-                                            strict=True)}
+    return {tag(metric, int(layer), int(head)): float(value)
+            for layer, head, metric, value in zip(rows["layer"], rows["head"], rows["metric"],
+                                                  rows["value"], strict=True)}
 
 
 def _spectra(probe: Measurement) -> dict[str, Any]:
@@ -86,7 +96,7 @@ class TensorBoardSink:
             self.writer, self._owned = SummaryWriter(log_dir=str(Path(target))), True
 
     def log(self, probe: Measurement, alerts: Iterable[Alert] = ()) -> None:
-        """A probe: its layer-level scalars, key-spectrum histograms and alert texts."""
+        """A probe: its scalars (:func:`scalars`), key-spectrum histograms and alert texts."""
         self.log_frame(probe.step, probe.frame)
         for name, values in _spectra(probe).items():
             self.writer.add_histogram(name, values, probe.step)
@@ -95,7 +105,7 @@ class TensorBoardSink:
         self.writer.flush()
 
     def log_frame(self, step: int, frame: pd.DataFrame) -> None:
-        """The layer-level scalars of a probe's long ``frame`` at ``step``."""
+        """The scalars (:func:`scalars`) of a probe's long ``frame`` at ``step``."""
         for name, value in scalars(frame).items():
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
@@ -139,7 +149,7 @@ class WandbSink:
                 define(f"{section}/*", step_metric=STEP_AXIS)
 
     def log(self, probe: Measurement, alerts: Iterable[Alert] = ()) -> None:
-        """A probe: its layer-level scalars, key-spectrum histograms, the alert count."""
+        """A probe: its scalars (:func:`scalars`), key-spectrum histograms, the alert count."""
         data: dict[str, Any] = {STEP_AXIS: probe.step, **scalars(probe.frame)}
         if self.histogram is not None:
             data.update({name: self.histogram(values) for name, values in _spectra(probe).items()})
@@ -149,7 +159,7 @@ class WandbSink:
         self.run.log(data)
 
     def log_frame(self, step: int, frame: pd.DataFrame) -> None:
-        """The layer-level scalars of a probe's long ``frame`` at ``step``."""
+        """The scalars (:func:`scalars`) of a probe's long ``frame`` at ``step``."""
         self.run.log({STEP_AXIS: step, **scalars(frame)})
 
     def log_train(self, row: dict[str, float]) -> None:
