@@ -52,6 +52,7 @@ bench: $(STAMP)  ## speed claims on this machine (docs/speed.md); `make bench QU
 	$(BIN)/python benchmarks/report_time.py $(if $(QUICK),--reps 1,)
 	$(BIN)/python benchmarks/analysis_throughput.py $(if $(QUICK),--tokens 100000,)
 	$(BIN)/python benchmarks/monitor_overhead.py $(if $(QUICK),--reps 1,)
+	$(BIN)/python benchmarks/alert_replay.py $(if $(QUICK),--probes 10000 --old-probes 300 --reps 1,)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

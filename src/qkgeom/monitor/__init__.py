@@ -23,8 +23,9 @@ _EXPORTS = {
     "GeometryMonitor": "qkgeom.monitor.monitor", "DEFAULT_EVERY": "qkgeom.monitor.monitor",
     "DEFAULT_METRICS": "qkgeom.monitor.monitor",
     **{name: "qkgeom.alerts" for name in (
-        "Alert", "AlertRule", "Alerts", "DEFAULT_RULES", "GeometryWarning", "entropy_collapse",
-        "key_pr_drop", "logit_growth", "logit_jump", "replay")},
+        "Alert", "AlertRule", "Alerts", "DEFAULT_RULES", "GeometryWarning", "attention_peak",
+        "entropy_collapse", "entropy_norm_collapse", "key_pr_drop", "logit_growth",
+        "logit_jump", "logit_rate", "replay")},
     "EntropyController": "qkgeom.control.closed_loop",
     "EntropyControlCallback": "qkgeom.control.closed_loop",
     "watch": "qkgeom.monitor.watch", "ReportTo": "qkgeom.monitor.report_to",
@@ -33,7 +34,8 @@ _EXPORTS = {
 __all__ = [
     "DEFAULT_EVERY", "DEFAULT_METRICS", "DEFAULT_RULES", "Alert", "AlertRule", "Alerts",
     "EntropyControlCallback", "EntropyController", "GeometryMonitor", "GeometryWarning",
-    "ReportTo", "entropy_collapse", "key_pr_drop", "logit_growth", "logit_jump", "replay", "watch"
+    "ReportTo", "attention_peak", "entropy_collapse", "entropy_norm_collapse", "key_pr_drop",
+    "logit_growth", "logit_jump", "logit_rate", "replay", "watch"
 ]
 
 if TYPE_CHECKING:
@@ -43,10 +45,13 @@ if TYPE_CHECKING:
         AlertRule,
         Alerts,
         GeometryWarning,
+        attention_peak,
         entropy_collapse,
+        entropy_norm_collapse,
         key_pr_drop,
         logit_growth,
         logit_jump,
+        logit_rate,
         replay,
     )
     from qkgeom.control.closed_loop import EntropyControlCallback, EntropyController

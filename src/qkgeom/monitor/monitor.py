@@ -63,8 +63,9 @@ class GeometryMonitor:
     :func:`~qkgeom.geometry.measure`. ``out`` (``resume``, ``run_id``): a run folder.
     ``total_steps``: the run's length if known. ``tensorboard``: a writer, a folder,
     ``"auto"`` (the trainer's own, found by an integration) or off; ``wandb``: ``"auto"``
-    (the active run) or off; ``histograms``: the key spectra too. ``alerts``: rules
-    (default :data:`~qkgeom.alerts.DEFAULT_RULES`), ``on_alert`` a hook. ``control``: an
+    (the active run) or off; ``histograms``: the key spectra too. ``alerts``: rules, or
+    mappings of their fields from a config file, checked here (default
+    :data:`~qkgeom.alerts.DEFAULT_RULES`), ``on_alert`` a hook. ``control``: an
     :class:`EntropyController` closing the loop (then training changes, on purpose)."""
 
     def __init__(self, model: nn.Module, probe: Any, *, every: int | Iterable[int] = DEFAULT_EVERY,
@@ -76,7 +77,8 @@ class GeometryMonitor:
                  config: Mapping[str, Any] | None = None,
                  record: Mapping[str, Any] | None = None,
                  tensorboard: Any = "auto", wandb: str | bool | None = "auto",
-                 histograms: bool = True, alerts: Iterable[AlertRule] | None = None,
+                 histograms: bool = True,
+                 alerts: Iterable[AlertRule | Mapping[str, Any]] | None = None,
                  on_alert: Callable[[Alert], None] | None = None,
                  control: EntropyController | None = None) -> None:
         if qk_site not in QK_SITES:
