@@ -51,8 +51,9 @@ def draw_lr_sweep(stab: StabilityRuns, out: Path) -> Path:
             ax.plot(g["lr"], g["clipped"], color="#0072B2", alpha=0.45,
                     linewidth=figstyle.SEED_LINEWIDTH)
         gone = mine[mine["state"] == "diverged"]
-        ax.plot(gone["lr"], gone["clipped"], "x", color="#D55E00", markersize=5,
-                label="diverged (at L₀)")
+        if len(gone):
+            ax.plot(gone["lr"], gone["clipped"], "x", color="#D55E00", markersize=5,
+                    label="diverged (at L₀)")
         med = mine.groupby("lr")["clipped"].median()
         ax.plot(med.index, med.to_numpy(), color="#0072B2", linewidth=1.8, marker="o",
                 markersize=3, label="median over seeds")
@@ -67,7 +68,7 @@ def draw_lr_sweep(stab: StabilityRuns, out: Path) -> Path:
         for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
             handles.setdefault(lab, h)
     fig.legend(list(handles.values()), list(handles), loc="outside lower center",
-               ncol=max(len(handles), 1), frameon=False)
+               ncol=max(min(len(handles), cols), 1), frameon=False)
     figstyle.suptitle(fig, f"{stab.name}: final val loss against the learning rate per "
                       "remedy (thin: each seed; bold: median; grey: none)")
     return figstyle.save_figure(fig, out, SWEEP_NAME)[0]

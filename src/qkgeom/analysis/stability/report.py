@@ -303,13 +303,13 @@ def _transfer_sources(folder: Path, calibration: Path | None,
     return calibration, [Path(p) for p in also]
 
 
-def write_stability_report(folder: Path, out: Path, figures: bool = True, *,
+def write_stability_report(folder: str | Path, out: str | Path, figures: bool = True, *,
                            calibration: str | Path | None = None,
                            also: Sequence[str | Path] = ()) -> Path:
     """The stability report of the sweep ``folder`` into ``out``; returns ``report.md``.
     ``calibration`` (a calibrate sweep) and ``also`` (sweeps or Hugging Face trial folders)
     add the cross-size alert table; a ``transfer`` sweep finds them beside it."""
-    folder = Path(folder)
+    folder, out = Path(folder), Path(out)
     stab = read_stability(folder)
     kind = _grid_name(folder).rsplit("-", 1)[-1]
     cal_dir, others = _transfer_sources(folder, Path(calibration) if calibration else None,
