@@ -48,6 +48,7 @@ bench: $(STAMP)  ## speed claims on this machine (docs/speed.md); `make bench QU
 	$(BIN)/python benchmarks/probe_overhead.py $(BENCH_FLAGS)
 	$(BIN)/python benchmarks/logit_metrics_cost.py $(BENCH_FLAGS)
 	$(BIN)/python benchmarks/control_overhead.py $(if $(QUICK),--sizes small --reps 2,)
+	$(BIN)/python benchmarks/softcap_cost.py $(if $(QUICK),--reps 2 --steps 5,)
 	$(BIN)/python benchmarks/sweep_scaling.py $(BENCH_FLAGS)
 	$(BIN)/python benchmarks/report_time.py $(if $(QUICK),--reps 1,)
 	$(BIN)/python benchmarks/analysis_throughput.py $(if $(QUICK),--tokens 100000,)

@@ -14,13 +14,17 @@ import functools
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from qkgeom.errors import QKGeomError
 
 QK_INITS = ("normal", "orthogonal", "tied")
-QK_REPARAMS = ("none", "sigma")  # sigma: σReparam, γ·W/σ_max(W) (docs/stability.md)
+# σReparam (γ·W/σ_max(W), docs/stability.md#remedies) of W_Q and W_K (qk) or of every
+# linear layer of the blocks (all)
+SIGMA_REPARAMS = ("none", "qk", "all")
+QK_REPARAMS = ("none", "sigma")  # the old model.qk_reparam (sigma = sigma_reparam qk)
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DEVICE_HELP = "auto (CUDA, then MPS, then CPU) | cpu | cuda | cuda:N | mps"
 # every: each multiple of checkpoint_every; log: also step 0 and the powers of two below it
@@ -40,7 +44,11 @@ class GPTConfig:
     bias: bool = False
     qk_init: str = "normal"
     qk_norm: bool = False  # LayerNorm of each head's q and k before the logits (qk-layernorm)
-    qk_reparam: str = "none"  # none | sigma (σReparam of W_Q and W_K)
+    qk_reparam: str = "none"  # old name: sigma is sigma_reparam qk (read as that, with a warning)
+    sigma_reparam: str = "none"  # none | qk (W_Q, W_K) | all (every linear layer of the blocks)
+    logit_softcap: float | None = None  # c of c·tanh(s/c) on the scaled logits; None: no cap
+    qk_clip_threshold: float | None = None  # QK-Clip's τ on each head's max logit; None: off
+    qk_clip_alpha: float = 0.5  # QK-Clip's α: W_Q rows × γ^α, W_K rows × γ^(1−α)
 
     @property
     def head_dim(self) -> int:
@@ -58,6 +66,37 @@ class GPTConfig:
         _check(0.0 <= self.dropout < 1.0, f"model.dropout must be in [0, 1), got {self.dropout}")
         _one_of("qk_init", self.qk_init, QK_INITS)
         _one_of("model.qk_reparam", self.qk_reparam, QK_REPARAMS)
+        _one_of("model.sigma_reparam", self.sigma_reparam, SIGMA_REPARAMS)
+        if self.qk_reparam == "sigma":  # the old name, read for one minor version
+            _check(self.sigma_reparam in ("none", "qk"), "model.qk_reparam 'sigma' (the old "
+                   "name of model.sigma_reparam: qk) contradicts model.sigma_reparam "
+                   f"{self.sigma_reparam!r}; set model.sigma_reparam alone")
+            warnings.warn("model.qk_reparam is renamed: use model.sigma_reparam: qk instead of "
+                          "model.qk_reparam: sigma (the old name goes in the next minor "
+                          "version)", FutureWarning, stacklevel=3)
+            object.__setattr__(self, "qk_reparam", "none")
+            object.__setattr__(self, "sigma_reparam", "qk")
+        for name in ("logit_softcap", "qk_clip_threshold"):
+            value = getattr(self, name)
+            _check(value is None or (math.isfinite(value) and value > 0),
+                   f"model.{name} must be a finite number > 0 (or null: off), got {value}")
+        _check(math.isfinite(self.qk_clip_alpha) and 0.0 <= self.qk_clip_alpha <= 1.0,
+               f"model.qk_clip_alpha must be in [0, 1], got {self.qk_clip_alpha}")
+        if self.qk_clip_threshold is None:
+            _check(self.qk_clip_alpha == 0.5, "model.qk_clip_alpha is read only by QK-Clip; "
+                   "set model.qk_clip_threshold too (or leave the alpha unset)")
+        else:
+            _check(not self.qk_norm, "QK-Clip cannot act on a model with qk_norm: q and k are "
+                   "normalised after the projections, so scaling W_Q and W_K does not move the "
+                   "logits; use one or the other")
+            _check(self.sigma_reparam == "none", "QK-Clip rescales the stored W_Q and W_K, but "
+                   f"under model.sigma_reparam {self.sigma_reparam!r} the model uses γ·W/σ_max(W), "
+                   "which that leaves unchanged; use one or the other")
+
+    @property
+    def qk_clip(self) -> bool:
+        """Whether QK-Clip is on (``qk_clip_threshold`` set)."""
+        return self.qk_clip_threshold is not None
 
 
 @dataclass(frozen=True)
@@ -206,6 +245,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the training forward/backward (probes stay eager)
     key_control: KeyControlConfig = field(default_factory=KeyControlConfig)
     entropy_control: EntropyControlConfig = field(default_factory=EntropyControlConfig)
+    z_loss: float = 0.0  # coefficient of mean (log Z)² added to the training objective (PaLM)
 
     def __post_init__(self) -> None:
         for name, kind in _SECTIONS.items():
@@ -241,19 +281,25 @@ class TrainConfig:
                f"reference_step must be -1 or in [0, steps], got {self.reference_step}")
         _check(self.device in ("auto", "cpu") or self.device.startswith(("cuda", "mps")),
                f"unknown device {self.device!r}; use {DEVICE_HELP}")
+        _check(math.isfinite(self.z_loss) and self.z_loss >= 0,
+               f"z_loss must be a finite number >= 0 (0: off), got {self.z_loss}")
         controls = [n for n in ("key_control", "entropy_control") if getattr(self, n).active
                     and (n == "entropy_control" or self.key_control.mode != "none")]
-        _check(self.model.qk_reparam == "none" or not controls,
-               f"{controls[0] if controls else ''} reshapes W_K, which model.qk_reparam "
-               f"{self.model.qk_reparam!r} reparametrises; use one or the other")
+        _check(self.model.sigma_reparam == "none" or not controls,
+               f"{controls[0] if controls else ''} reshapes W_K, which model.sigma_reparam "
+               f"{self.model.sigma_reparam!r} reparametrises; use one or the other")
+        _check(not self.model.qk_clip or not controls,
+               f"{controls[0] if controls else ''} reshapes W_K, which QK-Clip "
+               "(model.qk_clip_threshold) rescales after every step too; use one or the other")
         _check(len(controls) < 2,
                "key_control and entropy_control both reshape W_K; use one or the other")
 
     def active_features(self) -> list[str]:
-        """Config sections each of which a callback must serve (:mod:`qkgeom.launch` builds
-        them)."""
+        """Config sections (and ``qk_clip``) each of which a callback must serve
+        (:mod:`qkgeom.launch` builds them)."""
         return [name for name in ("key_control", "entropy_control")
-                if getattr(self, name).active]  # key_control: a control or its record
+                if getattr(self, name).active] + (  # key_control: a control or its record
+                    ["qk_clip"] if self.model.qk_clip else [])
 
     @property
     def effective_precision(self) -> str:
@@ -282,14 +328,32 @@ class TrainConfig:
     def config_hash(self) -> str:
         """Stable short hash of everything that changes the result: not ``device``, ``threads`` or
         ``compile`` (how fast, not what), and the *effective* precision (``auto`` on CPU and
-        ``fp32`` are one run)."""
+        ``fp32`` are one run). Keys added after a run was recorded are left out at their
+        defaults, and ``sigma_reparam: qk`` is hashed as its old name ``qk_reparam: sigma``, so
+        every earlier run keeps its hash (tests/test_config_hash.py)."""
         d = self.to_dict()
         for k in ("device", "threads", "compile"):
             d.pop(k)
         d["precision"] = self.effective_precision
+        for section, defaults in _ADDED_KEYS.items():
+            node = d[section] if section else d
+            for k, default in defaults.items():
+                if node[k] == default:
+                    node.pop(k)
+        if d["model"].get("sigma_reparam") == "qk":
+            d["model"].pop("sigma_reparam")
+            d["model"]["qk_reparam"] = "sigma"
         blob = json.dumps(d, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
 
+
+#: Keys added after runs were recorded, with their defaults: left out of the config hash
+#: while at them (section "" is the top level).
+_ADDED_KEYS: dict[str, dict[str, Any]] = {
+    "model": {"sigma_reparam": "none", "logit_softcap": None, "qk_clip_threshold": None,
+              "qk_clip_alpha": 0.5},
+    "": {"z_loss": 0.0},
+}
 
 #: The config sections: key -> their dataclass.
 _SECTIONS: dict[str, type] = {"model": GPTConfig, "key_control": KeyControlConfig,

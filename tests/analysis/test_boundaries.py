@@ -59,6 +59,22 @@ def test_equivalence_at_its_boundary_and_before_every_other_verdict() -> None:
     assert stats.verdict(10, 10, 1e-4, p_equiv=0.01, reason="gate") == "not evaluated"
 
 
+def test_equivalence_needs_five_units_on_the_row_itself() -> None:
+    """Protocol 2: 4 units whose interval lies well inside ±δ are never *equivalent to no
+    effect* (the S2 hold row of the stability demo was, on 4 seeds); 5 units can be. The
+    minimum is the row's own n, whatever other rows of its table hold."""
+    four = stats.unit_test([0.01, -0.01, 0.02, 0.0], 0, delta=0.1)
+    assert four["p_equiv"] < 1e-3  # the interval is far inside ±0.1
+    assert stats.verdict(four["k"], four["n"], four["p_value"],
+                         p_equiv=four["p_equiv"]) == "inconclusive"
+    five = stats.unit_test([0.01, -0.01, 0.02, 0.0, 0.01], 0, delta=0.1)
+    assert stats.verdict(five["k"], five["n"], five["p_value"],
+                         p_equiv=five["p_equiv"]) == "equivalent to no effect"
+    assert stats.MIN_UNITS == 5
+    assert stats.verdict(0, 4, 1.0, p_equiv=1e-9) == "inconclusive"
+    assert stats.verdict(0, 5, 1.0, p_equiv=1e-9) == "equivalent to no effect"
+
+
 def test_four_units_can_never_be_supported_five_can() -> None:
     """With n units no p goes below 2^−n: 4/4 gives 1/16 ≥ 0.05, 5/5 gives 1/32."""
     four = stats.unit_test([1.0, 2.0, 3.0, 4.0], +1)
@@ -124,22 +140,24 @@ SHRINK, HOLD = "shrink-0.5-token-data", "hold-token-data"
 
 
 def _e3_runs(shrink_k: dict[int, float], hold_k: dict[int, float]) -> list[Run]:
-    """Two seeds of none, shrink (dose 0.5, recorded r(t) = 0.5 throughout) and hold. The
-    none run's token-level PR_K is 8 at step 0, then 4; shrink's and hold's are 8 at step
-    0, then the given value per seed (in layer 0; layer 1 is on target). Intended: shrink
-    0.5 (threshold 0.75, i.e. PR_K 3); hold 8/4 = 2 (threshold 1.5, i.e. PR_K 6). Powers of
-    two: every ratio is exact."""
+    """Two seeds of none, shrink (config dose 0.5, recorded r(t) = 0.25 throughout) and
+    hold. The none run's token-level PR_K is 16 at step 0, then 4; shrink's and hold's are
+    16 at step 0, then the given value per seed (in layer 0; layer 1 is on target).
+    Intended: shrink 0.25, hold 16/4 = 4. Halfway on the log scale (protocol 2): shrink
+    √0.25 = 0.5 (PR_K 2), hold √4 = 2 (PR_K 8); on the plain ratio (protocol 1): shrink
+    (1 + 0.25)/2 = 0.625 (PR_K 2.5), hold (1 + 4)/2 = 2.5 (PR_K 10). Dyadic numbers: every
+    ratio and mean is exact."""
     t = np.asarray(E3_STEPS)
     runs = []
     for seed in (0, 1):
         for arm, control, later in (("none", {"mode": "none"}, 4.0),
                                     (SHRINK, {"mode": "shrink", "dose": 0.5}, shrink_k[seed]),
                                     (HOLD, {"mode": "hold"}, hold_k[seed])):
-            on_target = {"none": 4.0, SHRINK: 2.0, HOLD: 8.0}[arm]
-            k = np.stack([np.where(t == 0, 8.0, later), np.where(t == 0, 8.0, on_target)])
+            on_target = {"none": 4.0, SHRINK: 1.0, HOLD: 16.0}[arm]
+            k = np.stack([np.where(t == 0, 16.0, later), np.where(t == 0, 16.0, on_target)])
             ent = np.full((2, len(t)), 2.0) - 0.1 * (arm == SHRINK) * (t > 0)
-            extra = ({"ctl_dose_l0": np.full(len(t), 0.5), "ctl_dose_l1": np.full(len(t), 0.5)}
-                     if arm == SHRINK else {})
+            extra = ({"ctl_dose_l0": np.full(len(t), 0.25),
+                      "ctl_dose_l1": np.full(len(t), 0.25)} if arm == SHRINK else {})
             runs.append(Run(f"seed={seed},arm={arm}", seed, control=control, pair_key=str(seed),
                             layers={"pr_k_token": k, "pr_k_weight": k, "attn_entropy": ent,
                                     "attn_entropy_scalefree": ent, "pr_qk_token": k / 2},
@@ -155,20 +173,27 @@ def _gate(shrink_k: dict[int, float], hold_k: dict[int, float]) -> dict:
     return {"man": man, "claims": claims}
 
 
-def test_manipulation_check_passes_at_exactly_halfway() -> None:
-    r = _gate({0: 3.0, 1: 2.0}, {0: 6.0, 1: 8.0})
+def test_manipulation_check_passes_at_exactly_halfway_on_the_log_scale() -> None:
+    """Protocol 2: a 0.25× shrink at 0.5 and a 4× hold at 2 achieved exactly half their
+    log change: both pass. Protocol 1's gate, beside, fails the hold (it asked for 2.5,
+    66 % of the log change)."""
+    r = _gate({0: 2.0, 1: 1.0}, {0: 8.0, 1: 16.0})
     shrink, hold = r["man"].loc[(SHRINK, 0, "whole")], r["man"].loc[(HOLD, 0, "whole")]
-    assert (shrink["achieved"], shrink["intended"], shrink["threshold"]) == (0.75, 0.5, 0.75)
-    assert (hold["achieved"], hold["intended"], hold["threshold"]) == (1.5, 2.0, 1.5)
+    assert (shrink["achieved"], shrink["intended"], shrink["threshold"]) == (0.5, 0.25, 0.5)
+    assert (hold["achieved"], hold["intended"], hold["threshold"]) == (2.0, 4.0, 2.0)
     assert shrink["passed"] is True and hold["passed"] is True
+    assert shrink["log_share"] == pytest.approx(0.5) and hold["log_share"] == pytest.approx(0.5)
+    assert (shrink["threshold_p1"], hold["threshold_p1"]) == (0.625, 2.5)
+    assert shrink["passed_p1"] is True and hold["passed_p1"] is False
     for cid in ("E3.1", "E3.2"):
         assert r["claims"].loc[cid, "verdict"] != "not evaluated"
+    assert r["claims"].loc["E3.2", "verdict_gate_p1"] == "not evaluated"
 
 
-def test_manipulation_check_fails_just_past_halfway() -> None:
-    over = np.nextafter(3.0, 4.0)  # shrink achieved just above (1 + 0.5)/2
-    under = np.nextafter(6.0, 5.0)  # hold achieved just below (1 + 2)/2
-    r = _gate({0: over, 1: 2.0}, {0: under, 1: 8.0})
+def test_manipulation_check_fails_just_past_halfway_on_the_log_scale() -> None:
+    over = np.nextafter(2.0, 3.0)  # shrink achieved just above √0.25 (× the none run's 4)
+    under = np.nextafter(8.0, 7.0)  # hold achieved just below √4
+    r = _gate({0: over, 1: 1.0}, {0: under, 1: 16.0})
     assert r["man"].loc[(SHRINK, 0, "whole"), "passed"] is False
     assert r["man"].loc[(SHRINK, 1, "whole"), "passed"] is True
     assert r["man"].loc[(HOLD, 0, "whole"), "passed"] is False
@@ -176,6 +201,19 @@ def test_manipulation_check_fails_just_past_halfway() -> None:
         row = r["claims"].loc[cid]
         assert row["verdict"] == "not evaluated"
         assert "manipulation check failed in 1/2 seeds (1 unit(s)): seed 0, l0" in row["reason"]
+    assert r["claims"].loc["E3.1", "verdict_gate_p1"] != "not evaluated"  # 0.5 ≤ 0.625
+
+
+def test_protocol_1s_gate_beside_is_halfway_on_the_plain_ratio() -> None:
+    """Protocol 1's column at its own boundary: (1 + 0.25)/2 = 0.625 and (1 + 4)/2 = 2.5
+    pass exactly, one representable number past them fail."""
+    at = _gate({0: 2.5, 1: 1.0}, {0: 10.0, 1: 16.0})["man"]
+    past = _gate({0: np.nextafter(2.5, 3.0), 1: 1.0}, {0: np.nextafter(10.0, 9.0), 1: 16.0})
+    for arm in (SHRINK, HOLD):
+        assert at.loc[(arm, 0, "whole"), "passed_p1"] is True
+        assert past["man"].loc[(arm, 0, "whole"), "passed_p1"] is False
+    assert at.loc[(SHRINK, 0, "whole"), "passed"] is False  # 0.625 > √0.25
+    assert at.loc[(HOLD, 0, "whole"), "passed"] is True  # 2.5 ≥ √4
 
 
 def test_e3_windows_include_the_quarter_and_leave_out_step_0() -> None:

@@ -17,6 +17,7 @@ from qkgeom.analysis.e3 import e3_analysis, is_e3, run_arms
 from qkgeom.config import KeyControlConfig
 
 from .conftest import STEPS, monotone_values, write_run, write_sweep
+from .synthetic import Run, table_of
 
 SEEDS = range(5)
 SHRINK = -0.001  # paired entropy effect per step: shrink lowers it in every seed ...
@@ -198,7 +199,8 @@ def test_manipulation_per_unit_at_the_token_level(e3_sweep: Path, tmp_path: Path
     s = _row(units, arm="shrink-0.5-token-data", seed=0, window="early", unit="l0")
     assert s["achieved"] == pytest.approx(0.5) and s["achieved_weight"] == pytest.approx(0.5)
     assert s["intended"] == pytest.approx((0.75 + 0.5) / 2)  # recorded r(t) at steps 10, 20
-    assert s["threshold"] == pytest.approx((1 + 0.625) / 2) and s["passed"]
+    assert s["threshold"] == pytest.approx(np.sqrt(0.625)) and s["passed"]
+    assert s["threshold_p1"] == pytest.approx((1 + 0.625) / 2) and s["passed_p1"]
     assert s["bound_share"] == pytest.approx(1.0)
     summary = _row(man, arm="shrink-0.5-token-data", seed=0, window="early")
     assert (summary["units"], summary["checked"], summary["units_passed"]) == (2, 2, 2)
@@ -259,6 +261,42 @@ def test_the_hold_gate_points_the_way_the_uncontrolled_pr_k_moved(tmp_path: Path
         assert (("hold-token-data", "whole") in gate) == (not holds)
         if not holds:
             assert "check failed in 5/5 seeds" in gate[("hold-token-data", "whole")]
+
+
+def _hold_at(share: float) -> dict:
+    """Five seeds of none and hold (two layers) in memory: the none run's token PR_K is 14
+    at step 0 and 1 after (it collapses), so the hold intends 14×; it achieves 14^share."""
+    steps = list(range(0, 101, 10))
+    t = np.asarray(steps)
+    runs = []
+    for seed in range(5):
+        for arm, later in (("none", 1.0), ("hold-token-data", 14.0 ** share)):
+            k = np.tile(np.where(t == 0, 14.0, later), (2, 1))
+            ent = np.full((2, len(t)), 2.0) + 0.01 * seed * (arm != "none") * (t > 0)
+            runs.append(Run(f"seed={seed},arm={arm}", seed, control=ARMS[arm],
+                            pair_key=str(seed),
+                            layers={"pr_k_token": k, "pr_k_weight": k, "pr_qk_token": k / 2,
+                                    "attn_entropy": ent, "attn_entropy_scalefree": ent}))
+    return e3_analysis(table_of(runs, steps, ref_step=25))
+
+
+def test_the_log_scale_gate_passes_a_hold_at_62_percent_and_fails_one_at_40():
+    """Issue 36: the demo's hold reached 62–90 % of its log change and failed the plain-ratio
+    gate (a 14× hold had to reach 7.5, 76 %). Halfway on the log scale (√14 = 3.74): 62 %
+    passes, 40 % fails; protocol 1's verdicts stay beside (not evaluated at 62 %)."""
+    for share, passes in ((0.62, True), (0.40, False)):
+        a = _hold_at(share)
+        units = a["manipulation_units"]
+        whole = units[units["window"] == "whole"]
+        assert whole["intended"].to_numpy() == pytest.approx(14.0)
+        assert whole["log_share"].to_numpy() == pytest.approx(share)
+        assert (whole["passed"] == passes).all() and (whole["passed_p1"] == False).all()  # noqa: E712
+        e32 = _primary(a["claims"], "E3.2")
+        assert (e32["verdict"] != "not evaluated") == passes, e32["reason"]
+        assert e32["verdict_gate_p1"] == "not evaluated"
+        man = _row(a["manipulation"], arm="hold-token-data", seed=0, window="whole")
+        assert man["passed"] == passes and man["passed_p1"] is False
+        assert (man["units_passed"], man["units_passed_p1"]) == (2 * passes, 0)
 
 
 def test_dose_response_over_the_sham_and_three_shrink_doses(tmp_path: Path):
@@ -457,3 +495,71 @@ def test_pair_keys_ignore_only_the_key_control_and_how_fast_a_run_went(tmp_path)
     assert (shrink["arm"], shrink["mode"], shrink["dose"], shrink["scale"]) == (
         "shrink-0.5-token-data", "shrink", 0.5, "data")
     assert (runs.loc["seed1", "arm"], runs.loc["none", "arm"]) == ("none", "none")
+
+
+def test_the_manipulation_record_sets_the_controls_records_beside_the_probe():
+    """Issue 40: per unit, the control's own PR records (in sample on Σ_ε, without ε, out of
+    sample) and the probe's, each ÷ the none run's probe PR_K at the same step. Seed 0
+    records all three, seed 1 (a run from before protocol 2) only ``ctl_pr``: n/a."""
+    from qkgeom.analysis.e3.report import record_markdown
+
+    steps = list(range(0, 101, 10))
+    t = np.asarray(steps, dtype=float)
+    none_k = np.where(t == 0, 16.0, 2.0 + t / 10)  # the denominator moves with the step
+    runs = []
+    for seed in (0, 1):
+        extra = {"ctl_pr_l0": np.full(len(t), 16.0), "ctl_pr_l1": np.full(len(t), 16.0)}
+        if seed == 0:
+            extra |= {"ctl_pr_raw_l0": np.full(len(t), 8.0), "ctl_pr_oos_l0": 2.0 * none_k}
+        for arm, k in (("none", none_k), ("hold-token-data", np.where(t == 0, 16.0, 8.0))):
+            runs.append(Run(f"seed={seed},arm={arm}", seed, control=ARMS[arm],
+                            pair_key=str(seed), extra=extra if arm != "none" else {},
+                            layers={"pr_k_token": np.tile(k, (2, 1)),
+                                    "pr_k_weight": np.tile(k, (2, 1)),
+                                    "pr_qk_token": np.tile(k, (2, 1))}))
+    a = e3_analysis(table_of(runs, steps, ref_step=25))
+    units = a["manipulation_units"]
+    s0 = _row(units, seed=0, unit="l0", window="whole")
+    later = none_k[1:]
+    assert s0["ctl_ratio"] == pytest.approx(np.mean(16.0 / later))
+    assert s0["ctl_raw_ratio"] == pytest.approx(np.mean(8.0 / later))
+    assert s0["ctl_oos_ratio"] == pytest.approx(2.0)  # 2 × none's probe, step by step
+    assert s0["achieved"] == pytest.approx(np.mean(8.0 / later))
+    s1 = _row(units, seed=1, unit="l0", window="whole")
+    assert s1["ctl_ratio"] == pytest.approx(np.mean(16.0 / later))
+    assert np.isnan(s1["ctl_raw_ratio"]) and np.isnan(s1["ctl_oos_ratio"])
+    assert np.isnan(_row(units, seed=0, unit="l1", window="whole")["ctl_raw_ratio"])
+    md = record_markdown(units)
+    line = next(x for x in md.splitlines() if x.startswith("| hold-token-data | whole | l0 |"))
+    assert "| 2.000, n/a |" in line  # out of sample: seed 0, seed 1 not recorded
+    summary = _row(a["manipulation"], seed=0, window="whole")
+    assert summary["ctl_oos_ratio"] == pytest.approx(2.0)  # l1 has no record: l0's alone
+
+
+def test_every_e3_summary_shows_the_raw_entropy_beside_the_scale_free_one(e3_sweep: Path,
+                                                                          capsys):
+    """Protocol 2: the report's opening and the terminal give, for E3.1 and E3.2, the
+    raw-entropy reading of the primary row's arm and window beside the scale-free one."""
+    from qkgeom.analysis.e3.claims import raw_entropy_lines
+    from qkgeom.cli.sweeps import report
+
+    claims = e3_analysis(collate(e3_sweep))["claims"]
+    lines = raw_entropy_lines(claims)
+    assert [x[:4] for x in lines] == ["E3.1", "E3.2"]
+    e31 = _primary(claims, "E3.1")
+    raw = _row(claims, claim_id="E3.1", claim=e31["claim"], origin="whole",
+               quantity="attn_entropy")
+    assert lines[0].startswith("E3.1 (shrink-0.5-token-data − none, whole run): scale-free "
+                               f"entropy {e31['estimate'].removeprefix('mean ')} nats "
+                               f"(primary: {e31['verdict']}); raw entropy "
+                               f"{raw['estimate'].removeprefix('mean ')} nats (secondary: ")
+    report(e3_sweep, e3_sweep / "report-cli")
+    out = capsys.readouterr().out
+    assert lines[0] in out and lines[1] in out
+    text = (e3_sweep / "report-cli" / "report.md").read_text()
+    head = text[:text.index("## Manipulation check")]
+    assert "raw entropy" in head and "scale-free entropy" in head
+    csv = pd.read_csv(e3_sweep / "report-cli" / "claims.csv")
+    assert {"quantity", "verdict_gate_p1"} <= set(csv.columns)
+    assert raw_entropy_lines(csv) == lines  # the terminal reads them back from claims.csv
+    assert raw_entropy_lines(csv.drop(columns="quantity")) == []  # not E3's

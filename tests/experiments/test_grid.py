@@ -253,9 +253,34 @@ def test_e3_grids_are_the_protocols_arms() -> None:
     assert len(paper.expand()) == 160 and [a.name for a in paper.arms] == [
         *core, "shrink-0.75-token-data", "shrink-0.25-token-data", "hold-weight-frobenius",
         "shrink-0.5-weight-frobenius"]
-    assert set(E3_PRESETS) == {"smoke", "demo", "lab", "paper"}
+    assert set(E3_PRESETS) == {"smoke", "demo", "lab", "paper", "w64"}
     with pytest.raises(QKGeomError, match="unknown E3 arm"):
         e3_arm("shrink-half-token-data")
+
+
+def test_e3_at_width_64_is_the_demos_protocol_on_three_arms() -> None:
+    """Protocol 2: `reproduce e3 --preset w64` = the E3 demo's protocol (400 steps, probes
+    every 25, 20 seeds) at width 64 (4 heads of dimension 16, 4 layers, context 64) on
+    none, shrink-0.5 and hold at the token level with the data rule."""
+    grid = e3_grid("w64")
+    assert [a.name for a in grid.arms] == ["none", "shrink-0.5-token-data", "hold-token-data"]
+    specs = grid.expand()
+    assert len(specs) == 60 and {s.config.seed for s in specs} == set(range(20))
+    demo = e3_grid("demo").expand()[0].config
+    for s in specs:
+        m = s.config.model
+        assert (m.n_embd, m.n_head, m.n_embd // m.n_head, m.n_layer, m.block_size) == (
+            64, 4, 16, 4, 64)
+        assert m.qk_init == "normal"
+        assert (s.config.steps, s.config.probe_every, s.config.eval_every,
+                s.config.batch_size, s.config.lr, s.config.warmup_steps) == (
+            demo.steps, demo.probe_every, demo.eval_every, demo.batch_size, demo.lr,
+            demo.warmup_steps) == (400, 25, 100, 16, demo.lr, 30)
+    kc = {s.axes["arm"]: s.config.key_control for s in specs if s.config.seed == 3}
+    assert (kc["shrink-0.5-token-data"].dose, kc["shrink-0.5-token-data"].level) == (0.5,
+                                                                                    "token")
+    assert kc["hold-token-data"].reference == "seed=3,arm=none"
+    assert specs[0].axes["arm"] == "none"  # the baseline of each seed trains first
 
 
 def test_a_grid_records_the_experiment_it_declares() -> None:

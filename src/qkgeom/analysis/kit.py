@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import html
-import math
 import re
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -182,8 +181,8 @@ SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
 #: E4's unit, a layer of one model, is not independent; its report says so itself.
 INDEPENDENT_UNITS = ("runs", "seeds")
 #: Fewer independent units than this give a descriptive report, no verdicts: the smallest
-#: exact sign-flip p of n units is 1/2^n, which must fall below α.
-MIN_UNITS = math.floor(-math.log2(ALPHA)) + 1
+#: exact sign-flip p of n units is 1/2^n, which must fall below α (the verdict rule's).
+MIN_UNITS = stats.MIN_UNITS
 
 
 def _unit_word(n: int, unit: str) -> str:

@@ -8,6 +8,7 @@ bits or on ties, and are far slower (docs/speed.md).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from functools import lru_cache
 from typing import Any
@@ -24,6 +25,10 @@ FLIP_DRAWS = 200_000  # ... else this many random patterns
 FLIP_SEED = 0
 
 POWER = 0.80  # the power a design is sized for, and the detectable effect is quoted at
+#: The fewest independent units any verdict but *not evaluated* and *inconclusive* can come
+#: from: the smallest exact sign-flip p of n units is 1/2^n, which must fall below α; the
+#: same minimum for *equivalent to no effect* (protocol 2), checked on each row's own n.
+MIN_UNITS = math.floor(-math.log2(ALPHA)) + 1
 
 SUPPORTED, MIXED, NOT_SUPPORTED, NOT_EVALUATED = ("supported", "mixed", "not supported",
                                                   "not evaluated")
@@ -240,12 +245,13 @@ def verdict(k: int, n: int, p_value: float, *, p_opposite: float = float("nan"),
             reason: str = "") -> str:
     """The verdict of a claim row from k of n units with the predicted sign and its p's
     (adjusted within the row's family), tried in this order (docs/report.md#verdict-rules):
-    *not evaluated* (no unit, or a ``reason``), *equivalent to no effect* (``p_equiv`` < α),
-    *supported* (``p_value`` < α in ≥ 80 % of units, and ``universal_ok`` for a claim about
-    all of them) or else *mixed*, *not supported* (``p_opposite`` < α), *inconclusive*."""
+    *not evaluated* (no unit, or a ``reason``), *equivalent to no effect* (``p_equiv`` < α
+    and at least :data:`MIN_UNITS` units), *supported* (``p_value`` < α in ≥ 80 % of units,
+    and ``universal_ok`` for a claim about all of them) or else *mixed*, *not supported*
+    (``p_opposite`` < α), *inconclusive*."""
     if reason or n == 0:
         return NOT_EVALUATED
-    if p_equiv < ALPHA:
+    if p_equiv < ALPHA and n >= MIN_UNITS:
         return EQUIVALENT
     if p_value < ALPHA:
         ok = k / n >= SUPPORT_SHARE and universal_ok is not False

@@ -13,8 +13,9 @@ from torch import nn
 
 from qkgeom.arch.base import AttentionSite, ModelAdapter, QKCallback
 from qkgeom.model import GPT
+from qkgeom.model.gpt import GPTConfig
 
-__all__ = ["detect", "to_gpt2"]
+__all__ = ["detect", "gpt2_refusal", "to_gpt2"]
 
 
 @contextmanager
@@ -40,23 +41,49 @@ def detect(model: nn.Module) -> ModelAdapter | None:
                            cfg.n_head, cfg.head_dim, cfg.n_embd)
              for i, b in enumerate(model.blocks)]
     return ModelAdapter("qkgeom", model, sites, causal=True, rotary=False,
-                        max_positions=cfg.block_size, capture_fn=_capture)
+                        max_positions=cfg.block_size, capture_fn=_capture,
+                        logit_softcap=cfg.logit_softcap)
+
+
+def gpt2_refusal(cfg: GPTConfig) -> str | None:
+    """Why a model of ``cfg`` has no GPT-2 equivalent (one line), or None when it has one.
+    QK-Clip needs nothing (it only rescales W_Q and W_K rows); σReparam exports the weight
+    the model computes with."""
+    if cfg.qk_norm:
+        return ("a model with qk_norm has no GPT-2 equivalent (GPT-2 has no LayerNorm on q "
+                "and k); it cannot be exported")
+    if cfg.logit_softcap is not None:
+        return (f"a model with logit_softcap {cfg.logit_softcap:g} has no GPT-2 equivalent "
+                "(GPT-2's attention has no soft-cap on its logits); it cannot be exported")
+    return None
 
 
 def to_gpt2(model: GPT) -> nn.Module:
     """A ``transformers.GPT2LMHeadModel`` computing the same logits as ``model``: ours is
     GPT-2 with separate q/k/v and (by default) no biases, so q/k/v fused into ``c_attn``,
     linear weights transposed for ``Conv1D``, zeros for absent biases, exact GELU, eps
-    1e-5 and tied embeddings make it exact."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from qkgeom.arch.gpt2 import fuse_qkv
+    1e-5 and tied embeddings make it exact. Under σReparam each weight is the one the model
+    computes with in eval mode, γ·W/σ̂ (read in eval mode: no power iteration runs)."""
     from qkgeom.errors import QKGeomError
 
     cfg = model.config
-    if cfg.qk_norm:
-        raise QKGeomError("a model with qk_norm has no GPT-2 equivalent (GPT-2 has no "
-                          "LayerNorm on q and k); it cannot be exported")
+    refusal = gpt2_refusal(cfg)
+    if refusal is not None:
+        raise QKGeomError(refusal)
+    was_training = model.training
+    model.eval()  # a parametrised weight read in training mode runs a power iteration
+    try:
+        return _gpt2_of(model)
+    finally:
+        model.train(was_training)
+
+
+def _gpt2_of(model: GPT) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from qkgeom.arch.gpt2 import fuse_qkv
+
+    cfg = model.config
     d = cfg.n_embd
     hf_cfg = GPT2Config(
         vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=d, n_layer=cfg.n_layer,

@@ -36,7 +36,8 @@ RunsPerGpu = Annotated[str, typer.Option(
          "folder, see docs/speed.md).")]
 Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | lab "
                                           "(e1, e3: 5x longer runs, about an hour each on 2 "
-                                          "CPU cores) | paper (GPU-hours; pass --data).")]
+                                          "CPU cores) | w64 (e3: the demo at width 64) | "
+                                          "paper (GPU-hours; pass --data).")]
 Data = Annotated[str, typer.Option(
     help="sample (the embedded Wikipedia text) or a prepared data folder (default: "
          "sample).", show_default=False)]
@@ -70,6 +71,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
     import pandas as pd
 
     from qkgeom.analysis import excluded_count, summary_line, write_report
+    from qkgeom.analysis.e3.claims import raw_entropy_lines
     from qkgeom.analysis.kit import descriptive_reason
     from qkgeom.ui import render_frame
 
@@ -100,7 +102,8 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
                      "descriptive"] if "role" in shown else [])],
                  group=[c for c in ("id", "claim") if c in shown])
     left_out = f"{excluded} run(s) left out (diverged/failed/unfinished): see the report"
-    for line in (descriptive, _not_recorded(claims), left_out if excluded else "",
+    for line in (descriptive, *raw_entropy_lines(claims), _not_recorded(claims),
+                 left_out if excluded else "",
                  summary_line(path.parent), f"report: {path}",
                  f"report (HTML): {html}" if html.is_file() else ""):
         if line:
@@ -110,7 +113,8 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
 #: The terminal claims table: claims.csv column -> its header (words, not field names).
 TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "role": "role", "level": "level",
                    "from": "from", "measured": "sign k/n", "p_adj": "p (Holm)",
-                   "p_value": "p (sign-flip)", "verdict": "verdict"}
+                   "p_value": "p (sign-flip)", "verdict": "verdict",
+                   "verdict_gate_p1": "verdict, protocol-1 gate (E3)"}
 
 
 def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
@@ -120,7 +124,7 @@ def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
     from qkgeom.analysis.kit import descriptive_reason
 
     cols = [c for c in TERMINAL_CLAIMS if c in claims
-            and not (c == "verdict" and descriptive_reason(claims))
+            and not (c.startswith("verdict") and descriptive_reason(claims))
             and not (c == "p_value" and "p_adj" in claims)]  # the Holm p when there is one
     return claims[cols].rename(columns=TERMINAL_CLAIMS)
 

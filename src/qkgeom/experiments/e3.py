@@ -17,7 +17,12 @@ from qkgeom.experiments.experiment import Experiment, Preset
 
 #: The arms every E3 size has: the primary rows of docs/protocols.md#e3 read them.
 E3_CORE_ARMS = ["none", "sham-token-data", "hold-token-data", "shrink-0.5-token-data"]
+#: E3 at a second width: the primary rows' arms, no sham (docs/protocols.md#sizes-demo-and-lab).
+E3_WIDTH_ARMS = ["none", "shrink-0.5-token-data", "hold-token-data"]
 _FOUR_LAYERS = {"model": {"n_layer": 4, "qk_init": "normal"}}
+#: The demo's model at width 64: 4 heads of dimension 16, context 64.
+_WIDTH_64 = {"model": {"n_layer": 4, "qk_init": "normal", "n_embd": 64, "n_head": 4,
+                       "block_size": 64}}
 
 
 E3_PRESETS: dict[str, Preset] = {
@@ -25,6 +30,8 @@ E3_PRESETS: dict[str, Preset] = {
     "demo": Preset("small", deep_merge(DEMO_RUN, {**_FOUR_LAYERS, "probe_every": 25}),
                    list(range(20)), arms=E3_CORE_ARMS),
     "lab": Preset("small", deep_merge(LAB_RUN, _FOUR_LAYERS), list(range(8)), arms=E3_CORE_ARMS),
+    "w64": Preset("small", deep_merge(DEMO_RUN, {**_WIDTH_64, "probe_every": 25}),
+                  list(range(20)), arms=E3_WIDTH_ARMS),
     "paper": Preset("paper", {"model": {"n_layer": 6, "qk_init": "normal"}}, list(range(20)),
                     arms=[*E3_CORE_ARMS, "shrink-0.75-token-data", "shrink-0.25-token-data",
                           "hold-weight-frobenius", "shrink-0.5-weight-frobenius"]),

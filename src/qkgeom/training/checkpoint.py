@@ -161,11 +161,13 @@ def check_checkpoint(state: dict[str, Any], path: Path, cfg: TrainConfig) -> Non
         except (RuntimeError, ValueError, TypeError):
             refuse(f"{key} is not a random-generator state")
     acc = state.get("loss_acc", {})
-    total = acc.get("loss_sum", 0.0) if isinstance(acc, dict) else None
-    if not (isinstance(acc, dict) and all(k in ("loss_sum", "loss_n") for k in acc)
-            and isinstance(total, (int, float)) and not isinstance(total, bool)
-            and math.isfinite(total) and _is_count(acc.get("loss_n", 0))):
-        refuse("its loss accumulator is not {loss_sum: number, loss_n: count}")
+    sums = [acc.get(k, 0.0) for k in ("loss_sum", "z_sum")] if isinstance(acc, dict) else [None]
+    if not (isinstance(acc, dict) and all(k in ("loss_sum", "loss_n", "z_sum") for k in acc)
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) for v in sums)
+            and _is_count(acc.get("loss_n", 0))):
+        refuse("its loss accumulator is not {loss_sum: number, loss_n: count, z_sum: number "
+               "(with a z-loss)}")
     if not isinstance(state.get("callbacks", []), list):
         refuse("its callback states are not a list")
 

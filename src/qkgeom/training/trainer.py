@@ -32,7 +32,7 @@ from qkgeom.data import load_data, probe_set, sample_batch
 from qkgeom.data.batches import BatchStream
 from qkgeom.errors import DivergedError, Interrupted, QKGeomError, signals_interrupt
 from qkgeom.geometry import LAYER, NonFiniteError, measure, records_to_frame
-from qkgeom.model import GPT
+from qkgeom.model import GPT, z_loss
 from qkgeom.runs import (
     STATUS,
     RunLock,
@@ -350,9 +350,11 @@ class Trainer:
         # The previous probe's logit windows (logit_delta), checkpointed for a resume.
         self.probe_windows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         # Step losses not yet read back, with their update: on CPU each is checked before its
-        # update touches the weights; on an accelerator once per log interval.
+        # update touches the weights; on an accelerator once per log interval. With a z-loss,
+        # its terms too (logged beside the loss, never in it).
         self.pending: list[tuple[int, torch.Tensor]] = []
-        self.acc: dict[str, float] = {"loss_sum": 0.0, "loss_n": 0, "tokens": 0,
+        self.pending_z: list[torch.Tensor] = []
+        self.acc: dict[str, float] = {"loss_sum": 0.0, "loss_n": 0, "z_sum": 0.0, "tokens": 0,
                                       "t": time.perf_counter()}
 
     def _restore(self) -> None:
@@ -393,12 +395,17 @@ class Trainer:
             group["lr"] = lr
         x, y = self.batches.next()  # (B, T), (B, T)
         with _autocast(self.device, cfg.precision):
-            _, loss = self.step_model(x, y)
+            logits, loss = self.step_model(x, y)
         self.pending.append((self.step + 1, loss.detach()))
+        objective = loss  # the recorded loss stays the cross-entropy
+        if cfg.z_loss:
+            z = cfg.z_loss * z_loss(logits)
+            self.pending_z.append(z.detach())
+            objective = loss + z
         if self.device.type == "cpu":
             self._read_losses()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
+        self.scaler.scale(objective).backward()
         self.batches.prefetch()  # next batch's host gather + copy overlap this step's kernels
         if cfg.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
@@ -420,6 +427,10 @@ class Trainer:
         steps = [s for s, _ in self.pending]  # the update each loss belongs to (1-based)
         values = torch.stack([v for _, v in self.pending]).tolist()  # one host sync
         self.pending.clear()
+        if self.pending_z:
+            for z in torch.stack(self.pending_z).tolist():
+                self.acc["z_sum"] += z
+            self.pending_z.clear()
         for bad, value in zip(steps, values, strict=True):
             if not math.isfinite(value):
                 self._diverge(bad, f"non-finite loss ({value}) at step {bad}")
@@ -479,8 +490,10 @@ class Trainer:
         acc, now = self.acc, time.perf_counter()
         row = {"step": s, "loss": acc["loss_sum"] / max(acc["loss_n"], 1), "val_loss": val_loss,
                "lr": self._lr(s - 1), "tokens_per_s": acc["tokens"] / max(now - acc["t"], 1e-9)}
+        if self.cfg.z_loss:  # the z term (coefficient included) beside the plain loss
+            row["z_loss"] = acc["z_sum"] / max(acc["loss_n"], 1)
         self._add_log(row)
-        acc.update(loss_sum=0.0, loss_n=0, tokens=0, t=now)
+        acc.update(loss_sum=0.0, loss_n=0, z_sum=0.0, tokens=0, t=now)
         if self.bar is not None:
             self.bar.update(s, loss=row["loss"], val_loss=val_loss,
                             tokens_per_s=row["tokens_per_s"])
@@ -502,7 +515,8 @@ class Trainer:
             "scaler": self.scaler.state_dict(), "data_rng": self.batches.generator_state(),
             "torch_rng": torch.get_rng_state(), "config": self.cfg.to_dict(),
             "callbacks": [cb.state_dict() for cb in self.callbacks],
-            "loss_acc": {"loss_sum": self.acc["loss_sum"], "loss_n": self.acc["loss_n"]},
+            "loss_acc": {"loss_sum": self.acc["loss_sum"], "loss_n": self.acc["loss_n"],
+                         **({"z_sum": self.acc["z_sum"]} if self.cfg.z_loss else {})},
             "probe_windows": {layer: list(qk) for layer, qk in self.probe_windows.items()},
         }, keep=self.cfg.keep_checkpoints)
 

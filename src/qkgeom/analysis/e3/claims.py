@@ -2,8 +2,9 @@
 
 Each claim has one declared primary row (the token-level data-rule arm against none, over
 the whole run), tested at α; every other row is secondary (Holm over all of them). A row
-whose arm failed its manipulation check in the window is *not evaluated*, with the reason.
-The rows and why: docs/protocols.md#e3-claims.
+whose arm failed its manipulation check in the window is *not evaluated*, with the reason;
+``verdict_gate_p1`` is the verdict protocol 1's gate would have given (shown beside, never
+deciding). The rows and why: docs/protocols.md#e3-claims.
 """
 
 from __future__ import annotations
@@ -16,9 +17,18 @@ import pandas as pd
 from qkgeom.analysis import stats
 from qkgeom.analysis.e3.arms import BASELINE, SHAM
 from qkgeom.analysis.e3.paired import DELTA, QUANTITIES, WINDOWS, window_label
-from qkgeom.analysis.kit import CLAIM_COLUMNS, claim_row, decide, signed, with_ci
+from qkgeom.analysis.kit import (
+    CLAIM_COLUMNS,
+    claim_row,
+    decide,
+    descriptive_reason,
+    signed,
+    with_ci,
+)
 
 UNIT = "seeds"
+#: E3's claims.csv: the shared columns, the row's quantity and protocol 1's gate verdict.
+E3_CLAIM_COLUMNS = [*CLAIM_COLUMNS, "quantity", "verdict_gate_p1"]
 MIN_DOSES = 3
 PRIMARY_WINDOW = "whole"
 PRIMARY_ARMS = {"shrink": "shrink-0.5-token-data", "hold": "hold-token-data"}
@@ -64,8 +74,8 @@ def _index(eff: pd.DataFrame) -> Effects:
 
 
 def _row(cid: str, text: str, level: str, window: str, criterion: str, u: dict, *,
-         rel: str, role: str, beside: str = "", reason: str = "", delta: float = np.nan
-         ) -> dict:
+         rel: str, role: str, quantity: str, beside: str = "", reason: str = "",
+         delta: float = np.nan) -> dict:
     """One E3 claims row (:func:`qkgeom.analysis.kit.claim_row`), seeds as the unit; its
     steps are those of the effect ``u`` where it has them."""
     ci = (u.get(k, np.nan) for k in ("mean", "ci_low", "ci_high"))
@@ -74,7 +84,7 @@ def _row(cid: str, text: str, level: str, window: str, criterion: str, u: dict, 
                      measured=f"{u['k']}/{u['n']} {UNIT} ({rel})",
                      estimate=f"mean Δ {with_ci(*ci)}", test=stats.TEST_FLIP, beside=beside,
                      reason=reason, origin=window, criterion=criterion, delta=delta,
-                     **{"from": where})
+                     quantity=quantity, **{"from": where})
 
 
 def _beside(eff: Effects, arm: str, quantity: str, window: str) -> str:
@@ -118,7 +128,8 @@ def _claim_rows(claim: E3Claim, arms: list[str], by_key: Effects,
         level, label = QUANTITIES[primary[1]]
         rows.append(_row(claim.id, f"{claim.text} ({primary[0]})", level, PRIMARY_WINDOW,
                          f"{primary[0]} − none: {label} {rel}", _NO_UNIT, rel=rel,
-                         role="primary", delta=DELTA.get(primary[1], np.nan),
+                         role="primary", quantity=primary[1],
+                         delta=DELTA.get(primary[1], np.nan),
                          reason=f"the sweep has no {primary[0]} arm paired with a none run"))
     for arm in arms:
         for quantity in claim.quantities:
@@ -133,22 +144,31 @@ def _claim_rows(claim: E3Claim, arms: list[str], by_key: Effects,
                     f"{arm} − none: {label} {rel} (seed's mean paired difference over the "
                     "window)", _NO_UNIT if e is None else {**e, "n": e["n_seeds"]}, rel=rel,
                     role="primary" if (arm, quantity, window) == primary else "secondary",
-                    beside=_beside(by_key, arm, quantity, window), reason=reason,
+                    quantity=quantity, beside=_beside(by_key, arm, quantity, window),
+                    reason=reason,
                     delta=DELTA.get(quantity, np.nan)))
     return rows
 
 
 def evaluate_e3_claims(eff: pd.DataFrame, windows: pd.DataFrame,
-                       gate: dict[tuple[str, str], str]) -> pd.DataFrame:
-    """The E3 claims table (:data:`qkgeom.analysis.kit.CLAIM_COLUMNS`) from
+                       gate: dict[tuple[str, str], str],
+                       gate_p1: dict[tuple[str, str], str] | None = None) -> pd.DataFrame:
+    """The E3 claims table (:data:`E3_CLAIM_COLUMNS`) from
     :func:`~qkgeom.analysis.e3.paired.effects`, the seeds' window means and the
     manipulation gate: every row against none, the primary rows first within each claim;
-    verdicts by :func:`qkgeom.analysis.kit.decide` (Holm over the secondary rows)."""
-    by_key, arms_of = _index(eff), _arms(eff)
-    rows = [row for claim in E3_CLAIMS
-            for row in _claim_rows(claim, arms_of.get(claim.mode, []), by_key, gate)]
-    rows += _dose_rows(windows, gate)
-    return decide(pd.DataFrame(rows), holm_primary=False)[CLAIM_COLUMNS]
+    verdicts by :func:`qkgeom.analysis.kit.decide` (Holm over the secondary rows).
+    ``verdict_gate_p1``: the verdicts the same rows get under protocol 1's gate
+    ``gate_p1`` (None: the same gate), the rest of the rule unchanged."""
+    def table(g: dict[tuple[str, str], str]) -> pd.DataFrame:
+        by_key, arms_of = _index(eff), _arms(eff)
+        rows = [row for claim in E3_CLAIMS
+                for row in _claim_rows(claim, arms_of.get(claim.mode, []), by_key, g)]
+        rows += _dose_rows(windows, g)
+        return decide(pd.DataFrame(rows), holm_primary=False)
+
+    out = table(gate)
+    beside = out if gate_p1 is None or gate_p1 == gate else table(gate_p1)
+    return out.assign(verdict_gate_p1=beside["verdict"].to_numpy())[E3_CLAIM_COLUMNS]
 
 
 def dose_effects(windows: pd.DataFrame, quantity: str = PRIMARY_ENTROPY) -> pd.DataFrame:
@@ -174,6 +194,7 @@ def _dose_rows(windows: pd.DataFrame, gate: dict[tuple[str, str], str]) -> list[
         if PRIMARY_DOSES not in families and quantity == PRIMARY_ENTROPY:
             rows.append(_row(cid, f"{text} ({'-'.join(PRIMARY_DOSES)})", "token",
                              PRIMARY_WINDOW, criterion, _NO_UNIT, rel="ρ > 0", role="primary",
+                             quantity=quantity,
                              reason="no shrink arm at the token level with the data rule "
                                     "paired with a none run"))
         for (level, scale), fam in effects.groupby(["level", "scale"], sort=True):
@@ -204,7 +225,43 @@ def _dose_row(sel: pd.DataFrame, gate: dict[tuple[str, str], str], level: str, s
     role = ("primary" if (level, scale) == PRIMARY_DOSES and window == PRIMARY_WINDOW
             and quantity == PRIMARY_ENTROPY else "secondary")
     return _row(cid, f"{text} ({level}-{scale})", "token", window, criterion, u,
-                rel="ρ > 0", role=role, beside=beside, reason=reason)
+                rel="ρ > 0", role=role, quantity=quantity, beside=beside, reason=reason)
+
+
+#: The claims whose primary (scale-free) entropy reading is shown with the raw one.
+ENTROPY_CLAIMS = ("E3.1", "E3.2")
+
+
+def raw_entropy_lines(claims: pd.DataFrame) -> list[str]:
+    """One line per entropy claim (E3.1, E3.2) with its primary row: the scale-free reading
+    (which decides) and the raw-entropy reading of the same arm and window, each with its
+    estimate and verdict (protocol 2: every E3 summary shows both); [] for a table that is
+    not E3's (no ``quantity`` column) or has neither row. A descriptive table (too few
+    seeds for a verdict) shows no verdicts here either."""
+    if claims.empty or "quantity" not in claims:
+        return []
+    verdicts = not descriptive_reason(claims)
+    lines = []
+    for cid in ENTROPY_CLAIMS:
+        primary = claims[(claims["claim_id"] == cid) & (claims["role"] == "primary")
+                         & (claims["quantity"] == PRIMARY_ENTROPY)]
+        if primary.empty:
+            continue
+        p = primary.iloc[0]
+        raw = claims[(claims["claim_id"] == cid) & (claims["claim"] == p["claim"])
+                     & (claims["origin"] == p["origin"]) & (claims["quantity"] == "attn_entropy")]
+        arm = str(p["criterion"]).split(" − none", 1)[0]
+
+        def reading(r: pd.Series) -> str:
+            said = f"{r['role']}: {r['verdict']}" if verdicts else str(r["role"])
+            return f"{str(r['estimate']).removeprefix('mean ')} nats ({said})"
+
+        text = (f"{cid} ({arm} − none, {window_label(np.nan, np.nan, str(p['origin']))}): "
+                f"scale-free entropy {reading(p)}")
+        text += f"; raw entropy {reading(raw.iloc[0])}" if len(raw) else \
+            "; raw entropy not measured"
+        lines.append(text)
+    return lines
 
 
 MEDIATION_QUANTITIES = ("attn_entropy", "attn_entropy_scalefree", "logit_std_row",

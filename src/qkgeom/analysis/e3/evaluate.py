@@ -43,12 +43,13 @@ def e3_tables(data: Collated) -> dict[str, pd.DataFrame]:
 
 
 def e3_verdicts(windows: pd.DataFrame, units: pd.DataFrame) -> dict[str, Any]:
-    """``effects``, ``mediation``, ``gate`` ((arm, window) → why it is not evaluated) and
-    ``claims`` from the seeds' window means and the per-unit manipulation check."""
+    """``effects``, ``mediation``, ``gate`` ((arm, window) → why it is not evaluated),
+    ``gate_p1`` (the same under protocol 1's gate, shown beside) and ``claims`` from the
+    seeds' window means and the per-unit manipulation check."""
     eff = effects(windows)
-    gate = manipulation_gate(units)
+    gate, gate_p1 = manipulation_gate(units), manipulation_gate(units, protocol=1)
     return {"effects": eff, "mediation": mediation_table(eff), "gate": gate,
-            "claims": evaluate_e3_claims(eff, windows, gate)}
+            "gate_p1": gate_p1, "claims": evaluate_e3_claims(eff, windows, gate, gate_p1)}
 
 
 def e3_analysis(data: Collated) -> dict[str, Any]:

@@ -37,8 +37,11 @@ QUANTITIES: dict[str, tuple[str, str]] = {
 #: The smallest effect of interest of each quantity with an equivalence test (nats):
 #: docs/protocols.md#e3 gives the reason. Other quantities have none.
 DELTA = {"attn_entropy_scalefree": 0.10, "attn_entropy": 0.10}
-#: The control's flat records (per unit ``l{layer}`` or ``l{layer}h{head}``).
-_UNIT_RECORD = re.compile(r"^(ctl_dose|ctl_bound_share)_(l\d+(?:h\d+)?)$")
+#: The control's flat records the manipulation check reads (per unit ``l{layer}`` or
+#: ``l{layer}h{head}``): the dose, the bound share, and the PR it recorded (in sample on
+#: Σ_ε; protocol 2 adds in sample without ε and out of sample).
+_UNIT_RECORD = re.compile(
+    r"^(ctl_dose|ctl_bound_share|ctl_pr|ctl_pr_raw|ctl_pr_oos)_(l\d+(?:h\d+)?)$")
 
 #: Predicted sign of arm − baseline per (mode, quantity): the claims, plus the control's own
 #: target (PR_K). Anything else (sham, expand, PR_Q, loss, logit scales) has no prediction.

@@ -13,11 +13,13 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.collate import Collated
-from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES
+from qkgeom.analysis.e3.claims import MEDIATION_QUANTITIES, raw_entropy_lines
 from qkgeom.analysis.e3.evaluate import e3_analysis
-from qkgeom.analysis.e3.manipulation import EXEMPT, GATED
+from qkgeom.analysis.e3.manipulation import EXEMPT, GATED, RECORD_RATIOS
 from qkgeom.analysis.e3.paired import EARLY_SHARE, QUANTITIES
 from qkgeom.analysis.kit import (
+    SWEEP_CLAIM_CELLS,
+    Cell,
     Drawn,
     claims_markdown,
     descriptive_reason,
@@ -46,6 +48,12 @@ CAPTIONS = {
 }
 
 
+#: The E3 claims table: the shared layout, then the verdict protocol 1's manipulation gate
+#: would have given (beside; the log-scale gate decides).
+E3_CLAIM_CELLS: tuple[Cell, ...] = (
+    *SWEEP_CLAIM_CELLS,
+    ("verdict under protocol 1's gate", lambda r: r.get("verdict_gate_p1", "")))
+
 #: Up to this many seeds the manipulation table lists each seed's value; above, a list
 #: would fill the page, so it gives the median and range (each seed: e3_manipulation.csv).
 LIST_SEEDS = 8
@@ -68,39 +76,88 @@ def _section(title: str, rows: list[list], header: list[str], intro: str,
     return "\n".join([f"## {title}", "", *body])
 
 
-def manipulation_markdown(man: pd.DataFrame, gate: dict[tuple[str, str], str]) -> str:
+def _status(mode: str, gate: dict[tuple[str, str], str], key: tuple[str, str]) -> str:
+    if mode not in GATED:
+        return "reported (not gated)"
+    return f"not evaluated: {gate[key]}" if key in gate else "passed"
+
+
+def manipulation_markdown(man: pd.DataFrame, gate: dict[tuple[str, str], str],
+                          gate_p1: dict[tuple[str, str], str] | None = None) -> str:
     """The check per arm and window: each seed's achieved token-level PR_K ratio (the mean
-    over its units), the weight-level and pr_qk ratios beside, the intended ratio, the units
-    that passed, and whether the arm's claims are read."""
+    over its units), the weight-level and pr_qk ratios beside, the intended ratio, the
+    share of the log change achieved, the units that passed the log-scale gate (which
+    decides) and protocol 1's plain-ratio gate (beside), and whether the arm's claims are
+    read under each."""
     rows = []
     for (arm, window), g in man.groupby(["arm", "window"], sort=True):
         mode = str(g["mode"].iloc[0])
-        status = ("reported (not gated)" if mode not in GATED else
-                  f"not evaluated: {gate[(arm, window)]}" if (arm, window) in gate else "passed")
         units = (f"{int(g['units_passed'].sum())}/{int(g['checked'].sum())}"
                  if mode in GATED else "—")
+        units_p1 = (f"{int(g['units_passed_p1'].sum())}/{int(g['checked'].sum())}"
+                    if mode in GATED else "—")
         rows.append([arm, window, _values(g["achieved"]), _values(g["achieved_weight"]),
-                     _values(g["qk_ratio"]), _values(g["intended"]), units,
-                     _values(g["bound_share"]), status])
+                     _values(g["qk_ratio"]), _values(g["intended"]), _values(g["log_share"]),
+                     units, units_p1, _values(g["bound_share"]),
+                     _status(mode, gate, (arm, window)),
+                     _status(mode, gate if gate_p1 is None else gate_p1, (arm, window))])
     return _section(
         "Manipulation check (read first)", rows,
         ["arm", "window", "token PR_K ratio (per seed)", "weight PR_K ratio", "pr_qk ratio",
-         "intended", "units passed", "bound share", "claims"],
+         "intended", "share of the log change", "units passed", "units passed (protocol 1)",
+         "bound share", "claims", "claims under protocol 1's gate"],
         "Achieved = mean over the window's probes of PR_K(arm) ÷ PR_K(none, same seed) at "
         "the **token level** (the keys attention uses, on the probe set), for each unit the "
         "control sets (a layer, or a head), then averaged over the units for this table "
-        "(per unit: `e3_manipulation_units.csv`); the weight-level PR_K ratio and the "
-        "token-level pr_qk ratio beside. Intended: the recorded dose r(t) averaged over the "
-        "window (shrink, expand), PR_K(arm, step 0) ÷ PR_K(none, t) averaged over the window "
-        "(hold), 1 (sham). A unit passes when it achieved at least half the intended change "
-        f"in the intended direction (≤ (1 + intended)/2 below 1, ≥ above); a unit within "
-        f"{EXEMPT:.0%} of 1 is not checked. An arm's claims in a window are *not evaluated* "
-        "unless every checked unit of every seed passed. Sham and expand arms are reported, "
-        "not gated (the sham should stay at ≈ 1). Bound share: the recorded share of steps "
-        "the cap bound (hold: the reshape changed the spectrum). Each seed's value is listed "
-        f"up to {LIST_SEEDS} seeds; above, the median [min, max] over seeds (each seed: "
-        "`e3_manipulation.csv`).",
+        "(per unit: the manipulation record below and `e3_manipulation_units.csv`); the "
+        "weight-level PR_K ratio and the token-level pr_qk ratio beside. Intended: the "
+        "recorded dose r(t) averaged over the window (shrink, expand), PR_K(arm, step 0) ÷ "
+        "PR_K(none, t) averaged over the window (hold), 1 (sham). Share of the log change: "
+        "ln achieved ÷ ln intended. A unit passes when it achieved at least half the "
+        "intended change **on the log scale** in the intended direction (≤ √intended below "
+        f"1, ≥ above; protocol 2); a unit within {EXEMPT:.0%} of 1 is not checked. An arm's "
+        "claims in a window are *not evaluated* unless every checked unit of every seed "
+        "passed. Beside it, protocol 1's gate (halfway on the plain ratio, ≤ (1 + "
+        "intended)/2 below 1, ≥ above) and what it would have decided; it decides nothing. "
+        "Sham and expand arms are reported, not gated (the sham should stay at ≈ 1). Bound "
+        "share: the recorded share of steps the cap bound (hold: the reshape changed the "
+        f"spectrum). Each seed's value is listed up to {LIST_SEEDS} seeds; above, the median "
+        "[min, max] over seeds (each seed: `e3_manipulation.csv`).",
         "No controlled run is paired with an uncontrolled run: nothing to check.")
+
+
+def record_markdown(units: pd.DataFrame) -> str:
+    """The manipulation record per arm, window and unit: the intended ratio, the control's
+    own PR records (in sample on Σ_ε, without ε, out of sample) and the probe set's, each
+    ÷ the none run's probe PR_K at the same step; per seed (n/a: not recorded). "" when
+    no controlled run is paired."""
+    if units.empty:
+        return ""
+    rows = []
+    for (arm, window, unit), g in units.groupby(["arm", "window", "unit"], sort=True):
+        g = g.sort_values("seed")
+        gated = str(g["mode"].iloc[0]) in GATED
+        passed = (f"{int(g['passed'].eq(True).sum())}/{int(g['passed'].notna().sum())}, "
+                  f"{int(g['passed_p1'].eq(True).sum())}/{int(g['passed_p1'].notna().sum())}"
+                  if gated else "—")
+        rows.append([arm, window, unit, _values(g["intended"]),
+                     *(_values(g[c]) for c in RECORD_RATIOS), _values(g["achieved"]),
+                     _values(g["log_share"]), passed])
+    return _section(
+        "The manipulation record, per unit", rows,
+        ["arm", "window", "unit", "intended", "control, in sample on Σ_ε",
+         "control, in sample without ε", "control, out of sample (next batch)",
+         "probe set (achieved)", "share of the log change", "seeds passed (log, protocol 1)"],
+        "What the control believed it did beside what the keys did, per unit and seed, "
+        "every ratio ÷ the same denominator, the none run's probe-set token PR_K of the unit "
+        "at the same step, averaged over the window's probes: the control's own PR record "
+        "`ctl_pr` (on the Σ_ε its reshape was fitted to: on target by construction), "
+        "`ctl_pr_raw` (the same keys on its Σ without ε), `ctl_pr_oos` (on the next training "
+        "batch's inputs, without ε) and the probe set's `pr_k_token`, which alone is gated. "
+        "n/a: the run did not record it (runs from before protocol 2 have no `ctl_pr_raw` "
+        "or `ctl_pr_oos`; weight-level arms). Values per seed as above; every number: "
+        "`e3_manipulation_units.csv`.",
+        "")
 
 
 def mediation_markdown(med: pd.DataFrame) -> str:
@@ -202,11 +259,12 @@ def _rules_text() -> str:
         f"= the predicted direction significant (exact one-sided sign-flip p < {stats.ALPHA}) "
         f"in ≥ {stats.SUPPORT_SHARE:.0%} of seeds; **mixed** = significant but in fewer "
         "seeds; **equivalent to no effect** = the 90 % t-interval inside ±δ (two one-sided "
-        "t-tests; entropy rows: δ = 0.1 nats); **not supported** = the opposite direction "
-        "significant; **inconclusive** = none of these (too few seeds to tell an effect "
-        "from its absence); **not evaluated** = no seed, or the arm failed its manipulation "
-        "check (reason given). Intervals: 95 % t-intervals over seeds. Protocol: "
-        "`docs/protocols.md`."
+        f"t-tests; entropy rows: δ = 0.1 nats) on at least {stats.MIN_UNITS} seeds; **not "
+        "supported** = the opposite direction significant; **inconclusive** = none of these "
+        "(too few seeds to tell an effect from its absence); **not evaluated** = no seed, or "
+        "the arm failed its manipulation check (reason given; the log-scale gate decides, "
+        "the verdict under protocol 1's plain-ratio gate is shown beside). Intervals: 95 % "
+        "t-intervals over seeds. Protocol: `docs/protocols.md` (protocol 2)."
     )
 
 
@@ -217,14 +275,19 @@ def e3_report_markdown(data: Collated, analysis: dict[str, pd.DataFrame], figs: 
     members = analysis["members"]
     per_arm = members.groupby("arm")["seed"].nunique().to_dict() if len(members) else {}
     gate = analysis["gate"]
+    beside = raw_entropy_lines(analysis["claims"])
     parts = [f"# qkgeom report: {md_text(name)}", "", summary_markdown(analysis["claims"]), "",
+             *([f"- {md_text(line)}" for line in beside] + [""] if beside else []),
              "E3 (see `docs/definitions.md`): key-spectrum control during training, each arm "
              "paired with the uncontrolled run of its seed. Seeds per arm: "
              + (", ".join(f"{m} {n}" for m, n in sorted(per_arm.items())) or "none") + ".", "",
-             manipulation_markdown(analysis["manipulation"], gate), "",
+             manipulation_markdown(analysis["manipulation"], gate, analysis.get("gate_p1")),
+             "", *([record, ""] if (record := record_markdown(
+                 analysis["manipulation_units"])) else []),
              "## Claims", "",
              *([f"**{why}**", ""] if (why := descriptive_reason(analysis["claims"])) else []),
-             claims_markdown(analysis["claims"]), "", _rules_text(), "",
+             claims_markdown(analysis["claims"], SWEEP_CLAIM_CELLS if why else E3_CLAIM_CELLS),
+             "", _rules_text(), "",
              "Numbers: `claims.csv` (this table), `e3_manipulation.csv` (per seed), "
              "`e3_manipulation_units.csv` (per seed and unit), `e3_effects.csv`, "
              "`e3_mediation.csv`, `e3_windows.csv` (per seed), `e3_paired.csv` (per seed and "

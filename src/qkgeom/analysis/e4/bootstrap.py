@@ -25,7 +25,7 @@ from qkgeom.analysis.e4.regime import (
     token_deviations,
     upper_p,
 )
-from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS, trajectories
+from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS, Drift, trajectories
 
 __all__ = ["BOOT_SEED", "CI", "N_BOOT", "block_bootstrap"]
 
@@ -35,8 +35,8 @@ CI = (2.5, 97.5)
 
 
 def block_bootstrap(metrics: pd.DataFrame, blocks: pd.DataFrame, warmup: int | None = None,
-                    metric: str = PRIMARY, n_boot: int = N_BOOT, seed: int = BOOT_SEED
-                    ) -> tuple[pd.DataFrame, pd.DataFrame]:
+                    metric: str = PRIMARY, n_boot: int = N_BOOT, seed: int = BOOT_SEED,
+                    drift: Drift | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(per layer, band)`` of the block bootstrap of ``metric``: ``metrics`` the
     all-token rows (``block`` −1), ``blocks`` the per-block rows, ``warmup`` the step the
     LR warm-up ends (None: unknown, every checkpoint in the rule). Per layer: ``metric,
@@ -45,7 +45,8 @@ def block_bootstrap(metrics: pd.DataFrame, blocks: pd.DataFrame, warmup: int | N
     lost over the resamples with a significant rise), and ``share_any_fall`` (the same on
     every row: the share of resamples in which at least one layer falls significantly;
     one resample draws the same blocks for every layer). Band: ``layer, step, low, high``
-    per checkpoint. Empty frames without blocks."""
+    per checkpoint; ``drift``: the random walk of the layers' null (a set's; None: none).
+    Empty frames without blocks."""
     tr = trajectories(metrics, blocks, metric, warmup)
     if tr is None or tr.blocks is None or tr.blocks.shape[1] < 2:
         return pd.DataFrame(), pd.DataFrame()
@@ -58,7 +59,9 @@ def block_bootstrap(metrics: pd.DataFrame, blocks: pd.DataFrame, warmup: int | N
     dev = token_deviations(cube, len(layers), len(tr.steps))
     traj = x[:, None, :] + np.einsum("bk,lkn->lbn", block_weights(np.random.default_rng(seed), n_boot, k), dev)
     win = traj[..., tr.window]  # (L, B, n in the rule)
-    null = regime_calls(x[:, tr.window], cube[..., tr.window])
+    q = None if drift is None else np.array([drift.get((metric, int(la)), 0.0)
+                                             for la in layers])
+    null = regime_calls(x[:, tr.window], cube[..., tr.window], drift=q)
     peak, gain, drop = peak_stats(win)
     v = roughness(win)
     p_rise = upper_p(null.null_gain, studentize(gain, v))[0]

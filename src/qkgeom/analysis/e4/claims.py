@@ -19,7 +19,8 @@ from qkgeom.analysis.e4.regime import CALLS, FALL, MIN_POINTS, MONOTONE, RISE_FA
 from qkgeom.analysis.e4.trends import PRIMARY, TREND_METRICS
 from qkgeom.analysis.kit import claim_row, decide
 
-__all__ = ["COLUMNS", "PRIMARY_LEVEL", "e4_claims", "model_scores", "seed_claims"]
+__all__ = ["COLUMNS", "ONE_SIDED_ONLY", "PRIMARY_LEVEL", "e4_claims", "model_scores",
+           "seed_claims", "seed_scores"]
 
 #: E4's claims.csv: the shared columns (:func:`qkgeom.analysis.kit.claim_row`) less those
 #: E4 leaves empty (origin, interval, equivalence: no row is read that way).
@@ -40,26 +41,52 @@ PRIMARY_LEVEL = {"E4.1": TREND_METRICS[PRIMARY], "E4.2": TREND_METRICS[PRIMARY],
                  "E4.3": TREND_METRICS[PRIMARY], "E4.4": "token"}
 
 
+#: Claims whose score is the minimum of two tests' (rise and fall): negative at a constant
+#: curve, so the opposite direction is never read (no *not supported*; protocol 2).
+ONE_SIDED_ONLY = ("E4.2", "E4.3")
+_NO_OPPOSITE = ("not supported is not read: the score joins two tests (rise and fall) and "
+                "is negative under the null")
+
+
 def _row(cid: str, level: str, unit: str, measured: str, u: dict, estimate: str, test: str,
          beside: str, reason: str = "") -> dict:
     """One claims row (:func:`qkgeom.analysis.kit.claim_row`) with the claim's text and its
-    role (:data:`PRIMARY_LEVEL`); the verdict comes later (:func:`_frame`)."""
+    role (:data:`PRIMARY_LEVEL`); the verdict comes later (:func:`_frame`). For
+    :data:`ONE_SIDED_ONLY` claims the opposite direction's p is left out (NaN)."""
     role = "primary" if PRIMARY_LEVEL[cid] == level else "secondary"
+    if cid in ONE_SIDED_ONLY:
+        u = {**u, "p_opposite": float("nan")}
+        beside = f"{beside}; {_NO_OPPOSITE}" if beside else _NO_OPPOSITE
     return claim_row(cid, TEXTS[cid], level, u, role=role, unit=unit, measured=measured,
                      estimate=estimate, test=test, beside=beside, reason=reason)
 
 
-def _sidak(p: np.ndarray) -> float:
-    """The smallest of the finite p's, Šidák-adjusted over their number: 1 − (1 − min)^L."""
-    p = p[np.isfinite(p)]
-    if not len(p):
-        return float("nan")
-    with np.errstate(divide="ignore"):
-        return float(-np.expm1(len(p) * np.log1p(-p.min())))
+def _sidak(p: np.ndarray) -> np.ndarray:
+    """Along the last axis, the smallest of the finite p's, Šidák-adjusted over their
+    number: 1 − (1 − min)^L (NaN where none is finite)."""
+    p = np.asarray(p, dtype=float)
+    ok = np.isfinite(p)
+    n = ok.sum(axis=-1)
+    low = np.where(ok, p, np.inf).min(axis=-1, initial=np.inf)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(n > 0, -np.expm1(n * np.log1p(-np.minimum(low, 1.0))), np.nan)
 
 
-def _probit(p: float) -> float:
-    return float(sst.norm.isf(p)) if np.isfinite(p) else float("nan")
+def _probit(p: np.ndarray) -> np.ndarray:
+    return sst.norm.isf(p)
+
+
+def seed_scores(z_rise: np.ndarray, z_fall: np.ndarray) -> dict[str, np.ndarray]:
+    """The scores of E4.1–E4.3 from the layers' scores along the last axis (the layers of
+    one model; any leading axes, e.g. seeds): ``s1`` = Φ⁻¹(1 − Šidák p of a fall), ``s2`` =
+    the same of a rise then fall (p of min(z_rise, z_fall)), ``s3`` = the mean of
+    min(z_rise, z_fall); the p's are the mid-p's Φ(−z), continuous, so each score is about
+    N(0, 1) at a constant curve (s2 and s3 below it: the minimum of two scores). Layers
+    with a NaN score drop out."""
+    z_fall = np.asarray(z_fall, dtype=float)
+    z_reg = np.minimum(np.asarray(z_rise, dtype=float), z_fall)
+    return {"s1": _probit(_sidak(sst.norm.sf(z_fall))),
+            "s2": _probit(_sidak(sst.norm.sf(z_reg))), "s3": stats.nanmean(z_reg, axis=-1)}
 
 
 def _z_regime(t: pd.DataFrame) -> np.ndarray:
@@ -94,16 +121,14 @@ def _layer_scores(t: pd.DataFrame) -> dict[str, float]:
     of a fall (E4.1) and of a rise then fall (E4.2) is Šidák over its layers of the calls'
     p's; its scores ``s1``, ``s2`` the same from the mid-p's (Φ(−z): continuous, about
     N(0, 1) without the effect)."""
-    z_reg = _z_regime(t)
     lost = t.loc[t["call"] == RISE_FALL, "share_lost"].dropna()
     pf, pr = t["p_fall"].to_numpy(float), t["p_rise"].to_numpy(float)
+    s = seed_scores(t["z_rise"].to_numpy(float), t["z_fall"].to_numpy(float))
     return {"layers": len(t), "falls": int(t["call"].isin([RISE_FALL, FALL]).sum()),
             "regimes": int((t["call"] == RISE_FALL).sum()),
             "rises": int(t["call"].isin([RISE_FALL, MONOTONE]).sum()),
-            "p_fall": _sidak(pf), "p_regime": _sidak(np.maximum(pf, pr)),
-            "s1": _probit(_sidak(sst.norm.sf(t["z_fall"].to_numpy(float)))),
-            "s2": _probit(_sidak(sst.norm.sf(z_reg))),
-            "s3": float(z_reg.mean()) if len(z_reg) else np.nan,
+            "p_fall": float(_sidak(pf)), "p_regime": float(_sidak(np.maximum(pf, pr))),
+            **{k: float(v) for k, v in s.items()},
             "share_lost": float(lost.mean()) if len(lost) else np.nan}
 
 

@@ -10,6 +10,7 @@ by name, never as a "step" (:mod:`.labels`). House style: :mod:`qkgeom.analysis.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import numpy as np
@@ -60,6 +61,16 @@ def _shade_warmup(ax: Axes, warmup: int | None) -> None:
         ax.axvspan(-0.3, warmup, color="0.93", lw=0, zorder=-1)
 
 
+def _mark_warmup_peak(ax: Axes, t: pd.DataFrame, color: Any) -> None:
+    """△ at a layer's largest checkpoint inside the warm-up when it lies above the rule's
+    first checkpoint (an early peak the rule does not test; descriptive)."""
+    if "warmup_excess" not in t:
+        return
+    up = t[t["warmup_excess"] > 0]
+    ax.plot(up["warmup_peak_step"], up["first"] + up["warmup_excess"], "^", ms=4,
+            color=color, mfc="none", mew=0.8)
+
+
 def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame,
                  names: dict[float, str] | None = None, warmup: int | None = None) -> Figure:
     layer = metrics[metrics["head"] == -1]
@@ -81,6 +92,7 @@ def fig_contrast(metrics: pd.DataFrame, trends: pd.DataFrame, band: pd.DataFrame
                 if len(trends) else trends
             if len(t):
                 ax.plot(t["peak_step"], t["peak"], "D", ms=4, color=c, mec="k", mew=0.4)
+                _mark_warmup_peak(ax, t, c)
             if "in_trends" in s and (~s["in_trends"]).any():
                 d = s[~s["in_trends"]]
                 ax.plot(d["step"], d["value"], "o", mfc="none", ms=4, color=c)
@@ -217,8 +229,9 @@ def make_e4_figures(analysis: dict, band: pd.DataFrame, out_dir: str | Path) -> 
 def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int | None
               ) -> Figure:
     """The primary contrast per layer (one panel each), one line per seed; the warm-up
-    shaded; ◆ the peak of a layer called rise then fall, ○ the others' peaks; each panel
-    titled with its calls over seeds."""
+    shaded; ◆ the peak of a layer called rise then fall, ○ the others' peaks, △ a peak
+    inside the warm-up above the rule's first checkpoint; each panel titled with its calls
+    over seeds."""
     from qkgeom.analysis.e4.regime import CALLS, RISE_FALL
 
     layers = sorted({int(v) for m, _ in units.values()
@@ -245,6 +258,7 @@ def fig_seeds(units: dict[str, tuple[pd.DataFrame, pd.DataFrame]], warmup: int |
                 ax.plot([r.peak_step], [r.peak], "D" if r.call == RISE_FALL else "o",
                         ms=4, color=c, mec="k", mew=0.4,
                         mfc=c if r.call == RISE_FALL else "none")
+            _mark_warmup_peak(ax, t, c)
         ax.axhline(0, **ZERO_LINE)
         steps = np.concatenate([m["step"].to_numpy(float) for m, _ in units.values()])
         _shade_warmup(ax, warmup)

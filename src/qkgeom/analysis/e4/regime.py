@@ -4,9 +4,11 @@ On the checkpoints after the LR warm-up, the gain to the peak and the drop from 
 last checkpoint are each studentized and compared with surrogates of a *constant* curve
 plus the measured noise (token blocks and checkpoint jitter), the peak taken in every
 surrogate as in the data: a constant curve gives the largest drop any monotone curve can
-give with the same noise. The rule, each choice and the rules it replaced:
-docs/protocols.md#the-regime-call. The surrogates are drawn once per call from a fixed
-seed and shared by every row; the work is vectorised over rows in chunks.
+give with the same noise. Over seeds the noise also holds a random walk within each run,
+its step variance estimated across the seeds (:func:`drift_variance`). The rule, each
+choice and the rules it replaced: docs/protocols.md#the-regime-call. The surrogates are
+drawn once per call from a fixed seed and shared by every row; the work is vectorised over
+rows in chunks.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from scipy import stats as sst
 
 from qkgeom.analysis.stats import ALPHA
 
-__all__ = ["CALLS", "FALL", "MIN_POINTS", "MONOTONE", "NO_TREND", "N_SURROGATES", "RISE_FALL",
-           "Regime", "block_weights", "call_of", "peak_stats", "regime_calls", "roughness", "studentize",
-           "token_deviations", "upper_p"]
+__all__ = ["CALLS", "DRIFT_MIN_SEEDS", "FALL", "MIN_POINTS", "MONOTONE", "NO_TREND",
+           "N_SURROGATES", "RISE_FALL", "Regime", "block_weights", "call_of", "drift_variance",
+           "peak_stats", "regime_calls", "roughness", "studentize", "token_deviations",
+           "upper_p"]
 
 RISE_FALL, MONOTONE, FALL, NO_TREND = "rise then fall", "monotone rise", "fall", "no trend"
 CALLS = (RISE_FALL, MONOTONE, FALL, NO_TREND)
@@ -30,6 +33,8 @@ N_SURROGATES = 1999
 SURROGATE_SEED = 0
 _MEDIAN_CHI2_1 = float(sst.chi2.ppf(0.5, 1))  # median of a squared standard normal
 _CHUNK = 4_000_000  # elements of one (rows, surrogates, checkpoints) block
+#: Fewest seeds the random walk's step variance is estimated from (below: no walk).
+DRIFT_MIN_SEEDS = 3
 
 
 def roughness(x: np.ndarray) -> np.ndarray:
@@ -71,6 +76,33 @@ def studentize(stat: np.ndarray, v: np.ndarray) -> np.ndarray:
                                                                    0.0)))
 
 
+def drift_variance(x: np.ndarray, dev: np.ndarray | None = None) -> float:
+    """The step variance q of a random walk within each run, from one layer's series over
+    seeds: ``x`` (S seeds, n checkpoints, on the same steps), ``dev`` (S, K, n) the seeds'
+    token deviations (:func:`token_deviations`) or None. The residuals from the seeds' mean
+    carry no curve the seeds share (a regime included); their robust semi-variogram at
+    lags h = 1 … ⌊(n − 1)/2⌋ checkpoints (median of ½·Δ_h² over seeds and checkpoints,
+    divided by the median of χ²₁, times S/(S − 1)), less the token noise's own (mean over
+    blocks, median over seeds and checkpoints), is τ² + (h/2)·q under independent jitter
+    plus a walk: q = 2 × its least-squares slope on h, never below 0. 0 with fewer than
+    :data:`DRIFT_MIN_SEEDS` seeds, fewer than 3 lags or a non-finite value."""
+    x = np.asarray(x, dtype=float)
+    s, n = x.shape
+    lags = np.arange(1, (n - 1) // 2 + 1)
+    if s < DRIFT_MIN_SEEDS or len(lags) < 3 or not np.isfinite(x).all():
+        return 0.0
+    r = x - x.mean(axis=0)
+    k = 0 if dev is None or dev.ndim != 3 else dev.shape[1]
+    gamma = np.empty(len(lags))
+    for i, h in enumerate(lags):
+        g = np.median((r[:, h:] - r[:, :-h]) ** 2 / 2.0) / _MEDIAN_CHI2_1 * s / (s - 1)
+        if k:
+            g -= np.median(((dev[..., h:] - dev[..., :-h]) ** 2 / 2.0).mean(axis=1)) / k
+        gamma[i] = g
+    slope = np.polyfit(lags.astype(float), gamma, 1)[0]
+    return float(max(0.0, 2.0 * slope)) if np.isfinite(slope) else 0.0
+
+
 def peak_stats(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(peak index, gain, drop)`` along the last axis: the first largest value, its
     excess over the first and over the last value."""
@@ -95,6 +127,7 @@ class Regime:
     share_lost: np.ndarray
     token_sd: np.ndarray  # the token noise of one checkpoint (root mean square over them)
     jitter_sd: np.ndarray  # τ
+    drift_sd: np.ndarray  # √q: the sd of one step of the random walk (0: none)
     null_gain: np.ndarray
     null_drop: np.ndarray
 
@@ -145,11 +178,15 @@ def block_weights(rng: np.random.Generator, draws: int, k: int) -> np.ndarray:
 
 
 def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float = ALPHA, *,
-                 n_surrogates: int = N_SURROGATES, seed: int = SURROGATE_SEED) -> Regime:
+                 n_surrogates: int = N_SURROGATES, seed: int = SURROGATE_SEED,
+                 drift: np.ndarray | float | None = None) -> Regime:
     """The regime call of every row of ``x`` (rows, n checkpoints after the warm-up, in step
     order), with ``blocks`` (rows, K, n) the same contrast measured on each token block (or
-    None: jitter only). Rows with fewer than :data:`MIN_POINTS` checkpoints or a non-finite
-    value get NaN p's and *no trend*. See the module docstring."""
+    None: jitter only) and ``drift`` the step variance q of a random walk per row
+    (:func:`drift_variance`; None or 0: no walk), capped at 3 × the row's roughness beyond
+    its token noise, whose part q/3 of it the walk then takes from the jitter. Rows with
+    fewer than :data:`MIN_POINTS` checkpoints or a non-finite value get NaN p's and *no
+    trend*. See the module docstring."""
     x = np.atleast_2d(np.asarray(x, dtype=float))
     rows, n = x.shape
     dev = token_deviations(blocks, rows, n)
@@ -167,8 +204,12 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
     else:
         v_token, token_sd = np.zeros(rows), np.zeros(rows)
     with np.errstate(invalid="ignore"):
-        jitter = np.sqrt(np.maximum(0.0, roughness(x) - v_token))
-    jitter = np.where(ok, jitter, np.nan)
+        beyond = np.maximum(0.0, roughness(x) - v_token)  # τ² + q/3
+    q = np.zeros(rows) if drift is None else np.broadcast_to(
+        np.nan_to_num(np.asarray(drift, dtype=float)), (rows,))
+    q = np.where(np.isfinite(beyond), np.clip(q, 0.0, 3.0 * np.nan_to_num(beyond)), 0.0)
+    jitter = np.where(ok, np.sqrt(np.maximum(0.0, beyond - q / 3.0)), np.nan)
+    walk_sd = np.where(ok, np.sqrt(q), np.nan)
     null_gain = np.full((rows, n_surrogates), np.nan)
     null_drop = np.full((rows, n_surrogates), np.nan)
     p_rise, p_fall, z_rise, z_fall = (np.full(rows, np.nan) for _ in range(4))
@@ -177,10 +218,14 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
         rng = np.random.default_rng(seed)  # the jitter's normals, then the blocks' draws
         normals = rng.standard_normal((n_surrogates, n))
         weights = block_weights(rng, n_surrogates, k)
+        walk = np.cumsum(rng.standard_normal((n_surrogates, n)), axis=1) if (
+            q[todo] > 0).any() else None  # drawn last: without a walk, the draws of before
         step = max(1, _CHUNK // (n_surrogates * n))
         for a in range(0, len(todo), step):
             idx = todo[a:a + step]
             eps = jitter[idx, None, None] * normals[None]  # (r, S, n)
+            if walk is not None:
+                eps = eps + walk_sd[idx, None, None] * walk[None]
             if k:
                 eps = eps + np.einsum("sk,rkn->rsn", weights, dev[idx])
             _, g, d = peak_stats(eps)
@@ -196,4 +241,4 @@ def regime_calls(x: np.ndarray, blocks: np.ndarray | None = None, alpha: float =
     return Regime(peak=peak, gain=gain, drop=drop, p_rise=p_rise, p_fall=p_fall,
                   z_rise=z_rise, z_fall=z_fall, call=call, share_lost=lost,
                   token_sd=np.where(ok, token_sd, np.nan), jitter_sd=jitter,
-                  null_gain=null_gain, null_drop=null_drop)
+                  drift_sd=walk_sd, null_gain=null_gain, null_drop=null_drop)

@@ -19,6 +19,8 @@ from qkgeom.analysis.e4.regime import CALLS, MIN_POINTS, N_SURROGATES, RISE_FALL
 from qkgeom.analysis.e4.trends import (
     PRIMARY,
     TREND_METRICS,
+    Drift,
+    drift_over_seeds,
     head_correlations,
     prefix_trends,
     trend_table,
@@ -59,10 +61,12 @@ CAPTIONS = {
     "contrast_steps": "PR_Q − PR_K per layer against step (hollow: duplicate checkpoints, "
                       "left out of statistics); primary contrast with its 95 % token-block "
                       "bootstrap band; ◆ the peak after the warm-up (shaded: the LR warm-up, "
-                      "not in the regime rule).",
+                      "not in the regime rule); △ the warm-up's largest checkpoint where it "
+                      "lies above the rule's first (an early peak, not tested).",
     "e4_seeds": "The primary contrast per layer, one line per seed; shaded: the LR warm-up "
                 "(not in the regime rule); ◆ the peak of a layer called rise then fall, ○ "
-                "the peak of the others.",
+                "the peak of the others; △ a peak inside the warm-up above the rule's first "
+                "checkpoint (not tested).",
     "prefix_trend": "Descriptive: Mann–Kendall Z of the first k checkpoints against the k-th "
                     "step; dashed: one-sided p = 0.05; dotted: each layer's peak when it has "
                     "a regime.",
@@ -71,13 +75,23 @@ CAPTIONS = {
 }
 
 
-def load_analysis(folder: str | Path) -> dict:
+def load_analysis(folder: str | Path, drift: Drift | None = None) -> dict:
     """The tables of an analysis folder: ``meta``, ``metrics`` (measured on all tokens:
     ``block`` −1, or every row of a folder without blocks), ``blocks`` (the per-block rows,
     maybe empty), ``checkpoints``; the statistics ``trends``, ``prefix``, ``heads`` are
-    recomputed from the metrics (duplicates left out unless kept). The block bootstrap is
-    not run here (:func:`bootstrap`)."""
-    folder = Path(folder)
+    recomputed from the metrics (duplicates left out unless kept), the regime calls with
+    the random walk of ``drift`` (a set's, from its seeds; None for one model), kept as
+    ``drift``. The block bootstrap is not run here (:func:`bootstrap`)."""
+    a = _read_analysis(Path(folder))
+    used = a["metrics"][a["metrics"]["in_trends"]]
+    return {**a, "drift": drift, "trends": trend_table(used, a["used_blocks"], a["warmup"],
+                                                       drift=drift),
+            "prefix": prefix_trends(used), "heads": head_correlations(used)}
+
+
+def _read_analysis(folder: Path) -> dict:
+    """The tables of an analysis folder as read (:func:`load_analysis`), no statistics;
+    ``used_blocks``: the per-block rows in the trends."""
     if not (folder / MARKER).is_file():
         raise QKGeomError(f"{folder}: not an analysis folder (no {MARKER}); run "
                           "`qkgeom analyze ... --out DIR` first")
@@ -91,13 +105,11 @@ def load_analysis(folder: str | Path) -> dict:
     if "block" in metrics:
         blocks = metrics[metrics["block"] >= 0]
         metrics = metrics[metrics["block"] < 0]
-    used = metrics[metrics["in_trends"]]
     used_blocks = blocks[blocks["in_trends"]] if len(blocks) else blocks
     warmup = meta.get("warmup_steps")
     warmup = int(warmup) if isinstance(warmup, (int, float)) and warmup >= 0 else None
     return {"meta": meta, "metrics": metrics, "blocks": blocks, "checkpoints": ckpts,
-            "warmup": warmup, "trends": trend_table(used, used_blocks, warmup),
-            "prefix": prefix_trends(used), "heads": head_correlations(used)}
+            "warmup": warmup, "used_blocks": used_blocks}
 
 
 def bootstrap(analysis: dict, n_boot: int = N_BOOT) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -108,7 +120,7 @@ def bootstrap(analysis: dict, n_boot: int = N_BOOT) -> tuple[pd.DataFrame, pd.Da
     if blocks.empty or used.empty:
         return pd.DataFrame(), pd.DataFrame()
     return block_bootstrap(used[used["in_trends"]], blocks[blocks["in_trends"]],
-                           analysis["warmup"], PRIMARY, n_boot)
+                           analysis["warmup"], PRIMARY, n_boot, drift=analysis.get("drift"))
 
 
 def e4_claims_table(folder: str | Path, n_boot: int = N_BOOT) -> pd.DataFrame:
@@ -121,8 +133,14 @@ def e4_claims_table(folder: str | Path, n_boot: int = N_BOOT) -> pd.DataFrame:
 
 
 def load_set(folder: str | Path) -> dict[str, dict]:
-    """``{seed label: load_analysis(its folder)}`` of an E4 set (``e4.json``)."""
-    return {label: load_analysis(path) for label, path in e4_set_units(folder).items()}
+    """``{seed label: load_analysis(its folder)}`` of an E4 set (``e4.json``), every seed's
+    regime calls with the random walk estimated across the seeds
+    (:func:`~qkgeom.analysis.e4.trends.drift_over_seeds`)."""
+    paths = e4_set_units(folder)
+    raw = [_read_analysis(Path(p)) for p in paths.values()]
+    drift = drift_over_seeds([(a["metrics"][a["metrics"]["in_trends"]], a["used_blocks"],
+                               a["warmup"]) for a in raw])
+    return {label: load_analysis(path, drift) for label, path in paths.items()}
 
 
 def _step_cell(step: float, source: str) -> str:
@@ -203,16 +221,30 @@ def _boot_cells(r: Any, boot: pd.DataFrame, names: dict[float, str] | None
 
 _TREND_HEADER = ["n (warm-up)", "contrast first", "peak @ step [95 % bootstrap]", "last",
                  "call", "p rise", "p fall", "share of gain lost [95 % bootstrap]",
-                 "noise sd: tokens, jitter", "resamples with this call"]
+                 "noise sd: tokens, jitter, walk step", "resamples with this call",
+                 "warm-up peak above the first (not tested)"]
+
+
+def _warmup_cell(r: Any, names: dict[float, str] | None) -> str:
+    """The warm-up's largest checkpoint where it lies above the rule's first: its step,
+    the excess and the excess in noise sd's (descriptive); "—" otherwise."""
+    excess = getattr(r, "warmup_excess", np.nan)
+    if not (np.isfinite(excess) and excess > 0):
+        return "—"
+    z = getattr(r, "warmup_excess_z", np.nan)
+    sd = f" ({z:.1f} sd)" if np.isfinite(z) else ""
+    return f"{_at(r.warmup_peak_step, names)}: {_f(excess)}{sd}"
 
 
 def _trend_cells(r: Any, boot: pd.DataFrame, names: dict[float, str] | None) -> list[str]:
     peak, lost, same = _boot_cells(r, boot, names)
     called = np.isfinite(r.p_fall)
+    walk = _f(getattr(r, "drift_sd", np.nan), "{:.3f}")
     return [f"{r.n} ({r.n_warmup})", _f(r.first), f"{_f(r.peak)} @ {peak}", _f(r.last),
             f"**{r.call}**" if called else f"{r.call} (too few checkpoints)",
             fmt_p(r.p_rise), fmt_p(r.p_fall), lost,
-            f"{_f(r.token_sd, '{:.3f}')}, {_f(r.jitter_sd, '{:.3f}')}", same]
+            f"{_f(r.token_sd, '{:.3f}')}, {_f(r.jitter_sd, '{:.3f}')}, {walk}", same,
+            _warmup_cell(r, names)]
 
 
 def _trend_md(trends: pd.DataFrame, boot: pd.DataFrame, ckpts: pd.DataFrame) -> str:
@@ -254,7 +286,12 @@ _CALL_RULE = (
     f"significant (p < {stats.ALPHA}); *monotone rise* = the gain only (a rise that levels "
     "off is a monotone rise, never a regime); *fall* = the drop only; *no trend* = neither; "
     f"a layer with fewer than {MIN_POINTS} checkpoints after the warm-up gets no call. Share "
-    "of the gain lost = drop / gain, only where the rise is significant.")
+    "of the gain lost = drop / gain, only where the rise is significant. Over seeds the "
+    "surrogates also hold a random walk within each run (one step per checkpoint), its "
+    "step variance estimated from the seeds' deviations from their mean curve (the walk "
+    "step sd in the tables; one model: none). A largest checkpoint inside the warm-up above "
+    "the rule's first is shown beside each call (△ in the figures): an early peak the rule "
+    "does not test, which reads there as a fall or no trend.")
 
 
 def _boot_line(boot: pd.DataFrame) -> str:
@@ -277,7 +314,8 @@ def _rules_text(boot: pd.DataFrame) -> str:
         "otherwise); E4.3 and E4.4 by the verdict rule over layers "
         f"(`qkgeom.analysis.stats.verdict`: supported = p < {stats.ALPHA} in the predicted "
         f"direction with ≥ {stats.SUPPORT_SHARE:.0%} of layers, mixed = significant with "
-        "fewer, not supported = the opposite direction significant, inconclusive "
+        "fewer, not supported = the opposite direction significant (E4.4 only: the E4.3 "
+        "score joins two tests and is negative without the effect), inconclusive "
         "otherwise). The primary row of each claim decides it (primary contrast for "
         "E4.1–E4.3, token level for E4.4); the other rows are secondary, their p's "
         "Holm-adjusted together. A verdict over seeds needs a set of runs (`qkgeom "
@@ -359,15 +397,18 @@ def _set_rules(n: int) -> str:
         "value per claim, then the exact sign-flip test over seeds and the verdict rule "
         f"(`qkgeom.analysis.stats.verdict`: supported = p < {stats.ALPHA} with ≥ "
         f"{stats.SUPPORT_SHARE:.0%} of seeds with a score > 0, mixed = significant with "
-        "fewer, not supported = the opposite direction significant, inconclusive "
+        "fewer, not supported = the opposite direction significant (E4.1 and E4.4 only: "
+        "the E4.2 and E4.3 scores join two tests, rise and fall, and are negative without "
+        "the effect, so their opposite direction says nothing), inconclusive "
         "otherwise). The primary row of each claim (primary contrast for E4.1–E4.3, token "
         "level for E4.4) decides it at α; the other rows are secondary, their p's "
         f"Holm-adjusted together.{few} Per seed: E4.1 the probit Φ⁻¹(1 − p) of the "
         "seed's smallest layer p of a fall, Šidák-adjusted over its layers (some layer "
         "falls); E4.2 the same for a rise then fall (both p's); E4.3 the mean over layers "
         "of min(z_rise, z_fall) (the typical layer rises and falls back); E4.4 the mean "
-        "over layers of ρ(pr_qk, entropy) across heads at the last checkpoint. Each score "
-        f"is about N(0, 1) without the effect. Primary contrast: `{PRIMARY}`. "
+        "over layers of ρ(pr_qk, entropy) across heads at the last checkpoint. The E4.1 "
+        "score is about N(0, 1) at a constant curve, the E4.2 and E4.3 scores below it. "
+        f"Primary contrast: `{PRIMARY}`. "
         f"{_CALL_RULE} Protocol: `docs/protocols.md`.")
 
 

@@ -16,12 +16,19 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sst
 
-from qkgeom.analysis.e4.regime import CALLS, RISE_FALL, regime_calls
+from qkgeom.analysis.e4.regime import (
+    CALLS,
+    RISE_FALL,
+    drift_variance,
+    regime_calls,
+    roughness,
+    token_deviations,
+)
 from qkgeom.analysis.stats import ALPHA, spearman
 
-__all__ = ["CALLS", "PRIMARY", "TREND_METRICS", "block_cube", "head_correlations",
-           "layer_series", "mann_kendall", "mann_kendall_batch", "prefix_trends",
-           "rule_window", "trajectories", "trend_table"]
+__all__ = ["CALLS", "PRIMARY", "TREND_METRICS", "Drift", "block_cube", "drift_over_seeds",
+           "head_correlations", "layer_series", "mann_kendall", "mann_kendall_batch",
+           "prefix_trends", "rule_window", "trajectories", "trend_table"]
 
 #: metric -> level label; the first is the primary layer contrast.
 TREND_METRICS = {"contrast_token_heads": "token_heads", "contrast_token": "token",
@@ -143,13 +150,63 @@ def trajectories(metrics: pd.DataFrame, blocks: pd.DataFrame | None, metric: str
                         rule_window(steps, warmup))
 
 
+#: The random walk's step variance per (contrast metric, layer), from the seeds of a set
+#: (:func:`drift_over_seeds`); a layer it does not hold gets no walk.
+Drift = dict[tuple[str, int], float]
+
+
+def drift_over_seeds(units: list[tuple[pd.DataFrame, pd.DataFrame | None, int | None]]
+                     ) -> Drift:
+    """The step variance of a random walk within each run per contrast and layer
+    (:func:`~qkgeom.analysis.e4.regime.drift_variance`), from the seeds' ``(metrics,
+    blocks, warmup)`` on the checkpoints of the regime rule that every seed has (the
+    seeds' mean curve is what they share; what is left varies between them)."""
+    out: Drift = {}
+    for metric in TREND_METRICS:
+        trs = [trajectories(m, b, metric, w) for m, b, w in units]
+        if any(tr is None for tr in trs):
+            continue
+        common = set.intersection(*({float(s) for s in tr.steps[tr.window]} for tr in trs))
+        steps = np.array(sorted(common))
+        for layer in set.intersection(*(set(tr.layers) for tr in trs)):
+            xs, devs = [], []
+            for tr in trs:
+                cols = np.searchsorted(tr.steps, steps)
+                i = tr.layers.index(layer)
+                xs.append(tr.x[i, cols])
+                cube = None if tr.blocks is None else tr.blocks[i:i + 1][..., cols]
+                devs.append(token_deviations(cube, 1, len(steps))[0])
+            dev = np.stack(devs) if len({d.shape[0] for d in devs}) == 1 else None
+            out[(metric, int(layer))] = drift_variance(np.vstack(xs), dev)
+    return out
+
+
+def _warmup_peak(steps: np.ndarray, x: np.ndarray, window: np.ndarray, v: float
+                 ) -> tuple[float, float, float]:
+    """``(step, excess, excess in noise sd's)`` of the largest checkpoint inside the
+    warm-up, the excess over the first checkpoint of the rule (descriptive: a regime that
+    peaks inside the warm-up reads as a fall in the rule); NaN without both."""
+    inside = ~window & np.isfinite(x)
+    rule = np.flatnonzero(window & np.isfinite(x))
+    if not inside.any() or not len(rule):
+        return np.nan, np.nan, np.nan
+    j = np.flatnonzero(inside)[int(np.argmax(x[inside]))]
+    excess = float(x[j] - x[rule[0]])
+    sd = float(np.sqrt(v)) if np.isfinite(v) and v > 0 else np.nan
+    return float(steps[j]), excess, excess / sd if np.isfinite(sd) else np.nan
+
+
 def trend_table(metrics: pd.DataFrame, blocks: pd.DataFrame | None = None,
-                warmup: int | None = None, alpha: float = ALPHA) -> pd.DataFrame:
+                warmup: int | None = None, alpha: float = ALPHA,
+                drift: Drift | None = None) -> pd.DataFrame:
     """Per contrast metric and layer, on the checkpoints after the LR warm-up (all when
     ``warmup`` is None): the regime call (:mod:`qkgeom.analysis.e4.regime`) from the
-    all-token series and the per-block rows ``blocks`` (its noise), the whole-window trend
-    (Spearman ρ, Mann–Kendall; descriptive), ``n`` (checkpoints in the rule) and
-    ``n_warmup`` (before it: shown, not tested). Also ``has_regime`` (rise then fall),
+    all-token series and the per-block rows ``blocks`` (its noise), with the random walk of
+    ``drift`` (a set's :func:`drift_over_seeds`; None: no walk, one model), the
+    whole-window trend (Spearman ρ, Mann–Kendall; descriptive), ``n`` (checkpoints in the
+    rule) and ``n_warmup`` (before it: shown, not tested), the warm-up's largest checkpoint
+    (``warmup_peak_step``, ``warmup_excess`` over the rule's first, ``warmup_excess_z`` in
+    the series' noise sd; descriptive). Also ``has_regime`` (rise then fall),
     ``regime_end_step`` (its peak step) and ``decays`` (a significant drop)."""
     rows = []
     for metric, level in TREND_METRICS.items():
@@ -159,7 +216,10 @@ def trend_table(metrics: pd.DataFrame, blocks: pd.DataFrame | None = None,
         window = tr.steps[tr.window]
         x = tr.x[:, tr.window]
         cube = tr.blocks[..., tr.window] if tr.blocks is not None else None
-        regime = regime_calls(x, cube, alpha)
+        q = None if drift is None else np.array(
+            [drift.get((metric, int(layer)), 0.0) for layer in tr.layers])
+        regime = regime_calls(x, cube, alpha, drift=q)
+        noise = roughness(x)
         for i, layer in enumerate(tr.layers):
             ok = np.isfinite(x[i])
             w, v = window[ok], x[i][ok]
@@ -168,6 +228,7 @@ def trend_table(metrics: pd.DataFrame, blocks: pd.DataFrame | None = None,
             r = regime.row(i)
             peak_step = float(window[int(r["peak"])]) if len(w) else float("nan")
             call = str(r["call"])
+            wp_step, wp_excess, wp_z = _warmup_peak(tr.steps, tr.x[i], tr.window, noise[i])
             rows.append({"metric": metric, "level": level, "layer": layer, "n": len(v),
                          "n_warmup": int((np.isfinite(tr.x[i]) & ~tr.window).sum()),
                          "first_step": w[0] if len(w) else np.nan,
@@ -179,7 +240,9 @@ def trend_table(metrics: pd.DataFrame, blocks: pd.DataFrame | None = None,
                          "p_rise": r["p_rise"], "p_fall": r["p_fall"],
                          "z_rise": r["z_rise"], "z_fall": r["z_fall"],
                          "share_lost": r["share_lost"], "token_sd": r["token_sd"],
-                         "jitter_sd": r["jitter_sd"], "rho": rho, "p_rho": p_rho,
+                         "jitter_sd": r["jitter_sd"], "drift_sd": r["drift_sd"],
+                         "warmup_peak_step": wp_step, "warmup_excess": wp_excess,
+                         "warmup_excess_z": wp_z, "rho": rho, "p_rho": p_rho,
                          "mk_s": mk["s"], "mk_z": mk["z"], "mk_tau": mk["tau"],
                          "mk_p_increase": mk["p_increase"], "mk_p_decrease": mk["p_decrease"],
                          "has_regime": call == RISE_FALL,
