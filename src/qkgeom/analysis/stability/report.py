@@ -116,8 +116,8 @@ def sweep_markdown(rates: pd.DataFrame, ls: pd.DataFrame) -> str:
         span = ("none" if not np.isfinite(r.range_low) else
                 f"{_rate(r.range_low)} – {_rate(r.range_high)} ({r.range_decades:.1f} decades)")
         m = mean_ls.loc[(r.size, r.arm)] if (r.size, r.arm) in mean_ls.index else None
-        ls_text = (f"{m['mean']:.3f} ({int(m['count'])} seeds)" if m is not None
-                   and m["count"] else "n/a")
+        n = int(m["count"]) if m is not None else 0
+        ls_text = f"{m['mean']:.3f} ({n} seed{'' if n == 1 else 's'})" if n else "n/a"
         rows.append([*([r.size] if sized else []), r.arm, f"{r.stable_rates}/{r.rates}", span,
                      _rate(r.best_lr), _num(r.best_median_loss), ls_text])
     return "\n".join([
