@@ -170,3 +170,8 @@ def test_power_functions_match_simulation(n: int, sd: float):
     assert hits == pytest.approx(stats.equivalence_power(sd, n, 0.1), abs=0.05)
     need = stats.seeds_for_power(sd, 0.1)
     assert stats.detectable(sd, need) <= 0.1 < stats.detectable(sd, need - 1)
+    # effect_power is detectable's inverse, and the simulated power at another effect
+    assert stats.effect_power(sd, n, d) == pytest.approx(0.80, abs=1e-6)
+    y = rng.normal(d / 2, sd, size=(20_000, n))
+    sim = (y.mean(1) / (y.std(1, ddof=1) / np.sqrt(n)) > sst.t.ppf(0.95, n - 1)).mean()
+    assert sim == pytest.approx(stats.effect_power(sd, n, d / 2), abs=0.01)

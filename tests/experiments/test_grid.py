@@ -354,3 +354,115 @@ def test_experiment_run_leaves_cuda_workers_to_the_runner(monkeypatch: pytest.Mo
                         lambda grid, out, **kwargs: seen.update(kwargs))
     experiment("e1").run(e1_grid("smoke"), "unused", progress=False)
     assert (seen["workers"], seen["threads_per_run"]) == (workers, threads)
+
+
+SIZES_YAML = """\
+preset: smoke
+base: {steps: 20}
+axes: {seed: [0, 1]}
+sizes:
+  - {name: narrow, set: {model.n_embd: 16, model.n_head: 2}}
+  - {name: wide-ctx16, set: {model: {n_embd: 64, n_head: 4, block_size: 16}, batch_size: 4}}
+arms:
+  - {name: none, set: {key_control.mode: none, key_control.record: true}}
+  - {name: shrink, set: {key_control.mode: shrink, key_control.dose: 0.5}, reference: none}
+"""
+
+
+def test_sizes_cross_outermost_and_arms_pair_within_a_size(tmp_path: Path) -> None:
+    path = tmp_path / "sizes.yaml"
+    path.write_text(SIZES_YAML)
+    grid = load_grid(path)
+    specs = grid.expand()
+    assert grid.size == len(specs) == 2 * 2 * 2
+    assert [s.run_id for s in specs[:4]] == [
+        "size=narrow,seed=0,arm=none", "size=narrow,seed=0,arm=shrink",
+        "size=narrow,seed=1,arm=none", "size=narrow,seed=1,arm=shrink"]
+    by_id = {s.run_id: s for s in specs}
+    wide = by_id["size=wide-ctx16,seed=1,arm=shrink"]
+    assert wide.axes == {"size": "wide-ctx16", "seed": 1, "arm": "shrink"}
+    assert wide.depends_on == "size=wide-ctx16,seed=1,arm=none"  # its own size's run
+    m = wide.config.model
+    assert (m.n_embd, m.n_head, m.block_size, wide.config.batch_size) == (64, 4, 16, 4)
+    narrow = by_id["size=narrow,seed=1,arm=none"].config
+    assert (narrow.model.n_embd, narrow.model.n_head, narrow.steps) == (16, 2, 20)
+    assert narrow.model.block_size == make_config("smoke").model.block_size
+    again = Grid.from_dict(grid.to_dict())  # the record round-trips
+    assert again == grid and [s.run_id for s in again.expand()] == [s.run_id for s in specs]
+    assert "sizes" not in Grid.from_dict({"preset": "smoke", "axes": {"seed": [0]}}).to_dict()
+
+
+def test_distinct_seeds_count_the_size_as_an_axis() -> None:
+    grid = Grid.from_dict({"preset": "smoke", "distinct_seeds": True,
+                           "axes": {"model.qk_init": ["normal", "tied"], "seed": [0, 1]},
+                           "sizes": [{"name": "a", "set": {"model.n_embd": 16}},
+                                     {"name": "b", "set": {"model.n_embd": 32}}]})
+    seeds = [s.config.seed for s in grid.expand()]
+    assert seeds == list(range(8))  # every run its own seed, none shared across sizes
+
+
+@pytest.mark.parametrize("sizes, words", [
+    ("[]", "sizes must be a non-empty list"),
+    ("[{name: a, sett: {}}]", "each size must be a mapping with keys name, set"),
+    ("[{name: 'a/b'}]", "size names must be non-empty"),
+    ("[{name: a}, {name: a}]", "size 'a' is given twice"),
+    ("[{name: a, set: {seed: 3}}]", "size 'a' sets 'seed', which an axis sweeps"),
+    ("[{name: a, set: {key_control.mode: hold}}]", "which an arm sets"),
+    ("[{name: a, set: {model.n_embd: 33}}]", "size 'a':"),
+])
+def test_bad_sizes_fail_in_one_line(tmp_path: Path, sizes: str, words: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("preset: smoke\naxes: {seed: [0]}\n"
+                    "arms: [{name: none, set: {key_control.mode: none}}]\n"
+                    f"sizes: {sizes}\n")
+    with pytest.raises(QKGeomError) as info:
+        load_grid(path)
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_stability_alert_presets_train_several_sizes_at_equal_tokens() -> None:
+    """calibrate: 4 sizes × 3 rates × 3 seeds of `none`; transfer: 2 held-out sizes; every
+    size at 1 024 tokens per step and the same steps."""
+    stab = experiment("stability")
+    for preset, n_sizes, runs in (("calibrate", 4, 36), ("transfer", 2, 18)):
+        specs = stab.grid(preset).expand()
+        assert len(specs) == runs
+        assert len({s.axes["size"] for s in specs}) == n_sizes
+        assert {s.axes["arm"] for s in specs} == {"none"}
+        assert {s.config.batch_size * s.config.model.block_size for s in specs} == {1024}
+        assert {(s.config.steps, s.config.warmup_steps, s.config.probe_every)
+                for s in specs} == {(200, 20, 5)}
+        assert {s.config.lr for s in specs} == {3e-3, 3e-2, 1e-1}
+    cal = {s.axes["size"]: s.config.model for s in stab.grid("calibrate").expand()}
+    assert sorted((m.n_embd // m.n_head, m.block_size) for m in cal.values()) == [
+        (16, 64), (32, 64), (32, 256), (64, 64)]
+    held = {s.axes["size"]: s.config.model for s in stab.grid("transfer").expand()}
+    assert not {(m.n_layer, m.n_embd, m.block_size) for m in held.values()} & {
+        (m.n_layer, m.n_embd, m.block_size) for m in cal.values()}
+
+
+def test_stability_presets_are_the_protocols_sweeps() -> None:
+    """docs/stability.md#design: the demo's 4 rates × 5 seeds × 9 arms, the lab's 7 × 5 × 7
+    (no hold, no closed loop), the smoke's 2 × 1 × 9; every arm the same steps."""
+    from qkgeom.experiments.stability import LAB_ARMS, REMEDIES, STABILITY_PRESETS
+
+    sizes = {name: len(p.axes["lr"]) * len(p.seeds) * len(p.arms)
+             for name, p in STABILITY_PRESETS.items()}
+    assert sizes == {"smoke": 18, "demo": 180, "lab": 245, "calibrate": 9, "transfer": 9}
+    assert STABILITY_PRESETS["demo"].axes["lr"] == [3e-4, 3e-3, 3e-2, 3e-1]
+    assert STABILITY_PRESETS["lab"].axes["lr"] == [3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
+    assert set(REMEDIES) - set(LAB_ARMS) == {"hold", "entropy_target"}
+    assert REMEDIES["qk_clip"] == {"model.qk_clip_threshold": 100.0,
+                                   "model.qk_clip_alpha": 0.5}
+    assert REMEDIES["sigma_reparam_all"] == {"model.sigma_reparam": "all"}
+    assert REMEDIES["z_loss"] == {"z_loss": 1.0e-4}
+    assert REMEDIES["logit_softcap"] == {"model.logit_softcap": 50.0}
+
+
+def test_the_old_sigma_reparam_arm_is_an_alias_with_a_warning() -> None:
+    stab = experiment("stability")
+    with pytest.warns(FutureWarning, match="'sigma_reparam' is now 'sigma_reparam_qk'"):
+        arm = stab.arm("sigma_reparam")
+    assert arm == {"name": "sigma_reparam_qk", "set": {"model.sigma_reparam": "qk"}}
+    with pytest.raises(QKGeomError, match="unknown stability remedy 'sigma'"):
+        stab.arm("sigma")

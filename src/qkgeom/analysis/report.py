@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,20 +59,27 @@ def claims_table(folder: str | Path, include_incomplete: bool = False,
 
 
 def write_report(folder: str | Path, out: str | Path | None = None, *, figures: bool = True,
-                 include_incomplete: bool = False, n_boot: int = N_BOOT) -> Path:
+                 include_incomplete: bool = False, n_boot: int = N_BOOT,
+                 calibration: str | Path | None = None, also: Sequence[str | Path] = ()
+                 ) -> Path:
     """Analyse a result folder and write its report; returns the path of ``report.md``.
 
     ``out`` defaults to ``<folder>/report``. Diverged, failed and unfinished runs are left
     out of every number and listed with their reason (``include_incomplete`` keeps runs
     still running). ``figures=False`` skips the figures (faster; tables only). Claims and
     figures a folder lacks the metrics for are skipped with a note in the report. ``n_boot``:
-    resamples of E4's token-block bootstrap (an analysis folder only).
+    resamples of E4's token-block bootstrap (an analysis folder only). ``calibration`` and
+    ``also``: a stability sweep's cross-size alert table (docs/stability.md#reports-which-command-gives-what).
     """
     # The report extra, before anything is written: a missing package raises
     # ModuleNotFoundError naming it, which the CLI turns into one line naming the extra.
     for name in ("scipy.stats", "markdown", *(("matplotlib",) if figures else ())):
         importlib.import_module(name)
     folder = Path(folder)
+    stability = sweep_experiment(folder) == "stability"
+    if (calibration or also) and not stability:
+        raise QKGeomError(f"{folder}: --calibration and --also are for stability sweeps "
+                          "(qkgeom reproduce stability)")
     if out is None:  # inside the folder: a planted report/ link is refused, never followed
         out = folder / "report"
         refuse_link(out)
@@ -79,11 +87,12 @@ def write_report(folder: str | Path, out: str | Path | None = None, *, figures: 
     if is_analysis_folder(folder) or is_e4_set(folder):  # checkpoint families: E4
         claim_report_dir(out, folder)
         return write_e4_report(folder, out, figures=figures, n_boot=n_boot)
-    if sweep_experiment(folder) == "stability":  # diverged runs are part of its results
+    if stability:  # diverged runs are part of its results
         from qkgeom.analysis.stability.report import write_stability_report
 
         claim_report_dir(out, _result_folder(folder))
-        return write_stability_report(folder, out, figures)
+        return write_stability_report(folder, out, figures, calibration=calibration,
+                                      also=also)
     data = collate(_result_folder(folder), include_incomplete=include_incomplete)
     _refuse_unfinished_run(data)
     claim_report_dir(out, folder)

@@ -162,6 +162,16 @@ def _noncentrality(n: int, alpha: float, power: float) -> float:
     return hi
 
 
+def effect_power(sd: float, n: int, effect: float, alpha: float = ALPHA) -> float:
+    """Power of the one-sided one-sample t-test at ``alpha`` over ``n`` units of standard
+    deviation ``sd`` to find a true mean of ``effect`` (noncentral t; the power
+    :func:`detectable` inverts); NaN when undefined."""
+    if n < 2 or not (np.isfinite(sd) and sd > 0):
+        return float("nan")
+    df = n - 1
+    return float(sst.nct.sf(_t_quantile(1 - alpha, df), df, effect * np.sqrt(n) / sd))
+
+
 def equivalence_power(sd: float, n: int, delta: float, alpha: float = ALPHA) -> float:
     """Power of :func:`tost_p` at ``alpha`` to show equivalence within ±``delta`` when the
     true mean is 0 (n units of standard deviation ``sd``), averaged over 2 000 quantiles of

@@ -64,8 +64,10 @@ def _sweep(train: Any, grid: Any, out: Path, device: str | None, report_after: b
         raise typer.Exit(1)
 
 
-def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
-    """Write the report of any result folder and print its claims table (``fmt``)."""
+def report(folder: Path, out: Path | None, fmt: str = "table", *,
+           calibration: Path | None = None, also: list[Path] | None = None) -> None:
+    """Write the report of any result folder and print its claims table (``fmt``);
+    ``calibration``/``also``: a stability sweep's cross-size alert table."""
     import pandas as pd
 
     from qkgeom.analysis import excluded_count, summary_line, write_report
@@ -73,7 +75,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
     from qkgeom.analysis.kit import descriptive_reason
     from qkgeom.ui import render_frame
 
-    path = write_report(folder, out)
+    path = write_report(folder, out, calibration=calibration, also=also or ())
     html = path.with_suffix(".html")
     # The report wrote its claims: read them back rather than analyse the folder twice.
     claims = pd.read_csv(path.parent / "claims.csv", keep_default_na=False, na_values=[""])
@@ -218,10 +220,17 @@ def report_cmd(
     folder: ResultFolder,
     out: unset(Path, "Report folder (default: FOLDER/report).") = None,
     fmt: ClaimsFormat = "table",
+    calibration: unset(Path, "Stability: the calibrate sweep whose thresholds the cross-size "
+                             "alert table uses (a transfer sweep finds "
+                             "stability-calibrate beside it).") = None,
+    also: unset(list[Path], "Stability: another sweep or Hugging Face trial folder the "
+                            "cross-size alert table reads, repeatable (a transfer sweep "
+                            "reads stability-demo, stability-lab and alerts-hf beside "
+                            "it).") = None,
 ) -> None:
     """Figures + report.md/report.html of a sweep, analysis or run folder, opening with
     the claims table (verdicts computed from the numbers)."""
-    report(folder, out, check_format(fmt))
+    report(folder, out, check_format(fmt), calibration=calibration, also=also)
 
 
 def reproduce_cmd(

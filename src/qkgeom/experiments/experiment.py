@@ -22,14 +22,16 @@ from qkgeom.experiments.runner import SweepSummary, available_cpus, on_this_mach
 @dataclass(frozen=True)
 class Preset:
     """One size of an experiment: the training preset (None: it trains nothing), the
-    overrides every run gets, the seeds (the grid's last axis), the axes before them and
-    the arms by name (:meth:`Experiment.arm`)."""
+    overrides every run gets, the seeds (the grid's last axis), the axes before them, the
+    arms by name (:meth:`Experiment.arm`) and the model sizes (name -> overrides: several
+    models in one sweep, crossed outermost, paired within a size)."""
 
     train_preset: str | None
     overrides: dict[str, Any]
     seeds: Sequence[int] = ()
     axes: dict[str, list[Any]] = field(default_factory=dict)
     arms: list[str] = field(default_factory=list)
+    sizes: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 class Experiment:
@@ -56,6 +58,8 @@ class Experiment:
         grid: dict[str, Any] = {"axes": {**spec.axes, "seed": list(spec.seeds)}}
         if spec.arms:
             grid["arms"] = [self.arm(a) for a in spec.arms]
+        if spec.sizes:
+            grid["sizes"] = [{"name": k, "set": v} for k, v in spec.sizes.items()]
         if self.distinct_seeds:
             grid["distinct_seeds"] = True
         return grid

@@ -3,7 +3,8 @@
 A grid names a base preset, overrides for every run (``base``), ``axes`` (dotted config
 fields and the values to sweep; the last axis varies fastest) and optionally ``arms``
 (named sets of overrides crossed with the axes, an arm's run depending on its
-``reference`` arm's). Run ids depend only on the axis values (after config validation) and
+``reference`` arm's) and ``sizes`` (named model sizes, each a set of overrides, crossed
+outermost: several models in one sweep, paired within a size). Run ids depend only on the axis values (after config validation) and
 the arm, so a rerun finds its runs again. Everything is checked before any run starts, in
 one line per error; the format, ids and limits are in docs/sweeps.md#grid-files.
 """
@@ -30,9 +31,12 @@ from qkgeom.config import (
 )
 from qkgeom.errors import QKGeomError
 
-GRID_KEYS = ("name", "preset", "experiment", "base", "axes", "arms", "distinct_seeds")
+GRID_KEYS = ("name", "preset", "experiment", "base", "axes", "arms", "sizes",
+             "distinct_seeds")
 ARM_KEYS = ("name", "set", "reference")
 ARM_LABEL = "arm"  # the run-id label of the arm (and its key in RunSpec.axes)
+SIZE_LABEL = "size"  # the run-id label of the size (and its key in RunSpec.axes)
+SIZE_KEYS = ("name", "set")
 RUNNER_KEYS = ("threads",)  # set per run by the sweep runner (--workers / --threads)
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]")
 _UNSAFE_NAME = re.compile(r"[/\\\x00-\x1f\x7f]")
@@ -71,9 +75,21 @@ class Arm:
 
 
 @dataclass(frozen=True)
+class Size:
+    """A named model size: overrides (``set``, nested) applied under the axes and arms."""
+
+    name: str
+    set: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "set": self.set}
+
+
+@dataclass(frozen=True)
 class Grid:
     """A validated grid: ``base`` nested, ``axes`` flat (dotted key -> values, in order),
-    ``arms`` in order (empty: a plain product of the axes)."""
+    ``arms`` in order (empty: a plain product of the axes), ``sizes`` in order (empty: the
+    base's one model)."""
 
     name: str
     preset: str
@@ -82,6 +98,7 @@ class Grid:
     arms: tuple[Arm, ...] = ()
     distinct_seeds: bool = False
     experiment: str = ""  # the experiment it is (its report); "": the runs tell
+    sizes: tuple[Size, ...] = ()
 
     @classmethod
     def from_dict(cls, d: Any, *, default_name: str = "sweep") -> Grid:
@@ -113,9 +130,10 @@ class Grid:
         if experiment not in ("", *EXPERIMENTS):
             raise QKGeomError(f"{where}: experiment must be one of {', '.join(EXPERIMENTS)}, "
                               f"got {experiment!r}")
+        arms = _arms(d.get("arms"), where, axes)
         grid = cls(name=name, preset=preset, base=nest_keys(base, f"{where}: base"), axes=axes,
-                   arms=_arms(d.get("arms"), where, axes), distinct_seeds=distinct,
-                   experiment=experiment)
+                   arms=arms, distinct_seeds=distinct, experiment=experiment,
+                   sizes=_sizes(d.get("sizes"), where, axes, arms))
         if grid.size > MAX_RUNS:
             raise QKGeomError(f"{where} expands to {grid.size:,} runs; a sweep holds at most "
                               f"{MAX_RUNS:,}: split it into several grids")
@@ -124,8 +142,8 @@ class Grid:
 
     @property
     def size(self) -> int:
-        """How many runs the grid expands to (axes × arms), without expanding it."""
-        runs = max(len(self.arms), 1)
+        """How many runs the grid expands to (sizes × axes × arms), without expanding it."""
+        runs = max(len(self.arms), 1) * max(len(self.sizes), 1)
         for values in self.axes.values():
             runs *= len(values)
         return runs
@@ -140,29 +158,37 @@ class Grid:
         return {"name": self.name, "preset": self.preset, "base": self.base,
                 "axes": {k: list(v) for k, v in self.axes.items()},
                 **({"arms": [arm.to_dict() for arm in self.arms]} if self.arms else {}),
+                **({"sizes": [s.to_dict() for s in self.sizes]} if self.sizes else {}),
                 **({"distinct_seeds": True} if self.distinct_seeds else {}),
                 **({"experiment": self.experiment} if self.experiment else {})}
 
     def expand(self) -> list[RunSpec]:
-        """Every run of the grid, in product order (axes, then arms), with validated configs,
-        stable ids and each arm's dependency on its reference run."""
+        """Every run of the grid, in product order (sizes, axes, then arms), with validated
+        configs, stable ids and each arm's dependency on its reference run."""
         where = f"grid {self.name!r}"
         self._check_each_setting(where)
         labels = _labels(list(self.axes))
         specs: list[RunSpec] = []
         seen: dict[str, dict[str, Any]] = {}
-        for combo in itertools.product(*self.axes.values()):
+        sizes: tuple[Size | None, ...] = self.sizes or (None,)
+        for (i, size), combo in itertools.product(enumerate(sizes),
+                                                  itertools.product(*self.axes.values())):
             axes = dict(zip(self.axes, combo, strict=True))
             if self.distinct_seeds:
-                axes["seed"] = _cell_seed(self.axes, combo)
-            over = deep_merge(self.base, nest_keys(axes, where))  # axes win over base
+                axes["seed"] = _cell_seed(self.axes, combo, i)
+            base = deep_merge(self.base, size.set) if size else self.base
+            over = deep_merge(base, nest_keys(axes, where))  # axes win over base
             try:
                 cfg = make_config(self.preset, over)
             except QKGeomError as err:
-                raise QKGeomError(f"{where}: run {axes}: {err}") from None
+                at = {SIZE_LABEL: size.name, **axes} if size else axes
+                raise QKGeomError(f"{where}: run {at}: {err}") from None
             flat = flatten(cfg.to_dict())
             resolved = {k: flat[k] for k in axes}
-            stem = ",".join(f"{labels[k]}={_id_value(v)}" for k, v in resolved.items())
+            stem = ",".join([*([f"{SIZE_LABEL}={size.name}"] if size else []),
+                             *(f"{labels[k]}={_id_value(v)}" for k, v in resolved.items())])
+            if size:
+                resolved = {SIZE_LABEL: size.name, **resolved}
             runs = (self._arm_spec(a, over, stem, resolved, where) for a in self.arms) \
                 if self.arms else [RunSpec(run_id=stem or "base", config=cfg, axes=resolved)]
             for spec in runs:
@@ -176,11 +202,17 @@ class Grid:
         return specs
 
     def _check_each_setting(self, where: str) -> None:
-        """The base, then each axis on its own: an error names the setting that causes it."""
+        """The base, each size and each axis on its own: an error names the setting that
+        causes it."""
         try:
             make_config(self.preset, self.base)
         except QKGeomError as err:
             raise QKGeomError(f"{where}: base: {err}") from None
+        for size in self.sizes:
+            try:
+                make_config(self.preset, deep_merge(self.base, size.set))
+            except QKGeomError as err:
+                raise QKGeomError(f"{where}: size {size.name!r}: {err}") from None
         for key, values in self.axes.items():
             try:
                 make_config(self.preset, deep_merge(self.base, nest_keys({key: values[0]}, where)))
@@ -260,11 +292,12 @@ def _axis_values(key: str, values: Any, where: str) -> list[Any]:
     return list(values)
 
 
-def _cell_seed(axes: dict[str, list[Any]], combo: tuple[Any, ...]) -> Any:
+def _cell_seed(axes: dict[str, list[Any]], combo: tuple[Any, ...], size: int = 0) -> Any:
     """The seed under ``distinct_seeds``: the replicate's seed plus the number of
-    replicates times the (mixed-radix) index of the run's combination of the other axes."""
+    replicates times the (mixed-radix) index of the run's combination of the size (index
+    ``size``) and the other axes."""
     names = list(axes)
-    cell = 0
+    cell = size
     for k, v in zip(names, combo, strict=True):
         if k != "seed":
             cell = cell * len(axes[k]) + axes[k].index(v)
@@ -305,6 +338,42 @@ def _arms(arms_in: Any, where: str, axes: dict[str, list[Any]]) -> tuple[Arm, ..
             seen.append(ref)
             ref = arms[ref].reference
     return tuple(arms.values())
+
+
+def _sizes(sizes_in: Any, where: str, axes: dict[str, list[Any]],
+           arms: tuple[Arm, ...]) -> tuple[Size, ...]:
+    """The ``sizes`` list, validated: each a safe unique name and a mapping of config keys
+    that no axis sweeps and no arm sets."""
+    if sizes_in is None:
+        return ()
+    if not isinstance(sizes_in, list) or not sizes_in:
+        raise QKGeomError(f"{where}: sizes must be a non-empty list of {{name, set}}")
+    if SIZE_LABEL in _labels(list(axes)).values():
+        raise QKGeomError(f"{where}: an axis is labelled {SIZE_LABEL!r}, which names the "
+                          "sizes in run ids")
+    armed = {k for arm in arms for k in flatten(arm.set)}
+    out: dict[str, Size] = {}
+    for item in sizes_in:
+        if not isinstance(item, dict) or [k for k in item if k not in SIZE_KEYS]:
+            raise QKGeomError(f"{where}: each size must be a mapping with keys "
+                              f"{', '.join(SIZE_KEYS)}, got {item!r}")
+        name, sets = item.get("name"), item.get("set") or {}
+        if not isinstance(name, str) or not name or _SAFE.search(name):
+            raise QKGeomError(f"{where}: size names must be non-empty and use only letters, "
+                              f"digits and . _ + -, got {name!r}")
+        if name in out:
+            raise QKGeomError(f"{where}: size {name!r} is given twice")
+        if not isinstance(sets, dict):
+            raise QKGeomError(f"{where}: size {name!r}: set must be a mapping of config keys "
+                              "to values")
+        nested = nest_keys(sets, f"{where}: size {name!r}")
+        flat = flatten(nested)
+        clash = [k for k in flat if k in axes or k in armed]
+        if clash:
+            raise QKGeomError(f"{where}: size {name!r} sets {clash[0]!r}, which "
+                              f"{'an axis sweeps' if clash[0] in axes else 'an arm sets'}")
+        out[name] = Size(name=name, set=nested)
+    return tuple(out.values())
 
 
 def _arm(item: Any, where: str, axes: dict[str, list[Any]]) -> Arm:
@@ -366,4 +435,4 @@ def _id_value(value: Any) -> str:
     return safe
 
 
-__all__ = ["Arm", "Grid", "RunSpec", "load_grid"]
+__all__ = ["Arm", "Grid", "RunSpec", "Size", "load_grid"]

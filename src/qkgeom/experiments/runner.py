@@ -340,14 +340,15 @@ def write_sweep_file(out: Path, grid: Grid, specs: list[RunSpec]) -> None:
 
 
 def sweep_status(out_dir: str | Path) -> pd.DataFrame:
-    """One row per run: run_id, the axis values (and the arm), state, step, steps, error,
-    config_hash. ``state``: done | diverged | failed | running (its lock is held) |
+    """One row per run: run_id, the axis values (and the size and arm), state, step, steps,
+    error, config_hash. ``state``: done | diverged | failed | running (its lock is held) |
     interrupted (started, nobody holds it: the next sweep resumes it) | pending (never
     started) | unreadable (its status is not qkgeom's: the reason is the error)."""
     out = Path(out_dir)
     record = read_sweep_record(out)
     grid = record["grid"]
-    axes = [*(grid["axes"] if isinstance(grid.get("axes"), dict) else {}),
+    axes = [*(["size"] if grid.get("sizes") else []),
+            *(grid["axes"] if isinstance(grid.get("axes"), dict) else {}),
             *(["arm"] if grid.get("arms") else [])]
     rows = []
     for run in record["runs"]:

@@ -1,26 +1,83 @@
-"""The stability figure (docs/stability.md#figure): per remedy (columns), the layer-minimum
-attention entropy and the largest layer max logit against step, one colour per learning
-rate, each seed a thin line and their median bold."""
+"""The stability figures (docs/stability.md#figures): the final val loss against the
+learning rate per remedy, and per remedy (columns; per size for a sweep of one remedy)
+the layer-minimum attention entropy and the largest layer max logit against step, one
+colour per learning rate, each seed a thin line and their median bold."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import figstyle
-from qkgeom.analysis.stability.outcomes import COLLAPSE_NATS, StabilityRuns, layer_table
+from qkgeom.analysis.stability.outcomes import (
+    COLLAPSE_NATS,
+    NONE,
+    StabilityRuns,
+    layer_table,
+)
+from qkgeom.analysis.stability.sensitivity import clipped_losses
 
 NAME = "stability_trajectories"
+SWEEP_NAME = "stability_lr_sweep"
 #: (metric, how the layers are reduced, y label, log scale)
 ROWS = (("attn_entropy", "min", "min over layers of\nattention entropy (nats)", False),
         ("logit_max", "max", "max over layers of\nmax scaled logit", True))
 
 
+def draw_lr_sweep(stab: StabilityRuns, out: Path) -> Path:
+    """Final val loss (clipped at L₀; a diverged run at L₀, a cross) against the learning
+    rate, one panel per remedy (and size), each seed thin, the median bold, ``none``'s
+    median grey in every panel. Returns the PNG."""
+    c = clipped_losses(stab).merge(stab.runs[["size", "arm", "lr", "seed", "state"]],
+                                   on=["size", "arm", "lr", "seed"])
+    panels = [(size, arm) for size in stab.sizes for arm in dict.fromkeys(stab.runs["arm"])
+              if ((c["size"] == size) & (c["arm"] == arm)).any()]
+    cols = min(figstyle.MAX_COLS, len(panels))
+    nrows = math.ceil(len(panels) / cols)
+    fig, axes = figstyle.grid(nrows, cols, sharex=True, sharey=True)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (size, arm) in zip(axes.flat, panels, strict=False):
+        mine = c[(c["size"] == size) & (c["arm"] == arm)]
+        base = c[(c["size"] == size) & (c["arm"] == NONE)]
+        if arm != NONE and len(base):
+            med = base.groupby("lr")["clipped"].median()
+            ax.plot(med.index, med.to_numpy(), color="0.6", linewidth=1.4, label="none (median)")
+        for _, g in mine.groupby("seed"):
+            g = g.sort_values("lr")
+            ax.plot(g["lr"], g["clipped"], color="#0072B2", alpha=0.45,
+                    linewidth=figstyle.SEED_LINEWIDTH)
+        gone = mine[mine["state"] == "diverged"]
+        if len(gone):
+            ax.plot(gone["lr"], gone["clipped"], "x", color="#D55E00", markersize=5,
+                    label="diverged (at L₀)")
+        med = mine.groupby("lr")["clipped"].median()
+        ax.plot(med.index, med.to_numpy(), color="#0072B2", linewidth=1.8, marker="o",
+                markersize=3, label="median over seeds")
+        ax.set_xscale("log")
+        ax.set_title(arm if len(stab.sizes) == 1 else f"{arm}, {size}")
+    for ax in axes[-1, :]:
+        ax.set_xlabel("learning rate")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("final val loss (nats)")
+    handles: dict[str, object] = {}
+    for ax in axes.flat:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+            handles.setdefault(lab, h)
+    fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+               ncol=max(min(len(handles), cols), 1), frameon=False)
+    figstyle.suptitle(fig, f"{stab.name}: final val loss against the learning rate per "
+                      "remedy (thin: each seed; bold: median; grey: none)")
+    return figstyle.save_figure(fig, out, SWEEP_NAME)[0]
+
+
 def draw(stab: StabilityRuns, out: Path) -> Path:
     """Draw and save the figure; returns its PNG."""
-    arms = list(dict.fromkeys(stab.runs["arm"]))
+    by = "arm" if stab.runs["arm"].nunique() > 1 or len(stab.sizes) == 1 else "size"
+    arms = list(dict.fromkeys(stab.runs[by]))
     lrs = sorted(stab.runs["lr"].unique())
     colors = figstyle.layer_colors(len(lrs))
     fig, axes = figstyle.grid(len(ROWS), len(arms), sharex=True, sharey="row")
@@ -30,7 +87,7 @@ def draw(stab: StabilityRuns, out: Path) -> Path:
         for j, arm in enumerate(arms):
             ax = axes[i, j]
             for lr, color in zip(lrs, colors, strict=True):
-                ids = stab.runs[(stab.runs["arm"] == arm) & np.isclose(stab.runs["lr"], lr)]
+                ids = stab.runs[(stab.runs[by] == arm) & np.isclose(stab.runs["lr"], lr)]
                 _draw_runs(ax, per_run[per_run["run_id"].isin(ids["run_id"])], color,
                            f"lr {lr:g}", log)
             if metric == "attn_entropy":
@@ -46,7 +103,7 @@ def draw(stab: StabilityRuns, out: Path) -> Path:
                 ax.set_xlabel("step")
     handles, labels = axes[0, 0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncol=len(lrs), frameon=False)
-    figstyle.suptitle(fig, f"{stab.name}: attention entropy and max logit per remedy "
+    figstyle.suptitle(fig, f"{stab.name}: attention entropy and max logit per {by} "
                       f"(thin: each seed; bold: median; dotted: collapse at "
                       f"{COLLAPSE_NATS:g} nats)")
     return figstyle.save_figure(fig, out, NAME)[0]
