@@ -61,8 +61,12 @@ def test_mode_none_in_the_trainer_is_bit_identical_to_no_callback(sample_data: P
                 tmp_path / "record").metrics
     pd.testing.assert_frame_equal(plain[COLS], rec[COLS], check_exact=True)
     kp = pd.read_parquet(tmp_path / "record" / KEY_PR)
-    assert list(kp.columns) == ["step", "unit", "pr", "pr_token", "spread"]
-    assert len(kp) == 21 * 2 and kp[["pr_token", "spread"]].notna().all().all()
+    assert list(kp.columns) == ["step", "unit", "pr", "pr_token", "spread", "pr_token_raw",
+                                "pr_token_oos"]
+    assert len(kp) == 21 * 2
+    assert kp[["pr_token", "spread", "pr_token_raw"]].notna().all().all()
+    oos = kp.set_index("step")["pr_token_oos"]  # on the next batch: none after the last step
+    assert oos.loc[:19].notna().all() and oos.loc[20].isna().all()
     assert sorted(set(kp["step"])) == list(range(21)) and set(kp["unit"]) == {"l0", "l1"}
     probed = plain[(plain["metric"] == "pr_k_weight") & (plain["head"] == -1)]
     for r in probed.itertuples():  # the record at a probe step is the probe's weight PR_K
