@@ -4,8 +4,10 @@ The keys attention compares are k = W_K·x on the inputs the layer actually rece
 their spectrum is that of W_K Σ W_Kᵀ, not of W_K; centred, because a key offset common to a
 row adds one logit the softmax ignores. A forward pre-hook sums x and xᵀx over every token
 of training forwards only; :meth:`InputMoments.fold` turns them into one step of moving
-averages (half-life :data:`HALF_LIFE` steps). Definitions and the measured choice of the
-half-life: docs/definitions.md#scale-rule.
+averages (half-life :data:`HALF_LIFE` steps) and keeps that step's batch covariance alone,
+on which the control measures the previous step's keys out of sample. Definitions:
+docs/definitions.md#scale-rule; the estimator measured against others by what the E3 hold
+reaches on the probe set: docs/control.md#the-holds-estimator-measured.
 """
 
 from __future__ import annotations
