@@ -13,7 +13,8 @@ medians are compared.
 
 "control ms" is the time inside ``KeySpectrumControl.step`` plus, for the data rule, the
 time inside its input hooks (xᵀx of the key projection's input during the forward pass),
-timed directly; "control share" divides it by the step time of the uncontrolled model.
+timed directly; it includes the control's records (with Σ: the PR on Σ without ε and, out
+of sample, the previous step's keys on this step's batch, two products per layer); "control share" divides it by the step time of the uncontrolled model.
 "vs none" is the difference of whole step times (noisier: the share is the claim).
 
     python benchmarks/control_overhead.py [--sizes small paper] [--reps 3]

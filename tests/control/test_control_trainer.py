@@ -14,6 +14,7 @@ from qkgeom.config import KeyControlConfig
 from qkgeom.control import KeyControlCallback
 from qkgeom.runs import KEY_PR
 from qkgeom.training import train as train_with_callbacks
+from qkgeom.training.callbacks import Callback, TrainContext
 
 COLS = ["step", "layer", "head", "metric", "value"]
 
@@ -60,8 +61,12 @@ def test_mode_none_in_the_trainer_is_bit_identical_to_no_callback(sample_data: P
                 tmp_path / "record").metrics
     pd.testing.assert_frame_equal(plain[COLS], rec[COLS], check_exact=True)
     kp = pd.read_parquet(tmp_path / "record" / KEY_PR)
-    assert list(kp.columns) == ["step", "unit", "pr", "pr_token", "spread"]
-    assert len(kp) == 21 * 2 and kp[["pr_token", "spread"]].notna().all().all()
+    assert list(kp.columns) == ["step", "unit", "pr", "pr_token", "spread", "pr_token_raw",
+                                "pr_token_oos"]
+    assert len(kp) == 21 * 2
+    assert kp[["pr_token", "spread", "pr_token_raw"]].notna().all().all()
+    oos = kp.set_index("step")["pr_token_oos"]  # on the next batch: none after the last step
+    assert oos.loc[:19].notna().all() and oos.loc[20].isna().all()
     assert sorted(set(kp["step"])) == list(range(21)) and set(kp["unit"]) == {"l0", "l1"}
     probed = plain[(plain["metric"] == "pr_k_weight") & (plain["head"] == -1)]
     for r in probed.itertuples():  # the record at a probe step is the probe's weight PR_K
@@ -160,33 +165,82 @@ def test_recorded_and_referencing_runs_resume_bit_for_bit(sample_data: Path,
     pd.testing.assert_frame_equal(a, b, check_exact=True)
 
 
+class RoundTrip(Callback):
+    """After every update, W_K ← (W_K Q) Qᵀ in float32 for a fixed random orthogonal Q:
+    a round trip through a basis, like the sham's, with nothing of the control in it."""
+
+    def on_model_built(self, ctx: TrainContext) -> None:
+        d = ctx.config.model.n_embd
+        gen = torch.Generator().manual_seed(1)
+        self.q = torch.linalg.qr(torch.randn(d, d, generator=gen, dtype=torch.float64))[0]
+        self.q = self.q.float()
+
+    def on_step_end(self, ctx: TrainContext) -> None:
+        with torch.no_grad():
+            for block in ctx.model.blocks:
+                w = block.attn.k_proj.weight
+                w.copy_((w @ self.q) @ self.q.mT)
+
+
+WIDE = {"model": {"n_embd": 128, "n_head": 4}}
+LAST = "checkpoints/ckpt_00000040.pt"
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run / LAST, weights_only=True)["model"]
+
+
+def _max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest relative Frobenius difference of one tensor of ``a`` from ``b``."""
+    return max(float((a[k].double() - v.double()).norm() / v.double().norm())
+               for k, v in b.items() if v.is_floating_point() and v.norm() > 0)
+
+
+@pytest.fixture(scope="module")
+def round_off_pair(sample_data: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> tuple[Path, float]:
+    """(the folder of the recorded none run, the largest relative weight difference that a
+    per-step float32 round trip of every W_K makes after 40 steps on this machine)."""
+    root = tmp_path_factory.mktemp("round-off")
+    train(smoke(sample_data, **WIDE, key_control={"mode": "none", "record": True}),
+          root / "none")
+    train_with_callbacks(smoke(sample_data, **WIDE), root / "roundtrip",
+                         callbacks=[RoundTrip()])
+    return root, _max_rel_diff(_weights(root / "roundtrip"), _weights(root / "none"))
+
+
 @pytest.mark.parametrize("level, scale", [("token", "data"), ("weight", "frobenius")])
-def test_a_sham_run_differs_from_its_none_run_by_round_off_only(sample_data: Path,
-                                                                tmp_path: Path, level: str,
-                                                                scale: str) -> None:
+def test_a_sham_run_differs_from_its_none_run_by_round_off_only(
+        sample_data: Path, round_off_pair: tuple[Path, float], level: str,
+        scale: str) -> None:
     """The sham is a pure round trip (decomposition, γ = 1, rescale; never a cap), applied
-    at every step: at width 128, where the eigendecomposition runs in float32, each step
-    changes W_K by float32 round-off (test_invariants.py), which 40 AdamW steps amplify to
-    about 1e-4 relative in some tensors. So after a whole run every weight differs from the
-    paired none run's by less than 1e-3 relative, and does differ (the operation ran),
-    while a shrink arm's keys differ by more than 10 %."""
-    wide = {"model": {"n_embd": 128, "n_head": 4}}
-    train(smoke(sample_data, **wide, key_control={"mode": "none", "record": True}),
-          tmp_path / "none")
-    res = train(smoke(sample_data, **wide, key_control={
-        "mode": "sham", "level": level, "scale": scale, "reference": "none"}), tmp_path / "sham")
+    at every step; at width 128 the eigendecomposition runs in float32, so each step changes
+    W_K by float32 round-off, which training amplifies by an amount that depends on the
+    CPU's kernels and thread count (a fixed bound failed on an AVX2-only CPU). The yardstick
+    is measured here, on this machine: the none run trained again with every W_K sent
+    through a float32 round trip (W Q) Qᵀ, Q a random orthogonal matrix, after every update
+    -- round-off of the same kind, size and frequency as the sham's, in a random direction,
+    with no control in it. (A one-ulp change of one weight at step 0 lands at the same
+    order after 40 steps: training amplifies any round-off to about the same level, so
+    the choice is not delicate; the per-step round trip is the closer match to the sham.)
+    The sham must stay within 4 × that yardstick -- two round-off perturbations of one size
+    land within a factor of about 2 of each other (docs/control.md gives the numbers) --
+    and must differ at all (the operation ran); a shrink arm's keys differ by more than
+    50 × the yardstick and 10 %."""
+    root, yardstick = round_off_pair
+    out = root / f"{level}-{scale}"
+    ref = str(root / "none")
+    res = train(smoke(sample_data, **WIDE, key_control={
+        "mode": "sham", "level": level, "scale": scale, "reference": ref}), out / "sham")
     ctl = res.metrics[res.metrics["metric"].str.startswith("ctl_gamma_")]
     assert (ctl["value"] == 1.0).all()  # never reshaped on purpose
-    none = torch.load(tmp_path / "none/checkpoints/ckpt_00000040.pt", weights_only=True)["model"]
-    sham = torch.load(tmp_path / "sham/checkpoints/ckpt_00000040.pt", weights_only=True)["model"]
-    diffs = {k: float((sham[k].double() - v.double()).norm() / v.double().norm())
-             for k, v in none.items() if v.is_floating_point() and v.norm() > 0}
-    assert max(diffs.values()) < 1e-3, max(diffs.items(), key=lambda kv: kv[1])
-    assert max(diffs.values()) > 0
-    train(smoke(sample_data, **wide, key_control={
-        "mode": "shrink", "level": level, "scale": scale, "reference": "none"}),
-        tmp_path / "shrink")
-    shrink = torch.load(tmp_path / "shrink/checkpoints/ckpt_00000040.pt",
-                        weights_only=True)["model"]
+    none = _weights(root / "none")
+    sham = _max_rel_diff(_weights(out / "sham"), none)
+    assert yardstick > 0 and 0 < sham < 4 * yardstick, (sham, yardstick)
+    train(smoke(sample_data, **WIDE, key_control={
+        "mode": "shrink", "level": level, "scale": scale, "reference": ref}),
+        out / "shrink")
     k = "blocks.1.attn.k_proj.weight"
-    assert float((shrink[k] - none[k]).norm() / none[k].norm()) > 0.1
+    shrink = _weights(out / "shrink")
+    moved = float((shrink[k] - none[k]).norm() / none[k].norm())
+    assert moved > max(50 * yardstick, 0.1), (moved, yardstick)

@@ -35,9 +35,10 @@ LEVELS = KeyControlConfig.LEVELS
 SCALES = KeyControlConfig.SCALES
 SCOPES = KeyControlConfig.SCOPES
 HOWS = KeyControlConfig.HOWS
-_STATE_VERSION = 3
-_RECORD_FIELDS = ("target", "sched", "base", "dose", "pr", "pr_before", "gamma", "clamped",
-                  "bound_share", "spread", "spread_target")
+_STATE_VERSION = 4
+_READS = (3, 4)  # 3 lacks the keys of the last step: one step without ``pr_oos`` after it
+_RECORD_FIELDS = ("target", "sched", "base", "dose", "pr", "pr_raw", "pr_oos", "pr_before",
+                  "gamma", "clamped", "bound_share", "spread", "spread_target")
 
 
 def dose_at(step: int, dose: float, ramp_steps: int) -> float:
@@ -70,6 +71,14 @@ def _level_gram(a: Tensor, s_eps: Tensor | None) -> tuple[Tensor, bool]:
         return (c + c.mT) / 2, True
     wide = a.shape[-2] <= a.shape[-1]
     return (a @ a.mT if wide else a.mT @ a), wide
+
+
+def _token_grams(a: Tensor, s_raw: Tensor, ridge: Tensor) -> tuple[Tensor, Tensor]:
+    """(A Σ_ε Aᵀ, A Σ Aᵀ) of units ``a`` (U, m, d) float64 with Σ_ε = Σ + ridge·I (``ridge``
+    (U,) or a scalar): three matrix products for the PR on both and the spread (the trace
+    of the second)."""
+    raw, _ = _level_gram(a, s_raw)
+    return raw + torch.as_tensor(ridge).reshape(-1, 1, 1) * (a @ a.mT), raw
 
 
 def _units_of(site: AttentionSite, scope: str, w: Tensor) -> Tensor:
@@ -186,6 +195,7 @@ class KeySpectrumControl:
         self._last: dict[str, Tensor] = {}
         self._params: list[KeySpectrumParametrization] = []
         self.moments: InputMoments | None = None
+        self._prev: list[Tensor] | None = None  # per site: the keys the next forward uses
         self.trajectory: tuple[list[int], dict[str, list[Tensor]]] = (
             [], {f: [] for f in FIELDS})  # record: steps and per-step fields
 
@@ -222,6 +232,7 @@ class KeySpectrumControl:
             ctl.moments = InputMoments(sites)
         if record_initial:
             ctl._w0 = ctl._stored_units()
+            ctl._prev = ctl._w0
             if level == "weight":
                 ctl.pr0 = torch.cat([weight_pr(u).cpu() for u in ctl._w0])
             ctl._last = ctl._initial_record()
@@ -261,21 +272,38 @@ class KeySpectrumControl:
         return _units_of(site, self.scope, w.detach()).to(torch.float64)
 
     def measure(self, units: list[Tensor]) -> dict[str, Tensor]:
-        """``pr`` (weight level), ``pr_token`` and ``spread`` of every unit from each site's
-        units (U, m, d) float64; NaN for the last two while Σ is unknown."""
+        """``pr`` (weight level), ``pr_token`` (on Σ_ε), ``pr_token_raw`` (on Σ) and
+        ``spread`` of every unit from each site's units (U, m, d) float64; NaN for all but
+        ``pr`` while Σ is unknown, and for ``pr_token_oos`` (known one step later)."""
         out = {f: [] for f in FIELDS}
         ready = self.moments is not None and self.moments.ready
         for j, a in enumerate(units):
             out["pr"].append(weight_pr(a).cpu())
+            nan = torch.full((a.shape[0],), math.nan, dtype=torch.float64)
+            out["pr_token_oos"].append(nan)
             if ready:
-                s = self.moments.covariance(j).to(a.device)
-                gram, _ = _level_gram(a, self.moments.regularised(j).to(a.device))
-                out["pr_token"].append(pr_from_covariance(gram).cpu())
-                out["spread"].append(_quad_trace(a, s.expand(a.shape[0], -1, -1)).cpu())
+                c_eps, c_raw = _token_grams(a, self.moments.covariance(j).to(a.device),
+                                            self.moments.ridge(j).to(a.device))
+                out["pr_token"].append(pr_from_covariance(c_eps).cpu())
+                out["pr_token_raw"].append(pr_from_covariance(c_raw).cpu())
+                out["spread"].append(torch.diagonal(c_raw, dim1=-2, dim2=-1).sum(-1).cpu())
             else:
-                for f in ("pr_token", "spread"):
-                    out[f].append(torch.full((a.shape[0],), math.nan, dtype=torch.float64))
+                for f in ("pr_token", "pr_token_raw", "spread"):
+                    out[f].append(nan)
         return {f: torch.cat(v) for f, v in out.items()}
+
+    def _out_of_sample(self) -> Tensor:
+        """Token-level PR of the keys set by the previous step (:attr:`_prev`) on the inputs
+        of the forwards folded now, the batch that trained this step (centred, every
+        position, no ε); NaN where either is unknown."""
+        out = torch.full((len(self.names),), math.nan, dtype=torch.float64)
+        if self.moments is None or self._prev is None:
+            return out
+        for j, (sl, a) in enumerate(zip(self._slices, self._prev, strict=True)):
+            batch = self.moments.batch(j)
+            if batch is not None:
+                out[sl] = pr_from_covariance(_level_gram(a, batch.to(a.device))[0]).cpu()
+        return out
 
     def _stored_units(self) -> list[Tensor]:
         with torch.no_grad():
@@ -349,6 +377,10 @@ class KeySpectrumControl:
         if bool(torch.isnan(self.pr0).any()) and self.mode != "none":
             raise QKGeomError("key control has no step-0 PRs: attach with record_initial=True "
                               "or load_state_dict() from a checkpoint before stepping")
+        oos = self._out_of_sample()
+        steps, values = self.trajectory
+        if self.record and steps and steps[-1] < self.step_count:  # that row is whole now
+            values["pr_token_oos"][-1] = oos.clone()
         if self.mode == "none":
             pr = self.current_pr()
             self._last = {"pr": pr, "pr_before": pr}
@@ -356,6 +388,9 @@ class KeySpectrumControl:
             self._last = self._set_param_targets()
         else:
             self._last = self._project()
+        self._last["pr_oos"] = oos
+        if self.moments is not None and not self._params:  # else: _set_param_targets
+            self._prev = self._stored_units()
         self._window += 1
         if self.record:
             self._append(self.step_count, self.measure(self._stored_units()))
@@ -384,10 +419,9 @@ class KeySpectrumControl:
             groups.setdefault((self._rows(site), site.d_model, w.dtype, w.device), []).append(j)
         return list(groups.values())
 
-    def _stack_sigma(self, group: list[int], regularised: bool, device: torch.device) -> Tensor:
-        """Σ (or Σ_ε, float64) of each unit of the group's sites, (U, d, d)."""
-        sigma = self.moments.regularised if regularised else self.moments.covariance
-        return torch.stack([sigma(j).to(device) for j in group
+    def _stack_sigma(self, group: list[int], device: torch.device) -> Tensor:
+        """Σ (float64) of each unit of the group's sites, (U, d, d)."""
+        return torch.stack([self.moments.covariance(j).to(device) for j in group
                             for _ in range(self._slices[j].stop - self._slices[j].start)])
 
     def _empty_record(self) -> dict[str, Tensor]:
@@ -414,8 +448,15 @@ class KeySpectrumControl:
                          for j in group])  # unit indices, in stacking order
         a_stored = torch.cat([self._raw_units(site) for site in sites])  # (U, m, d)
         a, dev = a_stored.to(torch.float64), a_stored.device
-        s_eps = self._stack_sigma(group, True, dev) if self.level == "token" else None
-        s_keep = self._stack_sigma(group, False, dev) if self.scale == "data" else None
+        s_raw = ridge = s_eps = None
+        if self.moments is not None:
+            s_raw = self._stack_sigma(group, dev)
+            ridge = torch.cat([self.moments.ridge(j).to(dev).expand(
+                self._slices[j].stop - self._slices[j].start) for j in group])
+            if self.level == "token":
+                s_eps = s_raw + ridge[:, None, None] * torch.eye(
+                    s_raw.shape[-1], dtype=s_raw.dtype, device=dev)
+        s_keep = s_raw if self.scale == "data" else None
         gram, left = _level_gram(a, s_eps)
         pr_before = pr_from_covariance(gram).cpu()  # (U,)
         tg = self._targets(idx, pr_before)
@@ -439,20 +480,33 @@ class KeySpectrumControl:
             self._write(group, torch.nonzero(act).flatten().tolist(), stored, idx)
             self.reshapes += int(act.sum())
         after = torch.cat([self._raw_units(site) for site in sites]).to(torch.float64)
-        self._note(rec, idx, tg, after, s_eps, s_keep, target=target, pr_before=pr_before,
-                   gamma=gamma, clamped=clamped, spread_target=spread_target[idx])
+        self._note(rec, idx, tg, after, s_raw, ridge, s_keep is not None, target=target,
+                   pr_before=pr_before, gamma=gamma, clamped=clamped,
+                   spread_target=spread_target[idx])
 
     def _note(self, rec: dict[str, Tensor], idx: Tensor, tg: dict[str, Tensor], after: Tensor,
-              s_eps: Tensor | None, s_keep: Tensor | None, **fields: Tensor) -> None:
+              s_raw: Tensor | None, ridge: Tensor | None, spread: bool,
+              **fields: Tensor) -> None:
         """Record the step of units ``idx`` (``after``: their weights now, float64) and
-        count the steps where the cap bound (hold: where the reshape moved the spectrum)."""
+        count the steps where the cap bound (hold: where the reshape moved the spectrum).
+        ``pr`` is at the control's level, at the token level on its own Σ_ε = ``s_raw`` +
+        ``ridge``·I (on target by construction); ``pr_raw`` the token-level PR on Σ without
+        ε and ``spread`` (when asked) tr(W Σ Wᵀ); both NaN without Σ."""
         hit = (fields["gamma"] != 1) if self.mode == "hold" else tg["bound"]
         self._bound[idx] += hit.to(torch.float64)
-        pr = pr_from_covariance(_level_gram(after, s_eps)[0]).cpu()
-        spread = (_quad_trace(after, s_keep).cpu() if s_keep is not None
-                  else torch.full_like(pr, math.nan))
+        nan = torch.full((len(idx),), math.nan, dtype=torch.float64)
+        pr_raw = spread_now = nan
+        if s_raw is not None:
+            c_eps, c_raw = _token_grams(after, s_raw, ridge)
+            pr_raw = pr_from_covariance(c_raw).cpu()
+            if spread:
+                spread_now = torch.diagonal(c_raw, dim1=-2, dim2=-1).sum(-1).cpu()
+        if self.level == "token":
+            pr = pr_from_covariance(c_eps).cpu()
+        else:
+            pr = pr_from_covariance(_level_gram(after, None)[0]).cpu()
         for f, v in {**fields, "sched": tg["sched"], "base": tg["base"], "dose": tg["dose"],
-                     "pr": pr, "spread": spread}.items():
+                     "pr": pr, "pr_raw": pr_raw, "spread": spread_now}.items():
             rec[f][idx] = v
 
     def _reshape(self, a: Tensor, gram: Tensor, target: Tensor, keep: Tensor, left: bool,
@@ -501,6 +555,7 @@ class KeySpectrumControl:
         """parametrize: set each parametrisation's targets for the coming forward passes."""
         rec = self._empty_record()
         spread_target = self.spread_target(self.step_count)
+        prev = []
         with torch.no_grad():
             for j, (site, sl, p) in enumerate(zip(self.sites, self._slices, self._params,
                                                   strict=True)):
@@ -520,14 +575,19 @@ class KeySpectrumControl:
                 if s_eps is not None:
                     p.root, p.iroot = _sqrt_pair(s_eps)
                 effective = self._units(site, site.key_effective())  # runs the reshape
+                prev.append(effective)
                 gamma, clamped = p.last_gamma.cpu(), p.last_clamped.cpu()
                 self.reshapes += int((~identity | torch.isfinite(spread_target[idx])).sum())
-                s_keep = None if p.moment is None else p.moment.expand(len(idx), -1, -1)
-                self._note(rec, idx, tg, effective, s_units, s_keep, target=tg["target"],
+                s_raw = None if p.moment is None else p.moment.expand(len(idx), -1, -1)
+                ridge = None if s_raw is None else self.moments.ridge(j).to(dev)
+                self._note(rec, idx, tg, effective, s_raw, ridge, s_raw is not None,
+                           target=tg["target"],
                            pr_before=pr_before,
                            gamma=torch.where(identity, torch.ones_like(gamma), gamma),
                            clamped=(clamped & ~identity).to(torch.float64),
                            spread_target=spread_target[idx])
+        if self.moments is not None:
+            self._prev = prev
         return rec
 
     def _initial_record(self) -> dict[str, Tensor]:
@@ -570,6 +630,7 @@ class KeySpectrumControl:
                 "scope": self.scope, "scale": self.scale, "arch": self.arch,
                 "names": list(self.names), "pr0": [float(v) for v in self.pr0],
                 "w0": None if self._w0 is None else [u.cpu().clone() for u in self._w0],
+                "prev": None if self._prev is None else [u.cpu().clone() for u in self._prev],
                 "step": int(self.step_count),
                 "last": {f: [float(x) for x in v] for f, v in self._last.items()},
                 "bound": [float(v) for v in self._bound], "window": int(self._window),
@@ -582,9 +643,10 @@ class KeySpectrumControl:
         if not state:
             raise QKGeomError("empty key-control state: the checkpoint was written without "
                               "key control")
-        if state.get("version") != _STATE_VERSION:
+        if state.get("version") not in _READS:
             raise QKGeomError(f"saved key-control state version {state.get('version')!r}; "
-                              f"this qkgeom reads {_STATE_VERSION}: train the run again")
+                              f"this qkgeom reads {' and '.join(map(str, _READS))}: train "
+                              "the run again")
         for key in ("mode", "level", "scope", "scale", "names"):
             if state.get(key) != getattr(self, key):
                 raise QKGeomError(f"saved key-control {key} {state.get(key)!r} does not match "
@@ -597,6 +659,9 @@ class KeySpectrumControl:
         self.pr0 = pr0
         self._w0 = None if w0 is None else [torch.as_tensor(u, dtype=torch.float64).to(
             site.key_stored().device) for u, site in zip(w0, self.sites, strict=True)]
+        prev = state.get("prev")
+        self._prev = None if prev is None else [torch.as_tensor(u, dtype=torch.float64).to(
+            site.key_stored().device) for u, site in zip(prev, self.sites, strict=True)]
         self.step_count = int(state["step"])
         self._bound = torch.tensor(state["bound"], dtype=torch.float64)
         self._window = int(state["window"])

@@ -4,8 +4,10 @@ The keys attention compares are k = W_K·x on the inputs the layer actually rece
 their spectrum is that of W_K Σ W_Kᵀ, not of W_K; centred, because a key offset common to a
 row adds one logit the softmax ignores. A forward pre-hook sums x and xᵀx over every token
 of training forwards only; :meth:`InputMoments.fold` turns them into one step of moving
-averages (half-life :data:`HALF_LIFE` steps). Definitions and the measured choice of the
-half-life: docs/definitions.md#scale-rule.
+averages (half-life :data:`HALF_LIFE` steps) and keeps that step's batch covariance alone,
+on which the control measures the previous step's keys out of sample. Definitions:
+docs/definitions.md#scale-rule; the estimator measured against others by what the E3 hold
+reaches on the probe set: docs/control.md#the-holds-estimator-measured.
 """
 
 from __future__ import annotations
@@ -23,17 +25,31 @@ __all__ = ["HALF_LIFE", "SHRINK", "InputMoments"]
 
 HALF_LIFE = 5  # steps: the averages forget half of their past in 5 updates
 SHRINK = 1e-3  # ε of the regularised covariance Σ + ε·tr(Σ)/d·I
-_DECAY = 0.5 ** (1.0 / HALF_LIFE)
+
+
+def _centred(second: Tensor, mean: Tensor) -> Tensor:
+    """E[x xᵀ] − E[x] E[x]ᵀ, symmetrised."""
+    cov = second - torch.outer(mean, mean)
+    return (cov + cov.mT) / 2
 
 
 class InputMoments:
-    """Per site: the running E[x] (d,) and E[x xᵀ] (d, d), float64 on the weights' device."""
+    """Per site: the running E[x] (d,) and E[x xᵀ] (d, d), float64 on the weights' device,
+    and the centred covariance of the forwards of the last fold alone (:meth:`batch`).
+    ``half_life`` 0: the running averages are those of the last fold's forwards only."""
 
-    def __init__(self, sites: Sequence[AttentionSite]) -> None:
+    def __init__(self, sites: Sequence[AttentionSite], *, half_life: float = HALF_LIFE,
+                 shrink: float = SHRINK) -> None:
+        if half_life < 0 or shrink < 0:
+            raise QKGeomError(f"input moments need half_life >= 0 and shrink >= 0, got "
+                              f"{half_life} and {shrink}")
         self.sites = list(sites)
+        self.half_life, self.shrink = float(half_life), float(shrink)
+        self._decay = 0.5 ** (1.0 / half_life) if half_life > 0 else 0.0
         n = len(self.sites)
         self.means: list[Tensor | None] = [None] * n
         self.seconds: list[Tensor | None] = [None] * n
+        self.batches: list[Tensor | None] = [None] * n  # the last fold's covariance
         self._sum: list[Tensor | None] = [None] * n
         self._sum_sq: list[Tensor | None] = [None] * n
         self._count = [0] * n
@@ -59,15 +75,17 @@ class InputMoments:
     def fold(self) -> None:
         """One moving-average update per site from the forwards since the last fold."""
         for j, total in enumerate(self._sum_sq):
-            if total is None:
+            if total is None:  # no forward since the last fold: Σ stays, no batch of its own
+                self.batches[j] = None
                 continue
             n = self._count[j]
             mean, second = self._sum[j].double() / n, total.double() / n
-            if self.seconds[j] is None:
+            self.batches[j] = _centred(second, mean)
+            if self.seconds[j] is None or self._decay == 0:
                 self.means[j], self.seconds[j] = mean, second
             else:
-                self.means[j].mul_(_DECAY).add_(mean, alpha=1 - _DECAY)
-                self.seconds[j].mul_(_DECAY).add_(second, alpha=1 - _DECAY)
+                self.means[j].mul_(self._decay).add_(mean, alpha=1 - self._decay)
+                self.seconds[j].mul_(self._decay).add_(second, alpha=1 - self._decay)
             self._sum[j] = self._sum_sq[j] = None
             self._count[j] = 0
 
@@ -82,16 +100,25 @@ class InputMoments:
         if second is None:
             raise QKGeomError("the key control needs the key inputs: run a training forward "
                               "pass (model.train(), gradients on) before calling step()")
-        cov = second - torch.outer(mean, mean)
-        return (cov + cov.mT) / 2
+        return _centred(second, mean)
+
+    def batch(self, j: int) -> Tensor | None:
+        """The centred covariance (d, d) float64 of site ``j``'s inputs in the forwards of
+        the last :meth:`fold` alone, no ε: the out-of-sample Σ of the keys set one step
+        before (None before the first fold, and after a resume until the next)."""
+        return self.batches[j]
+
+    def ridge(self, j: int) -> Tensor:
+        """ε·tr(Σ)/d of site ``j`` (ε = ``shrink``), a float64 scalar: Σ_ε = Σ + ridge·I."""
+        cov = self.covariance(j)
+        return self.shrink * torch.diagonal(cov).sum().clamp_min(0) / cov.shape[-1]
 
     def regularised(self, j: int) -> Tensor:
-        """Σ + ε·tr(Σ)/d·I of site ``j`` (:data:`SHRINK`): positive definite wherever W has
+        """Σ + ε·tr(Σ)/d·I of site ``j`` (:meth:`ridge`): positive definite wherever W has
         full rank, and directions the recent batches never visited keep some variance."""
         cov = self.covariance(j)
-        d = cov.shape[-1]
-        ridge = SHRINK * torch.diagonal(cov).sum().clamp_min(0) / d
-        return cov + ridge * torch.eye(d, dtype=cov.dtype, device=cov.device)
+        eye = torch.eye(cov.shape[-1], dtype=cov.dtype, device=cov.device)
+        return cov + self.ridge(j) * eye
 
     def remove(self) -> None:
         for h in self._handles:
@@ -121,4 +148,5 @@ class InputMoments:
             seconds.append(torch.as_tensor(item["second"]).to(device=dev, dtype=torch.float64))
         self.means, self.seconds = means, seconds
         n = len(self.sites)
+        self.batches = [None] * n
         self._sum, self._sum_sq, self._count = [None] * n, [None] * n, [0] * n

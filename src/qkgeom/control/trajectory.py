@@ -3,7 +3,10 @@
 A file of its own because E3's arms follow the paired uncontrolled run at the *same step*
 (its PR_K caps them and its key spread is matched), which the probes are too sparse for:
 the reference run records ``pr``, ``pr_token`` and ``spread`` of every unit at step 0 and
-after every update (docs/definitions.md#what-is-recorded), written atomically.
+after every update (docs/definitions.md#what-is-recorded), written atomically, with the
+token-level PR on Σ without ε (``pr_token_raw``) and on the next batch's inputs
+(``pr_token_oos``, NaN at the last step) beside them. Files written before those two
+columns existed read with them NaN.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ from qkgeom.runs import KEY_PR, read_table
 __all__ = ["COLUMNS", "FIELDS", "frame_to_trajectory", "read_key_pr", "reference_table",
            "write_key_pr"]
 
-FIELDS = ("pr", "pr_token", "spread")
+FIELDS = ("pr", "pr_token", "spread", "pr_token_raw", "pr_token_oos")
 COLUMNS = ["step", "unit", *FIELDS]
+_REQUIRED = ("step", "unit", "pr", "pr_token", "spread")  # the columns every version wrote
 Trajectory = tuple[list[int], dict[str, list[Tensor]]]
 
 
@@ -44,7 +48,12 @@ def write_key_pr(run_dir: str | Path, steps: list[int], values: dict[str, list[T
 def read_key_pr(run_dir: str | Path, upto: int | None = None) -> pd.DataFrame | None:
     """The run's ``key_pr.parquet`` (rows with ``step <= upto``), None when absent; a torn
     or foreign file is a one-line QKGeomError."""
-    return read_table(Path(run_dir) / KEY_PR, upto, columns=tuple(COLUMNS))
+    frame = read_table(Path(run_dir) / KEY_PR, upto, columns=_REQUIRED)
+    if frame is not None:
+        for col in COLUMNS:
+            if col not in frame.columns:
+                frame[col] = float("nan")
+    return frame
 
 
 def frame_to_trajectory(frame: pd.DataFrame, names: list[str], where: str) -> Trajectory:
