@@ -36,6 +36,7 @@ RunsPerGpu = Annotated[str, typer.Option(
          "folder, see docs/speed.md).")]
 Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | lab "
                                           "(e1, e3: 5x longer runs, about an hour each on 2 "
+                                          "CPU cores) | ladder (e1: widths 64-256, 2-3 h on 2 "
                                           "CPU cores) | paper (GPU-hours; pass --data).")]
 Data = Annotated[str, typer.Option(
     help="sample (the embedded Wikipedia text) or a prepared data folder (default: "
