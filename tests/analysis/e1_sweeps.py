@@ -4,6 +4,7 @@ the whole within-run ρ, as it should."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,14 +12,13 @@ import numpy as np
 from .conftest import Values, monotone_values, write_run, write_sweep
 
 
-def own_fluctuation(values: Values, phase: float, size: float = 0.3) -> Values:
-    """``values`` with PR_K moved by ``size``·sin(1.3·step + ``phase``) at both levels, and
-    pr_qk, the entropy and the contrast moved with it as :func:`monotone_values` ties them
-    (pr_qk = PR_K/2, entropy = 1 + pr_qk/10): within a run the changes of PR_K, pr_qk and
-    the entropy still agree exactly; across runs the fluctuations differ."""
+def with_pr_k_moved(values: Values, move: Callable[[int], float]) -> Values:
+    """``values`` with PR_K moved by ``move(step)`` at both levels, and pr_qk, the entropy
+    and the contrast moved with it as :func:`monotone_values` ties them (pr_qk = PR_K/2,
+    entropy = 1 + pr_qk/10): within a run the changes of the three still agree."""
 
     def moved(layer: int, step: int, metric: str, head: int) -> float:
-        d = size * np.sin(1.3 * step + phase)
+        d = move(step)
         v = values(layer, step, metric, head)
         if metric.startswith("pr_k_"):
             return v + d
@@ -31,6 +31,12 @@ def own_fluctuation(values: Values, phase: float, size: float = 0.3) -> Values:
         return v
 
     return moved
+
+
+def own_fluctuation(values: Values, phase: float, size: float = 0.3) -> Values:
+    """``values`` with PR_K (and what follows it) moved by ``size``·sin(1.3·step +
+    ``phase``): across runs of other phases the fluctuations differ."""
+    return with_pr_k_moved(values, lambda step: size * np.sin(1.3 * step + phase))
 
 
 def distinct_sweep(root: Path, values: Values | None = None, depths=(4,),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -165,23 +166,31 @@ TREND_COLUMNS = ["claim_id", "claim", "statistic", "widths", "n", "k_up", "mean_
 
 
 def trend_rows(effects: pd.DataFrame) -> pd.DataFrame:
-    """The trend test per claim (docs/protocols.md#the-trend-test): ``n`` seeds with a
-    slope, ``k_up`` of them positive, the mean slope per doubling of width with its
-    t-interval, the two-sided sign-flip ``p_value``, ``p_adj`` (Holm over the claims), the
-    ``verdict`` (:data:`MOVES` or :data:`NO_TREND`; :data:`NOT_EVALUATED` without seeds)
-    and its ``direction`` (toward or away from the claim's predicted sign)."""
-    rungs = effects[effects["rung"]] if len(effects) else effects
+    """The trend test per claim (docs/protocols.md#the-trend-test) on
+    :func:`seed_effects`'s rung rows: :func:`trend_table` of each claim's seeds × widths."""
+    rungs = effects[effects["rung"].astype(bool)] if len(effects) else effects
+    wide: dict[str, pd.DataFrame] = {}
+    if len(rungs):
+        table = rungs.groupby(["claim_id", "seed", "width"])["value"].mean().unstack("width")
+        wide = {cid: table.loc[cid] for cid in table.index.get_level_values(0).unique()}
+    return trend_table(wide)
+
+
+def trend_table(wide: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """The trend rows from each claim's values (rows: seeds, columns: widths; a claim not
+    given has no seed): ``n`` seeds with a slope, ``k_up`` of them positive, the mean slope
+    per doubling of width with its t-interval, the two-sided sign-flip ``p_value``,
+    ``p_adj`` (Holm over the claims), the ``verdict`` (:data:`MOVES` or :data:`NO_TREND`;
+    :data:`NOT_EVALUATED` without seeds) and its ``direction`` (toward or away from the
+    claim's predicted sign)."""
     rows = []
     for claim_id in ORDER:
         statistic, _, _, sign = primary_statistic(claim_id)
-        sel = rungs[rungs["claim_id"] == claim_id] if len(rungs) else rungs
-        table = (sel.pivot_table(index="seed", columns="width", values="value",
-                                 aggfunc="mean", dropna=False)
-                 if len(sel) else pd.DataFrame())
+        table = wide.get(claim_id, pd.DataFrame())
         slopes = seed_slopes(table) if table.shape[1] >= 2 else pd.Series(dtype=float)
         u = stats.unit_test(slopes, 0)
-        means = (", ".join(f"{w}: {signed(m)}" for w, m in table.mean().items())
-                 if len(table) else "")
+        means = ", ".join(f"{w}: {signed(m)}" for w, m in table.mean().items()) \
+            if len(table) else ""
         text = next(c.text for c in CLAIMS if c.id == claim_id)
         rows.append({"claim_id": claim_id, "claim": text, "statistic": statistic,
                      "widths": ", ".join(str(w) for w in table.columns), "n": u["n"],
@@ -269,3 +278,15 @@ def e3_by_width(windows: pd.DataFrame, width: int, arm: str = "shrink-0.5-token-
     return pd.DataFrame({"width": int(width), "seed": sel["seed"].astype(int).to_numpy(),
                          "effect": sel["mean_diff"].astype(float).to_numpy()}) \
         .sort_values("seed").reset_index(drop=True)
+
+
+def ladder_summary_of(report_dir: Path) -> str | None:
+    """:func:`ladder_summary` of a written ladder report, from its CSVs; None when the
+    folder holds no ladder report."""
+    files = {name: report_dir / f"{name}.csv" for name in ("claims", "ladder_trend",
+                                                           "ladder_settings")}
+    if not all(p.is_file() for p in files.values()):
+        return None
+    frames = {name: pd.read_csv(p) for name, p in files.items()}
+    frames["ladder_trend"]["direction"] = frames["ladder_trend"]["direction"].fillna("")
+    return ladder_summary(frames["claims"], frames["ladder_trend"], frames["ladder_settings"])
