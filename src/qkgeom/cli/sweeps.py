@@ -107,9 +107,10 @@ def report(folder: Path, out: Path | None, fmt: str = "table") -> None:
 
 
 #: The terminal claims table: claims.csv column -> its header (words, not field names).
-TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "role": "role", "level": "level",
-                   "from": "from", "measured": "sign k/n", "p_adj": "p (Holm)",
-                   "p_value": "p (sign-flip)", "verdict": "verdict"}
+TERMINAL_CLAIMS = {"setting": "setting", "claim_id": "id", "claim": "claim", "role": "role",
+                   "level": "level", "from": "from", "statistic": "statistic",
+                   "measured": "sign k/n", "p_adj": "p (Holm)", "p_value": "p (sign-flip)",
+                   "verdict": "verdict"}
 
 
 def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
@@ -121,6 +122,8 @@ def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
     cols = [c for c in TERMINAL_CLAIMS if c in claims
             and not (c == "verdict" and descriptive_reason(claims))
             and not (c == "p_value" and "p_adj" in claims)]  # the Holm p when there is one
+    if "layer" in claims:  # E1's per-layer rows: in report.md and claims.csv, not here
+        claims = claims[claims["layer"].isna()]
     return claims[cols].rename(columns=TERMINAL_CLAIMS)
 
 

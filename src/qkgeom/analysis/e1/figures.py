@@ -20,10 +20,10 @@ from matplotlib.ticker import MaxNLocator
 from qkgeom.analysis import figstyle, stats
 from qkgeom.analysis.collate import GROUP, Collated
 from qkgeom.analysis.e1.claims import CLAIMS, PRIMARY, SENSITIVITY_CLAIMS
-from qkgeom.analysis.e1.ladder import ORDER, setting_of, trend_cell
+from qkgeom.analysis.e1.ladder import ORDER, setting_of
 from qkgeom.analysis.e1.trajectories import LEVELS, level_metrics, reference_probe
 from qkgeom.analysis.figstyle import KEY_COLOR
-from qkgeom.analysis.kit import Drawn, missing_metrics
+from qkgeom.analysis.kit import Drawn, fmt_p, missing_metrics
 
 LEVEL_TITLE = {"weight": "weight level", "token": "token level (probe set)"}
 #: (metric stem, line style, legend label) of the PR figure: PR_Q solid, PR_K dashed.
@@ -279,12 +279,12 @@ def make_figures(data: Collated, out_dir: str | Path,
     if table["step"].nunique() < 2:
         drawn.empty["per_layer"] = "one probe step only: no change to show"
     elif len(per_layer) and (per_layer["level"] == "token").any():
-        hue = "depth"
+        hue, order, pooled = "depth", None, True
         if len(e1.get("settings", ())):
             per_layer = per_layer.assign(setting=setting_of(per_layer, e1["settings"]))
-            hue = "setting"
+            hue, order, pooled = "setting", list(e1["settings"]["setting"]), False
         drawn.pngs["per_layer"] = figstyle.save_figure(
-            fig_per_layer(per_layer, hue), out_dir, "per_layer")[0]
+            fig_per_layer(per_layer, hue, order, pooled), out_dir, "per_layer")[0]
     else:
         drawn.empty["per_layer"] = "no token-level statistics"
     if len(e1["sensitivity"]):
@@ -329,17 +329,20 @@ def _mean_ci(ax: Axes, x: float, values: np.ndarray) -> None:
         ax.plot([x, x], [lo, hi], color=KEY_COLOR, linewidth=1.0, zorder=5)
 
 
-def fig_per_layer(per_layer: pd.DataFrame, hue: str = "depth") -> Figure:
+def fig_per_layer(per_layer: pd.DataFrame, hue: str = "depth",
+                  order: list[str] | None = None, pooled: bool = True) -> Figure:
     """Every run's per-layer value of each claim's primary statistic (token level, from
     the reference; E2.3 at the last checkpoint) against the layer index, one colour per
-    ``hue`` value (depth, or the ladder's setting), with each layer's mean over runs and
-    its t-interval (black) and, at the right, the run-level value (mean over the run's
-    layers, the primary row's unit; grey)."""
+    ``hue`` value (depth, or the ladder's setting, in ``order``) and, at the right, the
+    run-level value (mean over the run's layers, the primary row's unit). ``pooled``: each
+    layer's mean over all runs with its t-interval (black), as the per-layer rows pool
+    them; otherwise (a ladder, whose settings are never pooled) each group's own mean."""
     sign = {c.id: c.sign for c in CLAIMS}
     origin = {c.id: PRIMARY[1] if c.per_origin else "step0" for c in CLAIMS}
     with matplotlib.rc_context(figstyle.STYLE):
         fig, axes = figstyle.grid(2, 3, legend=True)
-        groups = sorted(per_layer[hue].astype(str).unique()) if len(per_layer) else []
+        present = set(per_layer[hue].astype(str)) if len(per_layer) else set()
+        groups = [g for g in (order or sorted(present)) if g in present]
         colors = dict(zip(groups, figstyle.layer_colors(len(groups)), strict=True))
         for ax, (cid, stat, ylabel) in zip(axes.ravel(), PRIMARY_PANELS, strict=True):
             sel = per_layer[(per_layer["level"] == PRIMARY[0])
@@ -352,17 +355,24 @@ def fig_per_layer(per_layer: pd.DataFrame, hue: str = "depth") -> Figure:
                 continue
             layers = sorted(int(x) for x in sel["layer"].unique())
             width = 0.6 / max(len(groups), 1)
+            right = layers[-1] + 1.2
             for gi, g in enumerate(groups):
                 part = sel[sel[hue].astype(str) == g]
-                x = part["layer"].to_numpy(dtype=float) - 0.3 + width * (gi + 0.5)
+                shift = -0.3 + width * (gi + 0.5)
+                x = part["layer"].to_numpy(dtype=float) + shift
                 ax.scatter(x, part[stat], s=8, color=colors[g], alpha=0.75, linewidths=0)
-            for layer in layers:
-                _mean_ci(ax, float(layer), sel.loc[sel["layer"] == layer, stat].to_numpy())
-            run_mean = sel.groupby("run_id")[stat].mean().to_numpy()
-            right = layers[-1] + 1.2
-            ax.scatter(np.full(len(run_mean), right), run_mean, s=8, color="0.55",
-                       linewidths=0)
-            _mean_ci(ax, right, run_mean)
+                means = part.groupby("run_id")[stat].mean().to_numpy()
+                ax.scatter(np.full(len(means), right + shift), means, s=8, color=colors[g],
+                           alpha=0.75, linewidths=0)
+                if not pooled:
+                    for layer in layers:
+                        _mean_ci(ax, layer + shift,
+                                 part.loc[part["layer"] == layer, stat].to_numpy())
+                    _mean_ci(ax, right + shift, means)
+            if pooled:
+                for layer in layers:
+                    _mean_ci(ax, float(layer), sel.loc[sel["layer"] == layer, stat].to_numpy())
+                _mean_ci(ax, right, sel.groupby("run_id")[stat].mean().to_numpy())
             ax.axhline(0.0, **figstyle.ZERO_LINE)
             ax.set_xticks([*layers, right], [*map(str, layers), "mean"])
             ax.set_ylabel(ylabel)
@@ -376,7 +386,8 @@ def fig_per_layer(per_layer: pd.DataFrame, hue: str = "depth") -> Figure:
         figstyle.suptitle(fig, "Per layer (secondary): each run's value of every claim's "
                                "primary statistic per layer index, token level, from the "
                                "reference (E2.3: last probe); right: the run's mean over its "
-                               "layers (the primary unit)")
+                               "layers (the primary unit); black: mean ± 95 % t" +
+                               ("" if pooled else " per " + hue))
         return fig
 
 
@@ -393,7 +404,8 @@ def fig_reference_sensitivity(summary: pd.DataFrame, per_run: pd.DataFrame) -> F
         for r, level in enumerate(levels):
             for c, (cid, stat, _sign) in enumerate(SENSITIVITY_CLAIMS):
                 ax = axes[r, c]
-                ax.set_title(f"{cid} {'ΔPR_Q' if c == 0 else 'ΔPR_K'} — {LEVEL_TITLE[level]}")
+                name = "ΔPR_Q" if c == 0 else "ΔPR_K"
+                ax.set_title(f"{cid} {name} · {level} level")
                 sel = summary[(summary["level"] == level) & (summary["claim_id"] == cid)]
                 if sel.empty or not np.isfinite(sel["mean"].to_numpy(dtype=float)).any():
                     figstyle.blank_panel(ax, "not measured")
@@ -414,11 +426,12 @@ def fig_reference_sensitivity(summary: pd.DataFrame, per_run: pd.DataFrame) -> F
                 for step in sorted(set(primary.astype(int))):
                     ax.axvline(step, **figstyle.REF_LINE)
                 ax.axhline(0.0, **figstyle.ZERO_LINE)
-                ax.set_ylabel(f"{'ΔPR_Q' if c == 0 else 'ΔPR_K'} to the last probe (dims)")
+                ax.set_ylabel(f"{name} to the end (dims)")
                 if r == len(levels) - 1:
                     ax.set_xlabel("reference step")
                 figstyle.step_axis(ax, float(sel["reference_step"].max()))
-        handles = [Line2D([], [], color=colors[v], label=v or "all runs") for v in variants]
+        handles = [Line2D([], [], color=colors[v], label=v or "mean over runs")
+                   for v in variants]
         handles.append(Line2D([], [], **figstyle.REF_LINE, label="protocol's reference"))
         axes[0, -1].legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5),
                            frameon=False)
@@ -435,6 +448,13 @@ def _width_axis(ax: Axes, widths: list[int]) -> None:
     ax.set_xlabel("width (d_model)")
 
 
+def _trend_title(r: pd.Series) -> str:
+    """A trend row in a panel title: the verdict, its direction and the Holm p."""
+    direction = r["direction"] if isinstance(r["direction"], str) else ""
+    text = r["verdict"] + (f", {direction.removesuffix(' the claim')}" if direction else "")
+    return f"{text}; p (Holm) {fmt_p(r['p_adj'])}"
+
+
 def fig_ladder(effects: pd.DataFrame, trend: pd.DataFrame) -> Figure:
     """Each primary effect against width (E1.2 first): every seed's runs joined across the
     rungs (thin), the mean over seeds with its 95 % t-interval per width (black), the arms
@@ -447,10 +467,10 @@ def fig_ladder(effects: pd.DataFrame, trend: pd.DataFrame) -> Figure:
         arms = sorted(effects.loc[~effects["rung"], "setting"].unique()) if len(effects) \
             else []
         arm_colors = dict(zip(arms, figstyle.LAYER_PALETTE[1:], strict=False))
-        verdicts = dict(zip(trend["claim_id"], [trend_cell(r) for _, r in trend.iterrows()],
+        verdicts = dict(zip(trend["claim_id"], [_trend_title(r) for _, r in trend.iterrows()],
                             strict=True)) if len(trend) else {}
         for ax, cid in zip(axes.ravel(), ORDER, strict=True):
-            ax.set_title(f"{cid}: " + verdicts.get(cid, ""), fontsize=8)
+            ax.set_title(f"{cid}\n" + verdicts.get(cid, ""), fontsize=8)
             sel = rungs[rungs["claim_id"] == cid] if len(rungs) else rungs
             if sel.empty or not np.isfinite(sel["value"].to_numpy(dtype=float)).any():
                 figstyle.blank_panel(ax, "not measured")
@@ -492,9 +512,8 @@ def fig_width_effects(e1: pd.DataFrame, e3: pd.DataFrame) -> Figure:
     entropy, shrink-0.5 − none over the whole run, per seed;
     :func:`qkgeom.analysis.e1.ladder.e3_by_width`) against width, each table ``width,
     seed, effect``; per width the mean over seeds and its 95 % t-interval."""
-    panels = ((e1, "E1.2: PR_K shrinks (predicted < 0)", "ΔPR_K from the reference (dims)"),
-              (e3, "E3.1: forcing keys to shrink sharpens (predicted < 0)",
-               "Δ scale-free entropy, shrink − none"))
+    panels = ((e1, "E1.2 PR_K shrinks (< 0)", "ΔPR_K from the reference"),
+              (e3, "E3.1 shrinking sharpens (< 0)", "Δ scale-free entropy"))
     with matplotlib.rc_context(figstyle.STYLE):
         fig, axes = figstyle.grid(1, 2)
         for ax, (table, title, ylabel) in zip(axes[0], panels, strict=True):
@@ -511,6 +530,6 @@ def fig_width_effects(e1: pd.DataFrame, e3: pd.DataFrame) -> Figure:
             ax.axhline(0.0, **figstyle.ZERO_LINE)
             _width_axis(ax, widths)
             ax.set_ylabel(ylabel)
-        figstyle.suptitle(fig, "Effects against width: one point per seed, mean ± 95 % "
-                               "t-interval in black")
+        figstyle.suptitle(fig, "Effects against width: one point per seed; black: mean "
+                               "± 95 % t; E3.1: shrink-0.5 − none, whole run")
         return fig
