@@ -47,7 +47,11 @@ def ladder_settings(data: Collated) -> pd.DataFrame:
     need = {"n_embd", "batch_size", "block_size", *GROUP}
     if inc.empty or not need <= set(inc.columns):
         return pd.DataFrame(columns=SETTING_COLUMNS)
-    runs = inc.assign(width=inc["n_embd"].astype(int), family=inc["variant"].map(_family))
+    # whole numbers (a runs table with a pending run holds them as floats)
+    runs = inc.assign(width=inc["n_embd"].astype(int), depth=inc["depth"].astype(int),
+                      batch_size=inc["batch_size"].astype(int),
+                      block_size=inc["block_size"].astype(int),
+                      family=inc["variant"].map(_family))
     per = (runs.groupby([*GROUP, "width", "batch_size", "block_size", "family"], sort=True,
                         dropna=False)["run_id"].nunique().rename("runs").reset_index())
     fams = per.groupby(["depth", "qk_init", "family"], sort=True)
@@ -77,10 +81,12 @@ def ladder_settings(data: Collated) -> pd.DataFrame:
 
 def setting_of(frame: pd.DataFrame, settings: pd.DataFrame) -> pd.Series:
     """Each row's setting label (by its depth × init × variant), "" for none."""
-    key = frame[GROUP].astype(str).agg("|".join, axis=1)
-    labels = dict(zip(settings[GROUP].astype(str).agg("|".join, axis=1), settings["setting"],
-                      strict=True))
-    return key.map(labels).fillna("")
+    def keys(f: pd.DataFrame) -> pd.Series:
+        return (f["depth"].astype(int).astype(str) + "|" + f["qk_init"].astype(str) + "|"
+                + f["variant"].astype(str))
+
+    labels = dict(zip(keys(settings), settings["setting"], strict=True))
+    return keys(frame).map(labels).fillna("") if len(frame) else pd.Series([], dtype=str)
 
 
 def per_setting(per_layer: pd.DataFrame, traj: pd.DataFrame, settings: pd.DataFrame,

@@ -325,9 +325,10 @@ def sensitivity_markdown(summary: pd.DataFrame, settings: pd.DataFrame) -> str:
                   "E1.2 ΔPR_K [95 % t]", "E1.2 p"], rows)])
 
 
-def ladder_markdown(e1: dict[str, pd.DataFrame]) -> str:
+def ladder_markdown(e1: dict[str, pd.DataFrame], descriptive: bool = False) -> str:
     """The ladder's opening sections: the verdicts by width (each setting's primary rows)
-    beside the trend test, the trend rows, the arms against their rung."""
+    beside the trend test, the trend rows, the arms against their rung; ``descriptive``
+    (too few runs for a verdict): what was measured, without the verdicts."""
     claims, trend, settings, arms = e1["claims"], e1["trend"], e1["settings"], e1["arms"]
     prim = claims[claims["role"] == "primary"]
     labels = list(settings["setting"])
@@ -339,8 +340,10 @@ def ladder_markdown(e1: dict[str, pd.DataFrame]) -> str:
         cells = []
         for label in labels:
             r = prim[(prim["claim_id"] == cid) & (prim["setting"] == label)]
-            cells.append(f"**{r['verdict'].iloc[0]}** ({r['measured'].iloc[0]}, "
-                         f"{signed(r['mean'].iloc[0])})" if len(r) else "n/a")
+            measured = f"{r['measured'].iloc[0]}, {signed(r['mean'].iloc[0])}" if len(r) \
+                else "n/a"
+            cells.append(measured if descriptive or not len(r)
+                         else f"**{r['verdict'].iloc[0]}** ({measured})")
         trend_text = lad.trend_cell(by_id.loc[cid]) if cid in by_id.index else "n/a"
         rows.append([f"{cid} {text[cid]}", *cells[:len(rungs)], trend_text,
                      *cells[len(rungs):]])
@@ -390,7 +393,8 @@ def setting_sections(claims: pd.DataFrame, settings: pd.DataFrame) -> list[str]:
     parts = []
     for r in settings.itertuples():
         rows = layer_mean_rows(claims[claims["setting"] == r.setting])
-        parts += [f"## Claims at {md_text(r.setting)} ({r.runs} runs)", "",
+        runs = f"{r.runs} run" + ("" if r.runs == 1 else "s")
+        parts += [f"## Claims at {md_text(r.setting)} ({runs})", "",
                   summary_markdown(rows), "", claims_markdown(rows), ""]
     return parts
 
@@ -426,7 +430,8 @@ def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figs: Drawn) ->
     if descriptive:
         parts += [f"**{descriptive}**", ""]
     if ladder:
-        parts += [ladder_markdown(e1), "", *setting_sections(claims, settings)]
+        parts += [ladder_markdown(e1, bool(descriptive)), "",
+                  *setting_sections(claims, settings)]
     else:
         parts += [claims_markdown(layer_mean_rows(claims)), ""]
     parts += [_rules_text(), ""]
