@@ -14,28 +14,50 @@ LEVELS, ORIGINS = ("weight", "token"), ("step0", "reference")
 
 
 def _row(claims, claim_id, level="weight", origin="step0"):
+    """The layer-mean row of the claim's own statistic at ``level`` and ``origin``."""
+    main = {"E2.1": "rho_k_qk_vs_null", "E2.2": "rho_qk_entropy_vs_null"}
+    stat = claims["statistic"].where(~claims["claim_id"].isin(main),
+                                     claims["claim_id"].map(main))
     sel = claims[(claims["claim_id"] == claim_id) & (claims["level"] == level)
-                 & (claims["origin"] == origin)]
+                 & (claims["origin"] == origin) & claims["layer"].isna()
+                 & (claims["statistic"] == stat)]
     assert len(sel) == 1
     return sel.iloc[0]
 
 
 def test_all_rise_is_supported_over_runs_and_the_diverged_run_is_left_out(all_rise):
     claims = claims_table(all_rise)
-    # 6 claims; E2.3 is measured once per level -> 5*2*2 + 1*2 rows
-    assert len(claims) == 22
+    # 6 claims at 2 levels x 2 origins (E2.3: 2 levels), E2.1/E2.2 also without the
+    # cross-run null, and one row per claim and layer: 5*4 + 2 + 2*4 + 6*4 rows
+    assert len(claims) == 54
+    mean_rows = claims[claims["layer"].isna()]
+    assert len(mean_rows) == 30
     primary = claims[claims["role"] == "primary"]
     assert list(primary["claim_id"]) == ["E1.1", "E1.2", "E1.3", "E2.1", "E2.2", "E2.3"]
+    assert list(primary["statistic"]) == ["delta_pr_q", "delta_pr_k", "contrast_time_mean",
+                                          "rho_k_qk_vs_null", "rho_qk_entropy_vs_null",
+                                          "rho_heads_qk_entropy"]
     assert set(primary["level"]) == {"token"}
     assert list(primary["origin"]) == ["reference"] * 5 + ["last"]
-    assert set(primary["verdict"]) == {"supported"}
+    # every run follows one and the same profile: E2's within-run ρ is all shared profile,
+    # so the cross-run null takes all of it (0 counts against); the rest is supported
+    by_id = primary.set_index("claim_id")
+    assert set(by_id.loc[["E1.1", "E1.2", "E1.3", "E2.3"], "verdict"]) == {"supported"}
+    assert set(by_id.loc[["E2.1", "E2.2"], "verdict"]) == {"inconclusive"}
+    assert (by_id.loc[["E2.1", "E2.2"], "mean"] == 0).all()
+    within = mean_rows[mean_rows["statistic"].isin(["rho_k_qk", "rho_qk_entropy"])]
+    assert len(within) == 8 and (within["role"] == "secondary").all()
+    assert (within["k"] == 9).all()  # protocol 1's row: 9/9, the shared profile passes it
     assert set(claims["unit"]) == {"runs"}
-    assert set(claims["n"]) == {9} and set(claims["k"]) == {9}  # 3 inits x 3 seeds
-    assert np.allclose(claims["p_value"], 1 / 512)  # every run positive: 1 of 2^9 patterns
-    assert np.allclose(claims["p_sign"], 1 / 512)
-    assert np.allclose(primary["p_adj"], 6 / 512)  # Holm over the six primary rows
+    assert set(claims["n"]) == {9}  # 3 inits x 3 seeds
+    positive = ~claims["statistic"].str.endswith("_vs_null")
+    assert set(claims.loc[positive, "k"]) == {9}
+    assert np.allclose(claims.loc[positive, "p_value"], 1 / 512)  # 1 of 2^9 patterns
+    assert np.allclose(claims.loc[positive, "p_sign"], 1 / 512)
+    assert np.allclose(by_id.loc[["E1.1", "E1.2", "E1.3", "E2.3"], "p_adj"], 6 / 512)
     secondary = claims[claims["role"] == "secondary"]
-    assert np.allclose(secondary["p_adj"], 16 / 512) and (secondary["family"] == 16).all()
+    assert (secondary["family"] == 48).all()
+    assert np.allclose(secondary.loc[positive, "p_adj"], 48 / 512)
     row = _row(claims, "E1.1", "token", "reference")
     assert row["from"] == "reference, step 30"  # first probe at or after 25 % of 100 steps
     assert row["measured"] == "9/9 runs"
@@ -43,6 +65,9 @@ def test_all_rise_is_supported_over_runs_and_the_diverged_run_is_left_out(all_ri
     assert row["ci_low"] == pytest.approx(row["mean"])  # identical runs: a zero-width interval
     assert "cells 3/3" in row["beside"] and "layer trajectories 12/12" in row["beside"]
     assert _row(claims, "E1.1")["mean"] == pytest.approx(0.05 * 100)
+    layer2 = claims[(claims["claim_id"] == "E1.1") & (claims["layer"] == 2)].iloc[0]
+    assert layer2["from"] == "reference, step 30 · layer 2" and layer2["role"] == "secondary"
+    assert "layer trajectories 3/3" in layer2["beside"]  # layer 2 of the 3 cells
     assert list(collate(all_rise).excluded["run_id"]) == ["n_layer4-qk_init-normal-seed9"]
 
 
@@ -91,8 +116,9 @@ def test_a_transient_flips_the_verdict_between_origins(tmp_path):
     root = make_sweep(tmp_path / "tr", transient, depths=(2,), inits=("normal",),
                       seeds=tuple(range(9)), n_head=3)
     claims = claims_table(root)
-    step0 = _row(claims, "E1.1", "token", "step0")  # secondary: Holm over 16 rows
-    assert step0["p_opposite_adj"] <= 16 / 512 and step0["verdict"] == "not supported"
+    step0 = _row(claims, "E1.1", "token", "step0")  # secondary: Holm over the measured rows
+    assert step0["p_opposite_adj"] <= step0["family"] / 512
+    assert step0["verdict"] == "not supported"
     ref = _row(claims, "E1.1", "token", "reference")  # the primary row
     assert (ref["k"], ref["n"]) == (9, 9) and ref["verdict"] == "supported"
 

@@ -91,7 +91,9 @@ def test_real_tiny_sweep_end_to_end(sample_data: Path, tmp_path: Path):
     assert set(tr.loc[tr["qk_init"] == "normal", "n_seeds"]) == {2}
 
     claims = claims_table(root)
-    assert len(claims) == 22
+    # 30 rows of the run-level value (E2.1/E2.2 with and without the cross-run null) and
+    # one per claim and layer
+    assert len(claims) == 30 + 6 * 2
     # 3 runs; from the reference (step 10) E2.1/E2.2 have one probe-to-probe change, too
     # few to rank: no run can be measured there
     assert set(claims["n"]) <= {0, 3}
@@ -102,7 +104,9 @@ def test_real_tiny_sweep_end_to_end(sample_data: Path, tmp_path: Path):
                     else "inconclusive")
         assert r.verdict == expected, r
     # 20 steps: the reference is 25 % of the run (step 5) -> the first probe after it, 10
-    assert set(claims.loc[claims["origin"] == "reference", "from"]) == {"reference, step 10"}
+    mean_rows = claims[claims["layer"].isna()]
+    assert set(mean_rows.loc[mean_rows["origin"] == "reference", "from"]) == {
+        "reference, step 10"}
 
     md = write_report(root)
     text = md.read_text(encoding="utf-8")

@@ -16,9 +16,16 @@ from typer.testing import CliRunner
 from qkgeom.analysis import claims_table, write_report
 
 KINDS = ("pr", "contrast", "qk_entropy", "heads")
-ALL_FIGURES = {f"{kind}_{level}" for kind in KINDS for level in ("weight", "token")}
+#: Drawn once per report from the token-level statistics (protocol 2).
+PROTOCOL2_FIGURES = {"per_layer", "reference_sensitivity"}
+ALL_FIGURES = {f"{kind}_{level}" for kind in KINDS for level in ("weight", "token")} \
+    | PROTOCOL2_FIGURES
 # What the monitor records by default (DEFAULT_METRICS) lets these figures be drawn:
-MONITOR_FIGURES = {"pr_token", "contrast_token", "qk_entropy_weight", "heads_weight"}
+MONITOR_FIGURES = {"pr_token", "contrast_token", "qk_entropy_weight", "heads_weight"} \
+    | PROTOCOL2_FIGURES
+#: The claims table's rows of the run-level value: 6 claims × 2 levels × 2 origins, E2.3
+#: once per level, E2.1 and E2.2 also without the cross-run null.
+CLAIM_ROWS = 30
 VOCAB, T, STEPS = 40, 16, 6
 
 
@@ -82,14 +89,17 @@ def test_report_of_a_trained_run_folder(trained: Path) -> None:
     md = trained / "report" / "report.md"
     text = md.read_text(encoding="utf-8")
     assert text.startswith("# qkgeom report: smoke-run")
-    assert len(_claim_rows(md)) == 22
+    assert len(_claim_rows(md)) == CLAIM_ROWS
     assert f"- **Run folder**: `smoke-run` ({trained}); analysed." in text
     assert "Not recorded here" not in text and "Skipped" not in text
     assert _pngs(md) == ALL_FIGURES
     claims = pd.read_csv(md.parent / "claims.csv")
     assert set(claims.loc[claims["claim_id"].str.startswith("E1"), "n"]) == {1}  # one run
-    e1 = claims[claims["claim_id"].str.startswith("E1")]
+    e1 = claims[claims["claim_id"].str.startswith("E1") & claims["layer"].isna()]
     assert e1["beside"].str.contains(r"layer trajectories \d/2").all()  # its 2 layers
+    per_layer = claims[claims["layer"].notna()]
+    # one trajectory each (none for E2.1/E2.2: one run has no cross-run null)
+    assert per_layer["beside"].str.contains(r"layer trajectories \d/[01]").all()
     assert (md.parent / "report.html").stat().st_size > 0
 
 
@@ -103,7 +113,7 @@ def test_report_of_a_monitored_run_folder_with_some_metrics(monitored: Path) -> 
                         "k_norm_max", "logit_bound", "logit_delta"}
     md = write_report(monitored)
     text = md.read_text(encoding="utf-8")
-    assert len(_claim_rows(md)) == 22
+    assert len(_claim_rows(md)) == CLAIM_ROWS
     assert ("**Not recorded here**: `pr_q_weight`, `pr_k_weight`, `contrast_weight`, "
             "`pr_qk_token`.") in text
     assert "**Monitored** (1 run(s)" in text and "6 steps" in text
@@ -111,11 +121,20 @@ def test_report_of_a_monitored_run_folder_with_some_metrics(monitored: Path) -> 
     skipped = text.split("Skipped (their metrics are not recorded here): ", 1)[1]
     assert "(a) PR_Q and PR_K — weight level (no `pr_q_weight`, `pr_k_weight`)" in skipped
     assert "(d) Heads: interaction PR vs attention entropy — token level" in skipped
-    claims = claims_table(monitored).set_index(["claim_id", "level", "origin"])
+    table = claims_table(monitored)
+    layer_mean = table[table["layer"].isna()]
+    claims = layer_mean[~layer_mean["statistic"].isin(["rho_k_qk", "rho_qk_entropy"])] \
+        .set_index(["claim_id", "level", "origin"])
     assert claims.loc[("E1.1", "token", "step0"), "n"] == 1  # one run
     assert "/2" in claims.loc[("E1.1", "token", "step0"), "beside"]  # its 2 layers
     assert claims.loc[("E1.1", "weight", "step0"), "verdict"] == "not evaluated"
-    assert claims.loc[("E2.2", "weight", "step0"), "n"] == 1  # pr_qk_weight with entropy
+    # pr_qk_weight with entropy: the within-run ρ of its one run; the cross-run null has
+    # no other run to pair with, and says so
+    within = layer_mean[layer_mean["statistic"] == "rho_qk_entropy"].set_index(
+        ["level", "origin"])
+    assert within.loc[("weight", "step0"), "n"] == 1
+    assert claims.loc[("E2.2", "weight", "step0"), "n"] == 0
+    assert claims.loc[("E2.2", "weight", "step0"), "reason"].startswith("no other run")
 
 
 def test_monitored_run_whose_config_holds_no_training_config(monitored: Path,
@@ -130,7 +149,7 @@ def test_monitored_run_whose_config_holds_no_training_config(monitored: Path,
     (run / "config.json").write_text(json.dumps(record))
     md = write_report(run)
     text = md.read_text(encoding="utf-8")
-    assert len(_claim_rows(md)) == 22
+    assert len(_claim_rows(md)) == CLAIM_ROWS
     setup = text.split("## Setup", 1)[1].split("## Excluded", 1)[0]
     assert "**Monitored model**: GPT, depth 2" in setup  # from the monitor's model facts
     assert "Q/K inits" not in setup  # the monitor did not build the model
@@ -146,8 +165,9 @@ def test_monitored_run_with_a_single_metric(tmp_path: Path) -> None:
     assert set(pd.read_parquet(run / "metrics.parquet")["metric"]) == {"pr_q_token"}
     md = write_report(run)
     text = md.read_text(encoding="utf-8")
-    assert len(_claim_rows(md)) == 22
+    assert len(_claim_rows(md)) == CLAIM_ROWS
     claims = pd.read_csv(md.parent / "claims.csv")
     evaluated = claims.loc[claims["verdict"] != "not evaluated", "claim_id"]
     assert set(evaluated) == {"E1.1"}  # ΔPR_Q at the token level is all it can measure
-    assert not _pngs(md) and "Skipped" in text
+    # E1.1 per layer and against the reference: all it can draw
+    assert _pngs(md) == PROTOCOL2_FIGURES and "Skipped" in text

@@ -137,7 +137,7 @@ def test_e1_grids_have_the_papers_structure() -> None:
     assert paper[0].config.data == "/data/wikitext-103"
     cuda = e1_grid("demo", overrides={"device": "cuda"}).expand()
     assert all(s.config.device == "cuda" for s in cuda)
-    assert set(E1_PRESETS) == {"smoke", "demo", "lab", "paper"}
+    assert set(E1_PRESETS) == {"smoke", "demo", "lab", "paper", "ladder"}
 
 
 def test_e1_grid_errors() -> None:

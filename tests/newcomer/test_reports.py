@@ -73,7 +73,7 @@ def test_a_one_run_report_is_descriptive(one_run) -> None:
     claims = md.split("| claim / level |", 1)[1].split("\n\n", 1)[0]
     assert not re.search(r"\*\*(mixed|not supported|supported)\*\*", claims)
     assert md.splitlines()[2].startswith("> **E1/E2: descriptive, 1 run (a verdict needs at "
-                                         "least 5): 22 claim rows, 22 measured")
+                                         "least 5): 42 claim rows, 30 measured")
     readings = md.split("## E1.3 read four ways", 1)[1].split("##", 1)[0]
     assert "verdict" not in readings
     # the terminal: word headers, no verdict column, the reason in one line

@@ -150,6 +150,10 @@ def summary_line(report_dir: str | Path) -> str:
         raise QKGeomError(f"{path}: unreadable ({err})") from err
     if len(claims) and not {"claim_id", "claim", "verdict"} <= set(claims.columns):
         raise QKGeomError(f"{path}: not a qkgeom claims table (no claim_id/claim/verdict)")
+    if "setting" in claims.columns:  # an E1 width ladder: its own summary
+        from qkgeom.analysis.e1.ladder import ladder_summary_of
+
+        return ladder_summary_of(path.parent) or claims_summary(claims)
     return claims_summary(claims)
 
 

@@ -293,3 +293,26 @@ def nanmean(x: np.ndarray, axis: int) -> np.ndarray:
     s = np.where(ok, x, 0.0).sum(axis=axis)
     with np.errstate(invalid="ignore", divide="ignore"):
         return np.where(n > 0, s / np.maximum(n, 1), np.nan)
+
+
+def spearman_cross(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Spearman ρ of every ``x[i]`` with every ``y[j]`` along the last axis: ``x`` and
+    ``y`` (N, …, T) give (N, N, …), entry [i, j] = ρ(x[i], y[j]) (average ranks for ties,
+    as :func:`spearman`; NaN where a series is constant or T < 2). The cross-run pairs of
+    E2's null (docs/protocols.md#e2) in one product instead of N² calls."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    if x.shape != y.shape:
+        raise ValueError(f"x and y must have one shape, got {x.shape} and {y.shape}")
+    if x.shape[-1] < 2:
+        return np.full((x.shape[0], *x.shape[:-1]), np.nan)
+
+    def unit(a: np.ndarray) -> np.ndarray:  # centred ranks of unit length, NaN if constant
+        r = sst.rankdata(a, axis=-1)
+        r = r - r.mean(-1, keepdims=True)
+        norm = np.sqrt((r**2).sum(-1, keepdims=True))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(norm > 0, r / np.where(norm > 0, norm, 1.0), np.nan)
+
+    rho = np.einsum("i...t,j...t->ij...", unit(x), unit(y))
+    return np.clip(rho, -1.0, 1.0)

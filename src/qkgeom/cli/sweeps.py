@@ -36,6 +36,7 @@ RunsPerGpu = Annotated[str, typer.Option(
          "folder, see docs/speed.md).")]
 Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | lab "
                                           "(e1, e3: 5x longer runs, about an hour each on 2 "
+                                          "CPU cores) | ladder (e1: widths 64-256, 2-3 h on 2 "
                                           "CPU cores) | w64 (e3: the demo at width 64) | "
                                           "paper (GPU-hours; pass --data).")]
 Data = Annotated[str, typer.Option(
@@ -111,10 +112,10 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
 
 
 #: The terminal claims table: claims.csv column -> its header (words, not field names).
-TERMINAL_CLAIMS = {"claim_id": "id", "claim": "claim", "role": "role", "level": "level",
-                   "from": "from", "measured": "sign k/n", "p_adj": "p (Holm)",
-                   "p_value": "p (sign-flip)", "verdict": "verdict",
-                   "verdict_gate_p1": "verdict, protocol-1 gate (E3)"}
+TERMINAL_CLAIMS = {"setting": "setting", "claim_id": "id", "claim": "claim", "role": "role",
+                   "level": "level", "from": "from", "statistic": "statistic",
+                   "measured": "sign k/n", "p_adj": "p (Holm)", "p_value": "p (sign-flip)",
+                   "verdict": "verdict", "verdict_gate_p1": "verdict, protocol-1 gate (E3)"}
 
 
 def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
@@ -126,6 +127,8 @@ def terminal_claims(claims: pd.DataFrame) -> pd.DataFrame:
     cols = [c for c in TERMINAL_CLAIMS if c in claims
             and not (c.startswith("verdict") and descriptive_reason(claims))
             and not (c == "p_value" and "p_adj" in claims)]  # the Holm p when there is one
+    if "layer" in claims:  # E1's per-layer rows: in report.md and claims.csv, not here
+        claims = claims[claims["layer"].isna()]
     return claims[cols].rename(columns=TERMINAL_CLAIMS)
 
 

@@ -19,8 +19,11 @@ from matplotlib.ticker import MaxNLocator
 
 from qkgeom.analysis import figstyle, stats
 from qkgeom.analysis.collate import GROUP, Collated
+from qkgeom.analysis.e1.claims import CLAIMS, PRIMARY, SENSITIVITY_CLAIMS
+from qkgeom.analysis.e1.ladder import ORDER, setting_of
 from qkgeom.analysis.e1.trajectories import LEVELS, level_metrics, reference_probe
-from qkgeom.analysis.kit import Drawn, missing_metrics
+from qkgeom.analysis.figstyle import KEY_COLOR
+from qkgeom.analysis.kit import Drawn, fmt_p, missing_metrics
 
 LEVEL_TITLE = {"weight": "weight level", "token": "token level (probe set)"}
 #: (metric stem, line style, legend label) of the PR figure: PR_Q solid, PR_K dashed.
@@ -247,11 +250,17 @@ FIGURE_METRICS = {"pr": ("pr_q", "pr_k"), "contrast": ("contrast",),
                   "qk_entropy": ("pr_qk", "attn_entropy"), "heads": ("pr_qk", "attn_entropy")}
 
 
-def make_figures(data: Collated, out_dir: str | Path) -> Drawn:
+def make_figures(data: Collated, out_dir: str | Path,
+                 e1: dict[str, pd.DataFrame] | None = None) -> Drawn:
     """Every figure at every level into ``out_dir``, except those whose metrics the runs
-    do not record and the trajectories of a single probe step, which are listed instead."""
+    do not record and the trajectories of a single probe step, which are listed instead;
+    with ``e1`` (:func:`qkgeom.analysis.e1.report.e1_claims`'s tables) also the ladder's
+    effects against width, the per-layer figure and the reference sensitivity."""
     table = data.metrics
     drawn = Drawn(spread=figstyle.spread_note(seeds_per_panel(table)))
+    if e1 is not None and len(e1.get("settings", ())):
+        fig = fig_ladder(e1["seed_effects"], e1["trend"])
+        drawn.pngs["ladder_effects"] = figstyle.save_figure(fig, out_dir, "ladder_effects")[0]
     for kind, draw in FIGURES.items():
         rows = table[table["head"] >= 0] if kind == "heads" else table
         for level in LEVELS:
@@ -264,4 +273,263 @@ def make_figures(data: Collated, out_dir: str | Path) -> Drawn:
             else:
                 fig = draw(table, level, data.ref_steps)
                 drawn.pngs[name] = figstyle.save_figure(fig, out_dir, name)[0]
+    if e1 is None:
+        return drawn
+    per_layer = e1["run_layers"]
+    if table["step"].nunique() < 2:
+        drawn.empty["per_layer"] = "one probe step only: no change to show"
+    elif len(per_layer) and (per_layer["level"] == "token").any():
+        hue, order, pooled = "depth", None, True
+        if len(e1.get("settings", ())):
+            per_layer = per_layer.assign(setting=setting_of(per_layer, e1["settings"]))
+            hue, order, pooled = "setting", list(e1["settings"]["setting"]), False
+        drawn.pngs["per_layer"] = figstyle.save_figure(
+            fig_per_layer(per_layer, hue, order, pooled), out_dir, "per_layer")[0]
+    else:
+        drawn.empty["per_layer"] = "no token-level statistics"
+    if len(e1["sensitivity"]):
+        summary = e1["sensitivity"]
+        if len(e1.get("settings", ())):
+            labels = dict(zip(e1["settings"]["variant"], e1["settings"]["setting"],
+                              strict=False))
+            summary = summary.assign(variant=summary["variant"].map(labels)
+                                     .fillna(summary["variant"]))
+        drawn.pngs["reference_sensitivity"] = figstyle.save_figure(
+            fig_reference_sensitivity(summary, e1["sensitivity_runs"]), out_dir,
+            "reference_sensitivity")[0]
+    else:
+        drawn.empty["reference_sensitivity"] = "no probe between 5 % and 75 % of the run"
     return drawn
+
+
+# ---------------------------------------------------------------------------------------
+# Protocol 2: per-layer effects, reference sensitivity, the width ladder
+# ---------------------------------------------------------------------------------------
+
+#: The claims' primary statistics in the per-layer and ladder figures: (claim, statistic,
+#: y label). E1.2 first: the claim whose run-level verdict a single layer can decide.
+PRIMARY_PANELS = (
+    ("E1.2", "delta_pr_k", "ΔPR_K (dims)"), ("E1.1", "delta_pr_q", "ΔPR_Q (dims)"),
+    ("E1.3", "contrast_time_mean", "time-avg PR_Q − PR_K"),
+    ("E2.1", "rho_k_qk_vs_null", "ρ within − cross-run"),
+    ("E2.2", "rho_qk_entropy_vs_null", "ρ within − cross-run"),
+    ("E2.3", "rho_heads_qk_entropy", "ρ across heads"),
+)
+_MEAN_STYLE = {"color": KEY_COLOR, "marker": "D", "markersize": 4, "linestyle": "",
+               "zorder": 5}
+
+
+def _mean_ci(ax: Axes, x: float, values: np.ndarray) -> None:
+    """The mean of ``values`` at ``x`` with its 95 % t-interval (a bar from 2 values)."""
+    mean, lo, hi, n = stats.t_interval(values)
+    if not n:
+        return
+    ax.plot([x], [mean], **_MEAN_STYLE)
+    if np.isfinite(lo):
+        ax.plot([x, x], [lo, hi], color=KEY_COLOR, linewidth=1.0, zorder=5)
+
+
+def fig_per_layer(per_layer: pd.DataFrame, hue: str = "depth",
+                  order: list[str] | None = None, pooled: bool = True) -> Figure:
+    """Every run's per-layer value of each claim's primary statistic (token level, from
+    the reference; E2.3 at the last checkpoint) against the layer index, one colour per
+    ``hue`` value (depth, or the ladder's setting, in ``order``) and, at the right, the
+    run-level value (mean over the run's layers, the primary row's unit). ``pooled``: each
+    layer's mean over all runs with its t-interval (black), as the per-layer rows pool
+    them; otherwise (a ladder, whose settings are never pooled) each group's own mean."""
+    sign = {c.id: c.sign for c in CLAIMS}
+    origin = {c.id: PRIMARY[1] if c.per_origin else "step0" for c in CLAIMS}
+    with matplotlib.rc_context(figstyle.STYLE):
+        fig, axes = figstyle.grid(2, 3, legend=True)
+        present = set(per_layer[hue].astype(str)) if len(per_layer) else set()
+        groups = [g for g in (order or sorted(present)) if g in present]
+        colors = dict(zip(groups, figstyle.layer_colors(len(groups)), strict=True))
+        for ax, (cid, stat, ylabel) in zip(axes.ravel(), PRIMARY_PANELS, strict=True):
+            sel = per_layer[(per_layer["level"] == PRIMARY[0])
+                            & (per_layer["origin"] == origin[cid])] if len(per_layer) else \
+                per_layer
+            arrow = "↑" if sign[cid] > 0 else "↓"
+            ax.set_title(f"{cid} (predicted {arrow})")
+            if sel.empty or stat not in sel or not np.isfinite(sel[stat]).any():
+                figstyle.blank_panel(ax, "not measured")
+                continue
+            layers = sorted(int(x) for x in sel["layer"].unique())
+            width = 0.6 / max(len(groups), 1)
+            right = layers[-1] + 1.2
+            for gi, g in enumerate(groups):
+                part = sel[sel[hue].astype(str) == g]
+                shift = -0.3 + width * (gi + 0.5)
+                x = part["layer"].to_numpy(dtype=float) + shift
+                ax.scatter(x, part[stat], s=8, color=colors[g], alpha=0.75, linewidths=0)
+                means = part.groupby("run_id")[stat].mean().to_numpy()
+                ax.scatter(np.full(len(means), right + shift), means, s=8, color=colors[g],
+                           alpha=0.75, linewidths=0)
+                if not pooled:
+                    for layer in layers:
+                        _mean_ci(ax, layer + shift,
+                                 part.loc[part["layer"] == layer, stat].to_numpy())
+                    _mean_ci(ax, right + shift, means)
+            if pooled:
+                for layer in layers:
+                    _mean_ci(ax, float(layer), sel.loc[sel["layer"] == layer, stat].to_numpy())
+                _mean_ci(ax, right, sel.groupby("run_id")[stat].mean().to_numpy())
+            ax.axhline(0.0, **figstyle.ZERO_LINE)
+            ax.set_xticks([*layers, right], [*map(str, layers), "mean"])
+            ax.set_ylabel(ylabel)
+            ax.set_xlabel("layer")
+        handles = [Line2D([], [], color=colors[g], marker="o", linestyle="", markersize=4,
+                          label=f"{hue} {g}" if hue == "depth" else g) for g in groups]
+        handles.append(Line2D([], [], **{**_MEAN_STYLE, "zorder": None},
+                              label="mean ± 95 % t"))
+        axes[0, -1].legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5),
+                           frameon=False)
+        figstyle.suptitle(fig, "Per layer (secondary): each run's value of every claim's "
+                               "primary statistic per layer index, token level, from the "
+                               "reference (E2.3: last probe); right: the run's mean over its "
+                               "layers (the primary unit); black: mean ± 95 % t" +
+                               ("" if pooled else " per " + hue))
+        return fig
+
+
+def fig_reference_sensitivity(summary: pd.DataFrame, per_run: pd.DataFrame) -> Figure:
+    """E1.1's and E1.2's effects (mean over runs, 95 % t-band) against the reference step,
+    rows the token and the weight level, one colour per setting; thin lines: each run
+    (one setting only); dotted: the protocol's reference (secondary, descriptive)."""
+    with matplotlib.rc_context(figstyle.STYLE):
+        levels = [lv for lv in ("token", "weight") if (summary["level"] == lv).any()] \
+            or ["token"]
+        fig, axes = figstyle.grid(len(levels), 2, legend=True, sharex=True)
+        variants = sorted(summary["variant"].astype(str).unique()) if len(summary) else []
+        colors = dict(zip(variants, figstyle.layer_colors(len(variants)), strict=True))
+        for r, level in enumerate(levels):
+            for c, (cid, stat, _sign) in enumerate(SENSITIVITY_CLAIMS):
+                ax = axes[r, c]
+                name = "ΔPR_Q" if c == 0 else "ΔPR_K"
+                ax.set_title(f"{cid} {name} · {level} level")
+                sel = summary[(summary["level"] == level) & (summary["claim_id"] == cid)]
+                if sel.empty or not np.isfinite(sel["mean"].to_numpy(dtype=float)).any():
+                    figstyle.blank_panel(ax, "not measured")
+                    continue
+                for v in variants:
+                    part = sel[sel["variant"].astype(str) == v].sort_values("reference_step")
+                    x = part["reference_step"].to_numpy(dtype=float)
+                    ax.plot(x, part["mean"], color=colors[v], marker="o", markersize=3)
+                    ax.fill_between(x, part["ci_low"], part["ci_high"], color=colors[v],
+                                    alpha=0.15, linewidth=0)
+                if len(variants) == 1 and len(per_run):
+                    runs = per_run[per_run["level"] == level]
+                    for _, g in runs.groupby("run_id"):
+                        g = g.sort_values("reference_step")
+                        ax.plot(g["reference_step"], g[stat], color=colors[variants[0]],
+                                linewidth=figstyle.SEED_LINEWIDTH, alpha=0.35)
+                primary = sel.loc[sel["primary"], "reference_step"]
+                for step in sorted(set(primary.astype(int))):
+                    ax.axvline(step, **figstyle.REF_LINE)
+                ax.axhline(0.0, **figstyle.ZERO_LINE)
+                ax.set_ylabel(f"{name} to the end (dims)")
+                if r == len(levels) - 1:
+                    ax.set_xlabel("reference step")
+                figstyle.step_axis(ax, float(sel["reference_step"].max()))
+        handles = [Line2D([], [], color=colors[v], label=v or "mean over runs")
+                   for v in variants]
+        handles.append(Line2D([], [], **figstyle.REF_LINE, label="protocol's reference"))
+        axes[0, -1].legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5),
+                           frameon=False)
+        figstyle.suptitle(fig, "Reference sensitivity (secondary, descriptive): the E1.1 and "
+                               "E1.2 effects with the reference at every probe from 5 % to "
+                               "75 % of the run; mean over runs ± 95 % t-interval")
+        return fig
+
+
+def _width_axis(ax: Axes, widths: list[int]) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(widths, [str(w) for w in widths])
+    ax.minorticks_off()
+    ax.set_xlabel("width (d_model)")
+
+
+def _trend_title(r: pd.Series) -> str:
+    """A trend row in a panel title: the verdict, its direction and the Holm p."""
+    direction = r["direction"] if isinstance(r["direction"], str) else ""
+    text = r["verdict"] + (f", {direction.removesuffix(' the claim')}" if direction else "")
+    return f"{text}; p (Holm) {fmt_p(r['p_adj'])}"
+
+
+def fig_ladder(effects: pd.DataFrame, trend: pd.DataFrame) -> Figure:
+    """Each primary effect against width (E1.2 first): every seed's runs joined across the
+    rungs (thin), the mean over seeds with its 95 % t-interval per width (black), the arms
+    as open markers at their width; each panel's title gives the trend row's verdict."""
+    labels = {cid: ylabel for cid, _, ylabel in PRIMARY_PANELS}
+    with matplotlib.rc_context(figstyle.STYLE):
+        fig, axes = figstyle.grid(2, 3, legend=True)
+        rungs = effects[effects["rung"]] if len(effects) else effects
+        widths = sorted(int(w) for w in rungs["width"].unique()) if len(rungs) else []
+        arms = sorted(effects.loc[~effects["rung"], "setting"].unique()) if len(effects) \
+            else []
+        arm_colors = dict(zip(arms, figstyle.LAYER_PALETTE[1:], strict=False))
+        verdicts = dict(zip(trend["claim_id"], [_trend_title(r) for _, r in trend.iterrows()],
+                            strict=True)) if len(trend) else {}
+        for ax, cid in zip(axes.ravel(), ORDER, strict=True):
+            ax.set_title(f"{cid}\n" + verdicts.get(cid, ""), fontsize=8)
+            sel = rungs[rungs["claim_id"] == cid] if len(rungs) else rungs
+            if sel.empty or not np.isfinite(sel["value"].to_numpy(dtype=float)).any():
+                figstyle.blank_panel(ax, "not measured")
+                continue
+            wide = sel.pivot_table(index="seed", columns="width", values="value")
+            for _, row in wide.iterrows():
+                ok = row.notna()
+                ax.plot(row.index[ok], row[ok], color=figstyle.LAYER_PALETTE[0],
+                        linewidth=figstyle.SEED_LINEWIDTH, alpha=0.5, marker="o",
+                        markersize=2.5)
+            for w in wide.columns:
+                _mean_ci(ax, float(w), wide[w].to_numpy(dtype=float))
+            for arm in arms:
+                part = effects[(effects["setting"] == arm) & (effects["claim_id"] == cid)]
+                if len(part):
+                    x = float(part["width"].iloc[0]) * 1.12
+                    ax.scatter(np.full(len(part), x), part["value"], s=12,
+                               facecolors="none", edgecolors=arm_colors[arm], linewidths=0.8)
+                    _mean_ci(ax, x, part["value"].to_numpy(dtype=float))
+            ax.axhline(0.0, **figstyle.ZERO_LINE)
+            _width_axis(ax, widths)
+            ax.set_ylabel(labels[cid])
+        handles = [Line2D([], [], color=figstyle.LAYER_PALETTE[0], marker="o", markersize=2.5,
+                          linewidth=figstyle.SEED_LINEWIDTH, label="one seed"),
+                   Line2D([], [], **{**_MEAN_STYLE, "zorder": None}, label="mean ± 95 % t")]
+        handles += [Line2D([], [], color=arm_colors[a], marker="o", markerfacecolor="none",
+                           linestyle="", label=a) for a in arms]
+        axes[0, -1].legend(handles=handles, loc="center left", bbox_to_anchor=(1.02, 0.5),
+                           frameon=False)
+        figstyle.suptitle(fig, "Width ladder: each claim's primary effect per seed against "
+                               "width (token level, from the reference; E2.3 last probe); "
+                               "titles: the trend test over seeds (slope on log₂ width)")
+        return fig
+
+
+def fig_width_effects(e1: pd.DataFrame, e3: pd.DataFrame) -> Figure:
+    """The README's verdict-by-width figure: E1.2's effect (token ΔPR_K from the reference,
+    per seed; :func:`qkgeom.analysis.e1.ladder.e12_by_width`) and E3.1's (scale-free
+    entropy, shrink-0.5 − none over the whole run, per seed;
+    :func:`qkgeom.analysis.e1.ladder.e3_by_width`) against width, each table ``width,
+    seed, effect``; per width the mean over seeds and its 95 % t-interval."""
+    panels = ((e1, "E1.2 PR_K shrinks (< 0)", "ΔPR_K from the reference"),
+              (e3, "E3.1 shrinking sharpens (< 0)", "Δ scale-free entropy"))
+    with matplotlib.rc_context(figstyle.STYLE):
+        fig, axes = figstyle.grid(1, 2)
+        for ax, (table, title, ylabel) in zip(axes[0], panels, strict=True):
+            ax.set_title(title)
+            if table is None or table.empty:
+                figstyle.blank_panel(ax, "no runs")
+                continue
+            widths = sorted(int(w) for w in table["width"].unique())
+            for w in widths:
+                values = table.loc[table["width"] == w, "effect"].to_numpy(dtype=float)
+                ax.scatter(np.full(len(values), float(w)), values, s=10,
+                           color=figstyle.LAYER_PALETTE[0], alpha=0.6, linewidths=0)
+                _mean_ci(ax, float(w), values)
+            ax.axhline(0.0, **figstyle.ZERO_LINE)
+            _width_axis(ax, widths)
+            ax.set_ylabel(ylabel)
+        figstyle.suptitle(fig, "Effects against width: one point per seed; black: mean "
+                               "± 95 % t; E3.1: shrink-0.5 − none, whole run")
+        return fig

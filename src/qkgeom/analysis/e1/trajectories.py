@@ -2,13 +2,15 @@
 against probe step), per run and seed-averaged, and per run: the independent unit.
 
 Each is measured from step 0 and from the post-transient reference, at the weight and the
-token level, in one pass over each depth × init cell (its runs as a seed axis). Every
-column, and why E2.1/E2.2 read the probe-to-probe changes and seed-averaged ρ's are means
+token level, in one pass over each depth × init cell (its runs as a seed axis); E2's
+cross-run null pairs the runs of one depth and setting across cells. Every column, and why
+E2.1/E2.2 read the probe-to-probe changes against that null and seed-averaged ρ's are means
 of per-run ρ's: docs/report.md (E1/E2 statistics).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -17,16 +19,21 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis.collate import GROUP, Collated
-from qkgeom.analysis.stats import nanmean, spearman
+from qkgeom.analysis.stats import nanmean, spearman, spearman_cross
 
 LEVELS = ("weight", "token")
 ORIGINS = ("step0", "reference")
 QUANTITIES = ("pr_q", "pr_k", "pr_qk", "attn_entropy")
 RHO_STATS = ("rho_k_qk", "rho_qk_entropy", "rho_k_qk_levels", "rho_qk_entropy_levels")
+#: E2.1/E2.2 on the changes: the within-run ρ (:data:`RHO_STATS`) and the quantities whose
+#: changes it correlates; E2's null (protocol 2) pairs run i's first with run j's second.
+E2_PAIRS = {"rho_k_qk": ("pr_k", "pr_qk"), "rho_qk_entropy": ("pr_qk", "attn_entropy")}
+#: Per ρ of :data:`E2_PAIRS`: the cross-run null and the within-run ρ minus it (primary).
+NULL_STATS = tuple(f"{name}_{kind}" for name in E2_PAIRS for kind in ("null", "vs_null"))
 #: The per-layer statistics averaged into a run's whole-model value.
 STATISTICS = ("delta_pr_q", "delta_pr_k", "slope_pr_q", "slope_pr_k", "contrast_min_after",
               "contrast_end", "contrast_time_mean", "delta_contrast", "contrast_pos_share",
-              *RHO_STATS, "rho_heads_qk_entropy")
+              *RHO_STATS, *NULL_STATS, "rho_heads_qk_entropy")
 
 
 def level_metrics(level: str) -> dict[str, str]:
@@ -184,6 +191,45 @@ def _cells(data: Collated, level: str) -> list[_Cell]:
     return out
 
 
+def cross_run_null(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """E2's null (docs/protocols.md#e2): for runs i of one depth and setting, ``x`` and
+    ``y`` (runs, layers, changes), the mean over the other runs j of ρ(x[i], y[j]) per run
+    and layer (runs, layers): what a profile every run shares gives with no link inside a
+    run. NaN for a run with no other run (or none with a defined ρ)."""
+    rho = spearman_cross(x, y)  # (i, j, layer)
+    n = rho.shape[0]
+    rho[np.arange(n), np.arange(n)] = np.nan  # the within-run pairs are not the null
+    return nanmean(rho, axis=1)
+
+
+def _null_stats(cells: list[_Cell], origin: str) -> dict[int, dict[str, np.ndarray]]:
+    """:data:`NULL_STATS` per cell index (arrays run × layer) at ``origin``, the null of
+    each run from the runs of every cell of its depth and setting (variant) with the same
+    layers and the same probe steps from the origin: the Q/K inits are pooled."""
+    groups: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for ci, cell in enumerate(cells):
+        i0 = cell.origin_index(origin)
+        key = (cell.key["depth"], cell.key["variant"], tuple(cell.layers.tolist()),
+               tuple(cell.steps[i0:].tolist()))
+        groups[key].append((ci, i0))
+    out: dict[int, dict[str, np.ndarray]] = {ci: {} for ci in range(len(cells))}
+    for members in groups.values():
+        sizes = [len(cells[ci].runs) for ci, _ in members]
+        bounds = np.cumsum([0, *sizes])
+        for name, (a, b) in E2_PAIRS.items():
+            x = np.concatenate([np.diff(cells[ci].cube[a][..., i0:], axis=-1)
+                                for ci, i0 in members])
+            y = np.concatenate([np.diff(cells[ci].cube[b][..., i0:], axis=-1)
+                                for ci, i0 in members])
+            null = cross_run_null(x, y)
+            within, _ = spearman(x, y)
+            for m, (ci, _) in enumerate(members):
+                part = slice(bounds[m], bounds[m + 1])
+                out[ci][f"{name}_null"] = null[part]
+                out[ci][f"{name}_vs_null"] = within[part] - null[part]
+    return out
+
+
 def layer_statistics(data: Collated, levels: Iterable[str] = LEVELS
                      ) -> tuple[pd.DataFrame, pd.DataFrame]:
     """``(per run and layer, per seed-averaged layer trajectory)`` of :func:`collate`'s
@@ -194,7 +240,9 @@ def layer_statistics(data: Collated, levels: Iterable[str] = LEVELS
     run_rows: list[dict[str, Any]] = []
     traj_rows: list[dict[str, Any]] = []
     for level in levels:
-        for cell in _cells(data, level):
+        cells = _cells(data, level)
+        nulls = {origin: _null_stats(cells, origin) for origin in ORIGINS}
+        for ci, cell in enumerate(cells):
             rho_h, _ = spearman(cell.heads["pr_qk"], cell.heads["attn_entropy"])  # (S, L)
             n_heads = cell.heads["pr_qk"].shape[-1]
             mean_cube = {q: a.mean(axis=0) for q, a in cell.cube.items()}  # (L, T)
@@ -202,9 +250,12 @@ def layer_statistics(data: Collated, levels: Iterable[str] = LEVELS
                 i0 = cell.origin_index(origin)
                 per_run = window_stats(cell.steps, cell.cube, i0)  # (S, L)
                 per_run["rho_heads_qk_entropy"] = rho_h
+                per_run.update(nulls[origin][ci])
                 mean = window_stats(cell.steps, mean_cube, i0)  # (L,)
                 for name in RHO_STATS:
                     mean[f"{name}_of_mean"] = mean[name]
+                    mean[name] = nanmean(per_run[name], axis=0)
+                for name in NULL_STATS:
                     mean[name] = nanmean(per_run[name], axis=0)
                 mean["rho_heads_qk_entropy"] = nanmean(rho_h, axis=0)
                 common = {"level": level, "origin": origin, "start_step": int(cell.steps[i0]),
@@ -255,3 +306,41 @@ def cell_stats(runs: pd.DataFrame) -> pd.DataFrame:
     out = g[list(STATISTICS)].mean()
     out["n_runs"] = g["run_id"].nunique()
     return out.reset_index()
+
+
+#: The references of the sensitivity table: every probe from 5 % to 75 % of the run
+#: (docs/protocols.md#reference-sensitivity).
+SENSITIVITY_SHARES = (0.05, 0.75)
+
+
+def reference_sensitivity(data: Collated, levels: Iterable[str] = LEVELS,
+                          shares: tuple[float, float] = SENSITIVITY_SHARES) -> pd.DataFrame:
+    """E1.1's and E1.2's run-level effects with the reference moved to every probe from
+    ``shares[0]`` to ``shares[1]`` of the run: one row per run, level and reference with
+    the cell keys, ``run_id, seed, level, reference_step, share`` (of the run's steps),
+    ``primary`` (the protocol's reference) and ``delta_pr_q``, ``delta_pr_k`` (last probe
+    − reference, mean over the run's layers, as :func:`run_stats` gives them)."""
+    inc = data.included
+    run_steps = dict(zip(inc["run_id"], inc["steps"], strict=True)) if len(inc) else {}
+    rows: list[dict[str, Any]] = []
+    for level in levels:
+        for cell in _cells(data, level):
+            length = max((int(run_steps.get(r, 0) or 0) for r in cell.runs), default=0)
+            length = length if length > 0 else int(cell.steps[-1])
+            lo, hi = shares[0] * length, shares[1] * length
+            primary = reference_probe(cell.steps, cell.ref)
+            q, k = cell.cube["pr_q"], cell.cube["pr_k"]  # (S, L, T)
+            for i, step in enumerate(cell.steps[:-1]):  # the last probe measures no change
+                if not lo <= step <= hi:
+                    continue
+                dq = nanmean(q[..., -1] - q[..., i], axis=1)
+                dk = nanmean(k[..., -1] - k[..., i], axis=1)
+                for s, (run, seed) in enumerate(zip(cell.runs, cell.seeds, strict=True)):
+                    rows.append({**cell.key, "run_id": run, "seed": seed, "level": level,
+                                 "reference_step": int(step), "share": step / length,
+                                 "primary": int(step) == primary,
+                                 "delta_pr_q": float(dq[s]), "delta_pr_k": float(dk[s])})
+    cols = [*GROUP, "run_id", "seed", "level", "reference_step", "share", "primary",
+            "delta_pr_q", "delta_pr_k"]
+    return _sorted(pd.DataFrame(rows, columns=cols),
+                   [*GROUP, "level", "reference_step", "seed", "run_id"])
