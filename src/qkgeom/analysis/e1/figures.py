@@ -276,6 +276,7 @@ def make_figures(data: Collated, out_dir: str | Path,
     if e1 is None:
         return drawn
     per_layer = e1["run_layers"]
+    models = ", ".join(_label(i, v) for i, v in _settings(table)[1])  # named in each title
     if table["step"].nunique() < 2:
         drawn.empty["per_layer"] = "one probe step only: no change to show"
     elif len(per_layer) and (per_layer["level"] == "token").any():
@@ -284,7 +285,7 @@ def make_figures(data: Collated, out_dir: str | Path,
             per_layer = per_layer.assign(setting=setting_of(per_layer, e1["settings"]))
             hue, order, pooled = "setting", list(e1["settings"]["setting"]), False
         drawn.pngs["per_layer"] = figstyle.save_figure(
-            fig_per_layer(per_layer, hue, order, pooled), out_dir, "per_layer")[0]
+            fig_per_layer(per_layer, hue, order, pooled, models), out_dir, "per_layer")[0]
     else:
         drawn.empty["per_layer"] = "no token-level statistics"
     if len(e1["sensitivity"]):
@@ -295,7 +296,7 @@ def make_figures(data: Collated, out_dir: str | Path,
             summary = summary.assign(variant=summary["variant"].map(labels)
                                      .fillna(summary["variant"]))
         drawn.pngs["reference_sensitivity"] = figstyle.save_figure(
-            fig_reference_sensitivity(summary, e1["sensitivity_runs"]), out_dir,
+            fig_reference_sensitivity(summary, e1["sensitivity_runs"], models), out_dir,
             "reference_sensitivity")[0]
     else:
         drawn.empty["reference_sensitivity"] = "no probe between 5 % and 75 % of the run"
@@ -330,7 +331,8 @@ def _mean_ci(ax: Axes, x: float, values: np.ndarray) -> None:
 
 
 def fig_per_layer(per_layer: pd.DataFrame, hue: str = "depth",
-                  order: list[str] | None = None, pooled: bool = True) -> Figure:
+                  order: list[str] | None = None, pooled: bool = True,
+                  models: str = "") -> Figure:
     """Every run's per-layer value of each claim's primary statistic (token level, from
     the reference; E2.3 at the last checkpoint) against the layer index, one colour per
     ``hue`` value (depth, or the ladder's setting, in ``order``) and, at the right, the
@@ -387,11 +389,13 @@ def fig_per_layer(per_layer: pd.DataFrame, hue: str = "depth",
                                "primary statistic per layer index, token level, from the "
                                "reference (E2.3: last probe); right: the run's mean over its "
                                "layers (the primary unit); black: mean ± 95 % t" +
-                               ("" if pooled else " per " + hue))
+                               ("" if pooled else " per " + hue) +
+                               (f"; models: {models}" if models else ""))
         return fig
 
 
-def fig_reference_sensitivity(summary: pd.DataFrame, per_run: pd.DataFrame) -> Figure:
+def fig_reference_sensitivity(summary: pd.DataFrame, per_run: pd.DataFrame,
+                              models: str = "") -> Figure:
     """E1.1's and E1.2's effects (mean over runs, 95 % t-band) against the reference step,
     rows the token and the weight level, one colour per setting; thin lines: each run
     (one setting only); dotted: the protocol's reference (secondary, descriptive)."""
@@ -437,7 +441,8 @@ def fig_reference_sensitivity(summary: pd.DataFrame, per_run: pd.DataFrame) -> F
                            frameon=False)
         figstyle.suptitle(fig, "Reference sensitivity (secondary, descriptive): the E1.1 and "
                                "E1.2 effects with the reference at every probe from 5 % to "
-                               "75 % of the run; mean over runs ± 95 % t-interval")
+                               "75 % of the run; mean over runs ± 95 % t-interval" +
+                               (f"; models: {models}" if models else ""))
         return fig
 
 
