@@ -121,7 +121,7 @@ def _stability_summary(path: Path, html: Path) -> None:
     from qkgeom.ui import render_frame
 
     s = terminal_summary(path.parent)
-    render_frame(s.table, s.title, s.notes, group=s.group)
+    render_frame(s.table, s.title, s.notes)
     for line in (*s.lines, summary_line(path.parent), f"report: {path}",
                  f"report (HTML): {html}" if html.is_file() else ""):
         if line:

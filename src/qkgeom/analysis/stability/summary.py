@@ -36,14 +36,23 @@ VERDICT = "verdict, p"
 
 @dataclass
 class TerminalSummary:
-    """The table (its ``group`` columns name a remedy's rows), its title, the footnote
-    lines under it and the lines printed after it."""
+    """The table, its title, the footnote lines under it and the lines printed after it."""
 
     table: pd.DataFrame
     title: str
     notes: list[str] = field(default_factory=list)
     lines: list[str] = field(default_factory=list)
-    group: list[str] = field(default_factory=list)
+
+
+def _blank_repeats(table: pd.DataFrame, columns: list[str]) -> pd.DataFrame:
+    """``columns`` shown on the first row of each run of equal values only. (Not
+    ``render_frame``'s groups: a group column may wrap, and a remedy's name has no space
+    to wrap at, so a narrow terminal would break it mid-word.)"""
+    out = table.copy()
+    key = out[columns].astype(str).agg("\x1f".join, axis=1)
+    repeat = key.eq(key.shift())
+    out.loc[repeat, columns] = ""
+    return out
 
 
 def _read(report_dir: Path, name: str) -> pd.DataFrame | None:
@@ -191,5 +200,5 @@ def terminal_summary(report_dir: str | Path) -> TerminalSummary:
     transfer = _read(report_dir, "stability_transfer")
     if transfer is not None and len(transfer):
         lines += [line.replace("**", "") for line in requirements(transfer)]
-    return TerminalSummary(table, title, notes, [x for x in lines if x],
-                           [c for c in ("size", "remedy") if c in table])
+    table = _blank_repeats(table, [c for c in ("size", "remedy") if c in table])
+    return TerminalSummary(table, title, notes, [x for x in lines if x])
