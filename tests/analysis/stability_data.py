@@ -41,11 +41,11 @@ def trajectory(collapse_at: float | None, rng: np.random.Generator,
 
 def synthetic(seeds: int, planted: bool, seed: int = 0, lrs: Sequence[float] = (STABLE, HIGH),
               arms: Sequence[str] = ("none", "fix"), sizes: Sequence[str] = ("model",),
-              scales: Sequence[float] | None = None) -> StabilityRuns:
+              scales: Sequence[float] | None = None, warmup: int = 0) -> StabilityRuns:
     """Sizes × seeds × ``lrs`` × ``arms``. Above the stable lr ``none`` collapses at step
     ~20 and its val loss departs by 0.3 nats; the other arms collapse too unless
     ``planted``. At and below the stable lr every run is healthy and the losses differ by
-    noise only. ``scales``: each size's logit scale."""
+    noise only. ``scales``: each size's logit scale; ``warmup``: every run's LR warm-up."""
     rng = np.random.default_rng(seed)
     runs = []
     lay: dict[str, list] = {k: [] for k in ("run_id", "step", "layer", "metric", "value")}
@@ -75,7 +75,8 @@ def synthetic(seeds: int, planted: bool, seed: int = 0, lrs: Sequence[float] = (
                     val["step"].append(EVALS)
                     val["val_loss"].append(loss)
                     runs.append({"run_id": rid, "arm": arm, "size": size, "lr": lr, "seed": s,
-                                 "state": "done", "steps": 100, "diverged_step": np.nan})
+                                 "state": "done", "steps": 100, "diverged_step": np.nan,
+                                 "warmup": warmup})
     layers = pd.DataFrame({k: v if k in ("run_id", "metric") else np.concatenate(v)
                            for k, v in lay.items()})
     vals = pd.DataFrame({k: v if k == "run_id" else np.concatenate(v) for k, v in val.items()})
@@ -112,7 +113,7 @@ def write_stability_sweep(out: Path, stab: StabilityRuns, name: str,
         n_layer, n_embd, block = (shapes or {}).get(r.size, (2, 32, 32))
         config = {"model": {"n_layer": n_layer, "n_head": 2, "n_embd": n_embd,
                             "block_size": block}, "lr": float(r.lr), "seed": int(r.seed),
-                  "steps": int(r.steps), "batch_size": 8}
+                  "steps": int(r.steps), "warmup_steps": int(r.warmup), "batch_size": 8}
         write_frame_run(out / "runs" / r.run_id, r.run_id, config,
                   stab.layers[stab.layers["run_id"] == r.run_id].drop(columns="run_id"),
                   stab.val[stab.val["run_id"] == r.run_id].drop(columns="run_id"), r.state)
@@ -125,16 +126,20 @@ def write_stability_sweep(out: Path, stab: StabilityRuns, name: str,
     return out
 
 
-def write_trial_runs(out: Path, stab: StabilityRuns) -> Path:
+def write_trial_runs(out: Path, stab: StabilityRuns, warmup_in: str = "trial") -> Path:
     """``stab``'s runs as Hugging Face trial runs of the monitor: each size a family,
-    ``trial`` in config.json beside an empty config (no sweep.json)."""
+    ``trial`` in config.json beside a config of the model and steps (no sweep.json); each
+    run's warm-up as ``trial.warmup_steps`` or (``warmup_in="config"``) as the config's
+    ``warmup_steps``."""
     for r in stab.runs.itertuples():
         config = {"model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32},
-                  "steps": int(r.steps)}
+                  "steps": int(r.steps),
+                  **({"warmup_steps": int(r.warmup)} if warmup_in == "config" else {})}
+        trial = {"family": r.size, "lr": float(r.lr), "seed": int(r.seed),
+                 "steps": int(r.steps),
+                 **({"warmup_steps": int(r.warmup)} if warmup_in == "trial" else {})}
         write_frame_run(out / "runs" / f"{r.size}-lr{r.lr:g}-s{r.seed}", r.run_id, config,
                   stab.layers[stab.layers["run_id"] == r.run_id].drop(columns="run_id"),
                   stab.val[stab.val["run_id"] == r.run_id].drop(columns="run_id"), r.state,
-                  source="qkgeom.monitor",
-                  trial={"family": r.size, "lr": float(r.lr), "seed": int(r.seed),
-                         "steps": int(r.steps)})
+                  source="qkgeom.monitor", trial=trial)
     return out

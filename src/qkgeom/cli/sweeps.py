@@ -74,6 +74,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
     from qkgeom.analysis import excluded_count, summary_line, write_report
     from qkgeom.analysis.e3.claims import raw_entropy_lines
     from qkgeom.analysis.kit import descriptive_reason
+    from qkgeom.runs.sweep import sweep_experiment
     from qkgeom.ui import render_frame
 
     path = write_report(folder, out, calibration=calibration, also=also or ())
@@ -89,6 +90,9 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
     if fmt == "csv":
         write_csv(claims)
         info(f"report: {path}", fmt)
+        return
+    if sweep_experiment(folder) == "stability":
+        _stability_summary(path, html)
         return
     shown = terminal_claims(claims)
     descriptive = descriptive_reason(claims)
@@ -106,6 +110,20 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
     for line in (descriptive, *raw_entropy_lines(claims), _not_recorded(claims),
                  left_out if excluded else "",
                  summary_line(path.parent), f"report: {path}",
+                 f"report (HTML): {html}" if html.is_file() else ""):
+        if line:
+            typer.echo(line)
+
+
+def _stability_summary(path: Path, html: Path) -> None:
+    """A stability report's terminal summary (``qkgeom.analysis.stability.summary``)."""
+    from qkgeom.analysis import summary_line
+    from qkgeom.analysis.stability.summary import terminal_summary
+    from qkgeom.ui import render_frame
+
+    s = terminal_summary(path.parent)
+    render_frame(s.table, s.title, s.notes)
+    for line in (*s.lines, summary_line(path.parent), f"report: {path}",
                  f"report (HTML): {html}" if html.is_file() else ""):
         if line:
             typer.echo(line)

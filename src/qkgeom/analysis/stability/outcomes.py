@@ -4,9 +4,11 @@ loss departed from the stable run of its seed and size, and whether its remedy a
 
 Diverged runs stay in (a divergence is a collapse); failed and unfinished runs are listed
 as left out. The remedy of a run is the arm ``sweep.json`` records for it, its size the
-size it records (one size: named from the model's shape). Hugging Face trial folders
-(monitor runs with ``trial.family``, ``trial.lr``, ``trial.seed`` in their config) read
-into the same shape: arm ``none``, the family as the size.
+size it records (one size: named from the model's shape), its LR warm-up its config's
+``warmup_steps`` (what the growth-rate rules after the warm-up, C3w and C4w, read from).
+Hugging Face trial folders (monitor runs with ``trial.family``, ``trial.lr``,
+``trial.seed`` in their config) read into the same shape: arm ``none``, the family as the
+size, the warm-up ``trial.warmup_steps`` (else ``config.warmup_steps``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ OLD_ARMS = {"sigma_reparam": "sigma_reparam_qk"}
 TRIAL_KEYS = ("family", "lr", "seed")  # config.json ``trial`` of a Hugging Face trial run
 
 RUN_COLUMNS = ["run_id", "arm", "size", "lr", "seed", "state", "diverged_step", "steps",
-               "wall_s", "initial_val_loss", "final_val_loss", "final_entropy",
+               "warmup", "wall_s", "initial_val_loss", "final_val_loss", "final_entropy",
                "min_entropy", "final_logit_max", "peak_logit_max", "collapsed",
                "departure_step", "acted"]
 LEFT_OUT_COLUMNS = ["run_id", "state", "reason"]
@@ -59,6 +61,22 @@ class StabilityRuns:
         """The model sizes in the order the runs list them."""
         return list(dict.fromkeys(self.runs["size"]))
 
+    @property
+    def warmup(self) -> int:
+        """The LR warm-up (steps) of every run: the rules after the warm-up (C3w, C4w)
+        read from it, so runs of two warm-ups cannot share one rule set (one line)."""
+        w = self.runs["warmup"].astype(float)
+        if w.isna().any():
+            rid = self.runs.loc[w.isna(), "run_id"].iloc[0]
+            raise QKGeomError(f"{self.name}: run {rid} records no LR warm-up (warmup_steps), "
+                              "which the growth-rate rules after the warm-up need")
+        values = sorted({int(v) for v in w})
+        if len(values) > 1:
+            raise QKGeomError(f"{self.name}: runs of different LR warm-ups ("
+                              + ", ".join(f"{v}" for v in values) + " steps); the rules "
+                              "after the warm-up read one per folder: report each apart")
+        return values[0] if values else 0
+
 
 def read_stability(folder: str | Path) -> StabilityRuns:
     """Read a stability sweep folder (``qkgeom reproduce stability``)."""
@@ -77,7 +95,8 @@ def read_stability(folder: str | Path) -> StabilityRuns:
         size = axes[r.run_id].get("size") or shape_name(r.depth, r.n_embd, r.block_size)
         rows.append({"run_id": r.run_id, "arm": OLD_ARMS.get(arm, arm), "size": str(size),
                      "lr": float(r.lr), "seed": int(r.seed), "state": r.state,
-                     "steps": int(r.steps), "dir": r.dir})
+                     "steps": int(r.steps), "warmup": _number(r.config.get("warmup_steps")),
+                     "dir": r.dir})
     return _read_runs(rows, left_out, folder.name)
 
 
@@ -99,7 +118,8 @@ def read_trials(folder: str | Path) -> StabilityRuns:
             continue
         rows.append({"run_id": r.run_id, "arm": NONE, "size": str(trial["family"]),
                      "lr": float(trial["lr"]), "seed": int(trial["seed"]), "state": r.state,
-                     "steps": int(trial.get("steps") or r.steps), "dir": r.dir})
+                     "steps": int(trial.get("steps") or r.steps),
+                     "warmup": _trial_warmup(r, trial), "dir": r.dir})
     return _read_runs(rows, left_out, folder.name, diverge_on_nan=True)
 
 
@@ -118,7 +138,7 @@ def shape_name(n_layer: Any, n_embd: Any, block_size: Any) -> str:
 def _trial(row: Any) -> dict[str, Any] | None:
     """``trial.*`` of a run: from its flattened config, else the record's top level."""
     flat = row.config if isinstance(getattr(row, "config", None), dict) else {}
-    trial = {k: flat.get(f"trial.{k}") for k in (*TRIAL_KEYS, "steps")}
+    trial = {k: flat.get(f"trial.{k}") for k in (*TRIAL_KEYS, "steps", "warmup_steps")}
     if any(trial[k] is None for k in TRIAL_KEYS):
         try:
             top = read_record(row.dir).get("trial")
@@ -127,6 +147,18 @@ def _trial(row: Any) -> dict[str, Any] | None:
         trial = top if isinstance(top, dict) else {}
     ok = all(trial.get(k) is not None for k in TRIAL_KEYS)
     return trial if ok else None
+
+
+def _trial_warmup(row: Any, trial: dict[str, Any]) -> float:
+    """A trial run's LR warm-up: ``trial.warmup_steps``, else the record's own
+    ``config.warmup_steps`` (never a default: NaN when neither is recorded)."""
+    if trial.get("warmup_steps") is not None:
+        return _number(trial["warmup_steps"])
+    try:
+        config = read_record(row.dir).get("config")
+    except (QKGeomError, OSError):
+        config = None
+    return _number(config.get("warmup_steps")) if isinstance(config, dict) else np.nan
 
 
 def _read_runs(rows: list[dict[str, Any]], left_out: pd.DataFrame, name: str, *,
@@ -178,18 +210,26 @@ def _number(x: Any) -> float:
 def stability_runs(runs: pd.DataFrame, layers: pd.DataFrame, val: pd.DataFrame,
                    left_out: pd.DataFrame, name: str) -> StabilityRuns:
     """The outcomes of runs given as tables: ``runs`` (``run_id, arm, lr, seed, state,
-    steps, diverged_step``, optionally ``size`` and ``wall_s``), ``layers`` (``run_id,
+    steps, diverged_step``, optionally ``size``, ``warmup`` (0 when absent) and
+    ``wall_s``), ``layers`` (``run_id,
     step, layer, metric, value``), ``val`` (``run_id, step, val_loss``)."""
     runs = runs.copy()
     if "size" not in runs:
         runs["size"] = "model"
     if "wall_s" not in runs:
         runs["wall_s"] = np.nan
-    lrs = runs["lr"].astype(float)
-    stable = STABLE_LR if np.isclose(lrs, STABLE_LR).any() else float(lrs.min())
-    stab = StabilityRuns(runs, layers, val, left_out, stable, name)
+    if "warmup" not in runs:
+        runs["warmup"] = 0.0
+    stab = StabilityRuns(runs, layers, val, left_out, stable_lr(runs["lr"]), name)
     stab.runs = _outcomes(stab)[RUN_COLUMNS]
     return stab
+
+
+def stable_lr(lrs: pd.Series) -> float:
+    """The stable learning rate of a sweep: :data:`STABLE_LR` when it has it, else its
+    smallest."""
+    lrs = lrs.astype(float)
+    return STABLE_LR if np.isclose(lrs, STABLE_LR).any() else float(lrs.min())
 
 
 def layer_table(stab: StabilityRuns, metric: str) -> pd.DataFrame:

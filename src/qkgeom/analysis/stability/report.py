@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -150,36 +151,52 @@ def power_markdown(power: pd.DataFrame) -> str:
                       "power", "seeds for 80 %"], rows)])
 
 
+def _kind(r: Any) -> str:
+    """What a run is to the alert table: a positive, or a negative (of low entropy)."""
+    if r.positive:
+        return "positive"
+    return "negative: low entropy, loss healthy" if r.collapsed else "negative"
+
+
 def alerts_markdown(alerts: pd.DataFrame) -> str:
     s = alert_summary(alerts)
     rules = "; ".join(f"`{r.name}`" for r in DEFAULT_RULES)
-    pos = alerts[alerts["collapsed"]].sort_values(["size", "lr", "arm", "seed"])
+    shown = alerts[alerts["collapsed"] | alerts["alerted"]].sort_values(
+        ["size", "lr", "arm", "seed"])
     sized = alerts["size"].nunique() > 1
-    rows = [[*([r.size] if sized else []), f"{r.lr:g}", r.arm, r.seed,
+    rows = [[*([r.size] if sized else []), f"{r.lr:g}", r.arm, r.seed, _kind(r),
              _num(r.departure_step, 0), _num(r.first_alert_step, 0),
-             kit.md_text(r.first_rule) or "—", _num(r.lead_steps, 0)] for r in pos.itertuples()]
+             kit.md_text(r.first_rule) or "—", _num(r.lead_steps, 0)]
+            for r in shown.itertuples()]
+    low = s["low_entropy_healthy"]
     return "\n".join([
         "## Alerts", "",
         f"The library's default rules ({rules}) replayed on every run, probe by probe, as "
-        "the monitor fires them live. Departure: the first validation step at which a run's "
-        f"val loss exceeds the stable `none` run of its seed (and size) by more than "
-        f"{DEPARTURE_NATS:g} nats; lead time = departure − first alert, in steps.", "",
-        f"- False alarms on the stable `none` runs: **{s['stable_false_alarms']} of "
-        f"{s['stable_runs']}**; on every run that did not collapse: {s['false_alarms']} of "
-        f"{s['healthy_runs']}.",
-        f"- Collapsed runs: {warned_sentence(s)}. Recall "
+        "the monitor fires them live. A *positive* collapsed (entropy below "
+        f"{COLLAPSE_NATS:g} nats in some layer at the last probe, or diverged) **and** its "
+        "loss departed: its val loss exceeded the stable `none` run of its seed (and size) "
+        f"by more than {DEPARTURE_NATS:g} nats; every other run is a *negative*, whatever its "
+        "entropy, and an alert on it is a false alarm (docs/stability.md#amendments-before-"
+        "any-run-2026-12-03). Lead time = departure − first alert, in steps.", "",
+        f"- False alarms on negatives: **{s['false_alarms']} of {s['negatives']}**"
+        + (f"; {low} of the negatives had low entropy with a healthy loss, "
+           f"{s['low_entropy_healthy_alerted']} of them alerted" if low else "") + ".",
+        f"- Positives: {warned_sentence({**s, 'low_entropy_healthy': 0})}. Recall "
         + (f"{s['recall']:.0%}" if np.isfinite(s["recall"]) else "n/a") + "; precision "
         + (f"{s['precision']:.0%}" if np.isfinite(s["precision"]) else "n/a (nothing fired)")
         + ".", "",
-        *([kit.md_table([*(["size"] if sized else []), "lr", "remedy", "seed",
+        *([kit.md_table([*(["size"] if sized else []), "lr", "remedy", "seed", "run",
                          "departure step", "first alert step", "first rule", "lead (steps)"],
-                        rows)] if rows else ["No run collapsed."])])
+                        rows)] if rows else ["No run collapsed and no rule fired."])])
 
 
 def calibration_markdown(thresholds: dict[str, float], candidates: pd.DataFrame,
-                         chooses: bool) -> str:
-    rows = [[r.candidate, kit.md_text(r.rule), f"{r.false_alarms}/{r.healthy_runs}",
-             f"{r.warned}/{r.collapsed_runs}", f"{r.warned_before_departure}/{r.departing}",
+                         chooses: bool, warmup: int) -> str:
+    rows = [[r.candidate, kit.md_text(r.rule), f"{r.false_alarms}/{r.negatives}"
+             + (f" ({r.low_entropy_healthy_alerted}/{r.low_entropy_healthy} low entropy)"
+                if r.low_entropy_healthy else ""),
+             f"{r.positives_warned}/{r.positives}",
+             f"{r.warned_before_departure}/{r.positives}",
              _num(r.lead_min, 0), "**yes**" if r.default else "no"]
             for r in candidates.itertuples()]
     how = "; ".join(f"{cid} {what}: {_num(thresholds[key], 4)} → {round2(thresholds[key]):g}"
@@ -189,16 +206,17 @@ def calibration_markdown(thresholds: dict[str, float], candidates: pd.DataFrame,
     title = "## Alert calibration" if chooses else "## Alert calibration on these runs"
     note = (f"These are the protocol's thresholds (docs/stability.md#calibration), from the "
             f"stable runs of every size together. **The default rules: {chosen}** (the "
-            "candidates that warned every collapsed run, and every one whose loss departs "
-            "before it departed); they replace `qkgeom.alerts.DEFAULT_RULES`."
+            "candidates that warned every positive before its loss departed and gave no "
+            "false alarm on any negative); they replace `qkgeom.alerts.DEFAULT_RULES`."
             if chooses else
             "The calibration rule of docs/stability.md applied to these runs' stable `none` "
             "runs. The thresholds are fixed on the `calibrate` preset's runs; on any other "
             "sweep this table is an out-of-sample look at the rule, not a choice.")
     return "\n".join([
-        title, "", f"Thresholds (unrounded → rounded to two digits): {how or 'n/a'}.", "",
+        title, "", f"Thresholds (unrounded → rounded to two digits): {how or 'n/a'}. "
+        f"C3w and C4w read from the end of these runs' LR warm-up, step {warmup}.", "",
         note, "",
-        kit.md_table(["candidate", "rule", "false alarms (stable runs)", "collapsed warned",
+        kit.md_table(["candidate", "rule", "false alarms (negatives)", "positives warned",
                       "warned before departure", "shortest lead",
                       "default" if chooses else "meets the default rule"], rows)
         if rows else "No candidate: the runs lack the metrics the candidates read."])
@@ -217,25 +235,27 @@ def transfer_markdown(table: pd.DataFrame, sources: Sequence[Source],
         model = f"{kit.md_text(r['model'])} ({kit.md_text(r['source'])}"
         model += ", in-sample)" if r["in_sample"] else ")"
         rows.append([kit.md_text(r["rule"]), model,
-                     f"{r['false_alarms']}/{r['stable_runs']}",
-                     f"{r['warned']}/{r['collapsed_runs']}",
-                     f"{r['warned_before_departure']}/{r['departing']}"
-                     + (f" ({r['never_departing']} never departed)"
-                        if r["never_departing"] else ""),
+                     f"{r['false_alarms']}/{r['negatives']}",
+                     f"{r['low_entropy_healthy_alerted']}/{r['low_entropy_healthy']}",
+                     f"{r['positives_warned']}/{r['positives']}",
+                     f"{r['warned_before_departure']}/{r['positives']}",
                      lead_text(pd.Series(r)),
-                     f"{r['false_alarms_sparse']}/{r['stable_runs_sparse']}",
-                     f"{r['warned_before_departure_sparse']}/{r['departing_sparse']}",
+                     f"{r['false_alarms_sparse']}/{r['negatives_sparse']}",
+                     f"{r['warned_before_departure_sparse']}/{r['positives_sparse']}",
                      lead_text(pd.Series({k: r[f"{k}_sparse"] for k in
                                           ("lead_median", "lead_min", "lead_max")}))])
     return "\n".join([
         "## Alerts across sizes", "",
         f"Thresholds calibrated on {kit.md_text(calibration)}; the rules replayed on: "
-        f"{read}. Per rule and model: stable (not collapsed) runs with a false alarm, "
-        "collapsed runs warned, warned before the loss departs (of the collapsed runs that "
-        "depart), lead time in steps (median, min to max); then the same at every "
-        f"{CADENCES[1][1]}th probe (docs/stability.md#the-alert-table-and-its-requirements).",
+        f"{read}. Per rule and model: negatives (runs whose loss never departed) with a "
+        "false alarm; among them the runs of low entropy and healthy loss, alerted; "
+        "positives (collapsed runs whose loss departed) warned, and warned before the loss "
+        "departed; lead time in steps over the warned positives (median, min to max); then "
+        f"the same at every {CADENCES[1][1]}th probe "
+        "(docs/stability.md#the-alert-table-and-its-requirements).",
         "", *[f"- {line}" for line in requirements(table)], "",
-        kit.md_table(["rule", "model", "false alarms", "collapsed warned",
+        kit.md_table(["rule", "model", "false alarms (negatives)",
+                      "low entropy, loss healthy: alerted", "positives warned",
                       "warned before departure", "lead (steps)",
                       f"false alarms ({sparse_})", f"before departure ({sparse_})",
                       f"lead ({sparse_})"], rows)])
@@ -323,7 +343,8 @@ def write_stability_report(folder: str | Path, out: str | Path, figures: bool = 
     sections = [outcomes_markdown(outcomes),
                 sweep_markdown(rates, ls) if stab.runs["lr"].nunique() > 1 else "",
                 power_markdown(power), alerts_markdown(alerts),
-                calibration_markdown(thresholds, candidates, kind == "calibrate")]
+                calibration_markdown(thresholds, candidates, kind == "calibrate",
+                                     stab.warmup)]
     frames = [("claims", claims), ("stability_runs", stab.runs),
               ("stability_outcomes", outcomes), ("stability_sensitivity", ls),
               ("stability_rates", rates), ("stability_power", power),
@@ -360,6 +381,6 @@ def _cross_size(stab: StabilityRuns, cal_dir: Path | None, others: Sequence[Path
         sources.append(Source(stab))
     sources += [Source(read_runs(p)) for p in others
                 if p.resolve() not in (folder.resolve(), cal_dir.resolve())]
-    sets = rule_sets(thresholds, list(defaults.loc[defaults["default"], "candidate"]))
-    table = transfer_table(sources, sets)
+    chosen = list(defaults.loc[defaults["default"], "candidate"])
+    table = transfer_table(sources, lambda warmup: rule_sets(thresholds, chosen, warmup))
     return table, transfer_markdown(table, sources, cal.name)
