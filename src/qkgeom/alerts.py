@@ -240,9 +240,12 @@ def key_pr_drop(fraction: float, from_step: int, *, heads: bool = False) -> Aler
                      from_step=from_step)
 
 
-#: From the ``calibrate`` preset's runs of the demo model (docs/stability.md#alerts): 2 × the
-#: stable runs' largest logit_max and logit_delta, ½ × their smallest layer entropy.
-DEFAULT_RULES = (logit_growth(74.0), logit_jump(8.8), entropy_collapse(0.59))
+#: In quantities that do not scale with width, depth, head dimension or context, from the
+#: ``calibrate`` preset's stable runs of four sizes (docs/stability.md#calibration): ½ × their
+#: smallest layer normalised entropy, halfway from their most peaked attention to one-hot.
+#: Protocol 1's absolute thresholds (74 / 8.8 / 0.59, one model) are the stability report's
+#: comparator.
+DEFAULT_RULES = (entropy_norm_collapse(0.065), attention_peak(0.92))
 
 
 @dataclass

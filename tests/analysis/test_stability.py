@@ -339,6 +339,43 @@ def test_a_default_gives_no_false_alarm_on_a_calibration_negative() -> None:
     assert ok.loc["C1", "default"]
 
 
+def test_when_no_candidate_meets_the_rule_the_fallback_takes_the_earliest_warners() -> None:
+    """docs/stability.md#calibration: no candidate warns both positives before their
+    departure (step 30); C1 and C2 warn both with no false alarm, C1 one of them early
+    (step 20), C2 none: the fallback makes C1 the default, not C2. When C1 warns both early,
+    the rule itself chooses it."""
+    val_bad = [4.0, 3.0, 2.8, 2.9, 3.0]  # departs from the stable runs' at step 30
+    healthy = {"attn_entropy": [3.0, 2.0, 2.0, 2.0, 2.0],
+               "attn_entropy_norm": [0.95, 0.7, 0.65, 0.6, 0.6],
+               "attn_max": [0.1, 0.3, 0.4, 0.4, 0.4]}
+    stable_val = [4.0, 3.0, 2.8, 2.7, 2.6]
+
+    def cases(s1_entropy: list[float]) -> dict[str, dict]:
+        return {
+            "s0-stable": {"lr": STABLE, "seed": 0, "metrics": healthy, "val": stable_val},
+            "s1-stable": {"lr": STABLE, "seed": 1, "metrics": healthy, "val": stable_val},
+            "s0-high": {"lr": HIGH, "seed": 0, "val": val_bad, "metrics": {
+                "attn_entropy": [3.0, 2.0, 0.5, 0.1, 0.05],
+                "attn_entropy_norm": [0.95, 0.6, 0.2, 0.03, 0.02],
+                "attn_max": [0.1, 0.4, 0.6, 0.9, 0.95]}},
+            "s1-high": {"lr": HIGH, "seed": 1, "val": val_bad, "metrics": {
+                "attn_entropy": [3.0, 2.0, 1.5, 0.2, 0.1], "attn_entropy_norm": s1_entropy,
+                "attn_max": [0.1, 0.4, 0.5, 0.8, 0.9]}}}
+
+    stab = _runs_by_hand(cases([0.95, 0.6, 0.5, 0.2, 0.03]), [0, 10, 20, 30, 40])
+    th = calibrate(stab)
+    assert (th["attn_entropy_norm"], th["attn_max"]) == pytest.approx((0.3, 0.7))
+    chosen = choose_defaults(stab, th).set_index("candidate")
+    assert chosen.loc[["C1", "C2"], "warned_before_departure"].tolist() == [1, 0]
+    assert chosen.loc[["C1", "C2"], "positives_warned"].tolist() == [2, 2]
+    assert chosen["default"].to_dict() == {c: c == "C1" for c in chosen.index}
+    assert chosen.loc["C1", "chosen_by"] == "fallback"
+    early = choose_defaults(_runs_by_hand(cases([0.95, 0.6, 0.2, 0.1, 0.03]),
+                                          [0, 10, 20, 30, 40]), th).set_index("candidate")
+    assert early.loc["C1", "default"] and early.loc["C1", "chosen_by"] == "rule"
+    assert not early.loc["C2", "default"]  # the fallback only serves when the rule finds none
+
+
 # ------------------------------------------------------------------ calibration across sizes
 
 
@@ -685,8 +722,8 @@ def test_the_terminal_summary_labels_every_row(tmp_path: Path,
     alerts = [line for line in out.splitlines() if line.startswith("alerts (")]
     assert alerts == ["alerts (qkgeom.alerts.DEFAULT_RULES replayed on every run): false "
                       "alarms on 0 of 30 negatives (loss never departed); 10 of 10 positives "
-                      "(collapsed, loss departed) warned, 10 of them before their loss "
-                      "departed (lead 10 to 15 steps, median 15); recall 100%"]
+                      "(collapsed, loss departed) warned, 7 of them before their loss "
+                      "departed (lead 0 to 5 steps, median 5); recall 100%"]
     assert "one p per row: S1, S3 the one-sided sign-flip p" in out
     assert "S1/S2/S3/low: 3 of 4 claims supported, 1 equivalent to no effect" in out
 

@@ -10,6 +10,7 @@ import torch
 
 from qkgeom.errors import QKGeomError
 from qkgeom.monitor import (
+    DEFAULT_RULES,
     AlertRule,
     Alerts,
     GeometryMonitor,
@@ -96,4 +97,4 @@ def test_sinks_are_off_with_false_or_none(probe_tokens, off) -> None:
     mon.start(0)
     mon.step(1)
     mon.probe(1)
-    assert {"logit_max", "logit_delta", "attn_entropy"} <= set(mon.history["metric"])
+    assert {r.metric for r in DEFAULT_RULES} <= set(mon.history["metric"])

@@ -237,21 +237,31 @@ def candidate_rules(thresholds: dict[str, float], warmup: int) -> dict[str, Aler
 CHOICE_COLUMNS = ["candidate", "metric", "rule", "threshold", "from_step", "false_alarms",
                   "negatives", "low_entropy_healthy", "low_entropy_healthy_alerted",
                   "positives_warned", "positives", "warned_before_departure", "lead_min",
-                  "default"]
+                  "default", "chosen_by"]
 
 
 def choose_defaults(stab: StabilityRuns, thresholds: dict[str, float]) -> pd.DataFrame:
     """Each candidate on the calibration sweep (:data:`CHOICE_COLUMNS`): its false alarms
-    on the negatives, its warnings of the positives, and whether it is a default: it warned
-    every positive before its departure and gave no false alarm on any negative
-    (docs/stability.md#calibration); with no positive, none is."""
+    on the negatives, its warnings of the positives, and whether it is a default
+    (docs/stability.md#calibration): by the rule, it warned every positive before its
+    departure and gave no false alarm on any negative; when none does, by the fallback,
+    those with no false alarm that warned every positive and, of them, the most before
+    their departure (``chosen_by``: ``rule``, ``fallback`` or ""); with no positive, none."""
     rows = []
     for cid, rule in candidate_rules(thresholds, stab.warmup).items():
         s = alert_summary(evaluate(stab, (rule,)))
-        default = (s["positives"] > 0 and s["warned_before_departure"] == s["positives"]
-                   and s["false_alarms"] == 0)
         rows.append({"candidate": cid, "metric": rule.metric, "rule": rule.name,
                      "threshold": rule.above if rule.above is not None else rule.below,
-                     "from_step": rule.from_step,
-                     **{k: s[k] for k in CHOICE_COLUMNS[5:-1]}, "default": bool(default)})
-    return pd.DataFrame(rows, columns=CHOICE_COLUMNS)
+                     "from_step": rule.from_step, **{k: s[k] for k in CHOICE_COLUMNS[5:-2]}})
+    table = pd.DataFrame(rows, columns=CHOICE_COLUMNS[:-2])
+    clean = (table["positives"] > 0) & (table["false_alarms"] == 0)
+    by_rule = clean & (table["warned_before_departure"] == table["positives"])
+    fallback = clean & (table["positives_warned"] == table["positives"])
+    if not by_rule.any() and fallback.any():
+        best = table.loc[fallback, "warned_before_departure"].max()
+        fallback &= table["warned_before_departure"] == best
+    else:
+        fallback &= False
+    table["default"] = by_rule | fallback
+    table["chosen_by"] = np.where(by_rule, "rule", np.where(fallback, "fallback", ""))
+    return table

@@ -197,17 +197,23 @@ def calibration_markdown(thresholds: dict[str, float], candidates: pd.DataFrame,
                 if r.low_entropy_healthy else ""),
              f"{r.positives_warned}/{r.positives}",
              f"{r.warned_before_departure}/{r.positives}",
-             _num(r.lead_min, 0), "**yes**" if r.default else "no"]
+             _num(r.lead_min, 0),
+             ("**yes**" + (" (fallback)" if r.chosen_by == "fallback" else "")) if r.default
+             else "no"]
             for r in candidates.itertuples()]
     how = "; ".join(f"{cid} {what}: {_num(thresholds[key], 4)} → {round2(thresholds[key]):g}"
                     for cid, (key, what) in CANDIDATES.items()
                     if np.isfinite(thresholds.get(key, np.nan)))
     chosen = ", ".join(candidates.loc[candidates["default"], "candidate"]) or "none"
+    why = ("by the fallback: no candidate warned every positive before its loss departed; "
+           "these warned every positive, the most of them before it, with no false alarm"
+           if (candidates["chosen_by"] == "fallback").any() else
+           "the candidates that warned every positive before its loss departed and gave no "
+           "false alarm on any negative")
     title = "## Alert calibration" if chooses else "## Alert calibration on these runs"
     note = (f"These are the protocol's thresholds (docs/stability.md#calibration), from the "
-            f"stable runs of every size together. **The default rules: {chosen}** (the "
-            "candidates that warned every positive before its loss departed and gave no "
-            "false alarm on any negative); they replace `qkgeom.alerts.DEFAULT_RULES`."
+            f"stable runs of every size together. **The default rules: {chosen}** ({why}); "
+            "they replace `qkgeom.alerts.DEFAULT_RULES`."
             if chooses else
             "The calibration rule of docs/stability.md applied to these runs' stable `none` "
             "runs. The thresholds are fixed on the `calibrate` preset's runs; on any other "

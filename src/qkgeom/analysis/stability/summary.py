@@ -193,10 +193,13 @@ def terminal_summary(report_dir: str | Path) -> TerminalSummary:
     lines.append(_alert_line(_read(report_dir, "stability_alerts")))
     calibration = _read(report_dir, "stability_calibration")
     if calibration is not None and len(calibration) and not len(claims):
-        chosen = calibration.loc[calibration["default"].astype(bool), "candidate"]
+        chosen = calibration.loc[calibration["default"].astype(bool)]
+        by = set(chosen.get("chosen_by", pd.Series(dtype=str)).astype(str))
         lines.append("candidates that meet the default rule on these runs (no false alarm on "
                      "a negative, every positive warned before departure): "
-                     + (", ".join(chosen) or "none"))
+                     + (", ".join(chosen["candidate"]) if "rule" in by else "none")
+                     + ("; by the fallback (every positive warned, the most before departure): "
+                        + ", ".join(chosen["candidate"]) if "fallback" in by else ""))
     transfer = _read(report_dir, "stability_transfer")
     if transfer is not None and len(transfer):
         lines += [line.replace("**", "") for line in requirements(transfer)]
