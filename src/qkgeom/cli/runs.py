@@ -65,7 +65,7 @@ def compare_cmd(
                     "metrics": found.metrics, "layers": records(table)})
         return
     from qkgeom.analysis.tables import COLUMNS
-    from qkgeom.ui import render_layers
+    from qkgeom.ui import printable, render_layers
 
     titles = dict(COLUMNS)
     shown = pd.DataFrame({f"{pre}{titles.get(m, m)}{post}": wide[(side, m)]
@@ -74,7 +74,9 @@ def compare_cmd(
                                                   ("diff", "Δ", ""))})
     at = (f"step {found.step_a}" if found.step_a == found.step_b
           else f"steps {found.step_a} (A) and {found.step_b} (B)")
-    legend = [f"A = {run_a} at step {found.step_a}", f"B = {run_b} at step {found.step_b}",
+    # escaped before the legend is laid out in lines (an escape is wider than its character)
+    legend = [f"A = {printable(run_a)} at step {found.step_a}",
+              f"B = {printable(run_b)} at step {found.step_b}",
               "ΔX = B − A", *(e for e in layer_legend([str(c) for c in shown.columns])
                                if not e.startswith("ΔX@N"))]
     render_layers(shown, f"{run_a} vs {run_b} — per-layer Q/K geometry at {at}", legend)
