@@ -2,7 +2,8 @@
 
 One module per group of subcommands: :mod:`.data`, :mod:`.train` (``train``, ``show``),
 :mod:`.runs` (``compare``, ``runs``), :mod:`.sweeps` (``sweep run|status``, ``reproduce``,
-``report``), :mod:`.checkpoints` (``analyze``, ``export``), :mod:`.watch`. Exit codes: 0 done, 2 bad input, not enough
+``report``), :mod:`.checkpoints` (``analyze``, ``export``), :mod:`.watch`; ``-h`` is
+``--help`` everywhere. Exit codes: 0 done, 2 bad input, not enough
 memory or a missing optional package (one line on stderr naming the extra), 3 diverged,
 130 / 143 interrupted by SIGINT / SIGTERM (one line saying how to resume). Every message
 goes through :func:`qkgeom.ui.printable`: text a file held cannot drive the terminal.

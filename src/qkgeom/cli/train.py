@@ -90,12 +90,13 @@ def _show_metrics(run: Path, metrics: Any, step: int | None, ref: int | None,
                 {"run": str(run), "step": at, **(extra or {})})
 
 
-def loss_line(losses: dict[str, Any]) -> str:
-    """``loss 2.310 at step 400 · val loss 2.181 at step 400``: the last logged of each
-    ("" when the run logged no loss: a monitored run given none)."""
-    return " · ".join(f"{label} {losses[key]:.3f} at step {losses[f'{key}_step']}"
-                      for key, label in (("loss", "loss"), ("val_loss", "val loss"))
-                      if losses.get(key) is not None)
+def loss_parts(losses: dict[str, Any]) -> list[str]:
+    """``last logged: loss 2.310 at step 400``, ``val loss 2.181 at step 400``: the last
+    logged of each ([] when the run logged no loss: a monitored run given none)."""
+    parts = [f"{label} {losses[key]:.3f} at step {losses[f'{key}_step']}"
+             for key, label in (("loss", "loss"), ("val_loss", "val loss"))
+             if losses.get(key) is not None]
+    return [f"last logged: {parts[0]}", *parts[1:]] if parts else []
 
 
 def _report_callbacks(report_to: list[str] | None, out: Path) -> list[Any]:
@@ -207,9 +208,15 @@ def show(
     ref = load_config(run).ref_step if (run / CONFIG).exists() else None
     losses = last_losses(run)
     _show_metrics(run, metrics, step, ref, fmt, {"losses": losses})
-    line = loss_line(losses)
-    if line:
-        info(f"{line} (the last logged)", fmt)
+    parts = loss_parts(losses)
+    if parts and fmt == "table":  # under the legend, fitted to the terminal like it
+        from qkgeom.ui import console, legend_lines, plain
+
+        out = console()
+        for line in legend_lines(parts, out.width, " · "):
+            out.print(plain(line), highlight=False)
+    elif parts:
+        info(" · ".join(parts), fmt)
 
 
 def register(app: typer.Typer) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import platform
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any
 
 from qkgeom.errors import QKGeomError
 from qkgeom.io import read_json, refuse_links, temp_name_pattern, write_json
@@ -250,12 +250,6 @@ def read_table(path: Path, upto: int | None = None,
     return frame[frame["step"] <= upto].reset_index(drop=True)
 
 
-@overload
-def read_metrics(run: str | Path, upto: int | None = None, *, wide: bool = False,
-                 missing_ok: Literal[False] = False) -> pd.DataFrame: ...
-@overload
-def read_metrics(run: str | Path, upto: int | None = None, *, wide: bool = False,
-                 missing_ok: bool) -> pd.DataFrame | None: ...
 def read_metrics(run: str | Path, upto: int | None = None, *, wide: bool = False,
                  missing_ok: bool = False) -> pd.DataFrame | None:
     """``metrics.parquet`` (long format, :data:`METRIC_COLUMNS`) with its parts: every probe
@@ -283,7 +277,7 @@ def _no_metrics(run: Path) -> str:
         close = difflib.get_close_matches(run.name, siblings, n=1, cutoff=0.6)
         hint = f"; did you mean {parent / close[0]}?" if close and parent else ""
         return f"{run}: no such run folder{hint}"
-    if not is_run_folder(run) and not (run / CONFIG).is_file():
+    if not (run / CONFIG).is_file():
         return f"{run / METRICS}: not found; {run} is not a qkgeom run folder"
     return f"{run / METRICS}: not found; the run has recorded no probe yet"
 
