@@ -287,6 +287,16 @@ class Alerts:
                 self.hook(alert)
         return new
 
+    def replay(self, metrics: pd.DataFrame) -> list[Alert]:
+        """Take up a recorded run's long metrics (``step, layer, head, metric, value``)
+        probe by probe in step order, as if checked live but without warnings or the hook:
+        returns the alerts they fire, and the rules' state (baselines, active conditions,
+        the previous values of rate rules) continues from them, so a resumed monitor
+        fires what an uninterrupted one would."""
+        if metrics["step"].isna().any():  # no probe step: never checked (as groupby drops it)
+            metrics = metrics[metrics["step"].notna()]
+        return self._evaluate(metrics["step"].to_numpy().astype(np.int64, copy=False), metrics)
+
     def _evaluate(self, steps: np.ndarray, frame: pd.DataFrame) -> list[Alert]:
         """The alerts of rows in the order of ``steps`` (rows of one step in frame order),
         as if checked probe by probe; the state carries over to the next call."""
@@ -385,10 +395,7 @@ def replay(metrics: pd.DataFrame, rules: Iterable[AlertRule] | None = None) -> l
     metrics (``step, layer, head, metric, value``: ``metrics.parquet``), probe by probe in
     step order, exactly as the monitor would have fired them live (no warnings); one
     vectorised pass per rule."""
-    alerts = Alerts(as_rules(rules))
-    if metrics["step"].isna().any():  # no probe step: never checked (as groupby drops it)
-        metrics = metrics[metrics["step"].notna()]
-    return alerts._evaluate(metrics["step"].to_numpy().astype(np.int64, copy=False), metrics)
+    return Alerts(as_rules(rules)).replay(metrics)
 
 
 def as_rules(rules: Iterable[AlertRule | Mapping[str, Any]] | None) -> tuple[AlertRule, ...]:

@@ -120,16 +120,24 @@ class RichSteps:
         self._progress.stop()
 
 
+#: Longest wall time between two plain progress lines, whatever ``every`` says: a log
+#: shows a sign of life between probes.
+HEARTBEAT_S = 30.0
+
+
 class PlainSteps:
-    """One plain line per ``every`` steps and at the end (step, share, losses, tokens/s,
-    elapsed, ETA), flushed at once so ``tail -f`` of a job's log shows it."""
+    """One plain line per ``every`` steps, at least every ``heartbeat_s`` of wall time and
+    at the end (step, share, losses, tokens/s, elapsed, ETA), flushed at once so ``tail -f``
+    of a job's log shows it. ``clock``: seconds (a test's own)."""
 
     def __init__(self, label: str, total: int, done: int, every: int,
-                 stream: Any = None) -> None:
+                 stream: Any = None, heartbeat_s: float = HEARTBEAT_S,
+                 clock: Any = time.perf_counter) -> None:
         self.label, self.total, self.every = label, total, every
         self.stream = stream if stream is not None else sys.stdout
+        self.heartbeat_s, self._clock = heartbeat_s, clock
         self.step = self._start = done
-        self._t0 = time.perf_counter()
+        self._t0 = self._last = clock()
         self._latest: dict[str, float] = {}
         self._printed = done
         self._next = self._after(done)
@@ -139,6 +147,8 @@ class PlainSteps:
 
     def advance(self) -> None:
         self.step += 1
+        if self.step < self.total and self._clock() - self._last >= self.heartbeat_s:
+            self._line()
 
     def update(self, step: int, **numbers: float) -> None:
         """Newest numbers at ``step``; a line when ``step`` reached the next multiple of
@@ -150,7 +160,8 @@ class PlainSteps:
             self._line()
 
     def _line(self) -> None:
-        elapsed = time.perf_counter() - self._t0
+        self._last = self._clock()
+        elapsed = self._last - self._t0
         did = self.step - self._start
         rate = did / elapsed if elapsed > 0 and did > 0 else 0.0
         eta = clock((self.total - self.step) / rate) if rate else "?"

@@ -104,7 +104,7 @@ def test_bad_input_is_one_line_exit_2_nothing_written(sample_data: Path, tmp_pat
 def test_show_on_a_missing_run_and_corrupt_metrics(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = in_process(["show", str(tmp_path / "nope")], capsys)
-    assert code == 2 and "Traceback" not in err and "not found" in err
+    assert code == 2 and "Traceback" not in err and "nope: no such run folder" in err
     (tmp_path / "torn").mkdir()
     (tmp_path / "torn" / "metrics.parquet").write_bytes(b"PAR1 torn")
     code, _, err = in_process(["show", str(tmp_path / "torn")], capsys)

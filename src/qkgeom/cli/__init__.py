@@ -1,8 +1,9 @@
 """``qkgeom`` command line: subcommands only; parse, validate, call the API, print.
 
 One module per group of subcommands: :mod:`.data`, :mod:`.train` (``train``, ``show``),
-:mod:`.sweeps` (``sweep run|status``, ``reproduce``, ``report``), :mod:`.checkpoints`
-(``analyze``, ``export``), :mod:`.watch`. Exit codes: 0 done, 2 bad input, not enough
+:mod:`.runs` (``compare``, ``runs``), :mod:`.sweeps` (``sweep run|status``, ``reproduce``,
+``report``), :mod:`.checkpoints` (``analyze``, ``export``), :mod:`.watch`; ``-h`` is
+``--help`` everywhere. Exit codes: 0 done, 2 bad input, not enough
 memory or a missing optional package (one line on stderr naming the extra), 3 diverged,
 130 / 143 interrupted by SIGINT / SIGTERM (one line saying how to resume). Every message
 goes through :func:`qkgeom.ui.printable`: text a file held cannot drive the terminal.
@@ -18,7 +19,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from qkgeom.cli import checkpoints, data, sweeps, train, watch
+from qkgeom.cli import checkpoints, data, runs, sweeps, train, watch
 from qkgeom.errors import QKGeomError
 from qkgeom.version import __version__
 
@@ -46,7 +47,15 @@ def _plain_flags(params: list[Any]) -> list[Any]:
 
 class _Command(TyperCommand):
     def get_params(self, ctx: Any) -> list[Any]:
-        return _plain_flags(super().get_params(ctx))
+        params = _plain_flags(super().get_params(ctx))
+        # help generated when asked for (``reproduce``: from the registry of experiments,
+        # which imports pandas: not at startup)
+        generated = getattr(self.callback, "generated_help", None)
+        if generated is not None:
+            texts = generated()
+            for param in params:
+                param.help = texts.get(param.name or "", param.help)
+        return params
 
 
 class _Group(TyperGroup):
@@ -90,8 +99,10 @@ def _finish(typer_app: typer.Typer) -> None:
 
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
-                  help="Geometry of attention queries and keys.")
-for group in (data, train, sweeps, checkpoints, watch):
+                  help="Geometry of attention queries and keys.",
+                  # -h as well as --help; every subcommand's context inherits it
+                  context_settings={"help_option_names": ["-h", "--help"]})
+for group in (data, train, runs, sweeps, checkpoints, watch):
     group.register(app)
 _finish(app)
 

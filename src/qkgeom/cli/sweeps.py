@@ -34,11 +34,8 @@ Retries = Annotated[int, typer.Option(
 RunsPerGpu = Annotated[str, typer.Option(
     help="CUDA grids: runs sharing one GPU (a number, or auto: measured once per sweep "
          "folder, see docs/speed.md).")]
-Preset = Annotated[str, typer.Option(help="smoke (seconds) | demo (minutes on a CPU) | lab "
-                                          "(e1, e3: 5x longer runs, about an hour each on 2 "
-                                          "CPU cores) | ladder (e1: widths 64-256, 2-3 h on 2 "
-                                          "CPU cores) | w64 (e3: the demo at width 64) | "
-                                          "paper (GPU-hours; pass --data).")]
+# its help: generated from the registry of experiments (_generated_help)
+Preset = Annotated[str, typer.Option(help="The experiment's size: one of its presets.")]
 Data = Annotated[str, typer.Option(
     help="sample (the embedded Wikipedia text) or a prepared data folder (default: "
          "sample).", show_default=False)]
@@ -256,9 +253,7 @@ def report_cmd(
 
 def reproduce_cmd(
     experiment: Annotated[str, typer.Argument(
-        help="e1 (E1 and E2, one grid: depths {4,6,8} x Q/K inits x seeds) | e3 (E3: "
-             "seeds x key-control arms, paired by seed) | e4 (E4: runs with log-spaced "
-             "checkpoints, one per seed, or --model, analysed as checkpoint families)")],
+        help="An experiment (the list is generated from qkgeom.experiments.EXPERIMENTS).")],
     preset: Preset = "demo",
     data: Data = "",
     out: unset(Path, "Sweep folder (default: sweeps/<experiment>-<preset>).") = None,
@@ -307,6 +302,16 @@ def reproduce_cmd(
     _sweep(exp.run, grid, out or exp.default_out(preset), device, report_after=True,
            workers=workers, backend=backend, address=address, threads_per_run=threads,
            progress=not quiet, retries=retries, runs_per_gpu=runs_per_gpu)
+
+
+def _generated_help() -> dict[str, str]:
+    """``reproduce``'s experiment and preset help, from the registry of experiments."""
+    from qkgeom.experiments import reproduce_help
+
+    return reproduce_help()
+
+
+reproduce_cmd.generated_help = _generated_help  # type: ignore[attr-defined]
 
 
 def register(app: typer.Typer) -> None:

@@ -29,6 +29,35 @@ def _preset_help(text: str, key: str) -> str:
     return f"{text.rstrip('.')} (presets: {values})."
 
 
+#: Cadences a preset sets that a run shorter than them brings down to its length.
+FIT_TO_STEPS = ("probe_every", "eval_every", "checkpoint_every", "warmup_steps")
+
+
+def fit_preset_to_steps(preset: str, overrides: dict[str, Any]
+                        ) -> tuple[dict[str, Any], str]:
+    """``overrides`` with each of :data:`FIT_TO_STEPS` that the preset sets above the run's
+    ``steps`` (given in ``overrides``) brought down to ``steps``, and the warning naming
+    them ("" when none): ``--preset smoke --steps 5`` runs. A value the user set (flag,
+    ``--set``, config file) is theirs: left alone, and refused by the config when it does
+    not fit."""
+    given = flatten(overrides)
+    steps = given.get("steps")
+    if preset not in PRESETS or not isinstance(steps, int) or isinstance(steps, bool) \
+            or steps < 1:
+        return overrides, ""  # nothing to fit, or make_config refuses it in one line
+    base = flatten(deep_merge(TrainConfig().to_dict(), PRESETS[preset]))
+    lowered = {key: steps for key in FIT_TO_STEPS
+               if key not in given and isinstance(base.get(key), int) and base[key] > steps}
+    if not lowered:
+        return overrides, ""
+    values = ", ".join(f"{key} {base[key]}" for key in lowered)
+    several = len(lowered) > 1
+    return deep_merge(overrides, lowered), (
+        f"steps {steps} is shorter than the {preset} preset's {values}: "
+        f"{'each' if several else 'it'} set to {steps} (give {'them' if several else 'it'} "
+        "to choose)")
+
+
 def train_overrides(**flags: Any) -> dict[str, Any]:
     """Nested config overrides from CLI flags; None = not given."""
     return nest_keys({_FLAG_KEYS.get(k, k): v for k, v in flags.items() if v is not None},
@@ -47,8 +76,9 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 
 def _show_metrics(run: Path, metrics: Any, step: int | None, ref: int | None,
-                  fmt: str = "table") -> None:
-    """The per-layer table of ``metrics`` (a run's) at ``step``, changes since ``ref``."""
+                  fmt: str = "table", extra: dict[str, Any] | None = None) -> None:
+    """The per-layer table of ``metrics`` (a run's) at ``step``, changes since ``ref``
+    (``extra``: more keys of the JSON document)."""
     from qkgeom.analysis.tables import layer_table
     from qkgeom.runs import METRICS
 
@@ -57,7 +87,16 @@ def _show_metrics(run: Path, metrics: Any, step: int | None, ref: int | None,
     except ValueError as err:
         raise QKGeomError(f"{run / METRICS}: {err}") from None
     show_layers(table, f"{run} — per-layer Q/K geometry at step {at}", fmt,
-                {"run": str(run), "step": at})
+                {"run": str(run), "step": at, **(extra or {})})
+
+
+def loss_parts(losses: dict[str, Any]) -> list[str]:
+    """``last logged: loss 2.310 at step 400``, ``val loss 2.181 at step 400``: the last
+    logged of each ([] when the run logged no loss: a monitored run given none)."""
+    parts = [f"{label} {losses[key]:.3f} at step {losses[f'{key}_step']}"
+             for key, label in (("loss", "loss"), ("val_loss", "val loss"))
+             if losses.get(key) is not None]
+    return [f"last logged: {parts[0]}", *parts[1:]] if parts else []
 
 
 def _report_callbacks(report_to: list[str] | None, out: Path) -> list[Any]:
@@ -74,7 +113,7 @@ def _report_callbacks(report_to: list[str] | None, out: Path) -> list[Any]:
 def train_cmd(
     preset: Annotated[str, typer.Option(
         help="smoke | small | paper: the model and run size; the flags below override "
-             "it (README, table of presets).")] = "small",
+             "it (table of presets: docs/training.md).")] = "small",
     out: unset(Path, "Run folder (default: runs/<preset>-s<seed>).") = None,
     data: unset(str, "sample (the embedded Wikipedia text) or a folder from `qkgeom data "
                       "prepare` (default: sample).") = None,
@@ -123,6 +162,8 @@ def train_cmd(
         "--quiet", "-q", help="Print nothing but warnings and errors.")] = False,
 ) -> None:
     """Train a char-level GPT and record Q/K geometry along the way."""
+    import warnings
+
     from qkgeom.config import make_config, parse_dotted
     from qkgeom.launch import train
 
@@ -137,7 +178,10 @@ def train_cmd(
     overrides = read_config_file(config) if config is not None else {}
     for layer in (flags, parse_dotted(set_ or [])):  # file, then flags, then --set
         overrides = deep_merge(overrides, layer)
-    cfg = make_config(preset, overrides)
+    fitted, note = fit_preset_to_steps(preset, overrides)
+    cfg = make_config(preset, fitted)
+    if note:  # once the config is valid: a refused one says only why
+        warnings.warn(note, stacklevel=2)
     out = out or Path("runs") / f"{preset}-s{cfg.seed}"
     result = train(cfg, out, resume=resume, progress=not quiet,
                    callbacks=_report_callbacks(report_to, out), progress_every=progress_every)
@@ -157,14 +201,22 @@ def show(
     fmt: Format = "table",
 ) -> None:
     """Per-layer PR_Q, PR_K, contrast, pr_qk and attention entropy at one probe step."""
-    from qkgeom.runs import CONFIG, METRICS, load_config, read_metrics
+    from qkgeom.runs import CONFIG, last_losses, load_config, read_metrics
 
     check_format(fmt)
-    metrics = read_metrics(run)
-    if metrics is None:
-        raise QKGeomError(f"{run / METRICS}: not found; is {run} a qkgeom run folder?")
+    metrics = read_metrics(run)  # a missing run or table: one line naming it
     ref = load_config(run).ref_step if (run / CONFIG).exists() else None
-    _show_metrics(run, metrics, step, ref, fmt)
+    losses = last_losses(run)
+    _show_metrics(run, metrics, step, ref, fmt, {"losses": losses})
+    parts = loss_parts(losses)
+    if parts and fmt == "table":  # under the legend, fitted to the terminal like it
+        from qkgeom.ui import console, legend_lines, plain
+
+        out = console()
+        for line in legend_lines(parts, out.width, " · "):
+            out.print(plain(line), highlight=False)
+    elif parts:
+        info(" · ".join(parts), fmt)
 
 
 def register(app: typer.Typer) -> None:

@@ -50,11 +50,35 @@ def reproduce(name: str, preset: str, out_dir: str | Path | None = None, data: s
     return exp.run(grid, out_dir or exp.default_out(preset), **options)
 
 
+def summary(exp: Experiment) -> str:
+    """What ``exp`` is, in one line: the first paragraph of its module's docstring (the one
+    description an experiment has), its lines joined."""
+    import sys
+
+    doc = (sys.modules[type(exp).__module__].__doc__ or "").strip()
+    return " ".join(doc.split("\n\n")[0].split()).rstrip(".") if doc else exp.name
+
+
+def reproduce_help() -> dict[str, str]:
+    """The help of ``qkgeom reproduce``'s ``experiment`` argument and ``--preset`` option,
+    generated from :data:`EXPERIMENTS` and each one's presets, so a new experiment or
+    preset is listed without anyone restating it."""
+    experiments = " | ".join(f"{name} ({summary(exp)}; presets: {', '.join(exp.presets)})"
+                             for name, exp in EXPERIMENTS.items())
+    names = list(dict.fromkeys(p for exp in EXPERIMENTS.values() for p in exp.presets))
+    return {"experiment": experiments,
+            "preset": f"The experiment's size, one of its presets ({' | '.join(names)}; each "
+                      "experiment's are listed above): smoke takes seconds, demo minutes on "
+                      "a CPU, lab about an hour a run on 2 CPU cores, paper GPU-hours (pass "
+                      "--data); docs/sweeps.md."}
+
+
 #: E4 end to end (:meth:`E4.run`): returns the folder whose report was written.
 reproduce_e4 = EXPERIMENTS["e4"].run
 
 
 __all__ = ["Arm", "Grid", "RunSpec", "load_grid", "run_sweep", "run_one", "sweep_status",
            "SweepSummary", "Experiment", "EXPERIMENTS", "experiment", "reproduce",
+           "reproduce_help", "summary",
            "reproduce_e4", "E1_PRESETS", "E3_PRESETS", "E4_PRESETS", "STABILITY_PRESETS",
            "e3_arm"]

@@ -36,6 +36,7 @@ from qkgeom.runs import (
     RunLock,
     RunWriter,
     foreign_entries,
+    read_alerts,
     read_record,
     run_record,
 )
@@ -162,6 +163,7 @@ class GeometryMonitor:
                 writer = RunWriter(self._out, self.run_id, resume=self._resume)
                 if self._resume:
                     writer.restore()  # the run an earlier attempt wrote
+                    self._take_up_alerts(writer, step)
                 self.folder = writer
             except BaseException:
                 self._lock.release()
@@ -172,6 +174,21 @@ class GeometryMonitor:
             self.control.attach(self.model)
         self._write_config()
         self._last_step = step
+
+    def _take_up_alerts(self, writer: RunWriter, step: int) -> None:
+        """A resumed run keeps the alerts its earlier attempts recorded before ``step`` (the
+        step training resumes from; later ones fire again if training gets there again)
+        and its rules continue where they were: the probes recorded before ``step``
+        replayed through them (:meth:`Alerts.replay`: baselines, active conditions, rates),
+        so it fires what an uninterrupted run would. One limit: ``logit_delta`` needs the
+        previous probe's logits, which no file keeps, so it is unmeasured (NaN) at the
+        first probe after the resume."""
+        recorded = writer.metrics
+        earlier = recorded[recorded["step"] < step]
+        if len(earlier):
+            self.alerts.replay(earlier)
+        self._alerts = [a for a in read_alerts(writer.out)
+                        if not (isinstance(a.get("step"), int) and a["step"] >= step)]
 
     def step(self, step: int, *, loss: float | None = None, lr: float | None = None,
              val_loss: float | None = None) -> Measurement | None:
@@ -188,7 +205,11 @@ class GeometryMonitor:
             self.control.after_step(step)
         if loss is not None or val_loss is not None:
             self.log_loss(step, loss, lr, val_loss=val_loss)
-        return self.probe(step) if self.due(step) else None
+        if self.due(step):
+            return self.probe(step)
+        if self.folder is not None:
+            self.folder.heartbeat(step)  # status.json between probes (every 30 s)
+        return None
 
     def log_loss(self, step: int, loss: Any = None, lr: float | None = None, *,
                  val_loss: Any = None) -> None:

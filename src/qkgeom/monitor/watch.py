@@ -59,7 +59,7 @@ def latest_layers(metrics: pd.DataFrame) -> tuple[int, pd.DataFrame]:
 
 
 def _read(run: Path) -> tuple[pd.DataFrame | None, dict[str, Any]]:
-    return read_metrics(run), read_status(run) or {}
+    return read_metrics(run, missing_ok=True), read_status(run) or {}
 
 
 def render(run: Path, metrics: pd.DataFrame | None, status: dict[str, Any]) -> Any:

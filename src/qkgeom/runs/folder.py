@@ -250,9 +250,49 @@ def read_table(path: Path, upto: int | None = None,
     return frame[frame["step"] <= upto].reset_index(drop=True)
 
 
-def read_metrics(run: str | Path, upto: int | None = None) -> pd.DataFrame | None:
-    """``metrics.parquet`` (long format, :data:`METRIC_COLUMNS`) with its parts, or None."""
-    return read_table(Path(run) / METRICS, upto, ("step", "layer", "head", "metric", "value"))
+def read_metrics(run: str | Path, upto: int | None = None, *, wide: bool = False,
+                 missing_ok: bool = False) -> pd.DataFrame | None:
+    """``metrics.parquet`` (long format, :data:`METRIC_COLUMNS`) with its parts: every probe
+    a run recorded so far (rows with ``step <= upto``). ``wide``: one row per ``(run_id,
+    step, layer, head)`` with the metrics as columns. A missing folder, or one with no probe
+    recorded, is a one-line QKGeomError naming the path (a typo surfaces here, not as a
+    TypeError later); ``missing_ok``: None instead (a live view polling a run that has
+    not probed yet)."""
+    run = Path(run)
+    frame = read_table(run / METRICS, upto, ("step", "layer", "head", "metric", "value"))
+    if frame is None:
+        if missing_ok:
+            return None
+        raise QKGeomError(_no_metrics(run))
+    return wide_metrics(frame) if wide else frame
+
+
+def _no_metrics(run: Path) -> str:
+    """Why ``run`` has no metrics to read, naming the path (and a close sibling folder)."""
+    if not run.is_dir():
+        import difflib
+
+        parent = run.parent if run.parent.is_dir() else None
+        siblings = [p.name for p in parent.iterdir() if p.is_dir()] if parent else []
+        close = difflib.get_close_matches(run.name, siblings, n=1, cutoff=0.6)
+        hint = f"; did you mean {parent / close[0]}?" if close and parent else ""
+        return f"{run}: no such run folder{hint}"
+    if not (run / CONFIG).is_file():
+        return f"{run / METRICS}: not found; {run} is not a qkgeom run folder"
+    return f"{run / METRICS}: not found; the run has recorded no probe yet"
+
+
+def wide_metrics(metrics: pd.DataFrame) -> pd.DataFrame:
+    """Long metrics (:data:`METRIC_COLUMNS`) as one row per ``(run_id, step, layer, head)``
+    with one column per metric (NaN where a metric has no value at that row: layer-only
+    metrics on head rows), in step, layer, head order."""
+    keys = ["run_id", "step", "layer", "head"]
+    long = metrics.assign(run_id=metrics["run_id"].astype(str),
+                          metric=metrics["metric"].astype(str))
+    out = (long.groupby([*keys, "metric"], sort=True, observed=True)["value"].last()
+           .unstack("metric").reset_index())
+    out.columns.name = None
+    return out
 
 
 def read_log(run: str | Path, upto: int | None = None) -> pd.DataFrame | None:

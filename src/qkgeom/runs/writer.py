@@ -30,6 +30,11 @@ from qkgeom.runs.folder import (
 )
 from qkgeom.runs.table import TableWriter
 
+#: Longest wall time between two writes of a live run's status (:meth:`RunWriter.heartbeat`):
+#: between probes ``status.json`` still says how far the run got, so ``watch``, ``runs``
+#: and ``sweep status`` tell a live run from a hung one.
+HEARTBEAT_S = 30.0
+
 
 class RunWriter:
     """Accumulates a run's metrics and log rows and writes them, with its status, to ``out``
@@ -38,8 +43,11 @@ class RunWriter:
     (resuming with another count can change the last bits of the results)."""
 
     def __init__(self, out: str | Path, run_id: str, *, steps: int = 0,
-                 resume: bool = False, threads: int | None = None) -> None:
+                 resume: bool = False, threads: int | None = None,
+                 heartbeat_s: float | None = None) -> None:
         self.out, self.run_id, self.steps, self.threads = Path(out), run_id, steps, threads
+        self.heartbeat_s = HEARTBEAT_S if heartbeat_s is None else heartbeat_s
+        self._beat: tuple[float, dict[str, Any]] | None = None  # last running status: when, extras
         # table -> step -> its rows: a frame of metrics, a list of log rows
         self._rows: dict[str, dict[int, Any]] = {"metrics": {}, "log": {}}
         self._dirty: dict[str, set[int]] = {"metrics": set(), "log": set()}
@@ -55,7 +63,7 @@ class RunWriter:
                       ) -> tuple[pd.DataFrame | None, pd.DataFrame | None]:
         """The tables an earlier attempt wrote (rows with ``step <= upto``), read and
         checked but not taken up: a resume reads them before it writes anything."""
-        return read_metrics(self.out, upto), read_log(self.out, upto)
+        return read_metrics(self.out, upto, missing_ok=True), read_log(self.out, upto)
 
     def restore(self, upto: int | None = None,
                 tables: tuple[pd.DataFrame | None, pd.DataFrame | None] | None = None) -> None:
@@ -137,7 +145,17 @@ class RunWriter:
         if self.threads is not None:
             record["threads"] = int(self.threads)
         write_json(self.out / STATUS, record)
+        self._beat = (time.monotonic(), extra) if state == "running" else None
         return record
+
+    def heartbeat(self, step: int) -> dict[str, Any] | None:
+        """Write ``running`` at ``step`` (with the extras of the last status) when
+        :attr:`heartbeat_s` of wall time passed since the last status of this running
+        attempt; else nothing (one clock read: cheap enough for every step). Returns the
+        status written, or None."""
+        if self._beat is None or time.monotonic() - self._beat[0] < self.heartbeat_s:
+            return None
+        return self.status("running", step, **self._beat[1])
 
 
 def one_line(err: BaseException, limit: int = 300) -> str:

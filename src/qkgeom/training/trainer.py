@@ -322,6 +322,7 @@ class Trainer:
                 self._train_step()
                 if self.bar is not None:
                     self.bar.advance()
+                self.writer.heartbeat(self.step)  # status.json between probes (every 30 s)
         finally:
             if self.bar is not None:
                 self.bar.close()
