@@ -167,7 +167,7 @@ def _read_runs(rows: list[dict[str, Any]], left_out: pd.DataFrame, name: str, *,
     :class:`StabilityRuns`; a run without them is left out."""
     runs, layers, vals = [], [], []
     for row in rows:
-        metrics, log = read_metrics(row["dir"]), read_log(row["dir"])
+        metrics, log = read_metrics(row["dir"], missing_ok=True), read_log(row["dir"])
         if metrics is None or log is None or "val_loss" not in log:
             left_out.loc[len(left_out)] = [row["run_id"], row["state"],
                                            "no metrics or training log"]
