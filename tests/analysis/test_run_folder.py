@@ -110,7 +110,7 @@ def test_report_of_a_monitored_run_folder_with_some_metrics(monitored: Path) -> 
     # the monitor's default metrics, and those its default alert rules read
     assert recorded == {"pr_q_token", "pr_k_token", "contrast_token", "pr_qk_weight",
                         "attn_entropy", "entropy_min", "sink_mass", "logit_max", "q_norm_max",
-                        "k_norm_max", "logit_bound", "logit_delta"}
+                        "k_norm_max", "logit_bound", "attn_entropy_norm", "attn_max"}
     md = write_report(monitored)
     text = md.read_text(encoding="utf-8")
     assert len(_claim_rows(md)) == CLAIM_ROWS
