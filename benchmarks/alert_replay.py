@@ -39,8 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from alert_reference import ProbeByProbe, replay_probe_by_probe  # noqa: E402
 
 METRICS = tuple(dict.fromkeys((*DEFAULT_METRICS, *(r.metric for r in DEFAULT_RULES))))
+#: A healthy run's typical level of each metric (1 for any other the defaults may name).
 LEVEL = {"pr_q_token": 8.0, "pr_k_token": 6.0, "contrast_token": 2.0, "pr_qk_weight": 10.0,
-         "attn_entropy": 2.0, "logit_max": 20.0, "logit_delta": 1.0}
+         "attn_entropy": 2.0, "logit_max": 20.0, "logit_delta": 1.0, "entropy_min": 1.5,
+         "sink_mass": 0.1, "q_norm_max": 5.0, "k_norm_max": 5.0, "logit_bound": 25.0,
+         "attn_entropy_norm": 0.6, "attn_max": 0.4}
 
 
 def recorded_run(probes: int, layers: int, heads: int, seed: int = 0) -> pd.DataFrame:
@@ -50,7 +53,7 @@ def recorded_run(probes: int, layers: int, heads: int, seed: int = 0) -> pd.Data
     n = probes * per_probe
     i = np.arange(per_probe)
     metric_ix = np.tile(i % len(METRICS), probes)
-    level = np.array([LEVEL[m] for m in METRICS])[metric_ix]
+    level = np.array([LEVEL.get(m, 1.0) for m in METRICS])[metric_ix]
     value = level * np.exp(rng.normal(0.0, 0.1, n))
     spike = rng.random(n) < 2e-3  # now and then a probe far off its level, either way
     value[spike] *= np.where(rng.random(spike.sum()) < 0.5, 5.0, 0.2)
