@@ -57,7 +57,7 @@ def _claims() -> pd.DataFrame:
             ("E2.3", "Across heads, sharper", "token", "last", "not evaluated")]
     frame = pd.DataFrame(rows, columns=["claim_id", "claim", "level", "origin", "verdict"])
     return frame.assign(**{"from": frame["origin"], "measured": "k/n", "estimate": "e",
-                           "p_value": 0.5, "p_sign": 0.5, "beside": "b",
+                           "p_value": 0.5, "p_adj": 0.5, "p_sign": 0.5, "beside": "b",
                            "reason": ["", "", "", "", "", "", "no runs"]})
 
 
@@ -115,6 +115,24 @@ def test_rows_of_one_claim_are_gathered_under_it() -> None:
     groups = [line.split(" · ")[0][2:] for line in md.splitlines() if " · **" in line]
     assert groups == ["E1.1", "E1.2", "E2.3"]
     assert claims_summary(by_level).startswith("E1/E2: 3 of 7 claims supported")
+
+
+def test_each_row_shows_one_p_the_verdicts_and_marks_the_primary_rows(tmp_path: Path) -> None:
+    """The adjusted p (the one the verdict reads) is the row's only p in report.md and
+    report.html; the raw and the sign test's stay in claims.csv; primary rows in bold."""
+    claims = _claims().assign(p_value=0.0123, p_adj=0.0456, p_sign=0.0789,
+                              role=["secondary", "primary", "secondary", "secondary",
+                                    "primary", "secondary", "primary"])
+    md = claims_markdown(claims)
+    assert "0.046" in md and "0.012" not in md and "0.079" not in md
+    header = md.splitlines()[0]
+    assert header.count("| p ") == 1 and "p (adjusted)" in header
+    rows = [line for line in md.splitlines()[2:] if " · **" not in line]
+    assert [("**primary**" in line) for line in rows] == [
+        r == "primary" for r in claims["role"]]
+    page = render_html(md, tmp_path, "t")
+    assert "0.046" in page and "0.012" not in page
+    assert page.count("<strong>primary</strong>") == 3
 
 
 def test_claims_table_is_grouped_by_claim_with_coloured_verdicts(tmp_path: Path) -> None:

@@ -80,7 +80,7 @@ def test_a_one_run_report_is_descriptive(one_run) -> None:
     out = one_run.stdout
     header = next(line for line in out.splitlines() if "claim" in line and "┃" in line)
     assert "claim_id" not in header and "p_value" not in header and "verdict" not in header
-    assert "┃ id " in header and ("p (Holm)" in header or "p (sign-flip)" in header)
+    assert "┃ id " in header and ("p (adjusted)" in header or "p (sign-flip)" in header)
     assert sum(line.startswith("Descriptive: 1 run.") for line in out.splitlines()) == 1
     assert "verdict v-" not in one_run.html  # no coloured verdict cell
 
@@ -90,7 +90,7 @@ def _claims(n: int) -> pd.DataFrame:
         "claim_id": ["E1.1", "E1.2"], "claim": ["PR_Q expands", "PR_K shrinks"],
         "level": ["token"] * 2, "from": ["step 0"] * 2, "unit": ["runs"] * 2, "n": [n, n],
         "k": [n, 0], "measured": [f"{n}/{n} runs", f"0/{n} runs"], "estimate": ["+1", "-1"],
-        "p_value": [0.5 ** n, 1.0], "p_sign": [0.5 ** n, 1.0], "beside": ["", ""],
+        "p_value": [0.5 ** n, 1.0], "p_adj": [0.5 ** n, 1.0], "p_sign": [0.5 ** n, 1.0], "beside": ["", ""],
         "verdict": ["supported" if n >= 5 else "mixed", "not supported"],
         "reason": ["", ""]})
 

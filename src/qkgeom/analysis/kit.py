@@ -164,17 +164,21 @@ def _reason(r: dict[str, Any]) -> str:
     return reason if isinstance(reason, str) else ""
 
 
-P_CELL: Cell = ("p (sign-flip, one-sided)", lambda r: fmt_p(r["p_value"]))
-P_SIGN_CELL: Cell = ("p (sign test)", lambda r: fmt_p(r["p_sign"]))
+#: The row's one p: the one its verdict reads (Holm-adjusted within its family; a family
+#: tested each at α keeps the raw p). The raw p and the sign test's are in claims.csv.
+P_CELL: Cell = ("p (adjusted)", lambda r: fmt_p(r["p_adj"]))
+#: Which rows decide the claim: **primary** in bold, secondary rows are descriptive.
+ROLE_CELL: Cell = ("row", lambda r: "**primary**" if r.get("role") == "primary"
+                   else str(r.get("role") or ""))
 #: The verdict in bold, with the reason when there is one (*not evaluated*).
 VERDICT_CELL: Cell = ("verdict", lambda r: f"**{r['verdict']}**" + (
     f" ({_reason(r)})" if _reason(r) else ""))
 NOTE_CELL: Cell = ("note", _reason)
 #: The E1/E2 and E3 layout under each claim's group row.
 SWEEP_CLAIM_CELLS: tuple[Cell, ...] = (
-    ("level", show("level")), ("measured from", show("from")),
+    ("level", show("level")), ROLE_CELL, ("measured from", show("from")),
     ("units with the sign (k/n)", show("measured")),
-    ("estimate [95 % t-interval]", show("estimate")), P_CELL, P_SIGN_CELL,
+    ("estimate [95 % t-interval]", show("estimate")), P_CELL,
     ("beside", show("beside")), VERDICT_CELL)
 
 #: Units a claims table may decide verdicts over: independent runs (E1/E2) or seeds (E3).

@@ -93,8 +93,10 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
         return
     shown = terminal_claims(claims)
     descriptive = descriptive_reason(claims)
-    p_note = ("p (Holm) = exact sign-flip p-value, Holm-adjusted within the row's family"
-              if "p (Holm)" in shown else "p (sign-flip) = exact one-sided sign-flip p-value")
+    p_note = ("p (adjusted) = the p the verdict reads: exact sign-flip p, Holm-adjusted "
+              "within the row's family (a family tested each at α keeps its raw p; the raw "
+              "p is p_value in claims.csv)" if "p (adjusted)" in shown
+              else "p (sign-flip) = exact one-sided sign-flip p-value")
     render_frame(shown, "claims (measured only: too few units for a verdict; see report.md)"
                  if descriptive else "claims (verdicts computed from the numbers; see "
                  "report.md)",
@@ -129,7 +131,7 @@ def _stability_summary(path: Path, html: Path) -> None:
 #: The terminal claims table: claims.csv column -> its header (words, not field names).
 TERMINAL_CLAIMS = {"setting": "setting", "claim_id": "id", "claim": "claim", "role": "role",
                    "level": "level", "from": "from", "statistic": "statistic",
-                   "measured": "sign k/n", "p_adj": "p (Holm)", "p_value": "p (sign-flip)",
+                   "measured": "sign k/n", "p_adj": "p (adjusted)", "p_value": "p (sign-flip)",
                    "verdict": "verdict", "verdict_gate_p1": "verdict, protocol-1 gate (E3)"}
 
 

@@ -277,7 +277,7 @@ def per_layer_markdown(claims: pd.DataFrame, descriptive: bool = False) -> str:
     rows = []
     for r in rows_of.itertuples():
         rows.append([*([md_text(r.setting)] if by_setting else []), r.claim_id,
-                     int(r.layer), r.measured, r.estimate, fmt_p(r.p_value), fmt_p(r.p_adj),
+                     int(r.layer), r.measured, r.estimate, fmt_p(r.p_adj),
                      *([] if descriptive else [f"**{r.verdict}**"])])
     return "\n".join([
         "## Per layer (secondary)", "",
@@ -288,7 +288,7 @@ def per_layer_markdown(claims: pd.DataFrame, descriptive: bool = False) -> str:
         "a run-level verdict is one layer against the rest. In `claims.csv` (column "
         "`layer`); figure: *per layer* below.", "",
         md_table([*(["setting"] if by_setting else []), "claim", "layer", "runs with the sign",
-                  "estimate [95 % t-interval]", "p (sign-flip)", "p (Holm)",
+                  "estimate [95 % t-interval]", "p (Holm)",
                   *([] if descriptive else ["verdict"])], rows)])
 
 
@@ -351,7 +351,7 @@ def ladder_markdown(e1: dict[str, pd.DataFrame], descriptive: bool = False) -> s
             *map(md_text, labels[len(rungs):])]
     trows = [[f"{r.claim_id} {r.claim}", f"`{r.statistic}`", r.widths, f"{r.k_up}/{r.n}",
               with_ci(r.mean_slope, r.ci_low, r.ci_high), md_text(r.width_means),
-              fmt_p(r.p_value), fmt_p(r.p_adj),
+              fmt_p(r.p_adj),
               f"**{r.verdict}**" + (f" ({r.direction})" if r.direction else "")]
              for r in trend.itertuples()]
     parts = [
@@ -365,7 +365,7 @@ def ladder_markdown(e1: dict[str, pd.DataFrame], descriptive: bool = False) -> s
         "## Trend with width", "",
         "Per seed, the OLS slope of the seed's run-level value on log₂ width over the rungs "
         "(at least two); the exact two-sided sign-flip test of the mean slope over seeds; "
-        "Holm over the six claims. *moves with width* when the adjusted p < 0.05, with its "
+        "Holm over the six claims (the unadjusted p: `ladder_trend.csv`). *moves with width* when the adjusted p < 0.05, with its "
         "direction (toward or away from the claim's predicted sign); otherwise *no trend "
         "detected* (no smallest trend of interest is declared: this is not \"no effect\"). "
         "With three rungs evenly spaced in log₂ width the slope is half the difference "
@@ -373,7 +373,7 @@ def ladder_markdown(e1: dict[str, pd.DataFrame], descriptive: bool = False) -> s
         "`ladder_seed_effects.csv`).", "",
         md_table(["claim", "statistic", "widths", "seeds with slope > 0",
                   "mean slope per doubling [95 % t]", "mean per width",
-                  "p (two-sided)", "p (Holm)", "trend"], trows)]
+                  "p (two-sided, Holm)", "trend"], trows)]
     if len(arms):
         arows = [[md_text(r.setting), md_text(r.rung_setting), r.claim_id, f"`{r.statistic}`",
                   f"{r.k_up}/{r.n}", with_ci(r.mean, r.ci_low, r.ci_high)]

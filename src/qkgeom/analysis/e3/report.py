@@ -197,17 +197,18 @@ def effects_markdown(eff: pd.DataFrame) -> str:
         rows.append([r.arm, f"− {r.baseline}", label, level, r.window,
                      f"{r.first_step}–{r.last_step}", with_ci(r.mean, r.ci_low, r.ci_high),
                      f"{100 * r.rel_mean:+.2f} %" if np.isfinite(r.rel_mean) else "n/a", pred,
-                     f"{int(r.k)}/{int(r.n_seeds)}", fmt_p(r.p_value), fmt_p(r.p_sign),
+                     f"{int(r.k)}/{int(r.n_seeds)}", fmt_p(r.p_value),
                      equiv, signed(r.detectable)])
     return _section(
         "Paired effects, per seed then across seeds", rows,
         ["arm", "baseline", "quantity", "level", "window", "steps", "mean Δ [95 % t]",
-         "relative Δ", "predicted", "seeds", "p (sign-flip)", "p (sign test)",
+         "relative Δ", "predicted", "seeds", "p (sign-flip)",
          "p (equivalence, δ)", "detectable"],
         "Each seed's effect is its mean paired difference over the window's probes; the "
         "table gives the mean over seeds with its 95 % t-interval, the mean relative "
         "difference (Δ / baseline), seeds with the predicted sign, the exact one-sided "
-        "sign-flip p and the exact sign-test p (unadjusted here), the equivalence p (two "
+        "sign-flip p (unadjusted: these rows decide nothing; the sign test's p is in "
+        "`e3_effects.csv`), the equivalence p (two "
         "one-sided t-tests within ±δ, entropies only) and the smallest effect these seeds "
         "find with 80 % power at their own spread. Where no direction is predicted (blank "
         "*predicted*), the count is of seeds with Δ > 0 and both p's are two-sided.",

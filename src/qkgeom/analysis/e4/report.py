@@ -28,7 +28,7 @@ from qkgeom.analysis.e4.trends import (
 from qkgeom.analysis.kit import (
     MIN_UNITS,
     P_CELL,
-    P_SIGN_CELL,
+    ROLE_CELL,
     VERDICT_CELL,
     Cell,
     Drawn,
@@ -52,10 +52,9 @@ __all__ = ["E4_CLAIM_CELLS", "bootstrap", "e4_claims_table", "load_analysis", "l
 
 #: The E4 claims table in Markdown: what each row measured and its own test.
 E4_CLAIM_CELLS: tuple[Cell, ...] = (
-    ("level", show("level")), ("role", show("role")), ("measured", show("measured")),
+    ("level", show("level")), ROLE_CELL, ("measured", show("measured")),
     ("estimate", show("estimate")), ("test", show("test")), P_CELL,
-    ("p (Holm, secondary rows)", lambda r: fmt_p(r["p_adj"]) if r["role"] == "secondary"
-     else ""), P_SIGN_CELL, ("beside", show("beside")), VERDICT_CELL)
+    ("beside", show("beside")), VERDICT_CELL)
 #: Figure captions of the report.
 CAPTIONS = {
     "contrast_steps": "PR_Q − PR_K per layer against step (hollow: duplicate checkpoints, "

@@ -59,7 +59,7 @@ CALIBRATION_SWEEP = "stability-calibrate"  # found beside a transfer sweep
 ALSO_BESIDE = ("stability-demo", "stability-lab", "alerts-hf")
 
 CELLS = (("level", kit.show("level")), ("quantity", kit.show("quantity")),
-         ("role", kit.show("role")), ("seeds with the sign", kit.show("measured")),
+         kit.ROLE_CELL, ("seeds with the sign", kit.show("measured")),
          ("predicted", kit.show("predicted")), ("mean Δ [95 % t-interval]", kit.show("estimate")),
          kit.P_CELL, ("beside", kit.show("beside")), kit.VERDICT_CELL)
 
