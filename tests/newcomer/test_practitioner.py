@@ -187,7 +187,7 @@ def test_show_gives_the_last_losses(smoke_run) -> None:
     assert doc["losses"] == {"loss": loss, "loss_step": 40, "val_loss": val,
                              "val_loss_step": 40}
     table = invoke("show", str(smoke_run.path), "--step", "0")
-    assert (f"last logged: loss {loss:.3f} at step 40 · val loss {val:.3f} at step 40"
+    assert (f"loss {loss:.3f} at step 40 · val loss {val:.3f} at step 40"
             in table.stdout)
 
 

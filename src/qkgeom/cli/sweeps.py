@@ -70,18 +70,22 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
 
     from qkgeom.analysis import excluded_count, summary_line, write_report
     from qkgeom.analysis.e3.claims import raw_entropy_lines
+    from qkgeom.analysis.health import health_lines, run_health
     from qkgeom.analysis.kit import descriptive_reason
+    from qkgeom.runs import is_run_folder
     from qkgeom.runs.sweep import sweep_experiment
-    from qkgeom.ui import render_frame
+    from qkgeom.ui import printable, render_frame
 
     path = write_report(folder, out, calibration=calibration, also=also or ())
     html = path.with_suffix(".html")
     # The report wrote its claims: read them back rather than analyse the folder twice.
     claims = pd.read_csv(path.parent / "claims.csv", keep_default_na=False, na_values=[""])
     excluded = excluded_count(path.parent)
+    health = run_health(folder) if is_run_folder(folder) else None  # one run: health first
     if fmt == "json":
         write_json({"folder": str(folder), "report": str(path),
                     "html": str(html) if html.is_file() else None, "excluded": excluded,
+                    **({"health": health.record()} if health else {}),
                     "claims": records(claims)})
         return
     if fmt == "csv":
@@ -91,6 +95,10 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
     if sweep_experiment(folder) == "stability":
         _stability_summary(path, html)
         return
+    if health is not None:
+        for line in health_lines(health):
+            typer.echo(printable(line))
+        claims = claims[pd.to_numeric(claims["n"], errors="coerce").fillna(0) > 0]
     shown = terminal_claims(claims)
     descriptive = descriptive_reason(claims)
     p_note = ("p (adjusted) = the p the verdict reads: exact sign-flip p, Holm-adjusted "

@@ -90,15 +90,6 @@ def _show_metrics(run: Path, metrics: Any, step: int | None, ref: int | None,
                 {"run": str(run), "step": at, **(extra or {})})
 
 
-def loss_parts(losses: dict[str, Any]) -> list[str]:
-    """``last logged: loss 2.310 at step 400``, ``val loss 2.181 at step 400``: the last
-    logged of each ([] when the run logged no loss: a monitored run given none)."""
-    parts = [f"{label} {losses[key]:.3f} at step {losses[f'{key}_step']}"
-             for key, label in (("loss", "loss"), ("val_loss", "val loss"))
-             if losses.get(key) is not None]
-    return [f"last logged: {parts[0]}", *parts[1:]] if parts else []
-
-
 def _report_callbacks(report_to: list[str] | None, out: Path) -> list[Any]:
     """The --report-to callback (none without the flag); built before training starts,
     so a missing logger package stops the run before anything is written."""
@@ -200,23 +191,23 @@ def show(
         help="Probe step (default: the last).", show_default=False)] = None,
     fmt: Format = "table",
 ) -> None:
-    """Per-layer PR_Q, PR_K, contrast, pr_qk and attention entropy at one probe step."""
-    from qkgeom.runs import CONFIG, last_losses, load_config, read_metrics
+    """A run's health (alerts, collapse, losses, largest logit per layer), then per-layer
+    PR_Q, PR_K, contrast, pr_qk and attention entropy at one probe step."""
+    from qkgeom.analysis.health import health_lines, run_health
+    from qkgeom.runs import CONFIG, load_config, read_metrics
 
     check_format(fmt)
     metrics = read_metrics(run)  # a missing run or table: one line naming it
     ref = load_config(run).ref_step if (run / CONFIG).exists() else None
-    losses = last_losses(run)
-    _show_metrics(run, metrics, step, ref, fmt, {"losses": losses})
-    parts = loss_parts(losses)
-    if parts and fmt == "table":  # under the legend, fitted to the terminal like it
-        from qkgeom.ui import console, legend_lines, plain
+    health = run_health(run)
+    if fmt == "table":  # health first: whether the run is well before what its geometry did
+        from qkgeom.ui import console, plain
 
         out = console()
-        for line in legend_lines(parts, out.width, " · "):
-            out.print(plain(line), highlight=False)
-    elif parts:
-        info(" · ".join(parts), fmt)
+        for line in health_lines(health):
+            out.print(plain(line), highlight=False, soft_wrap=True)
+    _show_metrics(run, metrics, step, ref, fmt,
+                  {"health": health.record(), "losses": health.losses})
 
 
 def register(app: typer.Typer) -> None:

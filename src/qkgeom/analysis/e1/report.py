@@ -32,6 +32,7 @@ from qkgeom.analysis.e1.trajectories import (
     reference_sensitivity,
     run_stats,
 )
+from qkgeom.analysis.health import health_markdown, run_health
 from qkgeom.analysis.kit import (
     Drawn,
     claims_markdown,
@@ -53,6 +54,7 @@ from qkgeom.analysis.kit import (
     write_csvs,
     write_pages,
 )
+from qkgeom.runs import is_run_folder
 
 FIGURE_TITLES = {
     "pr": "(a) PR_Q and PR_K", "contrast": "(b) Paired contrast PR_Q − PR_K",
@@ -426,14 +428,24 @@ def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figs: Drawn) ->
     descriptive = descriptive_reason(claims)
     opening = (f"> **{lad.ladder_summary(claims, e1['trend'], settings)}**" if ladder
                else summary_markdown(claims))
-    parts = [f"# qkgeom report: {md_text(name)}", "", opening, ""]
+    parts = [f"# qkgeom report: {md_text(name)}", ""]
+    single = is_run_folder(data.folder)
+    if single:  # one run: its health first, the paper's claims after, where measurable
+        parts += [health_markdown(run_health(data.folder)), "## The paper's claims", ""]
+    parts += [opening, ""]
     if descriptive:
         parts += [f"**{descriptive}**", ""]
     if ladder:
         parts += [ladder_markdown(e1, bool(descriptive)), "",
                   *setting_sections(claims, settings)]
     else:
-        parts += [claims_markdown(layer_mean_rows(claims)), ""]
+        rows = layer_mean_rows(claims)
+        measured = rows[pd.to_numeric(rows["n"], errors="coerce").fillna(0) > 0] \
+            if single else rows
+        parts += [claims_markdown(measured), ""]
+        if len(measured) < len(rows):
+            parts += [f"{len(rows) - len(measured)} of {len(rows)} claim rows measure "
+                      "nothing on this run (listed with their reason in `claims.csv`).", ""]
     parts += [_rules_text(), ""]
     used = dict.fromkeys(m for level in LEVELS for m in level_metrics(level).values())
     note = metrics_note(missing_metrics(table, used) if len(table) else [],
