@@ -633,7 +633,7 @@ def test_reproduce_stability_smoke_end_to_end(tmp_path: Path) -> None:
                                          ["none", "0.1", "reference"]]
     labels = {(r[0], r[2]) for r in rows[2:]}
     assert labels == {(arm, label) for arm in REMEDIES if arm != "none" for label in (
-        "S2 primary: no cost within ±0.05 (equivalence)", "S1 primary", "S3 primary")}
+        "S2 primary: equivalence ±0.05", "S1 primary", "S3 primary")}
     assert len(rows) == 2 + 3 * (len(REMEDIES) - 1)
     assert "Descriptive: 1 seed" in res.stdout  # one seed: p's, no verdict
     assert any(line.startswith("alerts (qkgeom.alerts.DEFAULT_RULES replayed on every run): "
@@ -712,7 +712,7 @@ def test_the_terminal_summary_labels_every_row(tmp_path: Path,
     assert (label, collapsed, diverged) == ("S1 primary", "0/5", "0/5")
     assert delta.startswith("-0.30") and verdict == "supported, p 0.031"  # 1/32
     s2 = rows[("fix", "0.003*")]
-    assert s2[0] == "S2 primary: no cost within ±0.05 (equivalence)"
+    assert s2[0] == "S2 primary: equivalence ±0.05"
     assert s2[4].startswith("equivalent to no effect, TOST p ")
     assert rows[("fix", "0.0003")][0] == "low secondary"
     assert ", Holm p " in rows[("fix", "0.0003")][4]

@@ -25,8 +25,7 @@ LOSS = "final val loss"  # the claims' quantity of the loss rows
 #: Claim id -> (its label: id, role and, for S2, what it tests; its one p: the claims.csv
 #: column and the p's name).
 ROWS = {"S1": ("S1 primary", "p_adj", "p"),
-        "S2": (f"S2 primary: no cost within ±{DELTA_LOSS:g} (equivalence)", "p_equiv_adj",
-               "TOST p"),
+        "S2": (f"S2 primary: equivalence ±{DELTA_LOSS:g}", "p_equiv_adj", "TOST p"),
         LOW: ("low secondary", "p_adj", "Holm p"),
         "S3": ("S3 primary", "p_adj", "p")}
 REFERENCE = "reference"
