@@ -205,7 +205,7 @@ def show(
 
         out = console()
         for line in health_lines(health):
-            out.print(plain(line), highlight=False, soft_wrap=True)
+            out.print(plain(line), highlight=False)
     _show_metrics(run, metrics, step, ref, fmt,
                   {"health": health.record(), "losses": health.losses})
 
