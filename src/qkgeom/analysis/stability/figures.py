@@ -28,9 +28,10 @@ ROWS = (("attn_entropy", "min", "min over layers of\nattention entropy (nats)", 
 
 
 def draw_lr_sweep(stab: StabilityRuns, out: Path) -> Path:
-    """Final val loss (clipped at L₀; a diverged run at L₀, a cross) against the learning
-    rate, one panel per remedy (and size), each seed thin, the median bold, ``none``'s
-    median grey in every panel. Returns the PNG."""
+    """Final val loss (clipped at L₀; a diverged run a cross on the top edge, the y range
+    that of the runs that did not diverge) against the learning rate, one panel per
+    remedy (and size), each seed thin, the median bold, ``none``'s median grey in every
+    panel. Returns the PNG."""
     c = clipped_losses(stab).merge(stab.runs[["size", "arm", "lr", "seed", "state"]],
                                    on=["size", "arm", "lr", "seed"])
     panels = [(size, arm) for size in stab.sizes for arm in dict.fromkeys(stab.runs["arm"])
@@ -40,6 +41,14 @@ def draw_lr_sweep(stab: StabilityRuns, out: Path) -> Path:
     fig, axes = figstyle.grid(nrows, cols, sharex=True, sharey=True)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
+    # the y range of the runs that did not diverge: a diverged run at L₀ (6.3 nats for a
+    # char-level model) would squash the remedies' differences, a few tenths of a nat
+    kept = c.loc[c["state"] != "diverged", "clipped"].dropna()
+    top = float(kept.max()) if len(kept) else None
+    if top is not None:
+        low = float(kept.min())
+        pad = 0.05 * max(top - low, 0.1)
+        axes.flat[0].set_ylim(low - pad, top + pad)  # shared by every panel
     for ax, (size, arm) in zip(axes.flat, panels, strict=False):
         mine = c[(c["size"] == size) & (c["arm"] == arm)]
         base = c[(c["size"] == size) & (c["arm"] == NONE)]
@@ -51,9 +60,10 @@ def draw_lr_sweep(stab: StabilityRuns, out: Path) -> Path:
             ax.plot(g["lr"], g["clipped"], color="#0072B2", alpha=0.45,
                     linewidth=figstyle.SEED_LINEWIDTH)
         gone = mine[mine["state"] == "diverged"]
-        if len(gone):
-            ax.plot(gone["lr"], gone["clipped"], "x", color="#D55E00", markersize=5,
-                    label="diverged (at L₀)")
+        if len(gone):  # on the top edge when L₀ is above the axis
+            at = gone["clipped"] if top is None else np.minimum(gone["clipped"], ax.get_ylim()[1])
+            ax.plot(gone["lr"], at, "x", color="#D55E00", markersize=6, clip_on=False,
+                    label="diverged (loss L₀, drawn on the top edge)")
         med = mine.groupby("lr")["clipped"].median()
         ax.plot(med.index, med.to_numpy(), color="#0072B2", linewidth=1.8, marker="o",
                 markersize=3, label="median over seeds")
