@@ -56,6 +56,19 @@ def console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=LOG_WIDTH)
 
 
+def print_lines(lines: list[str]) -> None:
+    """``lines`` on stdout, wrapped to the console at spaces; a line's wrapped rest indented
+    two past its own indent, so a long item still reads as one."""
+    import textwrap
+
+    out = console()
+    for line in lines:
+        pad = " " * (len(line) - len(line.lstrip(" ")) + 2)
+        wrapped = textwrap.fill(printable(line), out.width, subsequent_indent=pad,
+                                break_on_hyphens=False)
+        out.print(wrapped, highlight=False, markup=False, soft_wrap=True)
+
+
 def progress_bar(label: str, *fields: str, stderr: bool = False) -> Progress:
     """A started-on-demand ``rich`` Progress; ``fields`` are format strings such as
     ``"loss {task.fields[loss]}"``."""

@@ -54,9 +54,10 @@ def test_a_planted_collapse_leads_show_with_its_alerts(collapsed: Path) -> None:
     out = invoke("show", str(collapsed), columns=200).stdout
     lines = out.splitlines()
     assert lines[0].startswith("health: COLLAPSED, 2 alert(s)")
-    assert (f"alert normalised attention entropy fell below 0.065 at step {FROM}, layer "
-            f"{LAYER}: attn_entropy_norm = 0.01 (below 0.065)") in out
-    assert f"attention peaked above 0.92 at step {FROM}, layer {LAYER}" in out
+    assert (f"alert 'normalised attention entropy fell below 0.065' (attn_entropy_norm "
+            f"below 0.065), 1×: step {FROM} layer {LAYER} = 0.01") in out
+    assert (f"alert 'attention peaked above 0.92' (attn_max above 0.92), 1×: step {FROM} "
+            f"layer {LAYER} = 0.99") in out
     assert "L1 900 (collapsed)" in out and "the default rules replayed" in out
     doc = json.loads(invoke("show", str(collapsed), "--format", "json").stdout)
     health = doc["health"]
@@ -74,7 +75,7 @@ def test_a_monitors_recorded_alerts_are_the_ones_shown(collapsed: Path, tmp_path
     h = run_health(run)
     assert h.alerts_from == "recorded" and [a["rule"] for a in h.alerts] == ["my rule"]
     out = invoke("show", str(run), columns=200).stdout
-    assert "alert my rule at step 35, layer 0 head 2: logit_max = 120 (above 100)" in out
+    assert "alert 'my rule' (logit_max above 100), 1×: step 35 layer 0 head 2 = 120" in out
     assert "recorded by the run's monitor" in out
 
 

@@ -24,7 +24,7 @@ from qkgeom.runs import ALERTS, last_losses, read_alerts, read_metrics, read_sta
 
 __all__ = ["Health", "health_lines", "health_markdown", "run_health"]
 
-#: Alerts listed by name; more are counted (a collapsing run may fire in every layer).
+#: Firings listed per rule; more are counted (a collapsing run may fire in every layer).
 SHOWN_ALERTS = 8
 
 
@@ -105,6 +105,27 @@ def _num(x: Any) -> str:
     return f"{x:.4g}" if isinstance(x, (int, float)) and np.isfinite(x) else "n/a"
 
 
+def _alert_lines(alerts: list[dict[str, Any]]) -> list[str]:
+    """One line per rule, in the order the rules first fired: its metric and threshold,
+    then its firings (step, layer, head, value), the first :data:`SHOWN_ALERTS` of each."""
+    by_rule: dict[str, list[dict[str, Any]]] = {}
+    for a in alerts:
+        by_rule.setdefault(str(a["rule"]), []).append(a)
+    lines = []
+    for rule, fired in by_rule.items():
+        first = fired[0]
+        limits = {_num(a["threshold"]) for a in fired}
+        limit = (f"{first['direction']} {limits.pop()}" if len(limits) == 1
+                 else f"{first['direction']} its threshold")
+        cells = [f"step {a['step']} layer {a['layer']}"
+                 + ("" if a.get("head") in (None, -1) else f" head {a['head']}")
+                 + f" = {_num(a['value'])}" for a in fired[:SHOWN_ALERTS]]
+        more = len(fired) - SHOWN_ALERTS
+        lines.append(f"  alert '{rule}' ({first['metric']} {limit}), {len(fired)}×: "
+                     + ", ".join(cells) + (f", … {more} more" if more > 0 else ""))
+    return lines
+
+
 def health_lines(h: Health) -> list[str]:
     """Plain lines, most important first: the verdict line, the alerts, losses, layers."""
     verdict = ("COLLAPSED" if h.collapsed else "no collapse") + (
@@ -114,14 +135,7 @@ def health_lines(h: Health) -> list[str]:
     lines = [f"health: {verdict} ({state})"]
     source = {"recorded": "recorded by the run's monitor",
               "replayed": "the default rules replayed on the probes"}.get(h.alerts_from)
-    for a in h.alerts[:SHOWN_ALERTS]:
-        head = "" if a.get("head") in (None, -1) else f" head {a['head']}"
-        lines.append(f"  alert {a['rule']} at step {a['step']}, layer {a['layer']}{head}: "
-                     f"{a['metric']} = {_num(a['value'])} ({a['direction']} "
-                     f"{_num(a['threshold'])})")
-    if len(h.alerts) > SHOWN_ALERTS:
-        lines.append(f"  … and {len(h.alerts) - SHOWN_ALERTS} more (alerts.json / "
-                     "show --format json)")
+    lines += _alert_lines(h.alerts)
     if h.alerts:
         lines.append(f"  alerts: {source}")
     loss = _losses(h.losses)

@@ -74,7 +74,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
     from qkgeom.analysis.kit import descriptive_reason
     from qkgeom.runs import is_run_folder
     from qkgeom.runs.sweep import sweep_experiment
-    from qkgeom.ui import console, plain, render_frame
+    from qkgeom.ui import print_lines, render_frame
 
     path = write_report(folder, out, calibration=calibration, also=also or ())
     html = path.with_suffix(".html")
@@ -96,9 +96,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
         _stability_summary(path, html)
         return
     if health is not None:
-        out = console()
-        for line in health_lines(health):
-            out.print(plain(line), highlight=False)
+        print_lines(health_lines(health))
         claims = claims[pd.to_numeric(claims["n"], errors="coerce").fillna(0) > 0]
     shown = terminal_claims(claims)
     descriptive = descriptive_reason(claims)

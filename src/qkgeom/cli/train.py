@@ -201,11 +201,9 @@ def show(
     ref = load_config(run).ref_step if (run / CONFIG).exists() else None
     health = run_health(run)
     if fmt == "table":  # health first: whether the run is well before what its geometry did
-        from qkgeom.ui import console, plain
+        from qkgeom.ui import print_lines
 
-        out = console()
-        for line in health_lines(health):
-            out.print(plain(line), highlight=False)
+        print_lines(health_lines(health))
     _show_metrics(run, metrics, step, ref, fmt,
                   {"health": health.record(), "losses": health.losses})
 
