@@ -92,3 +92,19 @@ def test_the_report_of_one_run_opens_with_its_health(collapsed: Path, tmp_path: 
     doc = json.loads(invoke("report", str(collapsed), "--out", str(tmp_path / "j"),
                             "--format", "json").stdout)
     assert doc["health"]["collapsed"] is True and len(doc["health"]["alerts"]) == 2
+
+
+def test_a_long_alert_list_is_cut_with_its_count(collapsed: Path, tmp_path: Path) -> None:
+    """A deep model may fire in every layer: the terminal lists 8 firings per rule, the
+    report 20 rows, each saying how many there are."""
+    from qkgeom.analysis.health import health_lines, health_markdown
+
+    run = shutil.copytree(collapsed, tmp_path / "many")
+    write_json(run / "alerts.json", [
+        {"rule": "peak", "metric": "attn_max", "step": 5 * i, "layer": i % 4, "head": -1,
+         "value": 0.95, "threshold": 0.92, "direction": "above"} for i in range(25)])
+    h = run_health(run)
+    line = next(x for x in health_lines(h) if "alert 'peak'" in x)
+    assert "25×" in line and line.count("step ") == 8 and line.endswith("… 17 more")
+    md = health_markdown(h)
+    assert md.count("| peak |") == 20 and "The first 20 of 25 alerts" in md

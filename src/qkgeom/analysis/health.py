@@ -26,6 +26,8 @@ __all__ = ["Health", "health_lines", "health_markdown", "run_health"]
 
 #: Firings listed per rule; more are counted (a collapsing run may fire in every layer).
 SHOWN_ALERTS = 8
+#: Alerts a report's table lists (a deep model may fire in every layer and head).
+REPORT_ALERTS = 20
 
 
 @dataclass
@@ -165,9 +167,13 @@ def health_markdown(h: Health) -> str:
         rows = [[md_text(str(a["rule"])), a["step"], a["layer"],
                  "" if a.get("head") in (None, -1) else a["head"], md_text(str(a["metric"])),
                  _num(a["value"]), f"{a['direction']} {_num(a['threshold'])}"]
-                for a in h.alerts]
+                for a in h.alerts[:REPORT_ALERTS]]
         parts += [md_table(["alert", "step", "layer", "head", "metric", "value", "crossed"],
                            rows), ""]
+        if len(h.alerts) > REPORT_ALERTS:
+            parts += [f"The first {REPORT_ALERTS} of {len(h.alerts)} alerts; every one: "
+                      "`alerts.json` (a monitored run) or `qkgeom show RUN --format json`.",
+                      ""]
     loss = _losses(h.losses)
     if loss:
         parts += ["Last logged: " + " · ".join(loss) + ".", ""]
