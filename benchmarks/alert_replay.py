@@ -17,7 +17,12 @@ alerts; then on ``--old-probes`` probes both algorithms (the same alerts, checke
 ratio old / new; last the live check of one probe (``Alerts.check``, the same evaluation)
 against the old one, in ms.
 
+``--recorded DIR``: instead, both algorithms on every finished run under DIR (a sweep's
+``runs/``), the default rules and seven more (absolute, relative, rate, per head): how many
+runs give the same alerts.
+
     python benchmarks/alert_replay.py [--probes 10000 100000] [--old-probes 1000] [--reps 3]
+    python benchmarks/alert_replay.py --recorded sweeps/stability-demo
 """
 
 from __future__ import annotations
@@ -92,6 +97,31 @@ def same(a: list, b: list) -> bool:
             and np.allclose([x.value for x in a], [x.value for x in b], rtol=1e-12, atol=0))
 
 
+def check_recorded(root: Path) -> None:
+    """Both algorithms on every run under ``root`` with a metrics table."""
+    from qkgeom.alerts import (
+        attention_peak,
+        entropy_collapse,
+        entropy_norm_collapse,
+        logit_growth,
+        logit_jump,
+    )
+    from qkgeom.runs import find_runs, has_metrics, read_metrics
+
+    rules = (*DEFAULT_RULES, entropy_collapse(0.5), logit_growth(8.8), logit_jump(0.59),
+             logit_rate(0.5), key_pr_drop(0.5, 50), attention_peak(0.97, heads=True),
+             entropy_norm_collapse(0.03, heads=True))
+    runs = [r for r in find_runs(root) if has_metrics(r)]
+    agree = fired = 0
+    for run in runs:
+        metrics = read_metrics(run)
+        new, old = replay(metrics, rules), replay_probe_by_probe(metrics, rules)
+        agree += same(new, old)
+        fired += len(new)
+    print(f"{root}: {len(runs)} recorded runs, {len(rules)} rules: {agree} of {len(runs)} "
+          f"give the same alerts with both algorithms ({fired} alerts in all)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--probes", type=int, nargs="+", default=[10_000, 100_000])
@@ -99,7 +129,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--recorded", type=Path, help="compare on the runs under this folder")
     args = ap.parse_args()
+    if args.recorded is not None:
+        check_recorded(args.recorded)
+        return
     print(f"{args.layers} layers x {args.heads} heads, {len(METRICS)} metrics "
           f"({', '.join(METRICS)}), rules: {len(rules_for(1))}")
     for probes in args.probes:
