@@ -77,7 +77,7 @@ def test_report_md_opens_with_the_summary_and_the_claims_table(report):
     first = next(line for line in lines[1:] if line.strip())
     assert first == ("> **E1/E2: 6 of 6 claims supported (primary rows; 42 secondary rows "
                      "below)**")
-    assert lines[4].startswith("| claim / level | measured from | units with the sign")
+    assert lines[4].startswith("| claim / level | row | measured from | units with the sign")
     groups = [line for line in lines[5:45] if " · **" in line]
     ids = [g.split(" · ")[0][2:] for g in groups]
     assert ids == ["E1.1", "E1.2", "E1.3", "E2.1", "E2.2", "E2.3"]

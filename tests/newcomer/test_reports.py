@@ -72,8 +72,11 @@ def test_a_one_run_report_is_descriptive(one_run) -> None:
     assert "verdict" not in table_header(md)
     claims = md.split("| claim / level |", 1)[1].split("\n\n", 1)[0]
     assert not re.search(r"\*\*(mixed|not supported|supported)\*\*", claims)
-    assert md.splitlines()[2].startswith("> **E1/E2: descriptive, 1 run (a verdict needs at "
-                                         "least 5): 42 claim rows, 30 measured")
+    assert md.splitlines()[2] == "## Health"  # one run: its health first, then the claims
+    summary = next(line for line in md.splitlines() if line.startswith("> **E1/E2"))
+    assert summary.startswith("> **E1/E2: descriptive, 1 run (a verdict needs at least 5): "
+                              "42 claim rows, 30 measured")
+    assert md.index("## Health") < md.index(summary)
     readings = md.split("## E1.3 read four ways", 1)[1].split("##", 1)[0]
     assert "verdict" not in readings
     # the terminal: word headers, no verdict column, the reason in one line
@@ -116,12 +119,16 @@ def test_rows_without_recorded_metrics_name_the_setting(monitored) -> None:
     setting = 'GeometryMonitor(..., metrics="all")'
     from qkgeom.analysis.e1.claims import NO_NULL
 
-    rows = [line for line in md.splitlines() if line.startswith("| weight |")
-            and "0/0 runs" in line]
-    unrecorded = [row for row in rows if NO_NULL not in row]  # E2's null: one run, no pair
-    assert unrecorded, "weight-level rows measure nothing without pr_q_weight"
-    for row in unrecorded:
-        assert "not recorded: " in row and setting in row, row
+    # a one-run report lists the rows its run measured; the others keep their reason in
+    # claims.csv, and the report says how many and which setting records the rest
+    assert not [line for line in md.splitlines() if "0/0 runs" in line]
+    claims = pd.read_csv(monitored.out / "claims.csv", keep_default_na=False)
+    rows = claims[(claims["level"] == "weight") & (claims["n"] == 0)]
+    unrecorded = rows[~rows["reason"].str.contains(NO_NULL, regex=False)]  # E2: no pair
+    assert len(unrecorded), "weight-level rows measure nothing without pr_q_weight"
+    for reason in unrecorded["reason"]:
+        assert "not recorded: " in reason and setting in reason, reason
+    assert "claim rows measure nothing on this run" in md
     assert "**Not recorded here**:" in md and f"`{setting}` records every metric" in md
     line = [x for x in monitored.stdout.splitlines() if "measured nothing" in x]
     assert len(line) == 1 and setting in line[0] and "pr_q_weight" in line[0], line

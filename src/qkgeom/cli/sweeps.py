@@ -95,7 +95,8 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
     if sweep_experiment(folder) == "stability":
         _stability_summary(path, html)
         return
-    if health is not None:
+    every_row = claims
+    if health is not None:  # one run: its health, then the rows it measured
         print_lines(health_lines(health))
         claims = claims[pd.to_numeric(claims["n"], errors="coerce").fillna(0) > 0]
     shown = terminal_claims(claims)
@@ -113,7 +114,7 @@ def report(folder: Path, out: Path | None, fmt: str = "table", *,
                      "descriptive"] if "role" in shown else [])],
                  group=[c for c in ("id", "claim") if c in shown])
     left_out = f"{excluded} run(s) left out (diverged/failed/unfinished): see the report"
-    for line in (descriptive, *raw_entropy_lines(claims), _not_recorded(claims),
+    for line in (descriptive, *raw_entropy_lines(claims), _not_recorded(every_row),
                  left_out if excluded else "",
                  summary_line(path.parent), f"report: {path}",
                  f"report (HTML): {html}" if html.is_file() else ""):

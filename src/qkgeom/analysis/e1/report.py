@@ -462,7 +462,9 @@ def report_markdown(data: Collated, e1: dict[str, pd.DataFrame], figs: Drawn) ->
               "`run_stats.csv` (one row per run: the unit of the tests), `cell_stats.csv`, "
               "`trajectory_stats.csv` (seed-averaged layers) and `trajectory_stats_runs.csv` "
               "(per run and layer).", ""]
-    for section in (per_layer_markdown(claims, bool(descriptive)),
+    per_layer = claims[pd.to_numeric(claims["n"], errors="coerce").fillna(0) > 0] \
+        if single else claims  # one run: the layers it measured
+    for section in (per_layer_markdown(per_layer, bool(descriptive)),
                     sensitivity_markdown(e1["sensitivity"], settings),
                     readings_markdown(e1["readings"], bool(descriptive))):
         if section:
